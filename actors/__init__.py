@@ -1,0 +1,2 @@
+"""The processes that do the work: the writer (and the WAL format), agents,
+the procs and subagents hosts. May import `broker`; never `supervisor`."""

@@ -1,0 +1,176 @@
+"""The WAL record format and its reader, shared by the writer, `supervisor wal
+verify` and the tests (docs/wal.md is the normative text).
+
+A record is one line of JSON with a fixed field order::
+
+    {"seq":7,"ts":1764000000.123456,"stream":"agent/a","event":"turn",
+     "origin":"agent-a","key":"t7","ledger":null,"payload":{...},"crc":"1a2b3c4d"}
+
+`crc` is CRC-32 (zlib) of every byte before `,"crc":"`, in lower-case hex.
+Names are restricted by the protocol so that they never need JSON escaping,
+which lets the writer frame a pre-encoded payload without re-encoding it.
+Segments are `state/wal/<first seq, 20 digits>.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker.errors import ProtocolError, WalCorruptionError
+from broker.protocol import ErrorCode
+
+FORMAT_VERSION = 1
+SEGMENT_SUFFIX = ".jsonl"
+_CRC_MARK = b',"crc":"'
+_SUFFIX_LEN = len(_CRC_MARK) + 8 + 3  # mark, 8 hex digits, '"}\n'
+_HEADER = re.compile(
+    rb'\{"seq":(\d+),"ts":([0-9.]+),"stream":"([^"]*)","event":"([^"]*)",'
+    rb'"origin":"([^"]*)","key":"([^"]*)","ledger":(null|"[a-z]+"),"payload":'
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WalRecord:
+    """One checked record; `line` is the exact bytes on disk, newline included."""
+
+    seq: int
+    ts: float
+    stream: str
+    event: str
+    origin: str
+    key: str
+    ledger: str | None
+    line: bytes
+
+    def payload_bytes(self) -> bytes:
+        """The payload's JSON text, exactly as the client sent it."""
+        m = _HEADER.match(self.line)
+        assert m is not None  # a WalRecord only exists for a matching line
+        return self.line[m.end() : len(self.line) - _SUFFIX_LEN]
+
+    def payload(self) -> object:
+        return json.loads(self.payload_bytes())
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def check_payload(payload: bytes) -> None:
+    """Refuse anything that is not exactly one JSON value on one line."""
+    if b"\n" in payload:
+        raise ProtocolError(ErrorCode.INVALID_PAYLOAD, "payload contains a newline")
+    try:
+        json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(ErrorCode.INVALID_PAYLOAD, f"payload is not one JSON value: {exc}") from exc
+
+
+def encode_record(
+    seq: int,
+    ts: float,
+    stream: str,
+    event: str,
+    origin: str,
+    key: str,
+    ledger: str | None,
+    payload: bytes,
+) -> bytes:
+    """Frame a checked payload as one WAL line (newline included).
+
+    Names must already satisfy the protocol's patterns (no quote, no backslash)."""
+    ledger_text = "null" if ledger is None else f'"{ledger}"'
+    body = (
+        f'{{"seq":{seq},"ts":{ts:.6f},"stream":"{stream}","event":"{event}",'
+        f'"origin":"{origin}","key":"{key}","ledger":{ledger_text},"payload":'
+    ).encode() + payload
+    return b"%s%s%08x\"}\n" % (body, _CRC_MARK, zlib.crc32(body))
+
+
+def parse_record(line: bytes) -> WalRecord | None:
+    """The record in `line`, or None when it is torn, damaged or not a record."""
+    if len(line) < _SUFFIX_LEN or not line.endswith(b'"}\n'):
+        return None
+    cut = len(line) - _SUFFIX_LEN
+    if line[cut : cut + len(_CRC_MARK)] != _CRC_MARK:
+        return None
+    try:
+        crc = int(line[cut + len(_CRC_MARK) : cut + len(_CRC_MARK) + 8], 16)
+    except ValueError:
+        return None
+    if zlib.crc32(line[:cut]) != crc:
+        return None
+    m = _HEADER.match(line)
+    if m is None:
+        return None
+    seq, ts, stream, event, origin, key, ledger = m.groups()
+    return WalRecord(
+        seq=int(seq),
+        ts=float(ts),
+        stream=stream.decode(),
+        event=event.decode(),
+        origin=origin.decode(),
+        key=key.decode(),
+        ledger=None if ledger == b"null" else ledger[1:-1].decode(),
+        line=line,
+    )
+
+
+def segment_name(first_seq: int) -> str:
+    return f"{first_seq:020d}{SEGMENT_SUFFIX}"
+
+
+def list_segments(wal_dir: Path) -> list[tuple[int, Path]]:
+    """Segments in seq order as (first seq, path); stray files are ignored."""
+    found: list[tuple[int, Path]] = []
+    if not wal_dir.is_dir():
+        return found
+    for path in wal_dir.iterdir():
+        stem = path.name.removesuffix(SEGMENT_SUFFIX)
+        if path.name.endswith(SEGMENT_SUFFIX) and len(stem) == 20 and stem.isdigit():
+            found.append((int(stem), path))
+    found.sort()
+    return found
+
+
+@dataclass(frozen=True)
+class TornTail:
+    """An incomplete or damaged final record: safe to cut at `offset`."""
+
+    path: Path
+    offset: int
+    size: int  # bytes from offset to the end of the file
+
+
+def iter_segment(
+    path: Path, start_offset: int = 0
+) -> Iterator[tuple[int, WalRecord | TornTail]]:
+    """Yield (offset, record) for each line from `start_offset`; a bad final
+    line yields (offset, TornTail). A bad line followed by more data raises
+    WalCorruptionError naming the file and byte offset."""
+    with open(path, "rb") as f:
+        f.seek(start_offset)
+        offset = start_offset
+        pending_bad: tuple[int, str] | None = None
+        while True:
+            line = f.readline()
+            if not line:
+                break
+            if pending_bad is not None:
+                raise WalCorruptionError(path, pending_bad[0], pending_bad[1])
+            record = parse_record(line)
+            if record is None:
+                reason = "torn record (no newline)" if not line.endswith(b"\n") else (
+                    "checksum or format failure"
+                )
+                pending_bad = (offset, reason)
+            else:
+                yield offset, record
+            offset += len(line)
+        if pending_bad is not None:
+            yield pending_bad[0], TornTail(path, pending_bad[0], offset - pending_bad[0])

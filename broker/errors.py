@@ -1,0 +1,85 @@
+"""The project's exception tree: one root, a few branches, each carrying what an
+operator needs to act on it.
+
+    CorralError
+     ├── ProtocolError            a frame or message was refused (carries `code`)
+     ├── ConfigError              a configuration file or value is invalid
+     ├── StateDirError            the state directory is unusable
+     │    └── LockHeldError       another process holds the state directory
+     ├── WalError                 the WAL cannot be used
+     │    └── WalCorruptionError  damage before the tail (file + byte offset)
+     ├── DurabilityError          a write or fdatasync failed; nothing was acked
+     ├── RequestTimeoutError      a peer did not answer within the deadline
+     ├── RemoteError              a peer answered with a typed error reply
+     └── SpawnError               a child process could not be started
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class CorralError(Exception):
+    """Root of every error corral raises on purpose."""
+
+
+class ProtocolError(CorralError):
+    """A frame failed a protocol check; `code` is one of protocol.ErrorCode."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+class ConfigError(CorralError):
+    """A configuration file or value is invalid."""
+
+
+class StateDirError(CorralError):
+    """The state directory cannot be used (permissions, missing parts)."""
+
+
+class LockHeldError(StateDirError):
+    """Another live process holds the lock on the state directory."""
+
+    def __init__(self, lock_path: Path, pid: int | None) -> None:
+        who = f"pid {pid}" if pid is not None else "an unknown process"
+        super().__init__(f"{lock_path} is held by {who}")
+        self.lock_path = lock_path
+        self.pid = pid
+
+
+class WalError(CorralError):
+    """The WAL cannot be opened or used."""
+
+
+class WalCorruptionError(WalError):
+    """A record before the tail is damaged; the WAL must not be used as is."""
+
+    def __init__(self, path: Path, offset: int, reason: str) -> None:
+        super().__init__(f"WAL corrupt at {path} byte {offset}: {reason}")
+        self.path = path
+        self.offset = offset
+        self.reason = reason
+
+
+class DurabilityError(CorralError):
+    """A write or fdatasync failed; nothing in the batch was acknowledged."""
+
+
+class RequestTimeoutError(CorralError):
+    """A request got no answer within its deadline (after any retries)."""
+
+
+class RemoteError(CorralError):
+    """The peer answered with a typed error reply."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+class SpawnError(CorralError):
+    """A child process could not be started."""

@@ -1,0 +1,361 @@
+"""The wire protocol: every message corral sends, its version, its size limits,
+and the only `encode()` / `decode()` (the only place that imports msgpack).
+
+A frame is one msgpack map: ``{"v": 1, "kind": "<kind>", ...fields}``. `decode`
+returns one of the models below or raises `ProtocolError` with a code from
+`ErrorCode`; it never returns a dict. docs/protocol.md is the normative text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from broker.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds every decoder enforces before and while it parses a frame."""
+
+    max_frame_bytes: int = 1024 * 1024
+    max_depth: int = 16
+    max_str_bytes: int = 256 * 1024
+    max_bin_bytes: int = 1024 * 1024
+    max_array_len: int = 10_000
+    max_map_len: int = 1_000
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class ErrorCode(StrEnum):
+    """Codes carried by an `error` reply (and by ProtocolError.code)."""
+
+    MALFORMED_FRAME = "malformed_frame"  # not msgpack, not a map, extension types
+    FRAME_TOO_LARGE = "frame_too_large"
+    TOO_DEEP = "too_deep"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_KIND = "unknown_kind"
+    INVALID_MESSAGE = "invalid_message"  # a field missing, extra, or of the wrong type
+    INVALID_PAYLOAD = "invalid_payload"  # append payload is not one JSON value
+    UNEXPECTED_MESSAGE = "unexpected_message"  # valid, but not served by this receiver
+    UNKNOWN_RECIPIENT = "unknown_recipient"
+    NOT_FOUND = "not_found"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL_ERROR = "internal_error"
+
+
+# --- field types ------------------------------------------------------------
+MsgId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:\-]{1,64}$")]
+ActorName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
+StreamName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/\-]{0,127}$")]
+EventType = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
+IdemKey = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:/\-]{1,128}$")]
+Seq = Annotated[int, Field(ge=1)]
+LedgerName = Literal["budget", "approvals"]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+# --- common -------------------------------------------------------------------
+class Ping(_Message):
+    kind: Literal["ping"] = "ping"
+    msg_id: MsgId
+
+
+class Pong(_Message):
+    kind: Literal["pong"] = "pong"
+    msg_id: MsgId
+    actor: ActorName
+    pid: int
+
+
+class Error(_Message):
+    kind: Literal["error"] = "error"
+    msg_id: MsgId | None
+    code: ErrorCode
+    detail: Annotated[str, Field(max_length=2000)]
+
+
+# --- writer: appends and reads ------------------------------------------------
+class Append(_Message):
+    """Append one event. `payload` is one UTF-8 JSON value, already encoded.
+
+    (`origin`, `key`) is the idempotency key: a retried append is written once
+    and answered with its original seq."""
+
+    kind: Literal["append"] = "append"
+    msg_id: MsgId
+    origin: StreamName
+    key: IdemKey
+    stream: StreamName
+    event: EventType
+    payload: bytes
+    ledger: LedgerName | None = None
+
+
+class AppendOk(_Message):
+    kind: Literal["append_ok"] = "append_ok"
+    msg_id: MsgId
+    seq: Seq
+    duplicate: bool
+
+
+class ReadStream(_Message):
+    """Read records of one stream with seq >= from_seq, at most one page."""
+
+    kind: Literal["read_stream"] = "read_stream"
+    msg_id: MsgId
+    stream: StreamName
+    from_seq: Seq = 1
+    max_records: Annotated[int, Field(ge=1, le=4096)] = 512
+    max_bytes: Annotated[int, Field(ge=1, le=768 * 1024)] = 512 * 1024
+
+
+class Records(_Message):
+    """A page of raw WAL lines (without newline). Ask again from `next_seq`
+    while `more` is true."""
+
+    kind: Literal["records"] = "records"
+    msg_id: MsgId
+    stream: StreamName
+    records: list[bytes]
+    next_seq: Seq
+    more: bool
+    head_seq: int
+
+
+class StatsRequest(_Message):
+    kind: Literal["stats_request"] = "stats_request"
+    msg_id: MsgId
+
+
+class Stats(_Message):
+    """An actor's counters (its `statistics()`), by name; values are numbers."""
+
+    kind: Literal["stats"] = "stats"
+    msg_id: MsgId
+    actor: ActorName
+    values: dict[str, int | float]
+
+
+# --- supervision: children report, the CLI asks ---------------------------------
+class Ready(_Message):
+    """A child tells the supervisor it is serving."""
+
+    kind: Literal["ready"] = "ready"
+    actor: ActorName
+    pid: int
+
+
+class Heartbeat(_Message):
+    """Liveness, both ways (child <-> supervisor, peer <-> broker); a child may
+    attach its counters."""
+
+    kind: Literal["heartbeat"] = "heartbeat"
+    actor: ActorName
+    pid: int
+    values: dict[str, int | float] = Field(default_factory=dict)
+
+
+class ChildStatus(_Message):
+    name: ActorName
+    kind: Literal["writer", "broker", "procs", "subagents", "agent"]
+    pid: int | None
+    state: Literal["starting", "running", "backoff", "exited", "fatal", "stopping"]
+    uptime_s: float | None
+    restarts: int
+    last_exit: str | None  # "exit 3" or "signal SIGKILL"
+    cpu_percent: float | None
+    rss_bytes: int | None
+    uss_bytes: int | None
+    heartbeat_age_s: float | None
+    values: dict[str, int | float] = Field(default_factory=dict)
+
+
+class StatusRequest(_Message):
+    kind: Literal["status_request"] = "status_request"
+    msg_id: MsgId
+
+
+class StatusReply(_Message):
+    kind: Literal["status_reply"] = "status_reply"
+    msg_id: MsgId
+    supervisor_pid: int
+    state_dir: str
+    started_at: float
+    children: list[ChildStatus]
+
+
+class SignalRequest(_Message):
+    """Signal one child's process group, or every child with target "all"."""
+
+    kind: Literal["signal_request"] = "signal_request"
+    msg_id: MsgId
+    target: ActorName
+    signal: Annotated[int, Field(ge=1, le=64)]
+
+
+class RestartRequest(_Message):
+    kind: Literal["restart_request"] = "restart_request"
+    msg_id: MsgId
+    target: ActorName
+
+
+class StopRequest(_Message):
+    kind: Literal["stop_request"] = "stop_request"
+    msg_id: MsgId
+
+
+class Ack(_Message):
+    """A control request was carried out for the named children."""
+
+    kind: Literal["ack"] = "ack"
+    msg_id: MsgId
+    affected: list[ActorName]
+
+
+Message = Annotated[
+    Ping
+    | Pong
+    | Error
+    | Append
+    | AppendOk
+    | ReadStream
+    | Records
+    | StatsRequest
+    | Stats
+    | Ready
+    | Heartbeat
+    | StatusRequest
+    | StatusReply
+    | SignalRequest
+    | RestartRequest
+    | StopRequest
+    | Ack,
+    Field(discriminator="kind"),
+]
+
+_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
+_KINDS = frozenset(
+    str(m.model_fields["kind"].default)
+    for m in (
+        Ping, Pong, Error, Append, AppendOk, ReadStream, Records, StatsRequest, Stats,
+        Ready, Heartbeat, StatusRequest, StatusReply, SignalRequest, RestartRequest,
+        StopRequest, Ack,
+    )
+)
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"msgpack extension type {code} refused")
+
+
+def _depth(obj: object, max_depth: int) -> None:
+    """Raise TOO_DEEP when containers nest deeper than max_depth (iterative)."""
+    stack: list[tuple[object, int]] = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > max_depth:
+            raise ProtocolError(ErrorCode.TOO_DEEP, f"nesting deeper than {max_depth}")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def encode(message: _Message) -> bytes:
+    """Serialise a message to one frame."""
+    body = message.model_dump(mode="python")
+    body["v"] = PROTOCOL_VERSION
+    out: bytes = msgpack.packb(body, use_bin_type=True)
+    return out
+
+
+def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Parse and validate one frame; raise ProtocolError, never return a dict."""
+    if len(frame) > limits.max_frame_bytes:
+        raise ProtocolError(
+            ErrorCode.FRAME_TOO_LARGE, f"{len(frame)} bytes > limit {limits.max_frame_bytes}"
+        )
+    try:
+        obj = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            max_str_len=limits.max_str_bytes,
+            max_bin_len=limits.max_bin_bytes,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+            max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        # StackError (too deep for the C unpacker) subclasses ValueError.
+        code = ErrorCode.TOO_DEEP if "stack" in type(exc).__name__.lower() else (
+            ErrorCode.MALFORMED_FRAME
+        )
+        raise ProtocolError(code, f"not a valid msgpack frame: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"frame is a {type(obj).__name__}, not a map")
+    _depth(obj, limits.max_depth)
+    version = obj.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION, f"version {version!r}, expected {PROTOCOL_VERSION}"
+        )
+    kind = obj.get("kind")
+    if kind not in _KINDS:
+        raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown kind {kind!r}")
+    try:
+        return _ADAPTER.validate_python(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"][1:]) or "(frame)"
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE, f"{kind}: {where}: {first['msg']}"
+        ) from exc
+
+
+def peek_msg_id(frame: bytes) -> str | None:
+    """Best-effort msg_id of a refused frame, so the error reply can carry it."""
+    try:
+        obj = msgpack.unpackb(
+            frame[:DEFAULT_LIMITS.max_frame_bytes], raw=False, ext_hook=_refuse_ext,
+            max_ext_len=0,
+        )
+    except Exception:  # noqa: BLE001 - any failure just means "no msg_id"
+        return None
+    if isinstance(obj, dict):
+        msg_id = obj.get("msg_id")
+        if isinstance(msg_id, str) and 0 < len(msg_id) <= 64:
+            return msg_id
+    return None
+
+
+def error_frame(exc: ProtocolError, msg_id: str | None) -> bytes:
+    """The `error` reply for a refused frame."""
+    safe_id = msg_id if msg_id is not None and _valid_msg_id(msg_id) else None
+    return encode(Error(msg_id=safe_id, code=ErrorCode(exc.code), detail=exc.detail[:2000]))
+
+
+def _valid_msg_id(msg_id: str) -> bool:
+    try:
+        Ping(msg_id=msg_id)
+    except ValidationError:
+        return False
+    return True

@@ -1,0 +1,149 @@
+"""The layout of a state directory (`.corral/`): every path any process uses is
+named here, so the tiers of docs/state-layout.md have one source of truth.
+
+    .corral/
+      run/            0700: ipc endpoints, the supervisor lock and status file
+      state/          recovery-core: WAL segments, checkpoint, budget ledger
+        wal/          <first-seq>.jsonl segments
+      config/         recovery-core registries (written only by dedicated ops)
+      agents/<name>/  per-agent derived state (snapshot generations)
+      memory/         persist tier
+      approvals.jsonl persist tier ledger (written only by the writer)
+      logs/           audit: structlog JSON lines per actor, rotated
+      cache/          derived, rebuildable (WAL stream indexes)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker.errors import StateDirError
+
+DEFAULT_DIRNAME = ".corral"
+
+# Actor and stream names become socket identities and file names: keep them tame.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+def check_actor_name(name: str) -> str:
+    """Return `name` if it is a valid actor name, else raise StateDirError."""
+    if not NAME_PATTERN.fullmatch(name):
+        raise StateDirError(
+            f"invalid actor name {name!r}: use 1-64 of [A-Za-z0-9_.-], starting alphanumeric"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class StateDir:
+    """Paths inside one state directory. Creating it is `ensure()`."""
+
+    root: Path
+
+    @classmethod
+    def at(cls, path: str | os.PathLike[str] | None) -> StateDir:
+        """The state directory at `path`, or `./.corral` when None."""
+        return cls(Path(path if path is not None else DEFAULT_DIRNAME).resolve())
+
+    # --- tiers -------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def wal_dir(self) -> Path:
+        return self.state_dir / "wal"
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.state_dir / "wal.checkpoint.json"
+
+    @property
+    def budget_ledger_path(self) -> Path:
+        return self.state_dir / "budget_ledger.jsonl"
+
+    @property
+    def approvals_ledger_path(self) -> Path:
+        return self.root / "approvals.jsonl"
+
+    @property
+    def config_dir(self) -> Path:
+        return self.root / "config"
+
+    @property
+    def memory_dir(self) -> Path:
+        return self.root / "memory"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def stream_index_dir(self) -> Path:
+        return self.cache_dir / "wal-index"
+
+    def agent_dir(self, name: str) -> Path:
+        return self.root / "agents" / check_actor_name(name)
+
+    # --- run/ --------------------------------------------------------------
+    def endpoint(self, actor: str) -> str:
+        """The ipc:// endpoint an actor binds (writer, broker, supervisor)."""
+        path = self.run_dir / f"{check_actor_name(actor)}.sock"
+        # Linux limits sun_path to 107 bytes; fail with a clear message, not EINVAL.
+        if len(os.fsencode(path)) > 107:
+            raise StateDirError(
+                f"socket path too long for ipc:// ({len(os.fsencode(path))} > 107 bytes): "
+                f"{path}; use a shorter --state-dir"
+            )
+        return f"ipc://{path}"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.run_dir / "supervisor.lock"
+
+    @property
+    def status_path(self) -> Path:
+        return self.run_dir / "status.json"
+
+    def log_path(self, actor: str) -> Path:
+        return self.logs_dir / f"{check_actor_name(actor)}.log"
+
+    # --- creation ----------------------------------------------------------
+    def ensure(self) -> StateDir:
+        """Create the directory tree; run/ is 0700 whatever the umask was."""
+        try:
+            for d in (
+                self.root,
+                self.state_dir,
+                self.wal_dir,
+                self.config_dir,
+                self.memory_dir,
+                self.logs_dir,
+                self.stream_index_dir,
+            ):
+                d.mkdir(parents=True, exist_ok=True)
+            old = os.umask(0o077)
+            try:
+                self.run_dir.mkdir(mode=0o700, exist_ok=True)
+            finally:
+                os.umask(old)
+            os.chmod(self.run_dir, 0o700)
+        except OSError as exc:
+            raise StateDirError(f"cannot create state directory {self.root}: {exc}") from exc
+        return self
+
+
+def bind_umask() -> int:
+    """Set a umask that keeps sockets private before a bind; returns the old one."""
+    return os.umask(0o077)

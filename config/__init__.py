@@ -1,0 +1,1 @@
+"""Default configuration and example task files (data, no logic)."""

@@ -1,0 +1,1 @@
+"""Operator tooling: benchmarks and the soak test."""

@@ -1,0 +1,40 @@
+"""`python ops/bench.py SUITE [--json]`: run one benchmark suite and print its
+figures (JSON with --json). Each suite measures its own baselines in the same
+run, so its targets are ratios that hold on a noisy machine."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SUITES = {
+    "wal": "ops.bench_wal",
+    "writer-restart": "ops.bench_writer_restart",
+    "broker": "ops.bench_broker",
+    "spawn": "ops.bench_spawn",
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("suite", choices=sorted(SUITES))
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    args = parser.parse_args()
+    module = importlib.import_module(SUITES[args.suite])
+    figures: dict[str, object] = module.run(quick=args.quick)
+    if args.json:
+        print(json.dumps(figures, indent=2, sort_keys=True))
+    else:
+        for key, value in sorted(figures.items()):
+            print(f"{key:32} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
