@@ -1,0 +1,108 @@
+"""Reliable request/reply over a DEALER socket to any ROUTER (the writer, the
+supervisor's control socket): the ZeroMQ guide's Lazy Pirate pattern. Each
+request waits for the reply carrying its msg_id; on timeout the socket is
+closed and reopened and the same frame is sent again (same msg_id, same
+idempotency key), so a retried append is answered with its original seq."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import zmq
+
+from broker import protocol
+from broker.errors import ProtocolError, RemoteError, RequestTimeoutError
+
+_counter = itertools.count(1)
+
+
+def new_msg_id(prefix: str = "m") -> str:
+    """A msg_id unique within this process lifetime and across restarts."""
+    return f"{prefix}{os.getpid():x}.{time.monotonic_ns():x}.{next(_counter):x}"
+
+
+class Requester:
+    """One outstanding request at a time, reconnecting after a timeout."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        *,
+        identity: bytes | None = None,
+        limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+    ) -> None:
+        self._ctx = ctx
+        self.endpoint = endpoint
+        self._identity = identity
+        self._limits = limits
+        self.reconnects = 0
+        self._sock = self._open()
+
+    def _open(self) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_frame_bytes)
+        if self._identity is not None:
+            sock.setsockopt(zmq.IDENTITY, self._identity)
+        sock.connect(self.endpoint)
+        return sock
+
+    def _reopen(self) -> None:
+        self._sock.close(linger=0)
+        self._sock = self._open()
+        self.reconnects += 1
+
+    def request(
+        self,
+        message: protocol.Ping
+        | protocol.Append
+        | protocol.ReadStream
+        | protocol.StatsRequest
+        | protocol.StatusRequest
+        | protocol.SignalRequest
+        | protocol.RestartRequest
+        | protocol.StopRequest,
+        *,
+        timeout_s: float = 5.0,
+        retries: int = 3,
+    ) -> protocol.Message:
+        """Send `message` and return the reply with its msg_id.
+
+        Raises RemoteError for an `error` reply, RequestTimeoutError when no
+        reply came after `retries` resends."""
+        frame = protocol.encode(message)
+        msg_id = message.msg_id
+        for attempt in range(retries + 1):
+            if attempt:
+                self._reopen()
+            self._sock.send(frame)
+            reply = self._await(msg_id, timeout_s)
+            if reply is not None:
+                if isinstance(reply, protocol.Error):
+                    raise RemoteError(reply.code.value, reply.detail)
+                return reply
+        raise RequestTimeoutError(
+            f"no reply from {self.endpoint} to {message.kind} {msg_id} "
+            f"after {retries + 1} attempts of {timeout_s}s"
+        )
+
+    def _await(self, msg_id: str, timeout_s: float) -> protocol.Message | None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLIN):
+                return None
+            frame = self._sock.recv()
+            try:
+                reply = protocol.decode(frame, self._limits)
+            except ProtocolError:
+                continue  # a garbled reply is as good as none: keep waiting, then retry
+            if getattr(reply, "msg_id", None) == msg_id:
+                return reply
+            # a late reply to an earlier request: drop it
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
