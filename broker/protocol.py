@@ -47,6 +47,7 @@ class ErrorCode(StrEnum):
     INVALID_PAYLOAD = "invalid_payload"  # append payload is not one JSON value
     UNEXPECTED_MESSAGE = "unexpected_message"  # valid, but not served by this receiver
     UNKNOWN_RECIPIENT = "unknown_recipient"
+    RECIPIENT_BUSY = "recipient_busy"  # broker: the recipient's queue is full; retry later
     NOT_FOUND = "not_found"
     SHUTTING_DOWN = "shutting_down"
     INTERNAL_ERROR = "internal_error"
