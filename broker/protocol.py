@@ -83,7 +83,7 @@ class Pong(_Message):
 class Error(_Message):
     kind: Literal["error"] = "error"
     msg_id: MsgId | None
-    code: ErrorCode
+    code: Annotated[ErrorCode, Field(strict=False)]  # msgpack carries the value as a str
     detail: Annotated[str, Field(max_length=2000)]
 
 
