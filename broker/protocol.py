@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -277,9 +277,30 @@ def _depth(obj: object, max_depth: int) -> None:
         stack.extend((child, depth + 1) for child in children)
 
 
+_FLAT_FIELDS: dict[type[BaseModel], tuple[str, ...] | None] = {}
+
+
+def _flat_fields(cls: type[BaseModel]) -> tuple[str, ...] | None:
+    """Field names when no field can hold a model (so a plain copy encodes it)."""
+    if cls not in _FLAT_FIELDS:
+        nested = any(_holds_model(info.annotation) for info in cls.model_fields.values())
+        _FLAT_FIELDS[cls] = None if nested else tuple(cls.model_fields)
+    return _FLAT_FIELDS[cls]
+
+
+def _holds_model(annotation: object) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_model(arg) for arg in get_args(annotation))
+
+
 def encode(message: _Message) -> bytes:
     """Serialise a message to one frame."""
-    body = message.model_dump(mode="python")
+    fields = _flat_fields(type(message))
+    if fields is None:
+        body = message.model_dump(mode="python")
+    else:  # the hot path: appends and their acks hold only scalars
+        body = {name: getattr(message, name) for name in fields}
     body["v"] = PROTOCOL_VERSION
     out: bytes = msgpack.packb(body, use_bin_type=True)
     return out

@@ -1,0 +1,38 @@
+"""`python -m actors.agent --name N --state-dir D`: one idle agent in a fresh
+interpreter (the fallback when the zygote is off, and the benchmark baseline)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from broker.errors import StateDirError
+from broker.statedir import StateDir, check_actor_name
+
+from actors.agent.process import AgentOptions, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m actors.agent", description=__doc__)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--state-dir", default=None)
+    parser.add_argument("--heartbeat-interval-ms", type=int, default=1000)
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--no-broker", action="store_true", help="do not join the broker")
+    args = parser.parse_args(argv)
+    try:
+        state = StateDir.at(args.state_dir).ensure()
+        name = check_actor_name(args.name)
+    except StateDirError as exc:
+        print(f"agent: {exc}", file=sys.stderr)
+        return 78
+    options = AgentOptions(
+        heartbeat_interval_s=args.heartbeat_interval_ms / 1000.0,
+        log_level=args.log_level,
+        join_broker=not args.no_broker,
+    )
+    return serve(name, state, options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

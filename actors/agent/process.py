@@ -1,0 +1,131 @@
+"""The agent process shell: what runs in one agent's OS process.
+
+`serve()` is called either in a child forked by the supervisor's zygote
+(supervisor/zygote.py, the cheap path) or by `python -m actors.agent` in a
+fresh interpreter. It configures logging, tells the supervisor it is ready,
+sends heartbeats, joins the broker as a peer named after the agent and
+answers `ping` with `pong`; SIGTERM (or SIGINT) ends it with exit code 0.
+It is honestly idle: the agent loop of the next issue is not here yet.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from types import FrameType
+
+import zmq
+
+from broker import logconfig, protocol
+from broker.control import ENV_CONTROL, ControlReporter
+from broker.peer import BrokerPeer
+from broker.statedir import StateDir
+
+EXIT_OK = 0
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """Per-process settings the supervisor passes down."""
+
+    heartbeat_interval_s: float = 1.0
+    broker_heartbeat_interval_s: float = 1.0
+    broker_heartbeat_misses: int = 3
+    log_level: str = "info"
+    log_max_bytes: int = logconfig.DEFAULT_MAX_BYTES
+    log_backups: int = logconfig.DEFAULT_BACKUPS
+    join_broker: bool = True
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the wakeup pipe makes the poll return at once."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.stopped = True
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+
+
+def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
+    """Run one idle agent until SIGTERM; returns the exit code."""
+    stop = _StopFlag()
+    log = logconfig.configure(
+        name, state_dir.log_path(name), level=options.log_level,
+        max_bytes=options.log_max_bytes, backups=options.log_backups, console=False,
+    )
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    endpoint = os.environ.get(ENV_CONTROL)
+    reporter = (
+        ControlReporter(ctx, endpoint, name, interval_s=options.heartbeat_interval_s)
+        if endpoint else None
+    )
+    peer = (
+        BrokerPeer(
+            ctx, state_dir, name,
+            heartbeat_interval_s=options.broker_heartbeat_interval_s,
+            heartbeat_misses=options.broker_heartbeat_misses,
+        )
+        if options.join_broker else None
+    )
+    pongs = 0
+    try:
+        if reporter is not None:
+            reporter.ready()
+        log.info("agent_started", join_broker=peer is not None)
+        poller = zmq.Poller()
+        poller.register(stop.read_fd, zmq.POLLIN)
+        watched = None
+        tick_ms = int(min(options.heartbeat_interval_s, options.broker_heartbeat_interval_s) * 1000)
+        while not stop.stopped:
+            if peer is not None and watched is not peer.socket:
+                if watched is not None:
+                    poller.unregister(watched)
+                watched = peer.socket
+                poller.register(watched, zmq.POLLIN)
+            events = dict(poller.poll(max(tick_ms, 10)))
+            if stop.read_fd in events:
+                os.read(stop.read_fd, 512)
+            if peer is not None:
+                while (item := peer.recv(0)) is not None:
+                    pongs += _answer(peer, name, *item)
+                peer.tick()
+            if reporter is not None:
+                reporter.tick({"pongs_total": pongs})
+        log.info("agent_stopped", pongs_total=pongs)
+        return EXIT_OK
+    finally:
+        if peer is not None:
+            peer.close()
+        if reporter is not None:
+            reporter.close()
+        ctx.destroy(linger=0)
+        stop.close()
+
+
+def _answer(peer: BrokerPeer, name: str, sender: str, message: protocol.Message) -> int:
+    """Reply to what an idle agent understands; refuse the rest with an error."""
+    match message:
+        case protocol.Ping(msg_id=msg_id):
+            peer.send(sender, protocol.Pong(msg_id=msg_id, actor=name, pid=os.getpid()), 1.0)
+            return 1
+        case protocol.Pong() | protocol.Error() | protocol.Ack():
+            return 0
+        case _:
+            msg_id = getattr(message, "msg_id", None)
+            peer.send(sender, protocol.Error(
+                msg_id=msg_id, code=protocol.ErrorCode.UNEXPECTED_MESSAGE,
+                detail=f"idle agent {name} does not serve {message.kind}",
+            ), 1.0)
+            return 0

@@ -1,0 +1,74 @@
+"""The writer's checkpoint (`state/wal.checkpoint.json`): where the durable WAL
+ended at a moment (segment, offset, head seq), the idempotency windows and how
+many entries each stream index held. Start-up reads it and scans only what
+follows, so start-up time does not grow with the length of the WAL.
+
+It is derived state: written atomically (temp file, fsync, rename, fsync of the
+directory) after everything it describes is durable; when it is missing or does
+not match the WAL, the writer falls back to a full scan."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+CHECKPOINT_VERSION = 1
+
+
+class Checkpoint(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: int = CHECKPOINT_VERSION
+    head_seq: int  # last durable seq (0: empty WAL)
+    segment_first_seq: int  # the active segment
+    offset: int  # end of the last durable record in that segment
+    last_record_offset: int  # start of the record holding head_seq (-1: none)
+    dedupe: dict[str, list[tuple[str, int]]]
+    index_counts: dict[str, int]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves the old or the new file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def save(path: Path, checkpoint: Checkpoint) -> None:
+    write_atomic(path, checkpoint.model_dump_json().encode())
+
+
+def load(path: Path) -> tuple[Checkpoint | None, str | None]:
+    """The checkpoint, or (None, why not) when absent or unreadable."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None, "absent"
+    except OSError as exc:
+        return None, f"unreadable: {exc}"
+    try:
+        checkpoint = Checkpoint.model_validate(json.loads(raw))
+    except (ValueError, ValidationError) as exc:
+        return None, f"invalid: {str(exc)[:200]}"
+    if checkpoint.version != CHECKPOINT_VERSION:
+        return None, f"version {checkpoint.version} not {CHECKPOINT_VERSION}"
+    return checkpoint, None

@@ -1,0 +1,71 @@
+"""The active WAL segment: appending a batch, fdatasync, rotation. Creating or
+rotating a segment fsyncs the directory so the new file's name is durable too.
+Any OSError becomes DurabilityError: the caller must not acknowledge, and the
+writer exits rather than retry a failed fdatasync (as PostgreSQL does)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from actors.checkpoint import fsync_dir
+from actors.wal import segment_name
+from broker.errors import DurabilityError
+
+DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+
+
+class ActiveSegment:
+    def __init__(self, wal_dir: Path, first_seq: int, segment_bytes: int) -> None:
+        self.wal_dir = wal_dir
+        self.segment_bytes = segment_bytes
+        self.first_seq = first_seq
+        self.path = wal_dir / segment_name(first_seq)
+        self._fd = -1
+        self.size = 0
+        self.rotations = 0
+        self._open()
+
+    def _open(self) -> None:
+        existed = self.path.exists()
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self.size = os.fstat(self._fd).st_size
+            if not existed:
+                fsync_dir(self.wal_dir)
+        except OSError as exc:
+            raise DurabilityError(f"cannot open WAL segment {self.path}: {exc}") from exc
+
+    def write(self, data: bytes) -> int:
+        """Append `data`; return the offset it starts at (not yet durable)."""
+        start = self.size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            raise DurabilityError(f"write to {self.path} failed: {exc}") from exc
+        self.size += len(data)
+        return start
+
+    def sync(self) -> None:
+        try:
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            raise DurabilityError(f"fdatasync of {self.path} failed: {exc}") from exc
+
+    def rotate_if_full(self, next_seq: int) -> bool:
+        """Start a new segment at `next_seq` once this one reached its size."""
+        if self.size < self.segment_bytes:
+            return False
+        self.close()
+        self.first_seq = next_seq
+        self.path = self.wal_dir / segment_name(next_seq)
+        self._open()
+        self.rotations += 1
+        return True
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,478 @@
+"""The writer process: the only process that appends to the WAL and the
+ledgers. One ROUTER socket (`run/writer.sock`) takes appends straight from
+clients (no broker hop); every append waiting when a batch begins shares that
+batch's fdatasync (group commit), and is acknowledged only after it.
+
+    python -m actors.writer --state-dir .corral [--segment-bytes N] ...
+
+Exit codes: 0 clean stop; 65 WAL corruption before the tail (file and offset
+logged: an operator must act); 74 a write or fdatasync failed (nothing of the
+batch was acknowledged; restart re-scans); 75 another writer holds the lock;
+78 the state directory or options are unusable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import signal
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from types import FrameType
+
+import structlog
+import zmq
+
+from actors import checkpoint
+from actors.dedupe import DEFAULT_WINDOW
+from actors.ledgers import Ledgers
+from actors.recovery import Recovered, recover
+from actors.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
+from actors.wal import check_payload, encode_record, parse_record, segment_name
+from broker import logconfig, protocol
+from broker.control import ControlReporter
+from broker.errors import (
+    DurabilityError,
+    ProtocolError,
+    StateDirError,
+    WalCorruptionError,
+    WalError,
+)
+from broker.statedir import StateDir, bind_umask
+
+EXIT_OK = 0
+EXIT_CORRUPT = 65
+EXIT_IO = 74
+EXIT_LOCKED = 75
+EXIT_CONFIG = 78
+
+RECORD_OVERHEAD_BYTES = 4096  # so a page holding one maximal record still fits a frame
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    checkpoint_records: int = 20_000
+    checkpoint_interval_s: float = 2.0
+    dedupe_window: int = DEFAULT_WINDOW
+    max_batch: int = 4096
+    max_frame_bytes: int = protocol.DEFAULT_LIMITS.max_frame_bytes
+
+
+@dataclass(frozen=True)
+class WriterStatistics:
+    head_seq: int
+    appends_total: int
+    duplicates_total: int
+    rejected_total: int
+    reads_total: int
+    batches_total: int
+    fsyncs_total: int
+    max_batch: int
+    appends_per_s: float
+    segment_first_seq: int
+    segment_bytes: int
+    streams: int
+    checkpoint_head_seq: int
+
+
+class _Pending:
+    """One batch being assembled: records in seq order, and who waits for what."""
+
+    __slots__ = ("acks", "keys", "lines", "meta")
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+        self.meta: list[tuple[str, int, str, str, str | None]] = []
+        self.keys: dict[tuple[str, str], int] = {}
+        self.acks: list[tuple[bytes, str, int, bool]] = []
+
+
+class Writer:
+    def __init__(self, state_dir: StateDir, options: WriterOptions) -> None:
+        self.state_dir = state_dir
+        self.options = options
+        self.limits = protocol.Limits(max_frame_bytes=options.max_frame_bytes)
+        self.max_record_bytes = options.max_frame_bytes - RECORD_OVERHEAD_BYTES
+        self.log: structlog.stdlib.BoundLogger = structlog.get_logger("writer")
+        self._stopping = False
+        self._lock_fd = -1
+        self._read_fds: OrderedDict[int, int] = OrderedDict()
+        self.ledgers = Ledgers(
+            {"budget": state_dir.budget_ledger_path, "approvals": state_dir.approvals_ledger_path}
+        )
+        # counters
+        self.appends_total = self.duplicates_total = self.rejected_total = 0
+        self.reads_total = self.batches_total = self.fsyncs_total = self.max_batch_seen = 0
+        self._rate_mark = (time.monotonic(), 0)
+        self._rate = 0.0
+
+    # --- start-up -------------------------------------------------------------
+    def lock(self) -> None:
+        """Hold run/writer.lock for the process lifetime (one writer per WAL)."""
+        path = self.state_dir.run_dir / "writer.lock"
+        self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip()
+            raise StateDirError(f"{path} is held by writer pid {holder or '?'}") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+
+    def recover(self) -> Recovered:
+        started = time.monotonic()
+        rec = recover(self.state_dir, self.options.dedupe_window, self.ledgers)
+        self.head = rec.head_seq
+        self.dedupe = rec.dedupe
+        self.index = rec.index
+        self.head_segment = rec.head_segment_first_seq
+        self.head_end_offset = rec.head_end_offset
+        self.last_record_offset = rec.last_record_offset
+        self.segment = ActiveSegment(
+            self.state_dir.wal_dir, rec.segment_first_seq, self.options.segment_bytes
+        )
+        if rec.repaired is not None:
+            self.log.warning(
+                "wal_tail_repaired",
+                file=str(rec.repaired.path),
+                offset=rec.repaired.offset,
+                cut_bytes=rec.repaired.size,
+            )
+        if rec.checkpoint_note:
+            self.log.info("checkpoint_not_used", reason=rec.checkpoint_note)
+        for ledger, count in rec.ledger_appends.items():
+            if count:
+                self.log.warning("ledger_completed_from_wal", ledger=ledger, records=count)
+        self._checkpoint()
+        self.log.info(
+            "wal_recovered",
+            head_seq=self.head,
+            scanned_records=rec.scanned_records,
+            full_scan=rec.full_scan,
+            elapsed_ms=round((time.monotonic() - started) * 1000, 2),
+        )
+        return rec
+
+    def bind(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_frame_bytes)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        endpoint = self.state_dir.endpoint("writer")
+        old = bind_umask()
+        try:
+            path = endpoint.removeprefix("ipc://")
+            if os.path.exists(path):
+                os.unlink(path)  # a stale socket file of a dead writer; we hold the lock
+            self.sock.bind(endpoint)
+        finally:
+            os.umask(old)
+        self.endpoint = endpoint
+
+    # --- the loop -------------------------------------------------------------
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        self._stopping = True
+
+    def serve(self, reporter: ControlReporter | None) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        sock = self.sock
+        max_batch = self.options.max_batch
+        while not self._stopping:
+            if poller.poll(100):
+                batch: list[list[bytes]] = []
+                while len(batch) < max_batch:
+                    try:
+                        batch.append(sock.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                self._process(batch)
+            if reporter is not None:
+                reporter.tick(self.values())
+            self._maybe_checkpoint()
+        self.log.info("writer_stopping", head_seq=self.head)
+        self._checkpoint()
+
+    def _process(self, batch: list[list[bytes]]) -> None:
+        pending = _Pending()
+        for parts in batch:
+            if len(parts) != 2:
+                self._refuse(parts[0], ProtocolError("malformed_frame", f"{len(parts) - 1} frames, expected 1"), None)
+                continue
+            ident, frame = parts
+            try:
+                msg = protocol.decode(frame, self.limits)
+            except ProtocolError as exc:
+                self._refuse(ident, exc, protocol.peek_msg_id(frame))
+                continue
+            match msg:
+                case protocol.Append():
+                    self._stage(ident, msg, pending)
+                case protocol.ReadStream():
+                    self._reply(ident, self._read(msg))
+                case protocol.Ping():
+                    self._reply(ident, protocol.Pong(msg_id=msg.msg_id, actor="writer", pid=os.getpid()))
+                case protocol.StatsRequest():
+                    self._reply(
+                        ident, protocol.Stats(msg_id=msg.msg_id, actor="writer", values=self.values())
+                    )
+                case _:
+                    self._refuse(
+                        ident,
+                        ProtocolError("unexpected_message", f"the writer does not serve {msg.kind}"),
+                        getattr(msg, "msg_id", None),
+                    )
+        if pending.lines:
+            self._commit(pending)
+        send = self.sock.send_multipart
+        ack = protocol.AppendOk.model_construct  # values are ours and known valid
+        for ident, msg_id, seq, duplicate in pending.acks:
+            send([ident, protocol.encode(ack(msg_id=msg_id, seq=seq, duplicate=duplicate))])
+
+    def _stage(self, ident: bytes, msg: protocol.Append, pending: _Pending) -> None:
+        key = (msg.origin, msg.key)
+        seq = self.dedupe.lookup(msg.origin, msg.key)
+        if seq is None:
+            seq = pending.keys.get(key)
+        if seq is not None:
+            self.duplicates_total += 1
+            pending.acks.append((ident, msg.msg_id, seq, True))
+            return
+        try:
+            check_payload(msg.payload)
+        except ProtocolError as exc:
+            self._refuse(ident, exc, msg.msg_id)
+            return
+        seq = self.head + len(pending.lines) + 1
+        line = encode_record(
+            seq, time.time(), msg.stream, msg.event, msg.origin, msg.key, msg.ledger, msg.payload
+        )
+        if len(line) > self.max_record_bytes:
+            self._refuse(
+                ident,
+                ProtocolError("invalid_payload", f"record of {len(line)} bytes > {self.max_record_bytes}"),
+                msg.msg_id,
+            )
+            return
+        pending.lines.append(line)
+        pending.meta.append((msg.stream, seq, msg.origin, msg.key, msg.ledger))
+        pending.keys[key] = seq
+        pending.acks.append((ident, msg.msg_id, seq, False))
+
+    def _commit(self, pending: _Pending) -> None:
+        """Write and fdatasync the batch; only then may it be acknowledged."""
+        offset = self.segment.write(b"".join(pending.lines))
+        self.segment.sync()
+        self.fsyncs_total += 1
+        first = self.segment.first_seq
+        for line, (stream, seq, origin, key, ledger) in zip(pending.lines, pending.meta, strict=True):
+            self.index.add(stream, seq, first, offset, len(line))
+            self.dedupe.remember(origin, key, seq)
+            if ledger is not None:
+                self.ledgers.add(ledger, line)
+            self.last_record_offset = offset
+            offset += len(line)
+        self.ledgers.commit()
+        count = len(pending.lines)
+        self.head += count
+        self.head_segment = first
+        self.head_end_offset = offset
+        self.appends_total += count
+        self.batches_total += 1
+        self.max_batch_seen = max(self.max_batch_seen, count)
+        if self.segment.rotate_if_full(self.head + 1):
+            self.log.info("wal_segment_rotated", segment=segment_name(self.segment.first_seq))
+
+    # --- reads ----------------------------------------------------------------
+    def _read(self, msg: protocol.ReadStream) -> protocol.Records | protocol.Error:
+        self.reads_total += 1
+        entries = self.index.lookup(msg.stream, msg.from_seq, msg.max_records + 1)
+        records: list[bytes] = []
+        total = 0
+        next_seq = msg.from_seq
+        for seq, segment, offset, length in entries[: msg.max_records]:
+            if records and total + length > msg.max_bytes:
+                break
+            line = os.pread(self._segment_fd(segment), length, offset)
+            record = parse_record(line)
+            if record is None or record.seq != seq:
+                self.log.error("wal_read_failed", segment=segment, offset=offset, seq=seq)
+                return protocol.Error(
+                    msg_id=msg.msg_id,
+                    code=protocol.ErrorCode.INTERNAL_ERROR,
+                    detail=f"record seq {seq} at {segment_name(segment)}:{offset} failed its check",
+                )
+            records.append(line[:-1])
+            total += length
+            next_seq = seq + 1
+        return protocol.Records(
+            msg_id=msg.msg_id,
+            stream=msg.stream,
+            records=records,
+            next_seq=next_seq,
+            more=len(records) < len(entries),
+            head_seq=self.head,
+        )
+
+    def _segment_fd(self, first_seq: int) -> int:
+        fd = self._read_fds.get(first_seq)
+        if fd is None:
+            if len(self._read_fds) >= 16:
+                os.close(self._read_fds.popitem(last=False)[1])
+            fd = os.open(self.state_dir.wal_dir / segment_name(first_seq), os.O_RDONLY)
+            self._read_fds[first_seq] = fd
+        return fd
+
+    # --- replies --------------------------------------------------------------
+    def _reply(self, ident: bytes, message: protocol.Records | protocol.Error | protocol.Pong | protocol.Stats) -> None:
+        self.sock.send_multipart([ident, protocol.encode(message)])
+
+    def _refuse(self, ident: bytes, exc: ProtocolError, msg_id: str | None) -> None:
+        self.rejected_total += 1
+        self.log.warning("frame_rejected", code=exc.code, detail=exc.detail[:200], msg_id=msg_id)
+        self.sock.send_multipart([ident, protocol.error_frame(exc, msg_id)])
+
+    # --- checkpoints and counters --------------------------------------------
+    def _maybe_checkpoint(self) -> None:
+        behind = self.head - self._checkpoint_head
+        if behind >= self.options.checkpoint_records or (
+            behind and time.monotonic() - self._checkpoint_at >= self.options.checkpoint_interval_s
+        ):
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        self.index.flush(fsync=True)
+        checkpoint.save(
+            self.state_dir.checkpoint_path,
+            checkpoint.Checkpoint(
+                head_seq=self.head,
+                segment_first_seq=self.head_segment if self.head else self.segment.first_seq,
+                offset=self.head_end_offset,
+                last_record_offset=self.last_record_offset if self.head else -1,
+                dedupe=self.dedupe.dump(),
+                index_counts=self.index.counts(),
+            ),
+        )
+        self._checkpoint_head = self.head
+        self._checkpoint_at = time.monotonic()
+
+    def statistics(self) -> WriterStatistics:
+        now = time.monotonic()
+        mark_t, mark_n = self._rate_mark
+        if now - mark_t >= 1.0:
+            self._rate = (self.appends_total - mark_n) / (now - mark_t)
+            self._rate_mark = (now, self.appends_total)
+        return WriterStatistics(
+            head_seq=self.head,
+            appends_total=self.appends_total,
+            duplicates_total=self.duplicates_total,
+            rejected_total=self.rejected_total,
+            reads_total=self.reads_total,
+            batches_total=self.batches_total,
+            fsyncs_total=self.fsyncs_total,
+            max_batch=self.max_batch_seen,
+            appends_per_s=round(self._rate, 1),
+            segment_first_seq=self.segment.first_seq,
+            segment_bytes=self.segment.size,
+            streams=self.index.streams(),
+            checkpoint_head_seq=self._checkpoint_head,
+        )
+
+    def values(self) -> dict[str, int | float]:
+        return dict(asdict(self.statistics()))
+
+    def close(self) -> None:
+        self.segment.close()
+        self.index.close()
+        self.ledgers.close()
+        for fd in self._read_fds.values():
+            os.close(fd)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m actors.writer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = WriterOptions()
+    parser.add_argument("--state-dir", default=None, help="state directory (default ./.corral)")
+    parser.add_argument("--segment-bytes", type=int, default=d.segment_bytes)
+    parser.add_argument("--checkpoint-records", type=int, default=d.checkpoint_records)
+    parser.add_argument("--checkpoint-interval-s", type=float, default=d.checkpoint_interval_s)
+    parser.add_argument("--dedupe-window", type=int, default=d.dedupe_window)
+    parser.add_argument("--max-batch", type=int, default=d.max_batch)
+    parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
+    parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        state_dir = StateDir.at(args.state_dir).ensure()
+    except StateDirError as exc:
+        print(f"writer: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    log = logconfig.configure(
+        "writer", state_dir.log_path("writer"), level=args.log_level,
+        max_bytes=args.log_max_bytes, backups=args.log_backups,
+    )
+    options = WriterOptions(
+        segment_bytes=args.segment_bytes,
+        checkpoint_records=args.checkpoint_records,
+        checkpoint_interval_s=args.checkpoint_interval_s,
+        dedupe_window=args.dedupe_window,
+        max_batch=args.max_batch,
+        max_frame_bytes=args.max_frame_bytes,
+    )
+    writer = Writer(state_dir, options)
+    signal.signal(signal.SIGTERM, writer.request_stop)
+    signal.signal(signal.SIGINT, writer.request_stop)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    reporter = None
+    try:
+        writer.lock()
+        writer.recover()
+        writer.bind(ctx)
+        reporter = ControlReporter.from_env(ctx, "writer")
+        if reporter is not None:
+            reporter.ready()
+        log.info("writer_ready", endpoint=writer.endpoint, head_seq=writer.head)
+        writer.serve(reporter)
+        writer.close()
+        log.info("writer_stopped", head_seq=writer.head)
+        return EXIT_OK
+    except WalCorruptionError as exc:
+        log.error("wal_corrupt", file=str(exc.path), offset=exc.offset, reason=exc.reason)
+        print(f"writer: {exc}; run `supervisor wal verify` and repair before restarting",
+              file=sys.stderr)
+        return EXIT_CORRUPT
+    except DurabilityError as exc:
+        log.error("wal_write_failed", error=str(exc))
+        print(f"writer: {exc}; nothing of the failed batch was acknowledged", file=sys.stderr)
+        return EXIT_IO
+    except StateDirError as exc:
+        log.error("writer_locked", error=str(exc))
+        print(f"writer: {exc}", file=sys.stderr)
+        return EXIT_LOCKED
+    except WalError as exc:
+        log.error("wal_unusable", error=str(exc))
+        print(f"writer: {exc}", file=sys.stderr)
+        return EXIT_CORRUPT
+    except OSError as exc:
+        log.exception("writer_io_failed")
+        print(f"writer: I/O error: {exc}", file=sys.stderr)
+        return EXIT_IO
+    finally:
+        if reporter is not None:
+            reporter.close()
+        ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The client side of the writer: append with an idempotency key (retried under
+the same key until answered), and read one stream in pages. Used by agents,
+benchmarks and tests; it talks to `run/writer.sock` directly, not through the
+broker."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from actors.wal import WalRecord, parse_record
+from broker import protocol
+from broker.errors import ProtocolError
+from broker.requester import Requester, new_msg_id
+from broker.statedir import StateDir
+
+
+def encode_payload(value: Any) -> bytes:
+    """Compact JSON, the form the WAL stores."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+class WriterClient:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        state_dir: StateDir,
+        origin: str,
+        *,
+        timeout_s: float = 2.0,
+        retries: int = 10,
+    ) -> None:
+        self.origin = origin
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._req = Requester(ctx, state_dir.endpoint("writer"))
+
+    @property
+    def reconnects(self) -> int:
+        return self._req.reconnects
+
+    def append(
+        self,
+        stream: str,
+        event: str,
+        payload: bytes | Any,
+        *,
+        key: str,
+        ledger: protocol.LedgerName | None = None,
+    ) -> protocol.AppendOk:
+        """Durably append one event; returns its seq once it is on disk."""
+        body = payload if isinstance(payload, bytes) else encode_payload(payload)
+        message = protocol.Append(
+            msg_id=new_msg_id("a"),
+            origin=self.origin,
+            key=key,
+            stream=stream,
+            event=event,
+            payload=body,
+            ledger=ledger,
+        )
+        reply = self._req.request(message, timeout_s=self.timeout_s, retries=self.retries)
+        if not isinstance(reply, protocol.AppendOk):
+            raise ProtocolError("unexpected_message", f"append answered with {reply.kind}")
+        return reply
+
+    def read_page(
+        self, stream: str, from_seq: int = 1, max_records: int = 512
+    ) -> protocol.Records:
+        reply = self._req.request(
+            protocol.ReadStream(
+                msg_id=new_msg_id("r"), stream=stream, from_seq=from_seq, max_records=max_records
+            ),
+            timeout_s=self.timeout_s,
+            retries=self.retries,
+        )
+        if not isinstance(reply, protocol.Records):
+            raise ProtocolError("unexpected_message", f"read answered with {reply.kind}")
+        return reply
+
+    def read_stream(self, stream: str, from_seq: int = 1, page: int = 512) -> Iterator[WalRecord]:
+        """Every durable record of `stream` with seq >= from_seq, in order."""
+        while True:
+            reply = self.read_page(stream, from_seq, page)
+            for line in reply.records:
+                record = parse_record(line + b"\n")
+                if record is None:
+                    raise ProtocolError("internal_error", f"writer sent a damaged record of {stream}")
+                yield record
+            if not reply.more:
+                return
+            from_seq = reply.next_seq
+
+    def ping(self, timeout_s: float | None = None, retries: int | None = None) -> protocol.Pong:
+        reply = self._req.request(
+            protocol.Ping(msg_id=new_msg_id("p")),
+            timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+            retries=self.retries if retries is None else retries,
+        )
+        if not isinstance(reply, protocol.Pong):
+            raise ProtocolError("unexpected_message", f"ping answered with {reply.kind}")
+        return reply
+
+    def stats(self) -> dict[str, int | float]:
+        reply = self._req.request(
+            protocol.StatsRequest(msg_id=new_msg_id("s")), timeout_s=self.timeout_s, retries=1
+        )
+        if not isinstance(reply, protocol.Stats):
+            raise ProtocolError("unexpected_message", f"stats answered with {reply.kind}")
+        return reply.values
+
+    def close(self) -> None:
+        self._req.close()

@@ -1,0 +1,252 @@
+"""`bench.py wal`: acknowledged appends per second through the real writer with
+K = 1, 8, 64 closed-loop appender processes (~300-byte events), against
+baselines measured in the same run: raw write+fdatasync per record, SQLite
+(WAL mode, synchronous=FULL, one row per commit, 64 writers) and a raw ceiling
+(pre-encoded records, 64 per fdatasync)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sqlite3
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from ops.benchkit import percentile, start_writer, stop, temp_state_root, wait_writer_ready
+
+RECORD = b'{"seq":1,"ts":1.0,"stream":"agent/a","event":"turn","origin":"a","key":"k","payload":' + (
+    b'"' + b"x" * 200 + b'"}\n'
+)
+PAYLOAD = {"op": "write_file", "path": "src/app.py", "note": "x" * 230}
+
+
+def fdatasync_per_s(directory: Path, seconds: float) -> float:
+    fd = os.open(directory / "fsync.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    count, deadline = 0, time.monotonic() + seconds
+    started = time.monotonic()
+    while time.monotonic() < deadline:
+        os.write(fd, RECORD)
+        os.fdatasync(fd)
+        count += 1
+    os.close(fd)
+    return count / (time.monotonic() - started)
+
+
+def raw_ceiling_per_s(directory: Path, seconds: float) -> float:
+    fd = os.open(directory / "raw.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    batch = RECORD * 64
+    count, deadline = 0, time.monotonic() + seconds
+    started = time.monotonic()
+    while time.monotonic() < deadline:
+        os.write(fd, batch)
+        os.fdatasync(fd)
+        count += 64
+    os.close(fd)
+    return count / (time.monotonic() - started)
+
+
+def _sqlite_worker(db: str, start_at: float, stop_at: float, out: Connection) -> None:
+    conn = sqlite3.connect(db, timeout=30, isolation_level=None)
+    conn.execute("PRAGMA synchronous=FULL")
+    payload = RECORD.decode()
+    while time.time() < start_at:
+        time.sleep(0.001)
+    count = 0
+    while time.time() < stop_at:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("INSERT INTO events(body) VALUES (?)", (payload,))
+        conn.execute("COMMIT")
+        count += 1
+    conn.close()
+    out.send(count)
+    out.close()
+
+
+def sqlite_commits_per_s(directory: Path, writers: int, seconds: float) -> float:
+    db = str(directory / "bench.sqlite")
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("CREATE TABLE events(id INTEGER PRIMARY KEY, body TEXT)")
+    conn.commit()
+    conn.close()
+    ctx = mp.get_context("fork")
+    start_at = time.time() + 0.5 + writers * 0.01
+    stop_at = start_at + seconds
+    pipes, procs = [], []
+    for _ in range(writers):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_sqlite_worker, args=(db, start_at, stop_at, send))
+        proc.start()
+        send.close()
+        pipes.append(recv)
+        procs.append(proc)
+    total = sum(p.recv() for p in pipes)
+    for proc in procs:
+        proc.join()
+    return total / seconds
+
+
+def _appender(state_dir: str, index: int, start_at: float, stop_at: float, out: Connection) -> None:
+    import zmq
+
+    from actors.writer_client import WriterClient, encode_payload
+    from broker.statedir import StateDir
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    client = WriterClient(ctx, StateDir.at(state_dir), f"bench-{index}", timeout_s=10, retries=3)
+    body = encode_payload(PAYLOAD)
+    stream = f"agent/bench-{index}"
+    latencies: list[float] = []
+    n = 0
+    while time.time() < start_at:
+        time.sleep(0.001)
+    while True:
+        t0 = time.perf_counter()
+        if time.time() >= stop_at:
+            break
+        client.append(stream, "tool_call", body, key=f"k{n}")
+        latencies.append(time.perf_counter() - t0)
+        n += 1
+    client.close()
+    ctx.destroy(linger=0)
+    out.send((n, latencies))
+    out.close()
+
+
+def writer_run(state_dir: Path, clients: int, seconds: float) -> tuple[float, list[float]]:
+    ctx = mp.get_context("fork")
+    start_at = time.time() + 0.5 + clients * 0.02
+    stop_at = start_at + seconds
+    pipes, procs = [], []
+    for i in range(clients):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_appender, args=(str(state_dir), i + clients * 1000, start_at, stop_at, send))
+        proc.start()
+        send.close()
+        pipes.append(recv)
+        procs.append(proc)
+    total, latencies = 0, []
+    for pipe in pipes:
+        n, lat = pipe.recv()
+        total += n
+        latencies.extend(lat)
+    for proc in procs:
+        proc.join()
+    return total / seconds, latencies
+
+
+def run(quick: bool = False) -> dict[str, object]:
+    seconds = 1.0 if quick else 4.0
+    figures: dict[str, object] = {}
+    with temp_state_root() as root:
+        figures["fdatasync_per_s"] = round(fdatasync_per_s(root, seconds), 1)
+        figures["raw_ceiling_per_s"] = round(raw_ceiling_per_s(root, seconds), 1)
+        figures["sqlite_commits_per_s_k64"] = round(sqlite_commits_per_s(root, 64, seconds), 1)
+        for k in (1, 64):
+            figures[f"zmq_echo_per_s_k{k}"] = round(zmq_echo_per_s(root, k, seconds), 1)
+        state_dir = root / ".corral"
+        writer = start_writer(state_dir)
+        try:
+            wait_writer_ready(state_dir)
+            for k in (1, 8, 64):
+                rate, lat = writer_run(state_dir, k, seconds)
+                figures[f"acked_per_s_k{k}"] = round(rate, 1)
+                figures[f"p50_ms_k{k}"] = round(percentile(lat, 50) * 1000, 3)
+                figures[f"p99_ms_k{k}"] = round(percentile(lat, 99) * 1000, 3)
+        finally:
+            stop(writer)
+    fds = float(figures["fdatasync_per_s"])  # type: ignore[arg-type]
+    sq = float(figures["sqlite_commits_per_s_k64"])  # type: ignore[arg-type]
+    figures["k1_over_fdatasync"] = round(float(figures["acked_per_s_k1"]) / fds, 3)  # type: ignore[arg-type]
+    figures["k64_over_sqlite_k64"] = round(float(figures["acked_per_s_k64"]) / sq, 2)  # type: ignore[arg-type]
+    figures["k64_over_zmq_echo_k64"] = round(
+        float(figures["acked_per_s_k64"]) / float(figures["zmq_echo_per_s_k64"]), 3  # type: ignore[arg-type]
+    )
+    # the best k1 can be on this machine: one raw round trip plus one fdatasync
+    k1_bound = 1 / (1 / float(figures["zmq_echo_per_s_k1"]) + 1 / fds)  # type: ignore[arg-type]
+    figures["k1_bound_per_s"] = round(k1_bound, 1)
+    figures["targets"] = {
+        "k1_over_fdatasync>=0.75": figures["k1_over_fdatasync"] >= 0.75,  # type: ignore[operator]
+        "k64_over_sqlite_k64>=10": figures["k64_over_sqlite_k64"] >= 10,  # type: ignore[operator]
+        "p99_ms_k64<=10": figures["p99_ms_k64"] <= 10,  # type: ignore[operator]
+    }
+    return figures
+
+
+def _echo_server(endpoint: str, ready: Connection) -> None:
+    import zmq
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    ready.send(True)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while True:
+        poller.poll(100)
+        while True:
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if parts[1] == b"quit":
+                ctx.destroy(linger=0)
+                return
+            sock.send_multipart(parts)
+
+
+def _echo_client(endpoint: str, start_at: float, stop_at: float, out: Connection) -> None:
+    import zmq
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    frame = b"x" * 350
+    while time.time() < start_at:
+        time.sleep(0.001)
+    n = 0
+    while time.time() < stop_at:
+        sock.send(frame)
+        sock.poll(5000)
+        sock.recv()
+        n += 1
+    ctx.destroy(linger=0)
+    out.send(n)
+    out.close()
+
+
+def zmq_echo_per_s(directory: Path, clients: int, seconds: float) -> float:
+    """Raw pyzmq DEALER->ROUTER echo, closed loop: the ceiling any Python
+    request/reply server on this machine can reach, with no disk at all."""
+    import zmq
+
+    endpoint = f"ipc://{directory}/echo.sock"
+    ctx = mp.get_context("fork")
+    ready_recv, ready_send = ctx.Pipe(duplex=False)
+    server = ctx.Process(target=_echo_server, args=(endpoint, ready_send))
+    server.start()
+    ready_recv.recv()
+    start_at = time.time() + 0.5 + clients * 0.02
+    stop_at = start_at + seconds
+    pipes, procs = [], []
+    for _ in range(clients):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_echo_client, args=(endpoint, start_at, stop_at, send))
+        proc.start()
+        send.close()
+        pipes.append(recv)
+        procs.append(proc)
+    total = sum(p.recv() for p in pipes)
+    for proc in procs:
+        proc.join()
+    zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    quit_sock = zctx.socket(zmq.DEALER)
+    quit_sock.connect(endpoint)
+    quit_sock.send(b"quit")
+    server.join(timeout=10)
+    if server.is_alive():
+        server.kill()
+        server.join()
+    zctx.destroy(linger=0)
+    return total / seconds

@@ -1,0 +1,92 @@
+"""Shared pieces of the benchmarks: percentiles, a temporary state directory,
+starting and stopping a real writer process and waiting until it answers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+@contextmanager
+def temp_state_root(prefix: str = "corral-bench-") -> Iterator[Path]:
+    """A short directory (ipc socket paths are limited to 107 bytes)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("CORRAL_CONTROL", None)
+    return env
+
+
+def start_writer(state_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "actors.writer", "--state-dir", str(state_dir), *extra],
+        env=child_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_writer_ready(state_dir: Path, timeout_s: float = 20.0) -> float:
+    """Ping the writer until it answers; return seconds waited. Uses its own
+    zmq context, closed before returning (safe to fork afterwards)."""
+    import zmq
+
+    from broker.errors import RequestTimeoutError
+    from broker.statedir import StateDir
+    from broker.requester import Requester, new_msg_id
+    from broker import protocol
+
+    started = time.monotonic()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    req = Requester(ctx, StateDir.at(state_dir).endpoint("writer"))
+    try:
+        while True:
+            try:
+                req.request(protocol.Ping(msg_id=new_msg_id("p")), timeout_s=0.005, retries=0)
+                return time.monotonic() - started
+            except RequestTimeoutError:
+                if time.monotonic() - started > timeout_s:
+                    raise
+    finally:
+        req.close()
+        ctx.destroy(linger=0)
