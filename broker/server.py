@@ -1,0 +1,406 @@
+"""The broker process: one ROUTER that routes frames between actors by name.
+
+    python -m broker.server --state-dir D [--heartbeat-interval-ms 1000]
+        [--heartbeat-misses 3] [--max-frame-bytes N] [--log-level info]
+
+A peer (DEALER, identity = its actor name) sends ``[to, body]``; the broker
+receives ``[from, to, body]`` and sends ``[to, from, body]``, so the recipient
+sees ``[from, body]``. Routed bodies are never decoded: the hot loop only moves
+bytes. ``to == b"broker"`` addresses the broker itself (heartbeat, ping,
+stats_request). Anything that cannot be routed is answered with an `error`
+frame from ``broker``; nothing a peer sends stops the loop. docs/broker.md is
+the normative text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from types import FrameType
+
+import structlog
+import zmq
+
+from broker import logconfig, protocol
+from broker.control import ControlReporter
+from broker.errors import ProtocolError, StateDirError
+from broker.heartbeat import HeartbeatRule, PeerTable
+from broker.statedir import NAME_PATTERN, StateDir, bind_umask
+
+BROKER_NAME = b"broker"
+DRAIN_BATCH = 256  # frames handled per wake-up before housekeeping gets a turn
+MAX_POLL_MS = 100  # bounds how long a stop signal waits to be noticed
+ERROR_LOGS_PER_S = 50  # rejected-frame log lines per second before they are counted only
+_NAME_CACHE_MAX = 4096
+
+log = structlog.get_logger("broker")
+
+
+@dataclass(frozen=True)
+class BrokerStats:
+    """The broker's counters, as `supervisor status` and `stats` show them."""
+
+    peers: int
+    routed_total: int
+    errors_total: int  # error replies sent (every refusal below is one)
+    rejected_total: int  # malformed frames: frame count, names, control frames
+    unknown_recipient_total: int
+    busy_total: int
+    control_total: int  # frames addressed to the broker itself
+    expired_total: int
+    logs_suppressed_total: int
+
+    def values(self) -> dict[str, int | float]:
+        return dict(asdict(self))
+
+
+class Broker:
+    """The routing loop over one bound ROUTER socket."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        rule: HeartbeatRule,
+        limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+    ) -> None:
+        self.endpoint = endpoint
+        self.rule = rule
+        self.limits = limits
+        self._pid = os.getpid()
+        self._peers = PeerTable(rule)
+        self._names: set[bytes] = set()  # validated actor names (cache for the hot path)
+        self._stopping = False
+        self._routed = 0
+        self._errors = 0
+        self._rejected = 0
+        self._unknown = 0
+        self._busy = 0
+        self._control = 0
+        self._expired = 0
+        self._suppressed = 0
+        self._log_window = 0.0
+        self._log_budget = ERROR_LOGS_PER_S
+        self._suppressed_in_window = 0
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+        old = bind_umask()
+        try:
+            self._sock.bind(endpoint)
+        finally:
+            os.umask(old)
+
+    # --- counters -------------------------------------------------------------
+    def statistics(self) -> BrokerStats:
+        return BrokerStats(
+            peers=len(self._peers),
+            routed_total=self._routed,
+            errors_total=self._errors,
+            rejected_total=self._rejected,
+            unknown_recipient_total=self._unknown,
+            busy_total=self._busy,
+            control_total=self._control,
+            expired_total=self._expired,
+            logs_suppressed_total=self._suppressed,
+        )
+
+    def stop(self) -> None:
+        """Ask the loop to return after the current turn (signal-safe)."""
+        self._stopping = True
+
+    # --- the loop -------------------------------------------------------------
+    def run(self, reporter: ControlReporter | None = None) -> None:
+        """Route until stop(); housekeeping (heartbeats, expiry) between batches."""
+        sock = self._sock
+        next_beat = time.monotonic() + self.rule.interval_s
+        next_report = 0.0
+        report_every_s = reporter.interval_s / 2 if reporter is not None else 0.0
+        while not self._stopping:
+            timeout_ms = min(MAX_POLL_MS, max(0, int((next_beat - time.monotonic()) * 1000) + 1))
+            if sock.poll(timeout_ms, zmq.POLLIN):
+                self._drain()
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self.rule.interval_s
+                self._housekeep(now)
+            if reporter is not None and now >= next_report:
+                # the reporter keeps its own pace; asking twice per interval keeps it on time
+                next_report = now + report_every_s
+                reporter.tick(self.statistics().values())
+
+    def _drain(self) -> None:
+        """Handle up to DRAIN_BATCH frames without blocking: the hot path."""
+        recv = self._sock.recv_multipart
+        send = self._sock.send_multipart
+        names = self._names
+        last_seen = self._peers.last_seen
+        now = time.monotonic()
+        routed = 0
+        try:
+            for _ in range(DRAIN_BATCH):
+                try:
+                    frames = recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) == 3:
+                    sender, to, body = frames
+                    if sender in names and to in names:
+                        if sender not in last_seen:
+                            self._register(sender)
+                        last_seen[sender] = now
+                        try:
+                            send([to, sender, body], zmq.NOBLOCK)
+                        except zmq.ZMQError as exc:
+                            self._route_failed(sender, to, body, exc)
+                        else:
+                            routed += 1
+                        continue
+                self._slow(frames, now)
+        finally:
+            self._routed += routed
+
+    # --- everything that is not a plain route --------------------------------
+    def _slow(self, frames: list[bytes], now: float) -> None:
+        sender = frames[0]
+        if len(frames) != 3:
+            self._refuse(
+                sender, None, protocol.ErrorCode.MALFORMED_FRAME,
+                f"expected 2 frames [to, body], got {len(frames) - 1}",
+            )
+            return
+        _, to, body = frames
+        if not self._valid_sender(sender):
+            self._refuse(
+                sender, protocol.peek_msg_id(body), protocol.ErrorCode.MALFORMED_FRAME,
+                "sender identity is not an actor name (set ZMQ_IDENTITY to your name)",
+            )
+            return
+        if self._peers.touch(sender, now):
+            self._registered(sender)
+        if to == BROKER_NAME:
+            self._control_frame(sender, body)
+        elif not self._valid_name(to):
+            self._refuse(
+                sender, protocol.peek_msg_id(body), protocol.ErrorCode.MALFORMED_FRAME,
+                f"recipient {to[:80]!r} is not an actor name",
+            )
+        else:
+            try:
+                self._sock.send_multipart([to, sender, body], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                self._route_failed(sender, to, body, exc)
+            else:
+                self._routed += 1
+
+    def _valid_name(self, name: bytes) -> bool:
+        if name in self._names:
+            return True
+        try:
+            text = name.decode("ascii")
+        except UnicodeDecodeError:
+            return False
+        if name == BROKER_NAME or not NAME_PATTERN.fullmatch(text):
+            return False
+        if len(self._names) >= _NAME_CACHE_MAX:
+            self._names.clear()
+        self._names.add(name)
+        return True
+
+    def _valid_sender(self, name: bytes) -> bool:
+        return self._valid_name(name)
+
+    def _register(self, sender: bytes) -> None:
+        self._peers.touch(sender, time.monotonic())
+        self._registered(sender)
+
+    def _registered(self, sender: bytes) -> None:
+        log.info("peer_registered", peer=sender.decode("ascii", "replace"), peers=len(self._peers))
+        self._send_heartbeat(sender, self._heartbeat_frame())
+
+    def _route_failed(self, sender: bytes, to: bytes, body: bytes, exc: zmq.ZMQError) -> None:
+        if exc.errno == zmq.EHOSTUNREACH:
+            self._unknown += 1
+            code = protocol.ErrorCode.UNKNOWN_RECIPIENT
+            detail = f"no peer named {to.decode('ascii', 'replace')!r} is connected"
+        elif exc.errno == zmq.EAGAIN:
+            self._busy += 1
+            code = protocol.ErrorCode.RECIPIENT_BUSY
+            detail = f"the queue to {to.decode('ascii', 'replace')!r} is full; retry later"
+        else:
+            code = protocol.ErrorCode.INTERNAL_ERROR
+            detail = f"routing to {to.decode('ascii', 'replace')!r} failed: {exc}"
+        msg_id = protocol.peek_msg_id(body)
+        if self._may_log():
+            log.warning(
+                "route_failed",
+                sender=sender.decode("ascii", "replace"),
+                recipient=to.decode("ascii", "replace"),
+                code=code.value,
+                errno=exc.errno,
+                msg_id=msg_id,
+            )
+        self._reply_error(sender, msg_id, code, detail)
+
+    def _refuse(
+        self, sender: bytes, msg_id: str | None, code: protocol.ErrorCode, detail: str
+    ) -> None:
+        self._rejected += 1
+        if self._may_log():
+            log.warning(
+                "frame_rejected",
+                sender=sender[:80].decode("ascii", "replace"),
+                code=code.value,
+                detail=detail,
+                msg_id=msg_id,
+            )
+        self._reply_error(sender, msg_id, code, detail)
+
+    def _reply_error(
+        self, sender: bytes, msg_id: str | None, code: protocol.ErrorCode, detail: str
+    ) -> None:
+        frame = protocol.error_frame(ProtocolError(code.value, detail), msg_id)
+        self._errors += 1
+        # the sender may be gone or not reading: then nobody is left to tell
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send_multipart([sender, BROKER_NAME, frame], zmq.NOBLOCK)
+
+    def _may_log(self) -> bool:
+        """Rate limit for per-frame warnings, so a flood cannot flood the log."""
+        now = time.monotonic()
+        if now - self._log_window >= 1.0:
+            if self._suppressed_in_window:
+                log.warning("frame_logs_suppressed", count=self._suppressed_in_window)
+            self._log_window = now
+            self._log_budget = ERROR_LOGS_PER_S
+            self._suppressed_in_window = 0
+        if self._log_budget > 0:
+            self._log_budget -= 1
+            return True
+        self._suppressed += 1
+        self._suppressed_in_window += 1
+        return False
+
+    # --- control messages addressed to the broker ----------------------------
+    def _control_frame(self, sender: bytes, body: bytes) -> None:
+        self._control += 1
+        try:
+            message = protocol.decode(body, self.limits)
+        except ProtocolError as exc:
+            msg_id = protocol.peek_msg_id(body)
+            self._refuse(sender, msg_id, protocol.ErrorCode(exc.code), exc.detail)
+            return
+        reply: protocol.Pong | protocol.Stats | None
+        match message:
+            case protocol.Heartbeat():
+                reply = None  # liveness was recorded on arrival
+            case protocol.Ping(msg_id=msg_id):
+                reply = protocol.Pong(msg_id=msg_id, actor="broker", pid=self._pid)
+            case protocol.StatsRequest(msg_id=msg_id):
+                reply = protocol.Stats(
+                    msg_id=msg_id, actor="broker", values=self.statistics().values()
+                )
+            case _:
+                self._refuse(
+                    sender, getattr(message, "msg_id", None),
+                    protocol.ErrorCode.UNEXPECTED_MESSAGE,
+                    f"the broker does not serve {message.kind!r}",
+                )
+                return
+        if reply is not None:
+            frame = protocol.encode(reply)
+            with contextlib.suppress(zmq.ZMQError):  # gone or not reading: it will ask again
+                self._sock.send_multipart([sender, BROKER_NAME, frame], zmq.NOBLOCK)
+
+    # --- heartbeats and expiry -------------------------------------------------
+    def _heartbeat_frame(self) -> bytes:
+        return protocol.encode(
+            protocol.Heartbeat(actor="broker", pid=self._pid, values={"peers": len(self._peers)})
+        )
+
+    def _send_heartbeat(self, peer: bytes, frame: bytes) -> None:
+        try:
+            self._sock.send_multipart([peer, BROKER_NAME, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH and self._peers.forget(peer):
+                log.info("peer_disconnected", peer=peer.decode("ascii", "replace"))
+
+    def _housekeep(self, now: float) -> None:
+        for peer, silent_s in self._peers.expire(now):
+            self._expired += 1
+            log.info(
+                "peer_expired",
+                peer=peer.decode("ascii", "replace"),
+                silent_s=round(silent_s, 3),
+                misses=self.rule.misses,
+            )
+        frame = self._heartbeat_frame()
+        for peer in self._peers.names():
+            self._send_heartbeat(peer, frame)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m broker.server", description=__doc__)
+    parser.add_argument("--state-dir", default=None, help="state directory (default ./.corral)")
+    parser.add_argument("--heartbeat-interval-ms", type=int, default=1000)
+    parser.add_argument("--heartbeat-misses", type=int, default=3)
+    parser.add_argument(
+        "--max-frame-bytes", type=int, default=protocol.DEFAULT_LIMITS.max_frame_bytes
+    )
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    try:
+        state = StateDir.at(args.state_dir).ensure()
+        endpoint = state.endpoint("broker")
+    except StateDirError as exc:
+        print(f"broker: {exc}", file=sys.stderr)
+        return 2
+    logconfig.configure("broker", state.log_path("broker"), level=args.log_level)
+    rule = HeartbeatRule(args.heartbeat_interval_ms / 1000.0, args.heartbeat_misses)
+    limits = protocol.Limits(max_frame_bytes=args.max_frame_bytes)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    broker = Broker(ctx, endpoint, rule, limits)
+
+    def _on_signal(signum: int, _frame: FrameType | None) -> None:
+        broker.stop()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    reporter = ControlReporter.from_env(ctx, "broker")
+    log.info(
+        "broker_started",
+        endpoint=endpoint,
+        heartbeat_interval_ms=args.heartbeat_interval_ms,
+        heartbeat_misses=args.heartbeat_misses,
+        max_frame_bytes=args.max_frame_bytes,
+    )
+    if reporter is not None:
+        reporter.ready()
+    try:
+        broker.run(reporter)
+    finally:
+        stats = broker.statistics()
+        broker.close()
+        if reporter is not None:
+            reporter.close()
+        ctx.term()
+        log.info("broker_stopped", **stats.values())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
