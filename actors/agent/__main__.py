@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from actors.agent.process import AgentOptions, serve
 from broker.errors import StateDirError
 from broker.statedir import StateDir, check_actor_name
-
-from actors.agent.process import AgentOptions, serve
 
 
 def main(argv: list[str] | None = None) -> int:

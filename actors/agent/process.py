@@ -123,9 +123,9 @@ def _answer(peer: BrokerPeer, name: str, sender: str, message: protocol.Message)
         case protocol.Pong() | protocol.Error() | protocol.Ack():
             return 0
         case _:
-            msg_id = getattr(message, "msg_id", None)
+            ref: str | None = getattr(message, "msg_id", None)
             peer.send(sender, protocol.Error(
-                msg_id=msg_id, code=protocol.ErrorCode.UNEXPECTED_MESSAGE,
+                msg_id=ref, code=protocol.ErrorCode.UNEXPECTED_MESSAGE,
                 detail=f"idle agent {name} does not serve {message.kind}",
             ), 1.0)
             return 0

@@ -1,0 +1,102 @@
+"""One child's bookkeeping as the supervisor sees it, and its status line.
+
+A `Child` holds facts (pid, state, exit history, last heartbeat, samples);
+decisions are made by supervisor/policy.py and acted on by the runtime.
+
+States: starting (spawned, or waiting for its turn; no `ready` yet), running
+(`ready` received), backoff (waiting to be restarted), stopping (SIGTERM sent),
+exited (left alone by its policy, or stopped), fatal (gave up: over its
+intensity or a fatal exit code).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Literal
+
+from broker.protocol import ChildStatus
+from supervisor.config import ChildSpec
+from supervisor.policy import Exit, Policy
+
+State = Literal["starting", "running", "backoff", "exited", "fatal", "stopping"]
+
+
+def describe_exit(code: int | None, sig: int | None) -> str:
+    if sig is not None:
+        try:
+            return f"signal {signal.Signals(sig).name}"
+        except ValueError:
+            return f"signal {sig}"
+    return f"exit {code}"
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    policy: Policy
+    state: State = "starting"
+    pid: int | None = None
+    started_at: float | None = None  # monotonic, when the process was spawned
+    requested_at: float | None = None  # monotonic, when its start was asked for
+    ready_ms: float | None = None
+    restarts: int = 0
+    history: list[Exit] = field(default_factory=list)
+    last_exit: str | None = None
+    restart_at: float | None = None
+    stop_deadline: float | None = None
+    restart_requested: bool = False
+    fork_pending: bool = False  # asked the zygote, no pid yet
+    heartbeat_at: float | None = None
+    values: dict[str, int | float] = field(default_factory=dict)
+    cpu_percent: float | None = None
+    rss_bytes: int | None = None
+    uss_bytes: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    def spawned(self, pid: int, now: float) -> None:
+        self.pid = pid
+        self.started_at = now
+        self.fork_pending = False
+        self.heartbeat_at = None
+        self.ready_ms = None
+        self.cpu_percent = self.rss_bytes = self.uss_bytes = None
+        self.state = "starting" if self.spec.ready_timeout_s is not None else "running"
+
+    def exited(self, code: int | None, sig: int | None, now: float) -> Exit:
+        record = Exit(at_s=now, code=code, signal=sig, requested=self.restart_requested)
+        self.history.append(record)
+        self.last_exit = describe_exit(code, sig)
+        self.pid = None
+        self.started_at = None
+        self.stop_deadline = None
+        self.cpu_percent = self.rss_bytes = self.uss_bytes = None
+        return record
+
+    def status(self, now: float) -> ChildStatus:
+        return ChildStatus(
+            name=self.name,
+            kind=self.spec.kind,
+            pid=self.pid,
+            state=self.state,
+            uptime_s=round(now - self.started_at, 3) if self.started_at is not None else None,
+            restarts=self.restarts,
+            last_exit=self.last_exit,
+            cpu_percent=self.cpu_percent,
+            rss_bytes=self.rss_bytes,
+            uss_bytes=self.uss_bytes,
+            heartbeat_age_s=(
+                round(now - self.heartbeat_at, 3) if self.heartbeat_at is not None else None
+            ),
+            values=(
+                {**self.values, "ready_ms": self.ready_ms}
+                if self.ready_ms is not None else dict(self.values)
+            ),
+        )

@@ -1,0 +1,45 @@
+"""The CLI's side of the control socket: one request, one reply, short timeouts.
+
+Whether a supervisor runs at all is answered by the lock file (a flock probe),
+before any ZeroMQ import, so `status` with no supervisor is instant.
+"""
+
+# Imports inside functions are deliberate: each path loads only what it needs.
+# ruff: noqa: PLC0415
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from broker.statedir import StateDir
+from supervisor import lock
+
+if TYPE_CHECKING:
+    from broker import protocol
+
+
+class NoSupervisorError(Exception):
+    """No supervisor holds this state directory."""
+
+
+def running(state_dir: StateDir) -> bool:
+    return lock.is_held(state_dir.lock_path)
+
+
+def ask(state_dir: StateDir, message: protocol.StatusRequest | protocol.SignalRequest
+        | protocol.RestartRequest | protocol.StopRequest,
+        timeout_s: float = 2.0, retries: int = 0) -> protocol.Message:
+    """Send one control request; raises NoSupervisorError, RequestTimeoutError, RemoteError."""
+    import zmq
+
+    from broker.requester import Requester
+
+    if not running(state_dir):
+        raise NoSupervisorError(str(state_dir.root))
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    requester = Requester(ctx, state_dir.endpoint("supervisor"))
+    try:
+        return requester.request(message, timeout_s=timeout_s, retries=retries)
+    finally:
+        requester.close()
+        ctx.term()

@@ -1,0 +1,178 @@
+"""The supervisor's configuration: a strict pydantic model of config/default.yaml.
+
+Unknown keys and wrong types are refused; `load()` raises ConfigError with the
+file, the dotted key and what was expected, e.g.
+``corral.yaml: children.0.restart: expected 'permanent', 'transient' or
+'temporary' (got 'sometimes')``. `child_specs()` expands the agents group into
+one ChildSpec per agent, in start order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from broker.errors import ConfigError
+from supervisor.policy import Policy
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
+
+ChildKind = Literal["writer", "broker", "procs", "subagents", "agent"]
+# Start order; stop runs it backwards.
+KIND_ORDER: tuple[ChildKind, ...] = ("writer", "broker", "procs", "subagents", "agent")
+CORE_KINDS: frozenset[str] = frozenset({"writer", "broker"})
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
+PositiveS = Annotated[float, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Intensity(_Strict):
+    max_restarts: Annotated[int, Field(ge=0)] = 5
+    period_s: PositiveS = 60.0
+
+
+class Backoff(_Strict):
+    base_s: Annotated[float, Field(ge=0)] = 0.5
+    cap_s: Annotated[float, Field(ge=0)] = 30.0
+    jitter: Annotated[float, Field(ge=0, le=1)] = 0.1
+
+
+class ChildPolicy(_Strict):
+    """What every child spec and the agents template share."""
+
+    restart: Literal["permanent", "transient", "temporary"] = "permanent"
+    intensity: Intensity = Intensity()
+    backoff: Backoff = Backoff()
+    shutdown_timeout_s: PositiveS = 5.0
+    ready_timeout_s: PositiveS | None = 10.0  # None: the child never sends `ready`
+    fatal_exit_codes: list[int] = Field(default_factory=list)
+
+    def policy(self) -> Policy:
+        return Policy(
+            restart=self.restart,
+            max_restarts=self.intensity.max_restarts,
+            period_s=self.intensity.period_s,
+            base_s=self.backoff.base_s,
+            cap_s=self.backoff.cap_s,
+            jitter=self.backoff.jitter,
+            fatal_exit_codes=frozenset(self.fatal_exit_codes),
+        )
+
+
+class ChildSpec(ChildPolicy):
+    name: Name
+    kind: ChildKind
+    enabled: bool = True
+    # argv replacing the kind's default; "{python}" and "{state_dir}" are expanded.
+    command: list[str] | None = None
+
+
+class AgentsGroup(ChildPolicy):
+    """`count` idle agent processes named <name_prefix><i>, forked by the zygote."""
+
+    count: Annotated[int, Field(ge=0, le=10_000)] = 0
+    name_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,55}$")] = "agent-"
+    zygote: bool = True  # False: each agent is a fresh interpreter (slow, for baselines)
+
+
+class LoggingConfig(_Strict):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    max_bytes: Annotated[int, Field(ge=4096)] = 16 * 1024 * 1024
+    backups: Annotated[int, Field(ge=0, le=100)] = 5
+
+
+class HeartbeatConfig(_Strict):
+    interval_ms: Annotated[int, Field(ge=10)] = 1000  # agents' heartbeat period
+    timeout_s: PositiveS = 10.0  # a child silent this long after a first beat is killed
+
+
+class WriterOptions(_Strict):
+    log_level: Literal["debug", "info", "warning", "error"] | None = None
+
+
+class BrokerOptions(_Strict):
+    heartbeat_interval_ms: Annotated[int, Field(ge=10)] | None = None
+    heartbeat_misses: Annotated[int, Field(ge=1)] | None = None
+
+
+class Config(_Strict):
+    logging: LoggingConfig = LoggingConfig()
+    heartbeat: HeartbeatConfig = HeartbeatConfig()
+    status_interval_s: PositiveS = 1.0
+    writer: WriterOptions = WriterOptions()
+    broker: BrokerOptions = BrokerOptions()
+    children: list[ChildSpec] = Field(default_factory=list)
+    agents: AgentsGroup = AgentsGroup()
+
+    @model_validator(mode="after")
+    def _check_children(self) -> Config:
+        names = [c.name for c in self.children]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate child names {dupes}")
+        for kind in ("writer", "broker"):
+            count = sum(1 for c in self.children if c.kind == kind and c.enabled)
+            if count != 1:
+                raise ValueError(f"exactly one enabled {kind} child is needed, found {count}")
+        return self
+
+    def child_specs(self) -> list[ChildSpec]:
+        """Enabled children in start order, the agents group expanded."""
+        group = self.agents
+        template = group.model_dump(exclude={"count", "name_prefix", "zygote"})
+        agents = [
+            ChildSpec(name=f"{group.name_prefix}{i}", kind="agent", **template)
+            for i in range(1, group.count + 1)
+        ]
+        specs = [c for c in self.children if c.enabled] + agents
+        taken = [s.name for s in specs]
+        if len(set(taken)) != len(taken):
+            raise ConfigError("agents: generated agent names collide with a child name")
+        return sorted(specs, key=lambda s: KIND_ORDER.index(s.kind))
+
+
+def _describe(error: dict[str, object]) -> str:
+    loc = ".".join(str(p) for p in error.get("loc", ()) if p != "__root__") or "(top level)"  # type: ignore[attr-defined]
+    msg = str(error.get("msg", "invalid"))
+    if error.get("type") == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if msg.startswith("Value error, "):
+        return f"{loc}: {msg.removeprefix('Value error, ')}"
+    expected = msg.removeprefix("Input should be ")
+    got = error.get("input")
+    shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+    return f"{loc}: expected {expected}{shown}"
+
+
+def parse(data: object, source: str) -> Config:
+    """Validate already-loaded YAML data; ConfigError names the source."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise ConfigError(f"{source}: {_describe(dict(first))}{more}") from exc
+
+
+def load(path: Path | None) -> Config:
+    """Read and validate a configuration file (the default one when None)."""
+    path = path or DEFAULT_CONFIG_PATH
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return parse(data, str(path))

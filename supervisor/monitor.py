@@ -1,0 +1,101 @@
+"""Watching children: exits (waitpid), liveness deadlines and resource samples.
+
+`reap()` collects every exited child of the supervisor (including the agents
+it adopted as a subreaper). `overdue()` is the pure liveness rule. The
+`Sampler` reads CPU and RSS for every child on each pass, and USS (which needs
+/proc/<pid>/smaps_rollup, the expensive part) for a bounded number of children
+per pass, round robin, so that 500 agents cost the supervisor little.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import psutil
+
+from supervisor.children import Child
+
+USS_PER_PASS = 25
+
+
+@dataclass(frozen=True)
+class Reaped:
+    pid: int
+    code: int | None
+    signal: int | None
+
+
+def reap() -> list[Reaped]:
+    """Every child that has exited since the last call (never blocks)."""
+    out: list[Reaped] = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        if os.WIFSIGNALED(status):
+            out.append(Reaped(pid, None, os.WTERMSIG(status)))
+        elif os.WIFEXITED(status):
+            out.append(Reaped(pid, os.WEXITSTATUS(status), None))
+    return out
+
+
+def overdue(
+    child: Child, now: float, heartbeat_timeout_s: float
+) -> Literal["ready", "heartbeat"] | None:
+    """Which liveness deadline a child has missed, if any."""
+    if child.pid is None or child.started_at is None:
+        return None
+    ready_s = child.spec.ready_timeout_s
+    if child.state == "starting" and ready_s is not None and now - child.started_at > ready_s:
+        return "ready"
+    beat = child.heartbeat_at
+    if child.state == "running" and beat is not None and now - beat > heartbeat_timeout_s:
+        return "heartbeat"
+    return None
+
+
+class Sampler:
+    """CPU %, RSS and USS per child through psutil, cached per pid."""
+
+    def __init__(self, uss_per_pass: int = USS_PER_PASS) -> None:
+        self._procs: dict[int, psutil.Process] = {}
+        self._uss_per_pass = uss_per_pass
+        self._cursor = 0
+
+    def sample(self, children: Iterable[Child]) -> None:
+        live = [c for c in children if c.pid is not None]
+        pids = {c.pid for c in live}
+        for pid in list(self._procs):
+            if pid not in pids:
+                del self._procs[pid]
+        uss_turn = set()
+        if live:
+            start = self._cursor % len(live)
+            order = live[start:] + live[:start]
+            uss_turn = {id(c) for c in order[: self._uss_per_pass]}
+            self._cursor = start + self._uss_per_pass
+        for child in live:
+            assert child.pid is not None
+            proc = self._procs.get(child.pid)
+            try:
+                if proc is None:
+                    proc = psutil.Process(child.pid)
+                    self._procs[child.pid] = proc
+                    proc.cpu_percent(None)  # primes the counter; the next call is real
+                    child.cpu_percent = 0.0
+                else:
+                    child.cpu_percent = round(proc.cpu_percent(None), 1)
+                if id(child) in uss_turn or child.uss_bytes is None:
+                    info = proc.memory_full_info()
+                    child.rss_bytes = int(info.rss)
+                    child.uss_bytes = int(info.uss)
+                else:
+                    child.rss_bytes = int(proc.memory_info().rss)
+            except (psutil.Error, OSError):
+                self._procs.pop(child.pid, None)

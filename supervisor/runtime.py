@@ -1,0 +1,455 @@
+"""The supervisor loop: wires the spawner, the monitor, the policy and the
+control socket together. It decides nothing itself: restarts come from
+supervisor/policy.py, liveness from supervisor/monitor.py.
+
+One thread does everything (spawning included), so PDEATHSIG, which is tied
+to the parent *thread*, fires exactly when the supervisor dies.
+
+Start order: writer, broker, procs, subagents, agents; each kind waits until
+the previous one is ready. Stop runs backwards: SIGTERM to each child's
+process group, SIGKILL to the group after its shutdown timeout, reap.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections import deque
+from types import FrameType
+
+import structlog
+import zmq
+
+from broker import protocol
+from broker.errors import SpawnError
+from broker.statedir import StateDir
+from supervisor import commands, lifeline, monitor, spawner, statusfile
+from supervisor.children import Child, describe_exit
+from supervisor.config import CORE_KINDS, KIND_ORDER, Config
+from supervisor.control import ControlServer, Incoming
+from supervisor.policy import Exit, GiveUp, Policy, Restart, decide, trim
+from supervisor.zygote import Forked
+
+EXIT_OK = 0
+EXIT_WAL_CORRUPT = 65  # the writer found the WAL corrupt: the operator must act
+EXIT_CORE_GAVE_UP = 69  # the writer or the broker gave up (EX_UNAVAILABLE)
+FORKS_IN_FLIGHT = 64
+ZYGOTE_POLICY = Policy(max_restarts=5, period_s=60.0, base_s=0.2, cap_s=5.0)
+
+log = structlog.get_logger("supervisor")
+
+
+class Runtime:
+    """The running supervisor of one state directory."""
+
+    def __init__(self, config: Config, state_dir: StateDir) -> None:
+        self.config = config
+        self.state_dir = state_dir
+        self.children = {
+            s.name: Child(spec=s, policy=s.policy()) for s in config.child_specs()
+        }
+        self.by_pid: dict[int, Child] = {}
+        self.early_exits: dict[int, monitor.Reaped] = {}  # reaped before the zygote's reply
+        self.started_at = time.time()
+        self.phase = 0  # index into KIND_ORDER while starting
+        self.stop_phase = len(KIND_ORDER) - 1  # the same, backwards, while stopping
+        self.stopping = False
+        self.exit_code = EXIT_OK
+        self.rng = random.Random()  # noqa: S311 - backoff jitter, not secrets
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.control = ControlServer(self.ctx, state_dir)
+        self.sampler = monitor.Sampler()
+        self.base_env = dict(os.environ)
+        self.fork_queue: deque[Child] = deque()
+        self.in_flight = 0
+        self.zygote: spawner.ZygoteLink | None = None
+        self.zygote_history: list[Exit] = []
+        self.zygote_restart_at: float | None = None
+        self.use_zygote = config.agents.zygote
+        self._signals: deque[int] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        self._next_status = 0.0
+
+    # --- main loop ---------------------------------------------------------------
+    def run(self) -> int:
+        lifeline.become_subreaper()
+        self._install_signals()
+        log.info("supervisor_started", state_dir=str(self.state_dir.root),
+                 children=len(self.children), endpoint=self.control.endpoint)
+        if self.use_zygote and any(c.kind == "agent" for c in self.children.values()):
+            self._start_zygote(time.monotonic())
+        poller = zmq.Poller()
+        poller.register(self.control.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        zygote_fd = -1
+        try:
+            while True:
+                now = time.monotonic()
+                self._advance(now)
+                if self.stopping and self._all_down():
+                    break
+                if self.zygote is not None and self.zygote.fileno() != zygote_fd:
+                    if zygote_fd >= 0:
+                        poller.unregister(zygote_fd)
+                    zygote_fd = self.zygote.fileno()
+                    if zygote_fd >= 0:
+                        poller.register(zygote_fd, zmq.POLLIN)
+                events = dict(poller.poll(self._timeout_ms(now)))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                self._handle_signals()
+                now = time.monotonic()
+                for reaped in monitor.reap():
+                    self._on_reaped(reaped, now)
+                if self.zygote is not None and zygote_fd in events:
+                    self._on_zygote_replies(now)
+                for incoming in self.control.receive():
+                    self._on_message(incoming, time.monotonic())
+        finally:
+            self._publish_status(time.monotonic())
+            self.control.close()
+            self.ctx.destroy(linger=0)
+            signal.set_wakeup_fd(-1)
+            log.info("supervisor_stopped", exit_code=self.exit_code)
+        return self.exit_code
+
+    def _timeout_ms(self, now: float) -> int:
+        wake = [self._next_status]
+        for child in self.children.values():
+            for t in (child.restart_at, child.stop_deadline):
+                if t is not None:
+                    wake.append(t)
+        if self.zygote_restart_at is not None:
+            wake.append(self.zygote_restart_at)
+        wait_s = min(wake) - now
+        # liveness deadlines are checked at least every 100 ms
+        return max(0, min(100, int(wait_s * 1000) + 1))
+
+    def _advance(self, now: float) -> None:
+        """Everything driven by time: restarts, deadlines, start phases, status."""
+        for child in self.children.values():
+            if child.restart_at is not None and now >= child.restart_at and not self.stopping:
+                child.restart_at = None
+                child.restarts += 1
+                self._start(child, now)
+            if child.stop_deadline is not None and now >= child.stop_deadline and child.pid:
+                log.warning("child_killed", child=child.name, pid=child.pid,
+                            after_s=child.spec.shutdown_timeout_s)
+                spawner.signal_group(child.pid, signal.SIGKILL)
+                child.stop_deadline = None
+            missed = monitor.overdue(child, now, self.config.heartbeat.timeout_s)
+            if missed is not None and child.pid is not None and not self.stopping:
+                log.warning("child_unresponsive", child=child.name, pid=child.pid, missed=missed)
+                spawner.signal_group(child.pid, signal.SIGKILL)
+                child.heartbeat_at = None
+                child.started_at = now  # one kill per deadline
+        if self.zygote_restart_at is not None and now >= self.zygote_restart_at:
+            self.zygote_restart_at = None
+            if not self.stopping:
+                self._start_zygote(now)
+        self._flush_forks()
+        if self.stopping:
+            self._advance_stop(now)
+        else:
+            self._advance_start(now)
+        if now >= self._next_status:
+            self._next_status = now + self.config.status_interval_s
+            self.sampler.sample(self.children.values())
+            self._publish_status(now)
+
+    # --- starting ----------------------------------------------------------------
+    def _advance_start(self, now: float) -> None:
+        while self.phase < len(KIND_ORDER):
+            group = [c for c in self.children.values() if c.kind == KIND_ORDER[self.phase]]
+            for child in group:
+                if child.pid is None and not child.fork_pending and child.state == "starting" \
+                        and child.requested_at is None:
+                    self._start(child, now)
+            if any(c.state in ("starting", "backoff") for c in group):
+                return  # the next kind waits until this one is ready (or given up)
+            self.phase += 1
+            log.info("phase_started", kind=KIND_ORDER[self.phase - 1], children=len(group))
+
+    def _start(self, child: Child, now: float) -> None:
+        child.requested_at = now
+        child.state = "starting"
+        child.restart_requested = False
+        if child.kind == "agent" and self.use_zygote:
+            child.fork_pending = True
+            self.fork_queue.append(child)
+            self._flush_forks()
+            return
+        argv = commands.argv_for(child.spec, self.config, self.state_dir)
+        env = spawner.child_env(self.base_env, self.control.endpoint, child.name)
+        try:
+            pid = spawner.spawn_command(argv, env)
+        except SpawnError as exc:
+            log.error("spawn_failed", child=child.name, error=str(exc))  # noqa: TRY400 - expected, no traceback
+            self._after_exit(child, child.exited(127, None, now), now)
+            return
+        self._register(child, pid, now)
+
+    def _register(self, child: Child, pid: int, now: float) -> None:
+        child.spawned(pid, now)
+        self.by_pid[pid] = child
+        log.info("actor_spawned", child=child.name, kind=child.kind, pid=pid)
+        early = self.early_exits.pop(pid, None)
+        if early is not None:
+            self._on_reaped(early, now)
+
+    def _flush_forks(self) -> None:
+        if self.zygote is None:
+            if not self.use_zygote:
+                while self.fork_queue:  # the zygote gave up: fresh interpreters
+                    child = self.fork_queue.popleft()
+                    child.fork_pending = False
+                    if child.state == "starting" and child.pid is None:
+                        child.requested_at = None
+                        self._start(child, time.monotonic())
+            return
+        while self.fork_queue and self.in_flight < FORKS_IN_FLIGHT:
+            child = self.fork_queue[0]
+            if not child.fork_pending or self.stopping:
+                self.fork_queue.popleft()
+                continue
+            if not self.zygote.request(child.name):
+                return
+            self.fork_queue.popleft()
+            self.in_flight += 1
+
+    def _start_zygote(self, now: float) -> None:
+        link = spawner.ZygoteLink(commands.zygote_args(self.config, self.state_dir),
+                                  spawner.child_env(self.base_env, self.control.endpoint, "zygote"))
+        try:
+            pid = link.start()
+        except SpawnError as exc:
+            log.error("zygote_spawn_failed", error=str(exc))  # noqa: TRY400 - expected
+            self._zygote_lost(None, now)
+            return
+        self.zygote = link
+        self.in_flight = 0
+        log.info("zygote_spawned", pid=pid)
+        pending = [c for c in self.children.values() if c.fork_pending]
+        self.fork_queue = deque(pending)
+
+    def _on_zygote_replies(self, now: float) -> None:
+        assert self.zygote is not None
+        for reply in self.zygote.replies():
+            self.in_flight = max(0, self.in_flight - 1)
+            child = self.children.get(reply.name)
+            if child is None or not child.fork_pending:
+                continue
+            if isinstance(reply, Forked):
+                self._register(child, reply.pid, now)
+            else:
+                log.error("spawn_failed", child=child.name, error=reply.reason)
+                child.fork_pending = False
+                self._after_exit(child, child.exited(127, None, now), now)
+
+    def _zygote_lost(self, reaped: monitor.Reaped | None, now: float) -> None:
+        if self.zygote is not None:
+            self.zygote.lost()
+        self.zygote = None
+        if self.stopping:
+            return
+        self.zygote_history.append(Exit(now, reaped.code if reaped else 127,
+                                        reaped.signal if reaped else None))
+        self.zygote_history = trim(ZYGOTE_POLICY, self.zygote_history, now)
+        decision = decide(ZYGOTE_POLICY, self.zygote_history, now, self.rng.random())
+        log.warning("zygote_exited", last_exit=describe_exit(reaped.code, reaped.signal)
+                    if reaped else "spawn failed")
+        if isinstance(decision, Restart):
+            self.zygote_restart_at = now + decision.delay_s
+        else:
+            log.error("zygote_gave_up", fallback="fresh interpreters")
+            self.use_zygote = False
+
+    # --- exits -------------------------------------------------------------------
+    def _on_reaped(self, reaped: monitor.Reaped, now: float) -> None:
+        if self.zygote is not None and reaped.pid == self.zygote.pid:
+            self._zygote_lost(reaped, now)
+            return
+        child = self.by_pid.pop(reaped.pid, None)
+        if child is None or child.pid != reaped.pid:
+            if len(self.early_exits) < 10_000:
+                self.early_exits[reaped.pid] = reaped  # maybe a fork not yet announced
+            return
+        record = child.exited(reaped.code, reaped.signal, now)
+        log.info("actor_exited", child=child.name, pid=reaped.pid, returncode=reaped.code,
+                 signal=reaped.signal, last_exit=child.last_exit)
+        self._after_exit(child, record, now)
+
+    def _after_exit(self, child: Child, record: Exit, now: float) -> None:
+        if self.stopping:
+            child.state = "exited"
+            return
+        child.history = trim(child.policy, child.history, now)
+        decision = decide(child.policy, child.history, now, self.rng.random())
+        if isinstance(decision, Restart):
+            child.state = "backoff"
+            child.restart_at = now + decision.delay_s
+            if decision.delay_s > 0:
+                log.info("child_backed_off", child=child.name, delay_s=round(decision.delay_s, 3))
+        elif isinstance(decision, GiveUp):
+            child.state = "fatal"
+            log.error("child_gave_up", child=child.name, kind=child.kind, reason=decision.reason,
+                      last_exit=child.last_exit)
+            if child.kind in CORE_KINDS:
+                code = EXIT_WAL_CORRUPT if (child.kind == "writer"
+                                            and record.code == EXIT_WAL_CORRUPT) else (
+                    EXIT_CORE_GAVE_UP)
+                log.error("runtime_stopping", reason=f"{child.kind} {child.name} gave up",
+                          exit_code=code)
+                self._begin_stop(code)
+        else:
+            child.state = "exited"
+            log.info("child_left_exited", child=child.name, reason=decision.reason)
+
+    # --- stopping ----------------------------------------------------------------
+    def _begin_stop(self, code: int) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        self.exit_code = code
+        self.stop_phase = len(KIND_ORDER) - 1
+        self.fork_queue.clear()
+        for child in self.children.values():
+            child.restart_at = None
+            child.fork_pending = False
+            if child.pid is None and child.state in ("backoff", "starting"):
+                child.state = "exited"
+        log.info("runtime_stop_started", exit_code=code)
+
+    def _advance_stop(self, now: float) -> None:
+        while self.stop_phase >= 0:
+            kind = KIND_ORDER[self.stop_phase]
+            group = [c for c in self.children.values() if c.kind == kind]
+            for child in group:
+                if child.pid is not None and child.state != "stopping":
+                    self._terminate(child, now)
+            if any(c.pid is not None for c in group):
+                return
+            if kind == "agent" and self.zygote is not None:
+                if self.zygote.pid is not None and self.zygote.sock is not None:
+                    self.zygote.close()  # EOF: the zygote exits by itself
+                    spawner.signal_group(self.zygote.pid, signal.SIGTERM)
+                return
+            self.stop_phase -= 1
+
+    def _terminate(self, child: Child, now: float) -> None:
+        assert child.pid is not None
+        child.state = "stopping"
+        child.stop_deadline = now + child.spec.shutdown_timeout_s
+        spawner.signal_group(child.pid, signal.SIGTERM)
+
+    def _all_down(self) -> bool:
+        return self.stop_phase < 0 and all(c.pid is None for c in self.children.values())
+
+    # --- control -----------------------------------------------------------------
+    def _on_message(self, incoming: Incoming, now: float) -> None:
+        msg = incoming.message
+        match msg:
+            case protocol.Ready(actor=actor, pid=pid):
+                child = self.children.get(actor)
+                if child is not None and child.pid == pid and child.state == "starting":
+                    child.state = "running"
+                    child.heartbeat_at = now
+                    if child.requested_at is not None:
+                        child.ready_ms = round((now - child.requested_at) * 1000, 2)
+                    log.info("actor_ready", child=actor, pid=pid, ready_ms=child.ready_ms)
+            case protocol.Heartbeat(actor=actor, pid=pid, values=values):
+                child = self.children.get(actor)
+                if child is not None and child.pid == pid:
+                    child.heartbeat_at = now
+                    child.values = dict(values)
+            case protocol.StatusRequest(msg_id=msg_id):
+                self.control.reply(incoming.identity, self._status(msg_id, now))
+            case protocol.StopRequest(msg_id=msg_id):
+                self.control.reply(incoming.identity, protocol.Ack(
+                    msg_id=msg_id, affected=list(self.children)))
+                log.info("stop_requested")
+                self._begin_stop(EXIT_OK)
+            case protocol.SignalRequest(msg_id=msg_id, target=target, signal=sig):
+                self.control.reply(incoming.identity, self._signal(msg_id, target, sig))
+            case protocol.RestartRequest(msg_id=msg_id, target=target):
+                self.control.reply(incoming.identity, self._restart(msg_id, target, now))
+            case _:
+                ref: str | None = getattr(msg, "msg_id", None)
+                self.control.reply(incoming.identity, protocol.Error(
+                    msg_id=ref, code=protocol.ErrorCode.UNEXPECTED_MESSAGE,
+                    detail=f"the supervisor does not serve {msg.kind}"))
+
+    def _refusal(self, msg_id: str, target: str) -> protocol.Error | None:
+        if self.stopping:
+            return protocol.Error(msg_id=msg_id, code=protocol.ErrorCode.SHUTTING_DOWN,
+                                  detail="the supervisor is stopping")
+        if target != "all" and target not in self.children:
+            return protocol.Error(msg_id=msg_id, code=protocol.ErrorCode.NOT_FOUND,
+                                  detail=f"no child named {target!r}")
+        return None
+
+    def _signal(self, msg_id: str, target: str, sig: int) -> protocol.Ack | protocol.Error:
+        refused = self._refusal(msg_id, target)
+        if refused is not None:
+            return refused
+        chosen = list(self.children.values()) if target == "all" else [self.children[target]]
+        affected = [c.name for c in chosen if c.pid is not None
+                    and spawner.signal_group(c.pid, sig)]
+        if target != "all" and not affected:
+            return protocol.Error(msg_id=msg_id, code=protocol.ErrorCode.NOT_FOUND,
+                                  detail=f"{target} has no process (state "
+                                         f"{self.children[target].state})")
+        log.info("child_signalled", target=target, signal=sig, affected=len(affected))
+        return protocol.Ack(msg_id=msg_id, affected=affected)
+
+    def _restart(self, msg_id: str, target: str, now: float) -> protocol.Ack | protocol.Error:
+        refused = self._refusal(msg_id, target) or (
+            protocol.Error(msg_id=msg_id, code=protocol.ErrorCode.NOT_FOUND,
+                           detail="restart takes one child's name") if target == "all" else None)
+        if refused is not None:
+            return refused
+        child = self.children[target]
+        log.info("restart_requested", child=target, state=child.state)
+        if child.pid is not None:
+            child.restart_requested = True
+            if child.state != "stopping":
+                self._terminate(child, now)
+        elif not child.fork_pending:
+            child.history.clear()  # the operator resets a fatal or exited child
+            child.restart_at = None
+            child.restarts += 1
+            self._start(child, now)
+        return protocol.Ack(msg_id=msg_id, affected=[target])
+
+    def _status(self, msg_id: str, now: float) -> protocol.StatusReply:
+        return protocol.StatusReply(
+            msg_id=msg_id, supervisor_pid=os.getpid(), state_dir=str(self.state_dir.root),
+            started_at=self.started_at,
+            children=[c.status(now) for c in self.children.values()],
+        )
+
+    def _publish_status(self, now: float) -> None:
+        try:
+            statusfile.write(self.state_dir.status_path,
+                             self._status("status-file", now).model_dump(mode="json"))
+        except OSError as exc:
+            log.warning("status_write_failed", error=str(exc))
+
+    # --- signals -----------------------------------------------------------------
+    def _install_signals(self) -> None:
+        os.set_blocking(self._wake_w, False)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self._signals.append(signum)
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            sig = self._signals.popleft()
+            if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                log.info("stop_signalled", signal=signal.Signals(sig).name)
+                self._begin_stop(EXIT_OK)
