@@ -5,6 +5,7 @@ writer exits rather than retry a failed fdatasync (as PostgreSQL does)."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from actors.wal import segment_name
 from broker.errors import DurabilityError
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+# Fault injection for tests and the soak run: fail the Nth fdatasync with EIO.
+FAULT_ENV_FAIL_SYNC_AT = "CORRAL_FAULT_FAIL_FDATASYNC_AT"
 
 
 class ActiveSegment:
@@ -24,6 +27,8 @@ class ActiveSegment:
         self._fd = -1
         self.size = 0
         self.rotations = 0
+        self.syncs = 0
+        self._fail_sync_at = int(os.environ.get(FAULT_ENV_FAIL_SYNC_AT, "0") or 0)
         self._open()
 
     def _open(self) -> None:
@@ -49,7 +54,10 @@ class ActiveSegment:
         return start
 
     def sync(self) -> None:
+        self.syncs += 1
         try:
+            if self.syncs == self._fail_sync_at:
+                raise OSError(errno.EIO, "injected fdatasync failure")
             os.fdatasync(self._fd)
         except OSError as exc:
             raise DurabilityError(f"fdatasync of {self.path} failed: {exc}") from exc

@@ -160,7 +160,9 @@ class Writer:
     def bind(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_frame_bytes)
+        # The transport drops peers sending over twice the limit; frames between
+        # the limit and that get a typed frame_too_large reply from decode().
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.options.max_frame_bytes)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
         endpoint = self.state_dir.endpoint("writer")

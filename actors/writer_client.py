@@ -114,3 +114,9 @@ class WriterClient:
 
     def close(self) -> None:
         self._req.close()
+
+    def __enter__(self) -> WriterClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -44,7 +44,7 @@ class Requester:
     def _open(self) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_frame_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._limits.max_frame_bytes)
         if self._identity is not None:
             sock.setsockopt(zmq.IDENTITY, self._identity)
         sock.connect(self.endpoint)
@@ -74,6 +74,11 @@ class Requester:
         Raises RemoteError for an `error` reply, RequestTimeoutError when no
         reply came after `retries` resends."""
         frame = protocol.encode(message)
+        if len(frame) > self._limits.max_frame_bytes:
+            raise ProtocolError(
+                protocol.ErrorCode.FRAME_TOO_LARGE,
+                f"{message.kind} of {len(frame)} bytes > limit {self._limits.max_frame_bytes}",
+            )
         msg_id = message.msg_id
         for attempt in range(retries + 1):
             if attempt:
