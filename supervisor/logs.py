@@ -39,7 +39,13 @@ class Filter:
             return False
         if LEVELS.get(str(record.get("level", "info")).lower(), 20) < self.min_level:
             return False
-        return not (self.since and str(record.get("timestamp", "")) < self.since)
+        return not (self.since and sort_key(record) < self.since)
+
+
+def sort_key(record: dict[str, Any]) -> str:
+    """The record's UTC timestamp as comparable text (structlog drops a zero fraction)."""
+    ts = str(record.get("timestamp", ""))
+    return ts[:-1] + ".000000Z" if ts.endswith("Z") and "." not in ts else ts
 
 
 def parse_since(text: str) -> str:
@@ -89,7 +95,7 @@ def _records(paths: list[Path], actor: str) -> Iterator[tuple[str, dict[str, Any
                 for line in fh:
                     record = _parse(line, actor)
                     if record is not None:
-                        yield str(record.get("timestamp", "")), record
+                        yield sort_key(record), record
         except FileNotFoundError:
             continue
 
@@ -149,6 +155,11 @@ class _Tail:
             out += self._drain()
         return out
 
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
+
     def _drain(self) -> list[str]:
         assert self.fh is not None
         self.buffer += self.fh.read()
@@ -161,6 +172,15 @@ def follow(log_dir: Path, flt: Filter, as_json: bool, out: TextIO = sys.stdout,
     """Print new records as they are written, until interrupted."""
     tails: dict[str, _Tail] = {a: _Tail(log_dir / f"{a}.log", from_end=True)
                                for a in actors_in(log_dir)}
+    try:
+        _follow(log_dir, flt, as_json, out, interval_s, tails)
+    finally:
+        for tail in tails.values():
+            tail.close()
+
+
+def _follow(log_dir: Path, flt: Filter, as_json: bool, out: TextIO, interval_s: float,
+            tails: dict[str, _Tail]) -> None:
     while True:
         for actor in actors_in(log_dir):
             if actor not in tails and (not flt.actors or actor in flt.actors):
@@ -172,7 +192,7 @@ def follow(log_dir: Path, flt: Filter, as_json: bool, out: TextIO = sys.stdout,
             for line in tail.lines():
                 record = _parse(line, actor)
                 if record is not None and flt.keep(record):
-                    batch.append((str(record.get("timestamp", "")), record))
+                    batch.append((sort_key(record), record))
         for _, record in sorted(batch, key=lambda item: item[0]):
             out.write(render(record, as_json) + "\n")
         out.flush()

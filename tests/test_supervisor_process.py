@@ -1,0 +1,237 @@
+"""The supervisor as real processes: `supervisor up` started as an OS process,
+driven through the real CLI, with short intervals from a test configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from broker.statedir import StateDir
+from tests.processes import ProcessTracker, wait_for
+
+pytestmark = pytest.mark.process
+
+FAST = {"backoff": {"base_s": 0.05, "cap_s": 0.2, "jitter": 0.0},
+        "intensity": {"max_restarts": 5, "period_s": 30}, "shutdown_timeout_s": 3}
+
+
+def write_config(state_dir: StateDir, *, agents: int = 2,
+                 extra: list[dict[str, Any]] | None = None,
+                 writer: dict[str, Any] | None = None) -> Path:
+    config = {
+        "heartbeat": {"interval_ms": 200, "timeout_s": 5},
+        "status_interval_s": 0.2,
+        "broker": {"heartbeat_interval_ms": 200, "heartbeat_misses": 5},
+        "children": [
+            {"name": "writer", "kind": "writer", "fatal_exit_codes": [65, 78], **FAST,
+             **(writer or {})},
+            {"name": "broker", "kind": "broker", **FAST},
+            *(extra or []),
+        ],
+        "agents": {"count": agents, **FAST},
+    }
+    path = state_dir.root.parent / "corral-test.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def cli(processes: ProcessTracker, state_dir: StateDir, *args: str,
+        timeout_s: float = 20) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", *args, "--state-dir", str(state_dir.root)],
+        env=processes.env(), capture_output=True, text=True, timeout=timeout_s, check=False,
+    )
+
+
+def status(processes: ProcessTracker, state_dir: StateDir) -> dict[str, Any]:
+    done = cli(processes, state_dir, "status", "--json")
+    assert done.returncode == 0, done.stderr
+    data: dict[str, Any] = json.loads(done.stdout)
+    return data
+
+
+def children(processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in status(processes, state_dir)["children"]}
+
+
+def start(processes: ProcessTracker, state_dir: StateDir, config: Path,
+          name: str = "up") -> subprocess.Popen[bytes]:
+    proc = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                            "--config", str(config)], name=name)
+    wait_for(lambda: state_dir.status_path.exists() or proc.poll() is not None, 20,
+             "the supervisor's first status file")
+    assert proc.poll() is None, processes.output(name)
+    return proc
+
+
+def all_running(processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
+    found = children(processes, state_dir)
+    return found if all(c["state"] == "running" for c in found.values()) else {}
+
+
+def test_up_status_kill_restart_and_stop(processes: ProcessTracker, state_dir: StateDir) -> None:
+    """Every kind is restarted after a kill and counted; restart works; stop leaves nothing."""
+    proc = start(processes, state_dir, write_config(state_dir))
+    first = wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
+    assert set(first) == {"writer", "broker", "agent-1", "agent-2"}
+    assert all(c["pid"] and c["uss_bytes"] is not None for c in first.values())
+
+    for name, sig in (("writer", "KILL"), ("broker", "TERM"), ("agent-1", "KILL")):
+        done = cli(processes, state_dir, "kill", name, "--signal", sig)
+        assert done.returncode == 0, done.stderr
+
+        def restarted(name: str = name) -> bool:
+            c = children(processes, state_dir)[name]
+            return c["state"] == "running" and c["pid"] != first[name]["pid"]
+
+        wait_for(restarted, 15, f"{name} restarted")
+        assert children(processes, state_dir)[name]["restarts"] == 1
+
+    done = cli(processes, state_dir, "restart", "agent-2")
+    assert done.returncode == 0, done.stderr
+    wait_for(lambda: children(processes, state_dir)["agent-2"]["pid"] != first["agent-2"]["pid"]
+             and children(processes, state_dir)["agent-2"]["state"] == "running", 10,
+             "agent-2 restarted on request")
+
+    assert cli(processes, state_dir, "kill", "nobody").returncode == 1
+    pids = [c["pid"] for c in children(processes, state_dir).values()]
+    done = cli(processes, state_dir, "stop")
+    assert done.returncode == 0, done.stderr
+    assert proc.wait(timeout=10) == 0
+    assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert processes.marked() == []
+
+
+def test_crash_loop_backs_off_then_is_fatal_while_status_answers(
+    processes: ProcessTracker, state_dir: StateDir
+) -> None:
+    """A child that exits at once every time backs off, gives up; status keeps answering."""
+    crasher = {"name": "procs", "kind": "procs", "ready_timeout_s": None,
+               "command": ["{python}", "-c", "import sys; sys.exit(3)"],
+               "backoff": {"base_s": 0.1, "cap_s": 0.4, "jitter": 0.0},
+               "intensity": {"max_restarts": 4, "period_s": 30}}
+    proc = start(processes, state_dir, write_config(state_dir, agents=1, extra=[crasher]))
+    seen: set[str] = set()
+
+    def fatal() -> bool:
+        c = children(processes, state_dir)["procs"]
+        seen.add(c["state"])
+        return c["state"] == "fatal"
+
+    wait_for(fatal, 20, "the crash-looping child marked fatal")
+    assert "backoff" in seen
+    final = children(processes, state_dir)
+    assert final["procs"]["restarts"] == 4
+    assert final["procs"]["last_exit"] == "exit 3"
+    # the rest of the runtime goes on; agents start after a given-up procs child
+    wait_for(lambda: children(processes, state_dir)["agent-1"]["state"] == "running", 10,
+             "agents running after procs gave up")
+    cpu = psutil.Process(proc.pid).cpu_times()
+    assert cpu.user + cpu.system < 3.0
+    log = (state_dir.logs_dir / "supervisor.log").read_text()
+    assert '"child_gave_up"' in log
+
+
+def test_sigkill_of_the_supervisor_leaves_no_child(
+    processes: ProcessTracker, state_dir: StateDir
+) -> None:
+    """Children and grandchildren (zygote-forked agents) die with the supervisor."""
+    proc = start(processes, state_dir, write_config(state_dir, agents=3))
+    wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert len(tree) >= 6  # writer, broker, zygote, 3 agents
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=5)
+
+    def all_gone() -> bool:
+        return not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    wait_for(all_gone, 2.0, "every descendant gone")
+
+
+def test_second_up_is_refused_naming_the_holder(
+    processes: ProcessTracker, state_dir: StateDir
+) -> None:
+    config = write_config(state_dir, agents=0)
+    proc = start(processes, state_dir, config)
+    done = cli(processes, state_dir, "up", "--config", str(config))
+    assert done.returncode == 75
+    assert f"pid {proc.pid}" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_status_without_supervisor_exits_3(processes: ProcessTracker, state_dir: StateDir) -> None:
+    done = cli(processes, state_dir, "status")
+    assert done.returncode == 3
+    assert done.stderr.strip() == f"supervisor: no supervisor for {state_dir.root}"
+
+
+def test_invalid_config_is_refused_naming_the_key(
+    processes: ProcessTracker, state_dir: StateDir
+) -> None:
+    bad = state_dir.root.parent / "bad.yaml"
+    bad.write_text("children:\n  - {name: writer, kind: writer, restart: sometimes}\n")
+    done = cli(processes, state_dir, "up", "--config", str(bad))
+    assert done.returncode == 78
+    assert str(bad) in done.stderr
+    assert "children.0.restart" in done.stderr
+
+
+def test_unanswered_status_falls_back_to_the_stale_file(
+    processes: ProcessTracker, state_dir: StateDir
+) -> None:
+    proc = start(processes, state_dir, write_config(state_dir, agents=0))
+    wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        done = cli(processes, state_dir, "status", "--json")
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert done.returncode == 4, done.stderr
+    data = json.loads(done.stdout)
+    assert data["stale"] is True
+    assert data["stale_age_s"] >= 0.9
+    assert {c["name"] for c in data["children"]} == {"writer", "broker"}
+
+
+def test_writer_wal_corruption_stops_the_runtime_with_65(
+    processes: ProcessTracker, state_dir: StateDir
+) -> None:
+    """Exit 65 from the writer is fatal at once; nothing runs without it."""
+    corrupt = {"command": ["{python}", "-c", "import sys; sys.exit(65)"], "ready_timeout_s": 5}
+    proc = processes.spawn(
+        ["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root), "--config",
+         str(write_config(state_dir, agents=1, writer=corrupt))], name="up")
+    assert proc.wait(timeout=20) == 65
+    assert "WAL corrupt" in processes.output("up")
+    data = json.loads(state_dir.status_path.read_text())
+    states = {c["name"]: c["state"] for c in data["children"]}
+    assert states["writer"] == "fatal"
+    assert states["broker"] != "running"
+
+
+def test_logs_merge_actors_in_time_order(processes: ProcessTracker, state_dir: StateDir) -> None:
+    proc = start(processes, state_dir, write_config(state_dir, agents=1))
+    wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
+    assert cli(processes, state_dir, "stop").returncode == 0
+    proc.wait(timeout=10)
+    done = cli(processes, state_dir, "logs", "--json")
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    stamps = [r["timestamp"] for r in records]
+    assert stamps == sorted(stamps)
+    assert {"supervisor", "writer", "broker", "agent-1"} <= {r["actor"] for r in records}
+    errors = cli(processes, state_dir, "logs", "--actor", "agent-1", "--level", "warning")
+    assert errors.returncode == 0
+    assert errors.stdout == ""
+    since = cli(processes, state_dir, "logs", "--since", "1h", "--actor", "supervisor")
+    assert "supervisor_stopped" in since.stdout
