@@ -173,13 +173,13 @@ def follow(log_dir: Path, flt: Filter, as_json: bool, out: TextIO = sys.stdout,
     tails: dict[str, _Tail] = {a: _Tail(log_dir / f"{a}.log", from_end=True)
                                for a in actors_in(log_dir)}
     try:
-        _follow(log_dir, flt, as_json, out, interval_s, tails)
+        _follow(log_dir, flt, as_json, out, interval_s, tails=tails)
     finally:
         for tail in tails.values():
             tail.close()
 
 
-def _follow(log_dir: Path, flt: Filter, as_json: bool, out: TextIO, interval_s: float,
+def _follow(log_dir: Path, flt: Filter, as_json: bool, out: TextIO, interval_s: float, *,
             tails: dict[str, _Tail]) -> None:
     while True:
         for actor in actors_in(log_dir):
