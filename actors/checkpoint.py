@@ -9,7 +9,6 @@ not match the WAL, the writer falls back to a full scan."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -66,7 +65,7 @@ def load(path: Path) -> tuple[Checkpoint | None, str | None]:
     except OSError as exc:
         return None, f"unreadable: {exc}"
     try:
-        checkpoint = Checkpoint.model_validate(json.loads(raw))
+        checkpoint = Checkpoint.model_validate_json(raw)
     except (ValueError, ValidationError) as exc:
         return None, f"invalid: {str(exc)[:200]}"
     if checkpoint.version != CHECKPOINT_VERSION:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-DEFAULT_WINDOW = 1024
+DEFAULT_WINDOW = 256
 
 
 class DedupeWindows:
@@ -48,6 +48,7 @@ class DedupeWindows:
     def load(cls, data: dict[str, list[tuple[str, int]]], window: int) -> DedupeWindows:
         windows = cls(window)
         for origin, pairs in data.items():
-            for key, seq in pairs:
-                windows.remember(origin, key, seq)
+            windows._by_origin[origin] = OrderedDict(
+                (key, seq) for key, seq in pairs[-window:]
+            )
         return windows

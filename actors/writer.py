@@ -147,7 +147,10 @@ class Writer:
         for ledger, count in rec.ledger_appends.items():
             if count:
                 self.log.warning("ledger_completed_from_wal", ledger=ledger, records=count)
-        self._checkpoint()
+        # The scanned tail is checkpointed at the first loop turn, after the
+        # writer answers: start-up does not wait for it.
+        self._checkpoint_head = rec.head_seq - rec.scanned_records
+        self._checkpoint_at = 0.0
         self.log.info(
             "wal_recovered",
             head_seq=self.head,
