@@ -35,7 +35,7 @@ from supervisor.zygote import Forked
 EXIT_OK = 0
 EXIT_WAL_CORRUPT = 65  # the writer found the WAL corrupt: the operator must act
 EXIT_CORE_GAVE_UP = 69  # the writer or the broker gave up (EX_UNAVAILABLE)
-FORKS_IN_FLIGHT = 64
+FORKS_IN_FLIGHT = 8  # forks asked of the zygote and not yet answered (flow control)
 ZYGOTE_POLICY = Policy(max_restarts=5, period_s=60.0, base_s=0.2, cap_s=5.0)
 
 log = structlog.get_logger("supervisor")
@@ -216,6 +216,7 @@ class Runtime:
                 continue
             if not self.zygote.request(child.name):
                 return
+            child.requested_at = time.monotonic()  # ready_ms: fork request to `ready`
             self.fork_queue.popleft()
             self.in_flight += 1
 

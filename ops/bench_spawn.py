@@ -1,0 +1,241 @@
+"""`python ops/bench.py spawn`: how many idle agents the supervisor keeps up,
+how fast they start and restart, what they cost in memory, how fast
+`supervisor status --json` answers.
+
+Figures:
+    fresh_interpreter_ready_ms  baseline: `python -m actors.agent` in a new
+                                interpreter, spawn to its `ready` (median)
+    agents_alive                the largest of 50 / 200 / 500 where every agent
+                                came up and answered a ping through the broker
+    spawn_ready_ms_p50          supervisor's fork request to the agent's `ready`,
+                                during the ramp of all agents at once
+    spawn_ready_single_ms_p50   the same for one agent spawned alone (the restarted
+                                ones), the others idle
+    uss_mib_median / pss_mib_median   per idle agent, at the largest size
+    restart_ready_ms_p50        SIGKILL of an idle agent to its successor running
+                                (seen through status requests)
+    status_cli_ms_p50           `supervisor status --json` as a whole command
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+import zmq
+
+from broker import protocol
+from broker.peer import BrokerPeer
+from broker.requester import Requester, new_msg_id
+from broker.statedir import StateDir
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.pop("CORRAL_CONTROL", None)
+    env.update(extra or {})
+    return env
+
+
+def fresh_interpreter_ready_ms(root: Path, runs: int) -> float:
+    """Spawn `python -m actors.agent` and time it to its `ready` on our own ROUTER."""
+    state = StateDir(root / "fresh" / ".corral").ensure()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(state.endpoint("supervisor"))
+    times = []
+    try:
+        for i in range(runs):
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "actors.agent", "--name", f"fresh-{i}", "--state-dir",
+                 str(state.root), "--no-broker"],
+                env=_env({"CORRAL_CONTROL": state.endpoint("supervisor")}),
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+            while True:
+                if not router.poll(30_000):
+                    raise RuntimeError("fresh agent never sent ready")
+                _, frame = router.recv_multipart()
+                if isinstance(protocol.decode(frame), protocol.Ready):
+                    break
+            times.append((time.perf_counter() - t0) * 1000)
+            proc.terminate()
+            proc.wait(10)
+    finally:
+        router.close()
+        ctx.term()
+    return round(statistics.median(times), 1)
+
+
+class Run:
+    """One `supervisor up` with `count` idle agents."""
+
+    def __init__(self, root: Path, count: int) -> None:
+        self.state = StateDir(root / f"n{count}" / ".corral").ensure()
+        self.count = count
+        config = yaml.safe_load((REPO / "config" / "default.yaml").read_text())
+        config["agents"]["count"] = count
+        config["logging"]["level"] = "warning"
+        self.config_path = self.state.root.parent / "bench.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.out = (self.state.root.parent / "up.out").open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "up", "--state-dir", str(self.state.root),
+             "--config", str(self.config_path)],
+            env=_env(), stdin=subprocess.DEVNULL, stdout=self.out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.requester: Requester | None = None
+
+    def status(self) -> list[protocol.ChildStatus]:
+        if self.requester is None:
+            self.requester = Requester(self.ctx, self.state.endpoint("supervisor"))
+        reply = self.requester.request(protocol.StatusRequest(msg_id=new_msg_id("b")),
+                                       timeout_s=5.0, retries=2)
+        assert isinstance(reply, protocol.StatusReply)
+        return reply.children
+
+    def agents(self) -> list[protocol.ChildStatus]:
+        return [c for c in self.status() if c.kind == "agent"]
+
+    def wait_all_running(self, timeout_s: float) -> list[protocol.ChildStatus]:
+        deadline = time.monotonic() + timeout_s
+        while not self.state.status_path.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"supervisor did not start (exit {self.proc.poll()})")
+            time.sleep(0.05)
+        while True:
+            children = self.status()
+            if all(c.state == "running" for c in children):
+                return [c for c in children if c.kind == "agent"]
+            if time.monotonic() > deadline:
+                return [c for c in children if c.kind == "agent" and c.state == "running"]
+            time.sleep(0.2)
+
+    def pinged(self, names: list[str]) -> int:
+        """How many agents answer a ping through the broker."""
+        peer = BrokerPeer(self.ctx, self.state, "bench-pinger")
+        answered = 0
+        try:
+            for name in names:
+                try:
+                    reply = peer.request(name, protocol.Ping(msg_id=new_msg_id("p")),
+                                         timeout_s=2.0, retries=1)
+                except Exception:  # noqa: BLE001 - an unanswered ping is just not counted
+                    continue
+                answered += isinstance(reply, protocol.Pong)
+        finally:
+            peer.close()
+        return answered
+
+    def restart_ready_ms(self, victims: list[protocol.ChildStatus]) -> list[float]:
+        times = []
+        for victim in victims:
+            assert victim.pid is not None
+            t0 = time.perf_counter()
+            os.kill(victim.pid, signal.SIGKILL)
+            while True:
+                now = {c.name: c for c in self.agents()}[victim.name]
+                if now.state == "running" and now.pid != victim.pid:
+                    times.append((time.perf_counter() - t0) * 1000)
+                    break
+                if time.perf_counter() - t0 > 10:
+                    break
+        return times
+
+    def status_cli_ms(self, runs: int) -> list[float]:
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "supervisor.cli", "status", "--json",
+                            "--state-dir", str(self.state.root)],
+                           env=_env(), stdout=subprocess.DEVNULL, check=True)
+            times.append((time.perf_counter() - t0) * 1000)
+        return times
+
+    def stop(self) -> None:
+        if self.requester is not None:
+            self.requester.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.ctx.destroy(linger=0)
+        self.out.close()
+
+
+def _memory_mib(pids: list[int]) -> tuple[float, float]:
+    uss, pss = [], []
+    for pid in pids:
+        try:
+            info = psutil.Process(pid).memory_full_info()
+        except psutil.Error:
+            continue
+        uss.append(info.uss / 1048576)
+        pss.append(info.pss / 1048576)
+    return round(statistics.median(uss), 2), round(statistics.median(pss), 2)
+
+
+def run(quick: bool) -> dict[str, object]:
+    sizes = [10, 50] if quick else [50, 200, 500]
+    figures: dict[str, Any] = {"sizes_tried": sizes, "cpu_count": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="cb-", dir="/tmp") as tmp:
+        root = Path(tmp)
+        figures["fresh_interpreter_ready_ms"] = fresh_interpreter_ready_ms(root, 3 if quick else 5)
+        alive = 0
+        for count in sizes:
+            bench = Run(root, count)
+            try:
+                t0 = time.perf_counter()
+                running = bench.wait_all_running(timeout_s=60 + count * 0.2)
+                up_s = time.perf_counter() - t0
+                answered = bench.pinged([c.name for c in running])
+                figures[f"n{count}_running"] = len(running)
+                figures[f"n{count}_answered_ping"] = answered
+                figures[f"n{count}_all_running_s"] = round(up_s, 2)
+                if answered < count:
+                    break
+                alive = count
+                if count == sizes[-1]:
+                    ready = [c.values["ready_ms"] for c in running if "ready_ms" in c.values]
+                    figures["spawn_ready_ms_p50"] = round(statistics.median(ready), 2)
+                    figures["spawn_ready_ms_p90"] = round(
+                        statistics.quantiles(ready, n=10)[-1], 2)
+                    uss, pss = _memory_mib([c.pid for c in running if c.pid])
+                    figures["uss_mib_median"] = uss
+                    figures["pss_mib_median"] = pss
+                    sup = psutil.Process(bench.proc.pid)
+                    figures["supervisor_rss_mib"] = round(sup.memory_info().rss / 1048576, 1)
+                    figures["status_cli_ms_p50"] = round(
+                        statistics.median(bench.status_cli_ms(5 if quick else 9)), 1)
+                    victims = running[:: max(1, len(running) // 10)][:10]
+                    restarts = bench.restart_ready_ms(victims)
+                    figures["restart_ready_ms_p50"] = round(statistics.median(restarts), 1)
+                    figures["restarts_measured"] = len(restarts)
+                    # the restarted agents' own spawn latency: one fork, 500 siblings idle
+                    again = {c.name: c for c in bench.agents()}
+                    single = [again[v.name].values["ready_ms"] for v in victims
+                              if "ready_ms" in again[v.name].values]
+                    figures["spawn_ready_single_ms_p50"] = round(statistics.median(single), 2)
+            finally:
+                bench.stop()
+        figures["agents_alive"] = alive
+    return figures
