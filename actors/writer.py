@@ -14,7 +14,6 @@ batch was acknowledged; restart re-scans); 75 another writer holds the lock;
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import signal
 import sys
@@ -36,11 +35,13 @@ from broker import logconfig, protocol
 from broker.control import ControlReporter
 from broker.errors import (
     DurabilityError,
+    LockHeldError,
     ProtocolError,
     StateDirError,
     WalCorruptionError,
     WalError,
 )
+from broker.pidlock import PidLock
 from broker.statedir import StateDir, bind_umask
 
 EXIT_OK = 0
@@ -99,7 +100,6 @@ class Writer:
         self.max_record_bytes = options.max_frame_bytes - RECORD_OVERHEAD_BYTES
         self.log: structlog.stdlib.BoundLogger = structlog.get_logger("writer")
         self._stopping = False
-        self._lock_fd = -1
         self._read_fds: OrderedDict[int, int] = OrderedDict()
         self.ledgers = Ledgers(
             {"budget": state_dir.budget_ledger_path, "approvals": state_dir.approvals_ledger_path}
@@ -113,15 +113,8 @@ class Writer:
     # --- start-up -------------------------------------------------------------
     def lock(self) -> None:
         """Hold run/writer.lock for the process lifetime (one writer per WAL)."""
-        path = self.state_dir.run_dir / "writer.lock"
-        self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip()
-            raise StateDirError(f"{path} is held by writer pid {holder or '?'}") from None
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock = PidLock(self.state_dir.run_dir / "writer.lock")
+        self._lock.acquire()
 
     def recover(self) -> Recovered:
         started = time.monotonic()
@@ -397,6 +390,7 @@ class Writer:
         self.ledgers.close()
         for fd in self._read_fds.values():
             os.close(fd)
+        self._lock.release()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -461,10 +455,14 @@ def main(argv: list[str] | None = None) -> int:
         log.error("wal_write_failed", error=str(exc))
         print(f"writer: {exc}; nothing of the failed batch was acknowledged", file=sys.stderr)
         return EXIT_IO
-    except StateDirError as exc:
-        log.error("writer_locked", error=str(exc))
-        print(f"writer: {exc}", file=sys.stderr)
+    except LockHeldError as exc:
+        log.error("writer_lock_held", lock=str(exc.lock_path), holder_pid=exc.pid)
+        print(f"writer: {exc}: another writer serves this state directory", file=sys.stderr)
         return EXIT_LOCKED
+    except StateDirError as exc:
+        log.error("writer_state_dir_unusable", error=str(exc))
+        print(f"writer: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except WalError as exc:
         log.error("wal_unusable", error=str(exc))
         print(f"writer: {exc}", file=sys.stderr)

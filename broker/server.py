@@ -28,9 +28,14 @@ import zmq
 
 from broker import logconfig, protocol
 from broker.control import ControlReporter
-from broker.errors import ProtocolError, StateDirError
+from broker.errors import LockHeldError, ProtocolError, StateDirError
 from broker.heartbeat import HeartbeatRule, PeerTable
+from broker.pidlock import PidLock
 from broker.statedir import NAME_PATTERN, StateDir, bind_umask
+
+EXIT_OK = 0
+EXIT_LOCKED = 75  # another broker holds run/broker.lock
+EXIT_CONFIG = 78  # the state directory is unusable
 
 BROKER_NAME = b"broker"
 DRAIN_BATCH = 256  # frames handled per wake-up before housekeeping gets a turn
@@ -393,7 +398,13 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = state.endpoint("broker")
     except StateDirError as exc:
         print(f"broker: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    lock = PidLock(state.run_dir / "broker.lock")
+    try:
+        lock.acquire()  # one broker per state directory: a second would steal the socket path
+    except LockHeldError as exc:
+        print(f"broker: {exc}: another broker serves this state directory", file=sys.stderr)
+        return EXIT_LOCKED
     logconfig.configure("broker", state.log_path("broker"), level=args.log_level)
     rule = HeartbeatRule(args.heartbeat_interval_ms / 1000.0, args.heartbeat_misses)
     limits = protocol.Limits(max_frame_bytes=args.max_frame_bytes)
@@ -424,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             reporter.close()
         ctx.term()
         log.info("broker_stopped", **stats.values())
+        lock.release()
     return 0
 
 

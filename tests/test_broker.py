@@ -476,3 +476,15 @@ def test_supervised_broker_reports_ready_and_heartbeats(
     assert isinstance(beat, protocol.Heartbeat)
     assert "routed_total" in beat.values
     control.close()
+
+
+def test_a_second_broker_on_the_same_state_dir_is_refused_naming_the_holder(
+    processes: ProcessTracker, state_dir: StateDir
+) -> None:
+    first = start_broker(processes, state_dir)
+    second = processes.spawn(
+        ["-m", "broker.server", "--state-dir", str(state_dir.root)], name="broker2"
+    )
+    assert second.wait(timeout=15) == 75
+    assert f"pid {first.pid}" in processes.output("broker2")
+    assert first.poll() is None
