@@ -52,6 +52,7 @@ class Runtime:
         }
         self.by_pid: dict[int, Child] = {}
         self.early_exits: dict[int, monitor.Reaped] = {}  # reaped before the zygote's reply
+        self.early_ready: dict[int, float] = {}  # `ready` before the zygote's reply
         self.started_at = time.time()
         self.phase = 0  # index into KIND_ORDER while starting
         self.stop_phase = len(KIND_ORDER) - 1  # the same, backwards, while stopping
@@ -195,6 +196,9 @@ class Runtime:
         child.spawned(pid, now)
         self.by_pid[pid] = child
         log.info("actor_spawned", child=child.name, kind=child.kind, pid=pid)
+        ready_at = self.early_ready.pop(pid, None)
+        if ready_at is not None:
+            self._ready(child, ready_at)
         early = self.early_exits.pop(pid, None)
         if early is not None:
             self._on_reaped(early, now)
@@ -354,15 +358,15 @@ class Runtime:
         match msg:
             case protocol.Ready(actor=actor, pid=pid):
                 child = self.children.get(actor)
-                if child is not None and child.pid == pid and child.state == "starting":
-                    child.state = "running"
-                    child.heartbeat_at = now
-                    if child.requested_at is not None:
-                        child.ready_ms = round((now - child.requested_at) * 1000, 2)
-                    log.info("actor_ready", child=actor, pid=pid, ready_ms=child.ready_ms)
+                if child is not None and child.fork_pending:
+                    # a fast agent can be ready before the zygote's reply names its pid
+                    self.early_ready[pid] = now
+                elif child is not None and child.pid == pid:
+                    self._ready(child, now)
             case protocol.Heartbeat(actor=actor, pid=pid, values=values):
                 child = self.children.get(actor)
                 if child is not None and child.pid == pid:
+                    self._ready(child, now)  # a heartbeat also proves it serves
                     child.heartbeat_at = now
                     child.values = dict(values)
             case protocol.StatusRequest(msg_id=msg_id):
@@ -381,6 +385,15 @@ class Runtime:
                 self.control.reply(incoming.identity, protocol.Error(
                     msg_id=ref, code=protocol.ErrorCode.UNEXPECTED_MESSAGE,
                     detail=f"the supervisor does not serve {msg.kind}"))
+
+    def _ready(self, child: Child, now: float) -> None:
+        if child.state != "starting":
+            return
+        child.state = "running"
+        child.heartbeat_at = now
+        if child.requested_at is not None:
+            child.ready_ms = round((now - child.requested_at) * 1000, 2)
+        log.info("actor_ready", child=child.name, pid=child.pid, ready_ms=child.ready_ms)
 
     def _refusal(self, msg_id: str, target: str) -> protocol.Error | None:
         if self.stopping:
