@@ -11,7 +11,9 @@ operator needs to act on it.
      ├── DurabilityError          a write or fdatasync failed; nothing was acked
      ├── RequestTimeoutError      a peer did not answer within the deadline
      ├── RemoteError              a peer answered with a typed error reply
-     └── SpawnError               a child process could not be started
+     ├── SpawnError               a child process could not be started
+     ├── PathRefusedError         an agent's op named a path outside its workspace
+     └── ModelError               a model backend failed (after its retries)
 """
 
 from __future__ import annotations
@@ -83,3 +85,16 @@ class RemoteError(CorralError):
 
 class SpawnError(CorralError):
     """A child process could not be started."""
+
+
+class PathRefusedError(CorralError):
+    """An op's path escapes the agent's workspace or hits the write-gate."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"path {path!r} refused: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class ModelError(CorralError):
+    """A model backend could not produce a reply (after its retries)."""
