@@ -225,6 +225,139 @@ class Ack(_Message):
     affected: list[ActorName]
 
 
+# --- procs: background commands and terminals (served by the `procs` actor) -----
+SessionName = ActorName  # a session is named after its agent (docs/procs.md)
+ProcId = Annotated[str, Field(pattern=r"^[pt]-[0-9a-f]{16}$")]
+ProcState = Literal["running", "exited", "killed", "capped", "expired", "lost"]
+OutputBytes = Annotated[int, Field(ge=1, le=1024 * 1024 * 1024)]
+ReadBytes = Annotated[int, Field(ge=1, le=512 * 1024)]
+Lifetime = Annotated[float, Field(gt=0, le=7 * 24 * 3600)]
+
+
+class Bash(_Message):
+    """Run a command in the foreground: the reply (`proc_output`) comes when it
+    ends or after `timeout_s` (then its whole group is killed)."""
+
+    kind: Literal["bash"] = "bash"
+    msg_id: MsgId
+    session: SessionName
+    command: Annotated[str, Field(min_length=1, max_length=64 * 1024)]
+    cwd: Annotated[str, Field(min_length=1, max_length=4096)]
+    timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 120.0
+    max_bytes: ReadBytes = 64 * 1024  # output returned in the reply; the rest by bash_poll
+    max_output_bytes: OutputBytes | None = None  # cap of the log; None: the host's default
+
+
+class BashStart(_Message):
+    """Start a background command; the reply is `proc_status`."""
+
+    kind: Literal["bash_start"] = "bash_start"
+    msg_id: MsgId
+    session: SessionName
+    command: Annotated[str, Field(min_length=1, max_length=64 * 1024)]
+    cwd: Annotated[str, Field(min_length=1, max_length=4096)]
+    max_output_bytes: OutputBytes | None = None
+    lifetime_s: Lifetime | None = None
+
+
+class BashPoll(_Message):
+    """Bytes of a command's log after `cursor` (at most `max_bytes`) and its state."""
+
+    kind: Literal["bash_poll"] = "bash_poll"
+    msg_id: MsgId
+    session: SessionName
+    proc_id: ProcId
+    cursor: Annotated[int, Field(ge=0)] = 0
+    max_bytes: ReadBytes = 64 * 1024
+
+
+class BashKill(_Message):
+    """End a command's whole process group (SIGTERM, grace, SIGKILL)."""
+
+    kind: Literal["bash_kill"] = "bash_kill"
+    msg_id: MsgId
+    session: SessionName
+    proc_id: ProcId
+
+
+class TerminalStart(_Message):
+    """Start `argv` on a new PTY; the reply is `proc_status` (its proc_id names it)."""
+
+    kind: Literal["terminal_start"] = "terminal_start"
+    msg_id: MsgId
+    session: SessionName
+    argv: Annotated[
+        list[Annotated[str, Field(max_length=8192)]], Field(min_length=1, max_length=256)
+    ]
+    cwd: Annotated[str, Field(min_length=1, max_length=4096)]
+    rows: Annotated[int, Field(ge=1, le=1000)] = 24
+    cols: Annotated[int, Field(ge=1, le=1000)] = 80
+    max_output_bytes: OutputBytes | None = None
+    lifetime_s: Lifetime | None = None
+
+
+class TerminalInput(_Message):
+    """Bytes typed into a terminal (the WAL keeps only their hash and size)."""
+
+    kind: Literal["terminal_input"] = "terminal_input"
+    msg_id: MsgId
+    session: SessionName
+    proc_id: ProcId
+    data: Annotated[bytes, Field(max_length=64 * 1024)]
+
+
+class TerminalRead(_Message):
+    kind: Literal["terminal_read"] = "terminal_read"
+    msg_id: MsgId
+    session: SessionName
+    proc_id: ProcId
+    cursor: Annotated[int, Field(ge=0)] = 0
+    max_bytes: ReadBytes = 64 * 1024
+
+
+class TerminalEnd(_Message):
+    kind: Literal["terminal_end"] = "terminal_end"
+    msg_id: MsgId
+    session: SessionName
+    proc_id: ProcId
+
+
+class SessionEnd(_Message):
+    """The session is over: every command and terminal it started is ended."""
+
+    kind: Literal["session_end"] = "session_end"
+    msg_id: MsgId
+    session: SessionName
+
+
+class ProcStatus(_Message):
+    """A command's or terminal's state (reply to starts, kills, input, session_end)."""
+
+    kind: Literal["proc_status"] = "proc_status"
+    msg_id: MsgId
+    proc_id: ProcId | None  # None for session_end
+    state: ProcState
+    pid: int | None = None
+    exit_code: int | None = None
+    log_bytes: Annotated[int, Field(ge=0)] = 0
+    ended: Annotated[int, Field(ge=0)] = 0  # session_end: how many were ended
+
+
+class ProcOutput(_Message):
+    """Output after a cursor: `data` is log[cursor:next_cursor]; `state` and
+    `exit_code` as known when the bytes were read (read again until `eof`)."""
+
+    kind: Literal["proc_output"] = "proc_output"
+    msg_id: MsgId
+    proc_id: ProcId
+    cursor: Annotated[int, Field(ge=0)]
+    next_cursor: Annotated[int, Field(ge=0)]
+    data: bytes
+    state: ProcState
+    exit_code: int | None = None
+    eof: bool = False  # ended and every byte of the log has been returned
+
+
 Message = Annotated[
     Ping
     | Pong
@@ -242,7 +375,18 @@ Message = Annotated[
     | SignalRequest
     | RestartRequest
     | StopRequest
-    | Ack,
+    | Ack
+    | Bash
+    | BashStart
+    | BashPoll
+    | BashKill
+    | TerminalStart
+    | TerminalInput
+    | TerminalRead
+    | TerminalEnd
+    | SessionEnd
+    | ProcStatus
+    | ProcOutput,
     Field(discriminator="kind"),
 ]
 
@@ -250,9 +394,34 @@ _ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
 _KINDS = frozenset(
     str(m.model_fields["kind"].default)
     for m in (
-        Ping, Pong, Error, Append, AppendOk, ReadStream, Records, StatsRequest, Stats,
-        Ready, Heartbeat, StatusRequest, StatusReply, SignalRequest, RestartRequest,
-        StopRequest, Ack,
+        Ping,
+        Pong,
+        Error,
+        Append,
+        AppendOk,
+        ReadStream,
+        Records,
+        StatsRequest,
+        Stats,
+        Ready,
+        Heartbeat,
+        StatusRequest,
+        StatusReply,
+        SignalRequest,
+        RestartRequest,
+        StopRequest,
+        Ack,
+        Bash,
+        BashStart,
+        BashPoll,
+        BashKill,
+        TerminalStart,
+        TerminalInput,
+        TerminalRead,
+        TerminalEnd,
+        SessionEnd,
+        ProcStatus,
+        ProcOutput,
     )
 )
 
@@ -328,12 +497,16 @@ def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         # StackError (too deep for the C unpacker) subclasses ValueError.
-        code = ErrorCode.TOO_DEEP if "stack" in type(exc).__name__.lower() else (
-            ErrorCode.MALFORMED_FRAME
+        code = (
+            ErrorCode.TOO_DEEP
+            if "stack" in type(exc).__name__.lower()
+            else (ErrorCode.MALFORMED_FRAME)
         )
         raise ProtocolError(code, f"not a valid msgpack frame: {exc}") from exc
     if not isinstance(obj, dict):
-        raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"frame is a {type(obj).__name__}, not a map")
+        raise ProtocolError(
+            ErrorCode.MALFORMED_FRAME, f"frame is a {type(obj).__name__}, not a map"
+        )
     _depth(obj, limits.max_depth)
     version = obj.pop("v", None)
     if version != PROTOCOL_VERSION:
@@ -348,16 +521,16 @@ def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"][1:]) or "(frame)"
-        raise ProtocolError(
-            ErrorCode.INVALID_MESSAGE, f"{kind}: {where}: {first['msg']}"
-        ) from exc
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"{kind}: {where}: {first['msg']}") from exc
 
 
 def peek_msg_id(frame: bytes) -> str | None:
     """Best-effort msg_id of a refused frame, so the error reply can carry it."""
     try:
         obj = msgpack.unpackb(
-            frame[:DEFAULT_LIMITS.max_frame_bytes], raw=False, ext_hook=_refuse_ext,
+            frame[: DEFAULT_LIMITS.max_frame_bytes],
+            raw=False,
+            ext_hook=_refuse_ext,
             max_ext_len=0,
         )
     except Exception:  # noqa: BLE001 - any failure just means "no msg_id"

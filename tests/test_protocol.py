@@ -23,6 +23,8 @@ values = st.dictionaries(
     st.one_of(st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False)),
     max_size=5,
 )
+proc_ids = st.from_regex(r"\A[pt]-[0-9a-f]{16}\Z")
+proc_states = st.sampled_from(["running", "exited", "killed", "capped", "expired", "lost"])
 child = st.builds(
     p.ChildStatus,
     name=actors,
@@ -89,10 +91,91 @@ BUILDERS: dict[str, st.SearchStrategy[p._Message]] = {
         started_at=st.floats(0, 2e9),
         children=st.lists(child, max_size=4),
     ),
-    "signal_request": st.builds(p.SignalRequest, msg_id=msg_ids, target=actors, signal=st.integers(1, 64)),
+    "signal_request": st.builds(
+        p.SignalRequest, msg_id=msg_ids, target=actors, signal=st.integers(1, 64)
+    ),
     "restart_request": st.builds(p.RestartRequest, msg_id=msg_ids, target=actors),
     "stop_request": st.builds(p.StopRequest, msg_id=msg_ids),
     "ack": st.builds(p.Ack, msg_id=msg_ids, affected=st.lists(actors, max_size=5)),
+    **{  # procs: background commands and terminals
+        "bash": st.builds(
+            p.Bash,
+            msg_id=msg_ids,
+            session=actors,
+            command=st.text(min_size=1, max_size=50),
+            cwd=st.text(min_size=1, max_size=20),
+            timeout_s=st.floats(0.1, 100),
+            max_bytes=st.integers(1, 512 * 1024),
+            max_output_bytes=st.none() | st.integers(1, 2**30),
+        ),
+        "bash_start": st.builds(
+            p.BashStart,
+            msg_id=msg_ids,
+            session=actors,
+            command=st.text(min_size=1, max_size=50),
+            cwd=st.text(min_size=1, max_size=20),
+            max_output_bytes=st.none() | st.integers(1, 2**30),
+            lifetime_s=st.none() | st.floats(1, 1000),
+        ),
+        "bash_poll": st.builds(
+            p.BashPoll,
+            msg_id=msg_ids,
+            session=actors,
+            proc_id=proc_ids,
+            cursor=st.integers(0, 2**40),
+            max_bytes=st.integers(1, 512 * 1024),
+        ),
+        "bash_kill": st.builds(p.BashKill, msg_id=msg_ids, session=actors, proc_id=proc_ids),
+        "terminal_start": st.builds(
+            p.TerminalStart,
+            msg_id=msg_ids,
+            session=actors,
+            argv=st.lists(st.text(max_size=10), min_size=1, max_size=3),
+            cwd=st.text(min_size=1, max_size=20),
+            rows=st.integers(1, 1000),
+            cols=st.integers(1, 1000),
+            max_output_bytes=st.none() | st.integers(1, 2**30),
+            lifetime_s=st.none() | st.floats(1, 1000),
+        ),
+        "terminal_input": st.builds(
+            p.TerminalInput,
+            msg_id=msg_ids,
+            session=actors,
+            proc_id=proc_ids,
+            data=st.binary(max_size=64),
+        ),
+        "terminal_read": st.builds(
+            p.TerminalRead,
+            msg_id=msg_ids,
+            session=actors,
+            proc_id=proc_ids,
+            cursor=st.integers(0, 2**40),
+            max_bytes=st.integers(1, 512 * 1024),
+        ),
+        "terminal_end": st.builds(p.TerminalEnd, msg_id=msg_ids, session=actors, proc_id=proc_ids),
+        "session_end": st.builds(p.SessionEnd, msg_id=msg_ids, session=actors),
+        "proc_status": st.builds(
+            p.ProcStatus,
+            msg_id=msg_ids,
+            proc_id=st.none() | proc_ids,
+            state=proc_states,
+            pid=st.none() | st.integers(1, 2**22),
+            exit_code=st.none() | st.integers(-64, 255),
+            log_bytes=st.integers(0, 2**40),
+            ended=st.integers(0, 1000),
+        ),
+        "proc_output": st.builds(
+            p.ProcOutput,
+            msg_id=msg_ids,
+            proc_id=proc_ids,
+            cursor=st.integers(0, 2**40),
+            next_cursor=st.integers(0, 2**40),
+            data=st.binary(max_size=256),
+            state=proc_states,
+            exit_code=st.none() | st.integers(-64, 255),
+            eof=st.booleans(),
+        ),
+    },
 }
 MESSAGES = st.one_of(*BUILDERS.values())
 
@@ -128,16 +211,23 @@ def _refused(frame: bytes, limits: p.Limits = p.DEFAULT_LIMITS) -> str:
         (msgpack.packb({"v": 1, "kind": "ping", "msg_id": 7}), "invalid_message"),
         (msgpack.packb({"v": 1, "kind": "ping", "msg_id": "bad id!"}), "invalid_message"),
         (
-            msgpack.packb({"v": 1, "kind": "append_ok", "msg_id": "a", "seq": "5", "duplicate": False}),
+            msgpack.packb(
+                {"v": 1, "kind": "append_ok", "msg_id": "a", "seq": "5", "duplicate": False}
+            ),
             "invalid_message",  # a number held as a string is refused (strict)
         ),
         (
-            msgpack.packb({"v": 1, "kind": "append_ok", "msg_id": "a", "seq": 0, "duplicate": False}),
+            msgpack.packb(
+                {"v": 1, "kind": "append_ok", "msg_id": "a", "seq": 0, "duplicate": False}
+            ),
             "invalid_message",
         ),
         (msgpack.packb({1: 2}), "malformed_frame"),  # non-string map key
         (msgpack.packb(msgpack.ExtType(5, b"xx")), "malformed_frame"),
-        (msgpack.packb({"v": 1, "kind": "ping", "msg_id": msgpack.ExtType(1, b"")}), "malformed_frame"),
+        (
+            msgpack.packb({"v": 1, "kind": "ping", "msg_id": msgpack.ExtType(1, b"")}),
+            "malformed_frame",
+        ),
     ],
 )
 def test_malformed_frames_are_refused_with_a_code(frame: bytes, code: str) -> None:
@@ -146,7 +236,9 @@ def test_malformed_frames_are_refused_with_a_code(frame: bytes, code: str) -> No
 
 def test_oversized_frame_is_refused_before_parsing() -> None:
     limits = p.Limits(max_frame_bytes=1024)
-    frame = p.encode(p.Append(msg_id="a", origin="o", key="k", stream="s", event="e", payload=b"1" * 2000))
+    frame = p.encode(
+        p.Append(msg_id="a", origin="o", key="k", stream="s", event="e", payload=b"1" * 2000)
+    )
     assert _refused(frame, limits) == "frame_too_large"
 
 
