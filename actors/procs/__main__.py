@@ -1,0 +1,116 @@
+"""`python -m actors.procs --state-dir D`: the procs host (docs/procs.md).
+
+Exit codes: 0 stopped by SIGTERM/SIGINT (every job ended first), 78 the
+state directory or the registry is unusable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from types import FrameType
+
+import structlog
+import zmq
+
+from actors.procs.facts import Facts
+from actors.procs.host import ACTOR_NAME, HostOptions, ProcsHost
+from actors.procs.requests import handle
+from actors.writer_client import WriterClient
+from broker import logconfig
+from broker.control import ControlReporter
+from broker.errors import StateDirError
+from broker.peer import BrokerPeer
+from broker.statedir import StateDir
+
+EXIT_CONFIG = 78
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.stopped = False
+        self.read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self._set)
+        signal.signal(signal.SIGINT, self._set)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the poll through the fd
+
+    def _set(self, _signum: int, _frame: FrameType | None) -> None:
+        self.stopped = True
+
+
+def serve(state: StateDir, options: HostOptions, broker_heartbeat_s: float) -> int:
+    stop = _Stop()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    reporter = ControlReporter.from_env(ctx, ACTOR_NAME)
+    name = reporter.actor if reporter is not None else ACTOR_NAME
+    peer = BrokerPeer(ctx, state, name, heartbeat_interval_s=broker_heartbeat_s)
+    writer = WriterClient(ctx, state, origin=ACTOR_NAME)
+    log = structlog.get_logger(ACTOR_NAME)
+    try:
+        host = ProcsHost(state, peer, Facts(writer), options, reporter)
+        if reporter is not None:
+            reporter.ready()
+        log.info("procs_started", jobs=len(host.jobs))
+        while not stop.stopped:
+            poller = zmq.Poller()
+            poller.register(peer.socket, zmq.POLLIN)
+            poller.register(stop.read_fd, zmq.POLLIN)
+            for fd in host.terminal_fds():
+                poller.register(fd, zmq.POLLIN)
+            timeout_s = options.tick_s if host.busy() else min(0.5, broker_heartbeat_s / 2)
+            events = dict(poller.poll(int(timeout_s * 1000)))
+            if stop.read_fd in events:
+                os.read(stop.read_fd, 4096)
+            while (item := peer.recv(0)) is not None:
+                handle(host, *item)
+            host.reap()
+            host.refresh()
+            peer.tick()
+            if reporter is not None:
+                reporter.tick({k: v for k, v in host.statistics().model_dump().items()})
+        log.info("procs_stopping")
+        host.shutdown()
+        log.info("procs_stopped", **host.statistics().model_dump())
+        return 0
+    finally:
+        writer.close()
+        peer.close()
+        if reporter is not None:
+            reporter.close()
+        ctx.destroy(linger=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m actors.procs", description=__doc__)
+    parser.add_argument("--state-dir", default=None)
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--kill-grace-s", type=float, default=1.0)
+    parser.add_argument("--command-cap-bytes", type=int, default=64 * 1024 * 1024)
+    parser.add_argument("--terminal-cap-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--command-lifetime-s", type=float, default=3600.0)
+    parser.add_argument("--terminal-lifetime-s", type=float, default=1800.0)
+    parser.add_argument("--broker-heartbeat-interval-ms", type=int, default=1000)
+    args = parser.parse_args(argv)
+    try:
+        state = StateDir.at(args.state_dir).ensure()
+    except StateDirError as exc:
+        print(f"procs: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    logconfig.configure(ACTOR_NAME, state.log_path(ACTOR_NAME), level=args.log_level,
+                        console=False)
+    options = HostOptions(
+        kill_grace_s=args.kill_grace_s,
+        command_cap_bytes=args.command_cap_bytes,
+        terminal_cap_bytes=args.terminal_cap_bytes,
+        command_lifetime_s=args.command_lifetime_s,
+        terminal_lifetime_s=args.terminal_lifetime_s,
+    )
+    return serve(state, options, args.broker_heartbeat_interval_ms / 1000.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The WAL facts procs records, through the writer, on the stream
+`procs/<session>` (origin `procs`). Each carries an idempotency key derived
+from the job and the request, so a retried or replayed fact is written once.
+
+    proc_start      proc_id, pid, command_sha256, command_bytes, cwd, cap_bytes,
+                    lifetime_s, foreground
+    proc_poll       proc_id, cursor, next_cursor, data_sha256, state, exit_code
+                    (only polls that return bytes or the end: what entered context)
+    proc_exit       proc_id, state, exit_code, log_bytes
+    proc_kill       proc_id, reason
+    proc_reattached proc_id, pid                 (after a procs restart)
+    proc_lost       proc_id, kind, reason         (after a procs restart)
+    terminal_start  proc_id, pid, argv_sha256, argv_bytes, cwd, cap_bytes, lifetime_s
+    terminal_input  proc_id, data_sha256, data_bytes   (never the text)
+    terminal_read   proc_id, cursor, next_cursor, data_sha256, state
+    terminal_end    proc_id, state, exit_code, log_bytes, reason
+    session_end     ended
+
+Command text and terminal input are recorded as SHA-256 and sizes only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from actors.writer_client import WriterClient
+
+ORIGIN = "procs"
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def stream_for(session: str) -> str:
+    return f"procs/{session}"
+
+
+class Facts:
+    """Durable appends; `writer=None` records nothing (unit tests only)."""
+
+    def __init__(self, writer: WriterClient | None) -> None:
+        self.writer = writer
+        self.appended = 0
+
+    def record(self, session: str, event: str, key: str, **payload: Any) -> None:
+        if self.writer is None:
+            return
+        self.writer.append(stream_for(session), event, payload, key=key)
+        self.appended += 1

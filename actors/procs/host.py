@@ -1,0 +1,338 @@
+"""The procs loop: serve requests from agents through the broker, pump
+terminals, reap, enforce caps and lifetimes, settle deferred replies, keep the
+registry durable, report statistics in heartbeats.
+
+Replies that must wait (a foreground `bash`, a kill, `terminal_end`,
+`session_end`) are deferred: the loop never blocks on a program. Jobs are
+named deterministically from (session, msg_id), so a request the agent
+resends under the same msg_id finds the job it already started.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+from pydantic import BaseModel, ConfigDict
+
+from actors.procs import launch
+from actors.procs.command import Command, read_exit_file, wrapper_argv
+from actors.procs.facts import Facts, sha256
+from actors.procs.job import Job
+from actors.procs.registry import Entry, JobKind, Registry
+from actors.procs.terminal import Terminal
+from broker import protocol
+from broker.control import ControlReporter
+from broker.peer import BrokerPeer
+from broker.statedir import StateDir
+
+log = structlog.get_logger("actors.procs")
+ACTOR_NAME = "procs"
+SETTLE_MARGIN_S = 5.0  # after the grace period, how long a kill reply may wait
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    kill_grace_s: float = 1.0
+    command_cap_bytes: int = 64 * 1024 * 1024
+    terminal_cap_bytes: int = 16 * 1024 * 1024
+    command_lifetime_s: float = 3600.0
+    terminal_lifetime_s: float = 1800.0
+    tick_s: float = 0.02
+    heartbeat_interval_s: float = 1.0
+
+
+class ProcsStats(BaseModel):
+    """Counters shown by `supervisor status` (heartbeat values)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    live_commands: int
+    live_terminals: int
+    started_total: int
+    ended_total: int
+    killed_total: int
+    capped_total: int
+    expired_total: int
+    lost_total: int
+    reattached_total: int
+    requests_total: int
+    refused_total: int
+
+
+@dataclass
+class _Deferred:
+    sender: str
+    msg_id: str
+    ready: Callable[[], bool]
+    reply: Callable[[], protocol.Message]
+    deadline: float  # monotonic; the reply is sent then whatever the state
+    on_due: Callable[[], None] | None = None  # called once at the deadline (timeout kill)
+
+
+@dataclass
+class Counters:
+    started: int = 0
+    ended: int = 0
+    reattached: int = 0
+    requests: int = 0
+    refused: int = 0
+    by_state: dict[str, int] = field(default_factory=dict)
+
+
+def session_dir(state: StateDir, session: str) -> str:
+    """Where a session's files live: `.corral/agents/<session>/` (docs/procs.md)."""
+    return str(state.agent_dir(session))
+
+
+def new_proc_id(kind: JobKind, session: str, msg_id: str) -> str:
+    digest = hashlib.sha256(f"{session}\0{msg_id}".encode()).hexdigest()[:16]
+    return f"{'p' if kind == 'command' else 't'}-{digest}"
+
+
+class RefusedError(Exception):
+    def __init__(self, code: protocol.ErrorCode, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+
+
+class ProcsHost:
+    def __init__(
+        self, state: StateDir, peer: BrokerPeer, facts: Facts, options: HostOptions,
+        reporter: ControlReporter | None = None,
+    ) -> None:
+        self.state = state
+        self.peer = peer
+        self.facts = facts
+        self.options = options
+        self.reporter = reporter
+        self.registry = Registry.load(state.root / "procs" / "registry.json")
+        self.jobs: dict[str, Job] = {}
+        self._by_pid: dict[int, Job] = {}
+        self._deferred: list[_Deferred] = []
+        self.counters = Counters()
+        launch.become_subreaper()
+        self._recover()
+
+    # --- recovery after a crash of procs ------------------------------------------
+    def _recover(self) -> None:
+        grace = self.options.kill_grace_s
+        for entry in list(self.registry.entries.values()):
+            job: Job
+            if entry.kind == "terminal":
+                job = Terminal(entry, None, kill_grace_s=grace)
+            else:
+                job = Command(entry, ours=False, kill_grace_s=grace)
+            self.jobs[entry.proc_id] = job
+            if entry.state != "running":
+                continue
+            if entry.kind == "command" and launch.alive(entry.pid, entry.start_ticks):
+                self.counters.reattached += 1
+                self.facts.record(entry.session, "proc_reattached",
+                                  f"{entry.proc_id}:reattach:{os.getpid()}",
+                                  proc_id=entry.proc_id, pid=entry.pid)
+                log.info("proc_reattached", proc_id=entry.proc_id, pid=entry.pid)
+                continue
+            code = read_exit_file(entry.exit_path)
+            if entry.kind == "command" and code is not None:
+                entry.state, entry.exit_code = "exited", code
+                self._ended(job)
+                continue
+            launch.end_tree(entry.pid, entry.proc_id, 9)  # SIGKILL: nothing may survive
+            entry.state = "lost"
+            self.facts.record(entry.session, "proc_lost", f"{entry.proc_id}:lost",
+                              proc_id=entry.proc_id, kind=entry.kind,
+                              reason="terminal master died with procs" if entry.kind == "terminal"
+                              else "gone without an exit status")
+            log.warning("proc_lost", proc_id=entry.proc_id, kind=entry.kind, pid=entry.pid)
+            self._count_end(job)
+            self.registry.dirty = True
+        self.registry.save()
+
+    # --- starting -----------------------------------------------------------------
+    def _files(self, session: str, kind: JobKind, proc_id: str) -> tuple[str, str]:
+        sub = ".procs" if kind == "command" else ".terminals"
+        directory = os.path.join(session_dir(self.state, session), sub)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        return os.path.join(directory, f"{proc_id}.log"), os.path.join(directory, f"{proc_id}.exit")
+
+    def _check_cwd(self, cwd: str) -> None:
+        if not os.path.isabs(cwd) or not os.path.isdir(cwd):
+            raise RefusedError(protocol.ErrorCode.INVALID_MESSAGE,
+                               f"cwd {cwd!r} is not an absolute path to a directory")
+
+    def start_command(
+        self, session: str, msg_id: str, command: str, *, cwd: str, cap: int | None,
+        lifetime_s: float | None, foreground: bool,
+    ) -> Job:
+        proc_id = new_proc_id("command", session, msg_id)
+        if proc_id in self.jobs:
+            return self.jobs[proc_id]
+        self._check_cwd(cwd)
+        cap_bytes = cap or self.options.command_cap_bytes
+        lifetime = lifetime_s or self.options.command_lifetime_s
+        log_path, exit_path = self._files(session, "command", proc_id)
+        open(log_path, "ab").close()
+        spawned = launch.spawn(wrapper_argv(command, log_path, cap_bytes, exit_path),
+                               launch.job_env(os.environ, proc_id), cwd)
+        entry = self._entry(proc_id, "command", session, spawned.pid, log_path=log_path,
+                            exit_path=exit_path, cap_bytes=cap_bytes, lifetime_s=lifetime)
+        job = Command(entry, ours=True, kill_grace_s=self.options.kill_grace_s)
+        self._launch(job, spawned)
+        self.facts.record(session, "proc_start", f"{proc_id}:start", proc_id=proc_id,
+                          pid=entry.pid, command_sha256=sha256(command.encode()),
+                          command_bytes=len(command.encode()), cwd=cwd, cap_bytes=cap_bytes,
+                          lifetime_s=lifetime, foreground=foreground)
+        return job
+
+    def start_terminal(self, message: protocol.TerminalStart) -> Job:
+        proc_id = new_proc_id("terminal", message.session, message.msg_id)
+        if proc_id in self.jobs:
+            return self.jobs[proc_id]
+        self._check_cwd(message.cwd)
+        cap_bytes = message.max_output_bytes or self.options.terminal_cap_bytes
+        lifetime = message.lifetime_s or self.options.terminal_lifetime_s
+        log_path, _ = self._files(message.session, "terminal", proc_id)
+        master, slave = launch.open_pty(message.rows, message.cols)
+        env = launch.job_env(os.environ, proc_id)
+        env.setdefault("TERM", "xterm")
+        try:
+            spawned = launch.spawn(message.argv, env, message.cwd, stdio_fd=slave,
+                                   controlling_tty=True, die_with_parent=True)
+        finally:
+            os.close(slave)  # only the child holds the slave: its close gives us EIO
+        entry = self._entry(proc_id, "terminal", message.session, spawned.pid,
+                            log_path=log_path, exit_path=None, cap_bytes=cap_bytes,
+                            lifetime_s=lifetime)
+        job = Terminal(entry, master, kill_grace_s=self.options.kill_grace_s)
+        self._launch(job, spawned)
+        argv_bytes = "\0".join(message.argv).encode()
+        self.facts.record(message.session, "terminal_start", f"{proc_id}:start",
+                          proc_id=proc_id, pid=entry.pid, argv_sha256=sha256(argv_bytes),
+                          argv_bytes=len(argv_bytes), cwd=message.cwd, cap_bytes=cap_bytes,
+                          lifetime_s=lifetime)
+        return job
+
+    def _entry(self, proc_id: str, kind: JobKind, session: str, pid: int, *, log_path: str,
+               exit_path: str | None, cap_bytes: int, lifetime_s: float) -> Entry:
+        # the child is parked at its start gate, so its start time is readable
+        ticks = launch.start_ticks(pid) or 0
+        return Entry(proc_id=proc_id, kind=kind, session=session, pid=pid, start_ticks=ticks,
+                     log_path=log_path, exit_path=exit_path, cap_bytes=cap_bytes,
+                     deadline_wall=time.time() + lifetime_s)
+
+    def _launch(self, job: Job, spawned: launch.Spawned) -> None:
+        """Registry first (durable), then the gate: no unnamed process can run."""
+        self.jobs[job.proc_id] = job
+        self._by_pid[spawned.pid] = job
+        self.registry.put(job.entry)
+        try:
+            self.registry.save()
+        except OSError:
+            launch.abandon(spawned)
+            raise
+        failed = launch.open_gate(spawned)
+        self.counters.started += 1
+        log.info("proc_started", proc_id=job.proc_id, kind=job.entry.kind, pid=spawned.pid,
+                 session=job.entry.session, exec_errno=failed)
+
+    # --- the loop's chores -------------------------------------------------------
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            job = self._by_pid.pop(pid, None)
+            if job is not None:
+                job.wait_status = status
+
+    def refresh(self) -> None:
+        for job in list(self.jobs.values()):
+            if isinstance(job, Terminal) and job.running:
+                job.pump()
+            if job.running:
+                if job.refresh():
+                    self._ended(job)
+            elif job.kill_deadline is not None:
+                job.escalate()
+        now = time.monotonic()
+        still: list[_Deferred] = []
+        for item in self._deferred:
+            if not item.ready() and now < item.deadline:
+                still.append(item)
+                continue
+            if not item.ready() and item.on_due is not None:
+                due, item.on_due = item.on_due, None
+                due()  # e.g. the foreground timeout: kill, then wait for the end
+                item.deadline = now + self.options.kill_grace_s + SETTLE_MARGIN_S
+                still.append(item)
+                continue
+            self.peer.send(item.sender, item.reply())
+        self._deferred = still
+        self.registry.save()
+
+    def _ended(self, job: Job) -> None:
+        entry = job.entry
+        self.registry.dirty = True
+        self._count_end(job)
+        event = "proc_exit" if entry.kind == "command" else "terminal_end"
+        self.facts.record(entry.session, event, f"{entry.proc_id}:end", proc_id=entry.proc_id,
+                          state=entry.state, exit_code=entry.exit_code,
+                          log_bytes=job.log_size(), reason=entry.kill_reason)
+        log.info("proc_ended", proc_id=entry.proc_id, state=entry.state,
+                 exit_code=entry.exit_code, reason=entry.kill_reason)
+
+    def _count_end(self, job: Job) -> None:
+        self.counters.ended += 1
+        self.counters.by_state[job.entry.state] = self.counters.by_state.get(job.entry.state, 0) + 1
+
+    def busy(self) -> bool:
+        return bool(self._deferred) or any(
+            j.running or (j.kill_deadline is not None and not j.killed_hard)
+            for j in self.jobs.values()
+        )
+
+    def terminal_fds(self) -> list[int]:
+        return [j.master_fd for j in self.jobs.values()
+                if isinstance(j, Terminal) and j.master_fd is not None and j.running]
+
+    def defer(self, sender: str, msg_id: str, ready: Callable[[], bool],
+              reply: Callable[[], protocol.Message], *, timeout_s: float,
+              on_due: Callable[[], None] | None = None) -> None:
+        self._deferred.append(_Deferred(sender, msg_id, ready, reply,
+                                        time.monotonic() + timeout_s, on_due))
+
+    def statistics(self) -> ProcsStats:
+        live = [j for j in self.jobs.values() if j.running]
+        by = self.counters.by_state
+        return ProcsStats(
+            live_commands=sum(1 for j in live if j.entry.kind == "command"),
+            live_terminals=sum(1 for j in live if j.entry.kind == "terminal"),
+            started_total=self.counters.started, ended_total=self.counters.ended,
+            killed_total=by.get("killed", 0), capped_total=by.get("capped", 0),
+            expired_total=by.get("expired", 0), lost_total=by.get("lost", 0),
+            reattached_total=self.counters.reattached, requests_total=self.counters.requests,
+            refused_total=self.counters.refused,
+        )
+
+    def shutdown(self) -> None:
+        """SIGTERM to procs: end every job (no orphans), then return."""
+        for job in self.jobs.values():
+            if job.running:
+                job.kill("shutdown")
+        deadline = time.monotonic() + self.options.kill_grace_s + SETTLE_MARGIN_S
+        while time.monotonic() < deadline and not all(
+            j.settled() for j in self.jobs.values() if j.kill_deadline is not None
+        ):
+            self.reap()
+            self.refresh()
+            time.sleep(self.options.tick_s)  # a bounded wait at exit, no one to answer
+        self.registry.save()

@@ -1,0 +1,107 @@
+"""What background commands and terminals share: the registry entry, the log
+read by cursor, the lifetime, and ending the whole tree (SIGTERM to the group
+and the marked processes, then SIGKILL after the grace period).
+
+Final states: `exited` (ended by itself), `killed` (bash_kill, terminal_end,
+session_end, procs shutdown), `capped` (output cap), `expired` (lifetime or a
+foreground timeout), `lost` (procs could not account for it after a crash).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from actors.procs import launch
+from actors.procs.registry import Entry, JobState
+
+_STATE_BY_REASON: dict[str, JobState] = {
+    "request": "killed",
+    "session_end": "killed",
+    "shutdown": "killed",
+    "cap": "capped",
+    "lifetime": "expired",
+    "timeout": "expired",
+}
+
+
+def state_for(reason: str) -> JobState:
+    return _STATE_BY_REASON[reason]
+
+
+def read_log(path: str, cursor: int, max_bytes: int) -> tuple[bytes, int]:
+    """(bytes of the log from `cursor`, at most max_bytes; the log's size)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return b"", 0
+    try:
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, max_bytes, cursor) if cursor < size else b""
+    finally:
+        os.close(fd)
+    return data, size
+
+
+class Job:
+    """One started program; the host drives it with refresh()/escalate()."""
+
+    def __init__(self, entry: Entry, *, ours: bool, kill_grace_s: float) -> None:
+        self.entry = entry
+        self.ours = ours  # our child (we reap it) or re-attached after a restart
+        self.kill_grace_s = kill_grace_s
+        self.wait_status: int | None = None
+        self.kill_deadline: float | None = None  # monotonic: SIGKILL when passed
+        self.killed_hard = False
+
+    @property
+    def proc_id(self) -> str:
+        return self.entry.proc_id
+
+    @property
+    def running(self) -> bool:
+        return self.entry.state == "running"
+
+    def log_size(self) -> int:
+        try:
+            return os.stat(self.entry.log_path, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            return 0
+
+    def read(self, cursor: int, max_bytes: int) -> tuple[bytes, bool]:
+        """(data, eof): eof once the job ended and every byte was returned."""
+        data, size = read_log(self.entry.log_path, cursor, max_bytes)
+        return data, (not self.running and cursor + len(data) >= size)
+
+    def expired(self) -> bool:
+        return time.time() >= self.entry.deadline_wall
+
+    def kill(self, reason: str) -> None:
+        """Start ending the tree (idempotent; the first reason wins)."""
+        if self.entry.kill_reason is None and self.running:
+            self.entry.kill_reason = reason
+        if self.kill_deadline is None:
+            self.kill_deadline = time.monotonic() + self.kill_grace_s
+            launch.end_tree(self.entry.pid, self.proc_id, signal.SIGTERM)
+
+    def escalate(self) -> None:
+        """SIGKILL the tree once the grace period is over."""
+        if self.kill_deadline is None or self.killed_hard:
+            return
+        if time.monotonic() >= self.kill_deadline:
+            self.killed_hard = True
+            launch.end_tree(self.entry.pid, self.proc_id, signal.SIGKILL)
+
+    def settled(self) -> bool:
+        """Ended, and nothing of its tree is left (checked after kills)."""
+        return not self.running and launch.tree_gone(self.entry.pid, self.proc_id)
+
+    def refresh(self) -> bool:
+        """Advance the job; True when it just reached an end state."""
+        raise NotImplementedError
+
+    def leader_gone(self) -> bool:
+        if self.ours:
+            return self.wait_status is not None
+        return not launch.alive(self.entry.pid, self.entry.start_ticks)

@@ -1,0 +1,204 @@
+"""Starting and ending process trees.
+
+`spawn()` forks, and the child, before it execs: starts a new session (its
+pid is its process group), optionally takes the PTY on fd 0 as its
+controlling terminal and asks for SIGKILL when procs dies, then blocks on a
+*start gate* (a pipe). The parent records the pid durably (registry) and only
+then opens the gate. If procs dies in between, the gate reads EOF and the
+child exits 125 without running anything: no process exists that the
+registry does not name.
+
+Every process of a job carries `CORRAL_PROC_ID=<id>` in its environment, so
+`end_tree()` reaches, besides the process group, descendants that left it
+(`setsid`, a daemon's double fork): it scans /proc for the marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import signal
+import struct
+import termios
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+ENV_PROC_ID = "CORRAL_PROC_ID"
+GATE_CLOSED_EXIT = 125  # the start gate closed without "go": procs died first
+_EXEC_FAILED = 127
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Spawned:
+    pid: int
+    gate_fd: int  # write end: `open_gate()` releases the child
+    err_fd: int  # read end: EOF once the exec succeeded
+
+
+def _die_with_parent(parent: int) -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return False
+    return os.getppid() == parent
+
+
+def spawn(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    *,
+    stdio_fd: int | None = None,
+    controlling_tty: bool = False,
+    die_with_parent: bool = False,
+) -> Spawned:
+    """Fork `argv` in a new session, held at the start gate until `open_gate()`.
+
+    `stdio_fd` becomes fds 0-2 (a PTY slave); None means /dev/null."""
+    parent = os.getpid()
+    gate_r, gate_w = os.pipe()
+    err_r, err_w = os.pipe()  # close-on-exec: EOF means exec worked
+    args = [os.fsencode(a) for a in argv]
+    envb = {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child side runs only until exec
+        try:
+            os.close(gate_w)
+            os.close(err_r)
+            os.setsid()
+            if die_with_parent and not _die_with_parent(parent):
+                os._exit(GATE_CLOSED_EXIT)
+            if not os.read(gate_r, 1):
+                os._exit(GATE_CLOSED_EXIT)
+            os.close(gate_r)
+            fd = stdio_fd if stdio_fd is not None else os.open(os.devnull, os.O_RDWR)
+            for target in (0, 1, 2):
+                os.dup2(fd, target)
+            if fd > 2:
+                os.close(fd)
+            if controlling_tty:
+                fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            os.chdir(cwd)
+            os.execvpe(args[0], args, envb)  # noqa: S606 - argv from the caller, no shell here
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.write(err_w, str(exc.errno or errno.EIO).encode())
+        finally:
+            os._exit(_EXEC_FAILED)
+    os.close(gate_r)
+    os.close(err_w)
+    return Spawned(pid=pid, gate_fd=gate_w, err_fd=err_r)
+
+
+def open_gate(spawned: Spawned) -> int | None:
+    """Let the child exec; return None on success or the errno of a failed exec."""
+    try:
+        os.write(spawned.gate_fd, b"g")
+    except BrokenPipeError:
+        pass  # the child is gone already: its exit status tells
+    finally:
+        os.close(spawned.gate_fd)
+    try:
+        data = os.read(spawned.err_fd, 32)
+    finally:
+        os.close(spawned.err_fd)
+    return int(data) if data else None
+
+
+def abandon(spawned: Spawned) -> None:
+    """Close the gate without "go": the child exits 125 without running."""
+    for fd in (spawned.gate_fd, spawned.err_fd):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def open_pty(rows: int, cols: int) -> tuple[int, int]:
+    """A PTY pair (master non-blocking) with the window size set."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    os.set_blocking(master, False)
+    os.set_inheritable(master, False)
+    return master, slave
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (its identity with
+    the pid: a reused pid has another start time); None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def alive(pid: int, ticks: int) -> bool:
+    """`pid` still runs and is the same process that was recorded."""
+    return start_ticks(pid) == ticks
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def marked_pids(proc_id: str) -> list[int]:
+    """Live processes whose environment carries CORRAL_PROC_ID=<proc_id>."""
+    needle = f"{ENV_PROC_ID}={proc_id}".encode()
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def end_tree(pgid: int, proc_id: str, sig: int, *, sweep: bool = True) -> None:
+    """Signal the process group and (with `sweep`) every marked process."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+    if sweep:
+        for pid in marked_pids(proc_id):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+
+def tree_gone(pgid: int, proc_id: str) -> bool:
+    return not group_alive(pgid) and not marked_pids(proc_id)
+
+
+def job_env(base: Mapping[str, str], proc_id: str) -> dict[str, str]:
+    """The environment of a job: procs' own, minus supervision, plus the marker."""
+    env = {k: v for k, v in base.items() if k not in ("CORRAL_CONTROL", "CORRAL_ACTOR")}
+    env[ENV_PROC_ID] = proc_id
+    return env
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Adopt orphaned descendants of our jobs (a `nohup cmd &` whose shell
+    exited), so procs reaps them instead of leaving zombies to init."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))

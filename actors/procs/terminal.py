@@ -1,0 +1,125 @@
+"""One program on a PTY.
+
+procs holds the master (non-blocking) and pumps what the program writes into
+`.terminals/<id>.log`, counting bytes against the cap: the byte that would go
+past it is not written and the program's tree is ended (state `capped`).
+The program is a session leader with the PTY as its controlling terminal and
+dies with procs (PDEATHSIG): a PTY master cannot be handed to a successor,
+so after a crash of procs a terminal is reported lost, never re-attached.
+
+Output written before the program exits is never lost: the terminal ends
+only when the program has been reaped *and* the master reads EIO (on Linux:
+every byte the slave side wrote has been read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import time
+
+from actors.procs.job import Job, state_for
+from actors.procs.registry import Entry
+
+READ_CHUNK = 64 * 1024
+PUMP_BUDGET_BYTES = 1024 * 1024  # per terminal per turn of the loop (fairness)
+MAX_PENDING_INPUT = 256 * 1024
+EIO_WAIT_S = 2.0  # after the program exits, how long a held slave may delay the end
+
+
+class InputRefusedError(Exception):
+    """The terminal cannot take more input now (ended, or its queue is full)."""
+
+
+class Terminal(Job):
+    def __init__(self, entry: Entry, master_fd: int | None, *, kill_grace_s: float) -> None:
+        super().__init__(entry, ours=master_fd is not None, kill_grace_s=kill_grace_s)
+        self.master_fd = master_fd
+        self.log_fd: int | None = None
+        self.written = 0
+        self.eof = master_fd is None
+        self.reaped_at: float | None = None
+        self._pending = bytearray()
+        if master_fd is not None:
+            self.log_fd = os.open(
+                entry.log_path,
+                os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+            )
+            self.written = os.fstat(self.log_fd).st_size
+
+    def pump(self) -> int:
+        """Move what the program wrote into the log; returns bytes read."""
+        total = 0
+        while self.master_fd is not None and not self.eof and total < PUMP_BUDGET_BYTES:
+            try:
+                data = os.read(self.master_fd, READ_CHUNK)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno != errno.EIO:
+                    raise
+                data = b""  # Linux: EIO once the slave is closed and drained
+            if not data:
+                self.eof = True
+                break
+            total += len(data)
+            room = self.entry.cap_bytes - self.written
+            if room > 0 and self.log_fd is not None:
+                kept = data[:room]
+                os.write(self.log_fd, kept)
+                self.written += len(kept)
+            if len(data) > room and self.running:
+                self.kill("cap")
+        self._flush_input()
+        return total
+
+    def send(self, data: bytes) -> None:
+        """Queue input for the program (written as the PTY takes it)."""
+        if not self.running or self.master_fd is None:
+            raise InputRefusedError(f"terminal {self.proc_id} is {self.entry.state}")
+        if len(self._pending) + len(data) > MAX_PENDING_INPUT:
+            raise InputRefusedError(f"terminal {self.proc_id}: input queue full")
+        self._pending += data
+        self._flush_input()
+
+    def _flush_input(self) -> None:
+        while self._pending and self.master_fd is not None and self.running:
+            try:
+                n = os.write(self.master_fd, self._pending)
+            except (BlockingIOError, OSError):
+                return
+            del self._pending[:n]
+
+    def refresh(self) -> bool:
+        """Cap/lifetime/escalation; settle once reaped and drained (or the
+        drain waited EIO_WAIT_S). Returns True when an end state was reached."""
+        if not self.running:
+            return False
+        if not self.leader_gone():
+            if self.expired():
+                self.kill("lifetime")
+            self.escalate()
+            return False
+        if self.reaped_at is None:
+            self.reaped_at = time.monotonic()
+        self.pump()
+        if not self.eof and time.monotonic() - self.reaped_at < EIO_WAIT_S:
+            return False  # a descendant still holds the slave: wait for the drain
+        if not self.eof:
+            self.kill(self.entry.kill_reason or "request")  # end the holders, then close
+        self.close_fds()
+        if self.wait_status is not None:
+            self.entry.exit_code = os.waitstatus_to_exitcode(self.wait_status)
+        reason = self.entry.kill_reason
+        self.entry.state = state_for(reason) if reason is not None else "exited"
+        return True
+
+    def close_fds(self) -> None:
+        for fd in (self.master_fd, self.log_fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.master_fd = self.log_fd = None
+        self.eof = True
