@@ -217,6 +217,14 @@ class StopRequest(_Message):
     msg_id: MsgId
 
 
+class SpawnRequest(_Message):
+    """Add an agent to a running runtime (its spec file is already written)."""
+
+    kind: Literal["spawn_request"] = "spawn_request"
+    msg_id: MsgId
+    name: ActorName
+
+
 class Ack(_Message):
     """A control request was carried out for the named children."""
 
@@ -375,6 +383,7 @@ Message = Annotated[
     | SignalRequest
     | RestartRequest
     | StopRequest
+    | SpawnRequest
     | Ack
     | Bash
     | BashStart
@@ -410,6 +419,7 @@ _KINDS = frozenset(
         SignalRequest,
         RestartRequest,
         StopRequest,
+        SpawnRequest,
         Ack,
         Bash,
         BashStart,

@@ -96,6 +96,7 @@ BUILDERS: dict[str, st.SearchStrategy[p._Message]] = {
     ),
     "restart_request": st.builds(p.RestartRequest, msg_id=msg_ids, target=actors),
     "stop_request": st.builds(p.StopRequest, msg_id=msg_ids),
+    "spawn_request": st.builds(p.SpawnRequest, msg_id=msg_ids, name=actors),
     "ack": st.builds(p.Ack, msg_id=msg_ids, affected=st.lists(actors, max_size=5)),
     **{  # procs: background commands and terminals
         "bash": st.builds(
