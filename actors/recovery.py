@@ -102,7 +102,9 @@ def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
         for off, item in iter_segment(path, offset):
             if isinstance(item, TornTail):
                 if pos != len(todo) - 1:
-                    raise WalCorruptionError(path, off, "damaged record at the end of a sealed segment")
+                    raise WalCorruptionError(
+                        path, off, "damaged record at the end of a sealed segment"
+                    )
                 repaired = item
                 break
             if item.seq != head + 1:

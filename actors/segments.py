@@ -5,7 +5,6 @@ writer exits rather than retry a failed fdatasync (as PostgreSQL does)."""
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 
@@ -55,9 +54,9 @@ class ActiveSegment:
 
     def sync(self) -> None:
         self.syncs += 1
+        if self.syncs == self._fail_sync_at:
+            raise DurabilityError(f"fdatasync of {self.path} failed: injected EIO")
         try:
-            if self.syncs == self._fail_sync_at:
-                raise OSError(errno.EIO, "injected fdatasync failure")
             os.fdatasync(self._fd)
         except OSError as exc:
             raise DurabilityError(f"fdatasync of {self.path} failed: {exc}") from exc

@@ -68,10 +68,12 @@ def check_payload(payload: bytes) -> None:
     try:
         json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(ErrorCode.INVALID_PAYLOAD, f"payload is not one JSON value: {exc}") from exc
+        raise ProtocolError(
+            ErrorCode.INVALID_PAYLOAD, f"payload is not one JSON value: {exc}"
+        ) from exc
 
 
-def encode_record(
+def encode_record(  # noqa: PLR0917 - the record's fields, in their on-disk order
     seq: int,
     ts: float,
     stream: str,
@@ -89,7 +91,7 @@ def encode_record(
         f'{{"seq":{seq},"ts":{ts:.6f},"stream":"{stream}","event":"{event}",'
         f'"origin":"{origin}","key":"{key}","ledger":{ledger_text},"payload":'
     ).encode() + payload
-    return b"%s%s%08x\"}\n" % (body, _CRC_MARK, zlib.crc32(body))
+    return b'%s%s%08x"}\n' % (body, _CRC_MARK, zlib.crc32(body))
 
 
 def parse_record(line: bytes) -> WalRecord | None:
@@ -147,9 +149,7 @@ class TornTail:
     size: int  # bytes from offset to the end of the file
 
 
-def iter_segment(
-    path: Path, start_offset: int = 0
-) -> Iterator[tuple[int, WalRecord | TornTail]]:
+def iter_segment(path: Path, start_offset: int = 0) -> Iterator[tuple[int, WalRecord | TornTail]]:
     """Yield (offset, record) for each line from `start_offset`; a bad final
     line yields (offset, TornTail). A bad line followed by more data raises
     WalCorruptionError naming the file and byte offset."""
@@ -165,8 +165,10 @@ def iter_segment(
                 raise WalCorruptionError(path, pending_bad[0], pending_bad[1])
             record = parse_record(line)
             if record is None:
-                reason = "torn record (no newline)" if not line.endswith(b"\n") else (
-                    "checksum or format failure"
+                reason = (
+                    "torn record (no newline)"
+                    if not line.endswith(b"\n")
+                    else ("checksum or format failure")
                 )
                 pending_bad = (offset, reason)
             else:

@@ -24,6 +24,7 @@ from types import FrameType
 
 import structlog
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from actors import checkpoint
 from actors.dedupe import DEFAULT_WINDOW
@@ -31,9 +32,11 @@ from actors.ledgers import Ledgers
 from actors.recovery import Recovered, recover
 from actors.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.wal import check_payload, encode_record, parse_record, segment_name
-from broker import logconfig, protocol
+from broker import curve, logconfig, protocol
 from broker.control import ControlReporter
+from broker.curve import check_endpoints
 from broker.errors import (
+    ConfigError,
     DurabilityError,
     LockHeldError,
     ProtocolError,
@@ -42,7 +45,7 @@ from broker.errors import (
     WalError,
 )
 from broker.pidlock import PidLock
-from broker.statedir import StateDir, bind_umask
+from broker.statedir import StateDir, bind_umask, write_atomic_text
 
 EXIT_OK = 0
 EXIT_CORRUPT = 65
@@ -61,6 +64,8 @@ class WriterOptions:
     dedupe_window: int = DEFAULT_WINDOW
     max_batch: int = 4096
     max_frame_bytes: int = protocol.DEFAULT_LIMITS.max_frame_bytes
+    curve: bool = False  # CURVE on every connection (required for tcp://)
+    tcp_endpoints: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class Writer:
         self.max_record_bytes = options.max_frame_bytes - RECORD_OVERHEAD_BYTES
         self.log: structlog.stdlib.BoundLogger = structlog.get_logger("writer")
         self._stopping = False
+        self._auth: ThreadAuthenticator | None = None
         self._read_fds: OrderedDict[int, int] = OrderedDict()
         self.ledgers = Ledgers(
             {"budget": state_dir.budget_ledger_path, "approvals": state_dir.approvals_ledger_path}
@@ -154,6 +160,9 @@ class Writer:
         return rec
 
     def bind(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        """Bind run/writer.sock (and any tcp:// endpoints, CURVE only); the
+        endpoints actually bound are written to run/writer.endpoints."""
+        check_endpoints(self.options.tcp_endpoints, self.options.curve)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # The transport drops peers sending over twice the limit; frames between
@@ -161,6 +170,10 @@ class Writer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.options.max_frame_bytes)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        if self.options.curve:
+            server = curve.load_server(curve.keys_dir(self.state_dir.root))
+            self._auth = curve.start_authenticator(ctx, server)
+            curve.apply_server(self.sock, server)
         endpoint = self.state_dir.endpoint("writer")
         old = bind_umask()
         try:
@@ -168,9 +181,14 @@ class Writer:
             if os.path.exists(path):
                 os.unlink(path)  # a stale socket file of a dead writer; we hold the lock
             self.sock.bind(endpoint)
+            bound = [endpoint]
+            for extra in self.options.tcp_endpoints:
+                self.sock.bind(extra)
+                bound.append(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
         finally:
             os.umask(old)
         self.endpoint = endpoint
+        write_atomic_text(self.state_dir.run_dir / "writer.endpoints", "\n".join(bound) + "\n")
 
     # --- the loop -------------------------------------------------------------
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
@@ -200,7 +218,11 @@ class Writer:
         pending = _Pending()
         for parts in batch:
             if len(parts) != 2:
-                self._refuse(parts[0], ProtocolError("malformed_frame", f"{len(parts) - 1} frames, expected 1"), None)
+                self._refuse(
+                    parts[0],
+                    ProtocolError("malformed_frame", f"{len(parts) - 1} frames, expected 1"),
+                    None,
+                )
                 continue
             ident, frame = parts
             try:
@@ -214,15 +236,20 @@ class Writer:
                 case protocol.ReadStream():
                     self._reply(ident, self._read(msg))
                 case protocol.Ping():
-                    self._reply(ident, protocol.Pong(msg_id=msg.msg_id, actor="writer", pid=os.getpid()))
+                    self._reply(
+                        ident, protocol.Pong(msg_id=msg.msg_id, actor="writer", pid=os.getpid())
+                    )
                 case protocol.StatsRequest():
                     self._reply(
-                        ident, protocol.Stats(msg_id=msg.msg_id, actor="writer", values=self.values())
+                        ident,
+                        protocol.Stats(msg_id=msg.msg_id, actor="writer", values=self.values()),
                     )
                 case _:
                     self._refuse(
                         ident,
-                        ProtocolError("unexpected_message", f"the writer does not serve {msg.kind}"),
+                        ProtocolError(
+                            "unexpected_message", f"the writer does not serve {msg.kind}"
+                        ),
                         getattr(msg, "msg_id", None),
                     )
         if pending.lines:
@@ -253,7 +280,9 @@ class Writer:
         if len(line) > self.max_record_bytes:
             self._refuse(
                 ident,
-                ProtocolError("invalid_payload", f"record of {len(line)} bytes > {self.max_record_bytes}"),
+                ProtocolError(
+                    "invalid_payload", f"record of {len(line)} bytes > {self.max_record_bytes}"
+                ),
                 msg.msg_id,
             )
             return
@@ -268,7 +297,9 @@ class Writer:
         self.segment.sync()
         self.fsyncs_total += 1
         first = self.segment.first_seq
-        for line, (stream, seq, origin, key, ledger) in zip(pending.lines, pending.meta, strict=True):
+        for line, (stream, seq, origin, key, ledger) in zip(
+            pending.lines, pending.meta, strict=True
+        ):
             self.index.add(stream, seq, first, offset, len(line))
             self.dedupe.remember(origin, key, seq)
             if ledger is not None:
@@ -327,7 +358,11 @@ class Writer:
         return fd
 
     # --- replies --------------------------------------------------------------
-    def _reply(self, ident: bytes, message: protocol.Records | protocol.Error | protocol.Pong | protocol.Stats) -> None:
+    def _reply(
+        self,
+        ident: bytes,
+        message: protocol.Records | protocol.Error | protocol.Pong | protocol.Stats,
+    ) -> None:
         self.sock.send_multipart([ident, protocol.encode(message)])
 
     def _refuse(self, ident: bytes, exc: ProtocolError, msg_id: str | None) -> None:
@@ -385,6 +420,8 @@ class Writer:
         return dict(asdict(self.statistics()))
 
     def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
         self.segment.close()
         self.index.close()
         self.ledgers.close()
@@ -394,8 +431,11 @@ class Writer:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m actors.writer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m actors.writer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     d = WriterOptions()
     parser.add_argument("--state-dir", default=None, help="state directory (default ./.corral)")
     parser.add_argument("--segment-bytes", type=int, default=d.segment_bytes)
@@ -404,6 +444,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dedupe-window", type=int, default=d.dedupe_window)
     parser.add_argument("--max-batch", type=int, default=d.max_batch)
     parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="require CURVE on every connection (keys in <state-dir>/keys)",
+    )
+    parser.add_argument(
+        "--tcp",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="also bind this tcp:// endpoint (needs --curve; port * picks one)",
+    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
     parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)
@@ -418,8 +470,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"writer: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     log = logconfig.configure(
-        "writer", state_dir.log_path("writer"), level=args.log_level,
-        max_bytes=args.log_max_bytes, backups=args.log_backups,
+        "writer",
+        state_dir.log_path("writer"),
+        level=args.log_level,
+        max_bytes=args.log_max_bytes,
+        backups=args.log_backups,
     )
     options = WriterOptions(
         segment_bytes=args.segment_bytes,
@@ -428,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         dedupe_window=args.dedupe_window,
         max_batch=args.max_batch,
         max_frame_bytes=args.max_frame_bytes,
+        curve=args.curve,
+        tcp_endpoints=tuple(args.tcp),
     )
     writer = Writer(state_dir, options)
     signal.signal(signal.SIGTERM, writer.request_stop)
@@ -443,18 +500,21 @@ def main(argv: list[str] | None = None) -> int:
             reporter.ready()
         log.info("writer_ready", endpoint=writer.endpoint, head_seq=writer.head)
         writer.serve(reporter)
-        writer.close()
-        log.info("writer_stopped", head_seq=writer.head)
-        return EXIT_OK
     except WalCorruptionError as exc:
         log.error("wal_corrupt", file=str(exc.path), offset=exc.offset, reason=exc.reason)
-        print(f"writer: {exc}; run `supervisor wal verify` and repair before restarting",
-              file=sys.stderr)
+        print(
+            f"writer: {exc}; run `supervisor wal verify` and repair before restarting",
+            file=sys.stderr,
+        )
         return EXIT_CORRUPT
     except DurabilityError as exc:
         log.error("wal_write_failed", error=str(exc))
         print(f"writer: {exc}; nothing of the failed batch was acknowledged", file=sys.stderr)
         return EXIT_IO
+    except ConfigError as exc:
+        log.error("writer_config_refused", error=str(exc))
+        print(f"writer: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except LockHeldError as exc:
         log.error("writer_lock_held", lock=str(exc.lock_path), holder_pid=exc.pid)
         print(f"writer: {exc}: another writer serves this state directory", file=sys.stderr)
@@ -471,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("writer_io_failed")
         print(f"writer: I/O error: {exc}", file=sys.stderr)
         return EXIT_IO
+    else:
+        writer.close()
+        log.info("writer_stopped", head_seq=writer.head)
+        return EXIT_OK
     finally:
         if reporter is not None:
             reporter.close()

@@ -13,6 +13,7 @@ import zmq
 
 from actors.wal import WalRecord, parse_record
 from broker import protocol
+from broker.curve import CurveClient
 from broker.errors import ProtocolError
 from broker.requester import Requester, new_msg_id
 from broker.statedir import StateDir
@@ -32,11 +33,15 @@ class WriterClient:
         *,
         timeout_s: float = 2.0,
         retries: int = 10,
+        endpoint: str | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
+        """`endpoint` defaults to the state directory's ipc socket; a tcp://
+        endpoint of a writer on another host needs `curve` keys."""
         self.origin = origin
         self.timeout_s = timeout_s
         self.retries = retries
-        self._req = Requester(ctx, state_dir.endpoint("writer"))
+        self._req = Requester(ctx, endpoint or state_dir.endpoint("writer"), curve=curve)
 
     @property
     def reconnects(self) -> int:
@@ -67,9 +72,7 @@ class WriterClient:
             raise ProtocolError("unexpected_message", f"append answered with {reply.kind}")
         return reply
 
-    def read_page(
-        self, stream: str, from_seq: int = 1, max_records: int = 512
-    ) -> protocol.Records:
+    def read_page(self, stream: str, from_seq: int = 1, max_records: int = 512) -> protocol.Records:
         reply = self._req.request(
             protocol.ReadStream(
                 msg_id=new_msg_id("r"), stream=stream, from_seq=from_seq, max_records=max_records
@@ -88,7 +91,9 @@ class WriterClient:
             for line in reply.records:
                 record = parse_record(line + b"\n")
                 if record is None:
-                    raise ProtocolError("internal_error", f"writer sent a damaged record of {stream}")
+                    raise ProtocolError(
+                        "internal_error", f"writer sent a damaged record of {stream}"
+                    )
                 yield record
             if not reply.more:
                 return

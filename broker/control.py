@@ -10,6 +10,7 @@ Environment a supervised child receives:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -52,10 +53,9 @@ class ControlReporter:
         return cls(ctx, endpoint, os.environ.get(ENV_ACTOR, default_actor))
 
     def _send(self, message: protocol.Ready | protocol.Heartbeat) -> None:
-        try:
+        # supervisor busy or gone: liveness is best effort, the work goes on
+        with contextlib.suppress(zmq.Again):
             self._sock.send(protocol.encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # supervisor busy or gone: liveness is best effort, work goes on
 
     def ready(self) -> None:
         self._send(protocol.Ready(actor=self.actor, pid=self._pid))

@@ -24,6 +24,7 @@ import structlog
 import zmq
 
 from broker import protocol
+from broker.curve import CurveClient, apply_client
 from broker.errors import ProtocolError, RemoteError, RequestTimeoutError, StateDirError
 from broker.heartbeat import HeartbeatRule, Liveness
 from broker.statedir import StateDir, check_actor_name
@@ -61,6 +62,7 @@ class BrokerPeer:
         heartbeat_misses: int = 3,
         *,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+        curve: CurveClient | None = None,
     ) -> None:
         if check_actor_name(name) == BROKER_NAME:
             raise StateDirError("the actor name 'broker' is reserved for the broker")
@@ -70,6 +72,7 @@ class BrokerPeer:
         self.rule = HeartbeatRule(heartbeat_interval_s, heartbeat_misses)
         self.reconnects = 0
         self._ctx = ctx
+        self._curve = curve
         self._identity = name.encode()
         self._pid = os.getpid()
         self._inbox: deque[Received] = deque()
@@ -89,6 +92,8 @@ class BrokerPeer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self._identity)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
+        if self._curve is not None:
+            apply_client(sock, self._curve)
         sock.connect(self.endpoint)
         return sock
 
@@ -197,8 +202,14 @@ class BrokerPeer:
             for attempt in range(retries + 1):
                 if attempt:
                     self._retries += 1
-                    log.info("request_retried", peer=self.name, to=to, msg_id=msg_id,
-                             attempt=attempt, after=refusal.code.value if refusal else "timeout")
+                    log.info(
+                        "request_retried",
+                        peer=self.name,
+                        to=to,
+                        msg_id=msg_id,
+                        attempt=attempt,
+                        after=refusal.code.value if refusal else "timeout",
+                    )
                 reply = self._attempt(to, msg_id, frame, timeout_s)
                 if reply is None:
                     refusal = None
@@ -235,8 +246,9 @@ class BrokerPeer:
                 self._inbox.append(item)
             if self.reconnects == generation or time.monotonic() >= deadline:
                 return None
-            log.info("request_resent", peer=self.name, to=to, msg_id=msg_id,
-                     reconnects=self.reconnects)
+            log.info(
+                "request_resent", peer=self.name, to=to, msg_id=msg_id, reconnects=self.reconnects
+            )
 
     def _pause(self, seconds: float) -> None:
         """Wait without losing traffic: messages that arrive go to the inbox."""
@@ -294,7 +306,10 @@ class BrokerPeer:
         return sender.decode("ascii", "replace"), message
 
     def _reject(
-        self, sender: bytes | None, body: bytes | None, detail: str,
+        self,
+        sender: bytes | None,
+        body: bytes | None,
+        detail: str,
         exc: ProtocolError | None = None,
     ) -> None:
         self._rejected += 1

@@ -13,6 +13,7 @@ import time
 import zmq
 
 from broker import protocol
+from broker.curve import CurveClient, apply_client
 from broker.errors import ProtocolError, RemoteError, RequestTimeoutError
 
 _counter = itertools.count(1)
@@ -33,10 +34,12 @@ class Requester:
         *,
         identity: bytes | None = None,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+        curve: CurveClient | None = None,
     ) -> None:
         self._ctx = ctx
         self.endpoint = endpoint
         self._identity = identity
+        self._curve = curve
         self._limits = limits
         self.reconnects = 0
         self._sock = self._open()
@@ -47,6 +50,8 @@ class Requester:
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._limits.max_frame_bytes)
         if self._identity is not None:
             sock.setsockopt(zmq.IDENTITY, self._identity)
+        if self._curve is not None:
+            apply_client(sock, self._curve)
         sock.connect(self.endpoint)
         return sock
 
@@ -83,7 +88,8 @@ class Requester:
         for attempt in range(retries + 1):
             if attempt:
                 self._reopen()
-            self._sock.send(frame)
+            if not self._send(frame, timeout_s):
+                continue  # no connection took the frame within the deadline: retry
             reply = self._await(msg_id, timeout_s)
             if reply is not None:
                 if isinstance(reply, protocol.Error):
@@ -93,6 +99,17 @@ class Requester:
             f"no reply from {self.endpoint} to {message.kind} {msg_id} "
             f"after {retries + 1} attempts of {timeout_s}s"
         )
+
+    def _send(self, frame: bytes, timeout_s: float) -> bool:
+        """Send without ever blocking past the deadline (a DEALER with no live
+        connection, e.g. during a refused CURVE handshake, would block)."""
+        if self._sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+            try:
+                self._sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            return True
+        return False
 
     def _await(self, msg_id: str, timeout_s: float) -> protocol.Message | None:
         deadline = time.monotonic() + timeout_s

@@ -26,12 +26,13 @@ from types import FrameType
 import structlog
 import zmq
 
-from broker import logconfig, protocol
+from broker import curve, logconfig, protocol
 from broker.control import ControlReporter
-from broker.errors import LockHeldError, ProtocolError, StateDirError
+from broker.curve import CurveServer, apply_server, check_endpoints
+from broker.errors import ConfigError, LockHeldError, ProtocolError, StateDirError
 from broker.heartbeat import HeartbeatRule, PeerTable
 from broker.pidlock import PidLock
-from broker.statedir import NAME_PATTERN, StateDir, bind_umask
+from broker.statedir import NAME_PATTERN, StateDir, bind_umask, write_atomic_text
 
 EXIT_OK = 0
 EXIT_LOCKED = 75  # another broker holds run/broker.lock
@@ -78,7 +79,11 @@ class Broker:
         endpoint: str,
         rule: HeartbeatRule,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+        *,
+        curve_server: CurveServer | None = None,
+        tcp_endpoints: tuple[str, ...] = (),
     ) -> None:
+        check_endpoints(tcp_endpoints, curve_server is not None)
         self.endpoint = endpoint
         self.rule = rule
         self.limits = limits
@@ -102,9 +107,15 @@ class Broker:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+        if curve_server is not None:  # every connection then needs CURVE, ipc included
+            apply_server(self._sock, curve_server)
         old = bind_umask()
         try:
             self._sock.bind(endpoint)
+            self.bound = [endpoint]
+            for extra in tcp_endpoints:
+                self._sock.bind(extra)
+                self.bound.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
         finally:
             os.umask(old)
 
@@ -202,14 +213,18 @@ class Broker:
         sender = frames[0]
         if len(frames) != 3:
             self._refuse(
-                sender, None, protocol.ErrorCode.MALFORMED_FRAME,
+                sender,
+                None,
+                protocol.ErrorCode.MALFORMED_FRAME,
                 f"expected 2 frames [to, body], got {len(frames) - 1}",
             )
             return
         _, to, body = frames
         if not self._valid_sender(sender):
             self._refuse(
-                sender, protocol.peek_msg_id(body), protocol.ErrorCode.MALFORMED_FRAME,
+                sender,
+                protocol.peek_msg_id(body),
+                protocol.ErrorCode.MALFORMED_FRAME,
                 "sender identity is not an actor name (set ZMQ_IDENTITY to your name)",
             )
             return
@@ -219,7 +234,9 @@ class Broker:
             self._control_frame(sender, body)
         elif not self._valid_name(to):
             self._refuse(
-                sender, protocol.peek_msg_id(body), protocol.ErrorCode.MALFORMED_FRAME,
+                sender,
+                protocol.peek_msg_id(body),
+                protocol.ErrorCode.MALFORMED_FRAME,
                 f"recipient {to[:80]!r} is not an actor name",
             )
         else:
@@ -339,7 +356,8 @@ class Broker:
                 )
             case _:
                 self._refuse(
-                    sender, getattr(message, "msg_id", None),
+                    sender,
+                    getattr(message, "msg_id", None),
                     protocol.ErrorCode.UNEXPECTED_MESSAGE,
                     f"the broker does not serve {message.kind!r}",
                 )
@@ -387,6 +405,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max-frame-bytes", type=int, default=protocol.DEFAULT_LIMITS.max_frame_bytes
     )
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="require CURVE on every connection (keys in <state-dir>/keys)",
+    )
+    parser.add_argument(
+        "--tcp",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="also bind this tcp:// endpoint (needs --curve; port * picks one)",
+    )
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -409,7 +439,22 @@ def main(argv: list[str] | None = None) -> int:
     rule = HeartbeatRule(args.heartbeat_interval_ms / 1000.0, args.heartbeat_misses)
     limits = protocol.Limits(max_frame_bytes=args.max_frame_bytes)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    broker = Broker(ctx, endpoint, rule, limits)
+    auth = None
+    try:
+        server = curve.load_server(curve.keys_dir(state.root)) if args.curve else None
+        if server is not None:
+            auth = curve.start_authenticator(ctx, server)
+        broker = Broker(
+            ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp)
+        )
+    except ConfigError as exc:
+        print(f"broker: {exc}", file=sys.stderr)
+        if auth is not None:
+            auth.stop()
+        ctx.destroy(linger=0)
+        lock.release()
+        return EXIT_CONFIG
+    write_atomic_text(state.run_dir / "broker.endpoints", "\n".join(broker.bound) + "\n")
 
     def _on_signal(signum: int, _frame: FrameType | None) -> None:
         broker.stop()
@@ -433,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         broker.close()
         if reporter is not None:
             reporter.close()
+        if auth is not None:
+            auth.stop()
         ctx.term()
         log.info("broker_stopped", **stats.values())
         lock.release()

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from ops.benchkit import percentile, start_writer, stop, temp_state_root, wait_writer_ready
 
-RECORD = b'{"seq":1,"ts":1.0,"stream":"agent/a","event":"turn","origin":"a","key":"k","payload":' + (
-    b'"' + b"x" * 200 + b'"}\n'
+RECORD = (
+    b'{"seq":1,"ts":1.0,"stream":"agent/a","event":"turn","origin":"a","key":"k","payload":'
+    + (b'"' + b"x" * 200 + b'"}\n')
 )
 PAYLOAD = {"op": "write_file", "path": "src/app.py", "note": "x" * 230}
 
@@ -81,7 +82,7 @@ def sqlite_commits_per_s(directory: Path, writers: int, seconds: float) -> float
         send.close()
         pipes.append(recv)
         procs.append(proc)
-    total = sum(p.recv() for p in pipes)
+    total: int = sum(p.recv() for p in pipes)
     for proc in procs:
         proc.join()
     return total / seconds
@@ -121,7 +122,9 @@ def writer_run(state_dir: Path, clients: int, seconds: float) -> tuple[float, li
     pipes, procs = [], []
     for i in range(clients):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_appender, args=(str(state_dir), i + clients * 1000, start_at, stop_at, send))
+        proc = ctx.Process(
+            target=_appender, args=(str(state_dir), i + clients * 1000, start_at, stop_at, send)
+        )
         proc.start()
         send.close()
         pipes.append(recv)
@@ -138,38 +141,34 @@ def writer_run(state_dir: Path, clients: int, seconds: float) -> tuple[float, li
 
 def run(quick: bool = False) -> dict[str, object]:
     seconds = 1.0 if quick else 4.0
-    figures: dict[str, object] = {}
+    f: dict[str, float] = {}
     with temp_state_root() as root:
-        figures["fdatasync_per_s"] = round(fdatasync_per_s(root, seconds), 1)
-        figures["raw_ceiling_per_s"] = round(raw_ceiling_per_s(root, seconds), 1)
-        figures["sqlite_commits_per_s_k64"] = round(sqlite_commits_per_s(root, 64, seconds), 1)
+        f["fdatasync_per_s"] = fdatasync_per_s(root, seconds)
+        f["raw_ceiling_per_s"] = raw_ceiling_per_s(root, seconds)
+        f["sqlite_commits_per_s_k64"] = sqlite_commits_per_s(root, 64, seconds)
         for k in (1, 64):
-            figures[f"zmq_echo_per_s_k{k}"] = round(zmq_echo_per_s(root, k, seconds), 1)
+            f[f"zmq_echo_per_s_k{k}"] = zmq_echo_per_s(root, k, seconds)
         state_dir = root / ".corral"
         writer = start_writer(state_dir)
         try:
             wait_writer_ready(state_dir)
             for k in (1, 8, 64):
                 rate, lat = writer_run(state_dir, k, seconds)
-                figures[f"acked_per_s_k{k}"] = round(rate, 1)
-                figures[f"p50_ms_k{k}"] = round(percentile(lat, 50) * 1000, 3)
-                figures[f"p99_ms_k{k}"] = round(percentile(lat, 99) * 1000, 3)
+                f[f"acked_per_s_k{k}"] = rate
+                f[f"p50_ms_k{k}"] = percentile(lat, 50) * 1000
+                f[f"p99_ms_k{k}"] = percentile(lat, 99) * 1000
         finally:
             stop(writer)
-    fds = float(figures["fdatasync_per_s"])  # type: ignore[arg-type]
-    sq = float(figures["sqlite_commits_per_s_k64"])  # type: ignore[arg-type]
-    figures["k1_over_fdatasync"] = round(float(figures["acked_per_s_k1"]) / fds, 3)  # type: ignore[arg-type]
-    figures["k64_over_sqlite_k64"] = round(float(figures["acked_per_s_k64"]) / sq, 2)  # type: ignore[arg-type]
-    figures["k64_over_zmq_echo_k64"] = round(
-        float(figures["acked_per_s_k64"]) / float(figures["zmq_echo_per_s_k64"]), 3  # type: ignore[arg-type]
-    )
+    f["k1_over_fdatasync"] = f["acked_per_s_k1"] / f["fdatasync_per_s"]
+    f["k64_over_sqlite_k64"] = f["acked_per_s_k64"] / f["sqlite_commits_per_s_k64"]
+    f["k64_over_zmq_echo_k64"] = f["acked_per_s_k64"] / f["zmq_echo_per_s_k64"]
     # the best k1 can be on this machine: one raw round trip plus one fdatasync
-    k1_bound = 1 / (1 / float(figures["zmq_echo_per_s_k1"]) + 1 / fds)  # type: ignore[arg-type]
-    figures["k1_bound_per_s"] = round(k1_bound, 1)
+    f["k1_bound_per_s"] = 1 / (1 / f["zmq_echo_per_s_k1"] + 1 / f["fdatasync_per_s"])
+    figures: dict[str, object] = {key: round(value, 3) for key, value in f.items()}
     figures["targets"] = {
-        "k1_over_fdatasync>=0.75": figures["k1_over_fdatasync"] >= 0.75,  # type: ignore[operator]
-        "k64_over_sqlite_k64>=10": figures["k64_over_sqlite_k64"] >= 10,  # type: ignore[operator]
-        "p99_ms_k64<=10": figures["p99_ms_k64"] <= 10,  # type: ignore[operator]
+        "k1_over_fdatasync>=0.75": f["k1_over_fdatasync"] >= 0.75,
+        "k64_over_sqlite_k64>=10": f["k64_over_sqlite_k64"] >= 10,
+        "p99_ms_k64<=10": f["p99_ms_k64"] <= 10,
     }
     return figures
 
@@ -249,4 +248,4 @@ def zmq_echo_per_s(directory: Path, clients: int, seconds: float) -> float:
         server.kill()
         server.join()
     zctx.destroy(linger=0)
-    return total / seconds
+    return float(total) / seconds

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -55,10 +55,8 @@ def start_writer(state_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10) -> None:
     if proc.poll() is None:
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -71,10 +69,10 @@ def wait_writer_ready(state_dir: Path, timeout_s: float = 20.0) -> float:
     zmq context, closed before returning (safe to fork afterwards)."""
     import zmq
 
-    from broker.errors import RequestTimeoutError
-    from broker.statedir import StateDir
-    from broker.requester import Requester, new_msg_id
     from broker import protocol
+    from broker.errors import RequestTimeoutError
+    from broker.requester import Requester, new_msg_id
+    from broker.statedir import StateDir
 
     started = time.monotonic()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

@@ -187,7 +187,7 @@ class Runtime:
         try:
             pid = spawner.spawn_command(argv, env)
         except SpawnError as exc:
-            log.error("spawn_failed", child=child.name, error=str(exc))  # noqa: TRY400 - expected, no traceback
+            log.error("spawn_failed", child=child.name, error=str(exc))
             self._after_exit(child, child.exited(127, None, now), now)
             return
         self._register(child, pid, now)
@@ -230,7 +230,7 @@ class Runtime:
         try:
             pid = link.start()
         except SpawnError as exc:
-            log.error("zygote_spawn_failed", error=str(exc))  # noqa: TRY400 - expected
+            log.error("zygote_spawn_failed", error=str(exc))
             self._zygote_lost(None, now)
             return
         self.zygote = link
@@ -380,6 +380,8 @@ class Runtime:
                 self.control.reply(incoming.identity, self._signal(msg_id, target, sig))
             case protocol.RestartRequest(msg_id=msg_id, target=target):
                 self.control.reply(incoming.identity, self._restart(msg_id, target, now))
+            case protocol.SpawnRequest(msg_id=msg_id, name=name):
+                self.control.reply(incoming.identity, self._spawn(msg_id, name, now))
             case _:
                 ref: str | None = getattr(msg, "msg_id", None)
                 self.control.reply(incoming.identity, protocol.Error(
@@ -417,6 +419,30 @@ class Runtime:
                                          f"{self.children[target].state})")
         log.info("child_signalled", target=target, signal=sig, affected=len(affected))
         return protocol.Ack(msg_id=msg_id, affected=affected)
+
+    def _spawn(self, msg_id: str, name: str, now: float) -> protocol.Ack | protocol.Error:
+        """Add an agent child (`supervisor spawn`) with the agents group's policy."""
+        from supervisor.config import ChildSpec  # noqa: PLC0415 - only this request needs it
+
+        if self.stopping:
+            return protocol.Error(msg_id=msg_id, code=protocol.ErrorCode.SHUTTING_DOWN,
+                                  detail="the supervisor is stopping")
+        child = self.children.get(name)
+        if child is not None and (child.pid is not None or child.fork_pending
+                                  or child.state not in ("exited", "fatal")):
+            return protocol.Error(msg_id=msg_id, code=protocol.ErrorCode.INVALID_MESSAGE,
+                                  detail=f"a child named {name!r} is {child.state}")
+        if child is None:
+            template = self.config.agents.model_dump(exclude={"count", "name_prefix", "zygote"})
+            spec = ChildSpec(name=name, kind="agent", **template)
+            child = self.children[name] = Child(spec=spec, policy=spec.policy())
+        child.history.clear()
+        if self.use_zygote and self.zygote is None and self.zygote_restart_at is None:
+            self._start_zygote(now)
+        log.info("spawn_requested", child=name)
+        if self.phase > KIND_ORDER.index("agent"):
+            self._start(child, now)  # otherwise the start phase starts it with the others
+        return protocol.Ack(msg_id=msg_id, affected=[name])
 
     def _restart(self, msg_id: str, target: str, now: float) -> protocol.Ack | protocol.Error:
         refused = self._refusal(msg_id, target) or (

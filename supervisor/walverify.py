@@ -122,8 +122,10 @@ def verify(state_dir: StateDir) -> Report:
 def _print_text(report: Report) -> None:
     verdict = "sound" if report.sound else "NOT SOUND"
     print(f"WAL {report.state_dir}: {verdict}")
-    print(f"  segments {report.segments}, records {report.records}, head seq {report.head_seq}, "
-          f"{report.bytes} bytes")
+    print(
+        f"  segments {report.segments}, records {report.records}, head seq {report.head_seq}, "
+        f"{report.bytes} bytes"
+    )
     for after, nxt in report.gaps:
         print(f"  gap: seq {nxt} follows {after}")
     for p in report.checksum_failures:
@@ -136,8 +138,11 @@ def _print_text(report: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="supervisor wal verify", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="supervisor wal verify",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--state-dir", default=None, help="state directory (default ./.corral)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)

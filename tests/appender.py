@@ -28,7 +28,11 @@ def main() -> int:
     args = parser.parse_args()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     client = WriterClient(
-        ctx, StateDir.at(args.state_dir), args.origin, timeout_s=args.timeout_s, retries=args.retries
+        ctx,
+        StateDir.at(args.state_dir),
+        args.origin,
+        timeout_s=args.timeout_s,
+        retries=args.retries,
     )
     fd = os.open(args.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:

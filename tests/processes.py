@@ -4,6 +4,7 @@ carries the test's marker in its environment is a leak and fails the test."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -99,14 +100,10 @@ class ProcessTracker:
         """Kill and reap everything; return descriptions of leaked processes."""
         for proc in self.started:
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         leaked = []
         for proc in self.marked():
             try:

@@ -30,7 +30,9 @@ from broker.statedir import StateDir
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(10**12), 10**12) | st.text(max_size=30),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -90,15 +92,23 @@ def _write_wal(state_dir: StateDir, count: int, ledger_every: int = 0) -> list[i
             ledger = "budget" if ledger_every and seq % ledger_every == 0 else None
             f.write(
                 encode_record(
-                    seq, time.time(), f"agent/a{seq % 3}", "turn", f"o{seq % 2}", f"k{seq}",
-                    ledger, json.dumps({"n": seq}).encode(),
+                    seq,
+                    time.time(),
+                    f"agent/a{seq % 3}",
+                    "turn",
+                    f"o{seq % 2}",
+                    f"k{seq}",
+                    ledger,
+                    json.dumps({"n": seq}).encode(),
                 )
             )
     return offsets
 
 
 def _ledgers(state_dir: StateDir) -> Ledgers:
-    return Ledgers({"budget": state_dir.budget_ledger_path, "approvals": state_dir.approvals_ledger_path})
+    return Ledgers(
+        {"budget": state_dir.budget_ledger_path, "approvals": state_dir.approvals_ledger_path}
+    )
 
 
 def _records(state_dir: StateDir) -> list[int]:
@@ -128,7 +138,7 @@ def test_cut_at_every_byte_of_the_last_three_records_recovers_a_clean_prefix(
         assert rec.head_seq == complete, cut
         assert _records(state_dir) == list(range(1, complete + 1)), cut
         assert (rec.repaired is not None) == (cut not in {*offsets, len(pristine)}), cut
-        assert path.stat().st_size == (offsets + [len(pristine)])[complete], cut
+        assert path.stat().st_size == ([*offsets, len(pristine)])[complete], cut
 
 
 def test_flipped_bit_in_the_last_record_is_a_torn_tail_and_is_cut(state_dir: StateDir) -> None:
@@ -197,16 +207,32 @@ def test_checkpoint_bounds_the_scan_and_matches_a_full_scan(state_dir: StateDir)
     assert tail.head_seq == 55
     assert tail.dedupe.lookup("o1", "k55") == 55
     assert tail.dedupe.lookup("o0", "k50") == 50  # from the checkpoint
-    assert [e[0] for e in tail.index.lookup("agent/a1", 40, 100)] == [40, 43, 46, 49, 51, 52, 53, 54, 55]
+    assert [e[0] for e in tail.index.lookup("agent/a1", 40, 100)] == [
+        40,
+        43,
+        46,
+        49,
+        51,
+        52,
+        53,
+        54,
+        55,
+    ]
 
 
-def test_a_checkpoint_that_disagrees_with_the_wal_is_ignored_not_trusted(state_dir: StateDir) -> None:
+def test_a_checkpoint_that_disagrees_with_the_wal_is_ignored_not_trusted(
+    state_dir: StateDir,
+) -> None:
     _write_wal(state_dir, 10)
     checkpoint.save(
         state_dir.checkpoint_path,
         checkpoint.Checkpoint(
-            head_seq=7, segment_first_seq=1, offset=123, last_record_offset=5,
-            dedupe={}, index_counts={},
+            head_seq=7,
+            segment_first_seq=1,
+            offset=123,
+            last_record_offset=5,
+            dedupe={},
+            index_counts={},
         ),
     )
     rec = recover(state_dir, 8, _ledgers(state_dir))
@@ -218,8 +244,12 @@ def test_checkpoint_without_any_segment_is_refused(state_dir: StateDir) -> None:
     checkpoint.save(
         state_dir.checkpoint_path,
         checkpoint.Checkpoint(
-            head_seq=7, segment_first_seq=1, offset=700, last_record_offset=600,
-            dedupe={}, index_counts={},
+            head_seq=7,
+            segment_first_seq=1,
+            offset=700,
+            last_record_offset=600,
+            dedupe={},
+            index_counts={},
         ),
     )
     with pytest.raises(WalError, match="holds no segment"):
@@ -242,7 +272,8 @@ def test_torn_record_in_a_sealed_segment_is_corruption(state_dir: StateDir) -> N
 def test_ledger_missing_its_last_records_is_completed_from_the_wal(state_dir: StateDir) -> None:
     _write_wal(state_dir, 20, ledger_every=4)  # seqs 4, 8, 12, 16, 20 are budget records
     wal_lines = {
-        r.seq: r.line for _, r in iter_segment(state_dir.wal_dir / segment_name(1))  # type: ignore[union-attr]
+        r.seq: r.line
+        for _, r in iter_segment(state_dir.wal_dir / segment_name(1))  # type: ignore[union-attr]
     }
     # the ledger got 4 and 8 fully, 12 torn (a crash between the WAL sync and the ledger's)
     state_dir.budget_ledger_path.write_bytes(wal_lines[4] + wal_lines[8] + wal_lines[12][:17])

@@ -10,22 +10,43 @@ import sys
 
 from actors.wal import encode_record, segment_name
 from broker.statedir import StateDir
-from tests.processes import REPO_ROOT
 from supervisor.walverify import verify
+from tests.processes import REPO_ROOT
 
 
 def _lines(seqs: list[int], ledger_every: int = 0) -> list[bytes]:
     return [
-        encode_record(s, 1.0, "agent/a", "turn", "o", f"k{s}",
-                      "budget" if ledger_every and s % ledger_every == 0 else None, b'{"s":1}')
+        encode_record(
+            s,
+            1.0,
+            "agent/a",
+            "turn",
+            "o",
+            f"k{s}",
+            "budget" if ledger_every and s % ledger_every == 0 else None,
+            b'{"s":1}',
+        )
         for s in seqs
     ]
 
 
 def _cli(state_dir: StateDir, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "wal", "verify", "--state-dir", str(state_dir.root), *extra],
-        capture_output=True, text=True, cwd=REPO_ROOT, timeout=30, check=False,
+        [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "wal",
+            "verify",
+            "--state-dir",
+            str(state_dir.root),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=30,
+        check=False,
     )
 
 
@@ -37,7 +58,12 @@ def test_sound_wal_exits_zero_with_counts(state_dir: StateDir) -> None:
     result = _cli(state_dir, "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert (report["records"], report["head_seq"], report["segments"], report["sound"]) == (10, 10, 2, True)
+    assert (report["records"], report["head_seq"], report["segments"], report["sound"]) == (
+        10,
+        10,
+        2,
+        True,
+    )
 
 
 def test_every_kind_of_damage_is_reported_and_exit_is_one(state_dir: StateDir) -> None:
