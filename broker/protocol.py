@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal, get_args
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker.errors import ProtocolError
 
@@ -64,7 +64,9 @@ LedgerName = Literal["budget", "approvals"]
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    # defer_build: a model's validator is built on first use, so a short-lived
+    # CLI that decodes one kind does not pay for building all of them.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, defer_build=True)
 
 
 # --- common -------------------------------------------------------------------
@@ -399,41 +401,11 @@ Message = Annotated[
     Field(discriminator="kind"),
 ]
 
-_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
-_KINDS = frozenset(
-    str(m.model_fields["kind"].default)
-    for m in (
-        Ping,
-        Pong,
-        Error,
-        Append,
-        AppendOk,
-        ReadStream,
-        Records,
-        StatsRequest,
-        Stats,
-        Ready,
-        Heartbeat,
-        StatusRequest,
-        StatusReply,
-        SignalRequest,
-        RestartRequest,
-        StopRequest,
-        SpawnRequest,
-        Ack,
-        Bash,
-        BashStart,
-        BashPoll,
-        BashKill,
-        TerminalStart,
-        TerminalInput,
-        TerminalRead,
-        TerminalEnd,
-        SessionEnd,
-        ProcStatus,
-        ProcOutput,
-    )
-)
+# Every kind, derived from the `Message` union: adding a message there is enough.
+_BY_KIND: dict[str, type[_Message]] = {
+    str(m.model_fields["kind"].default): m for m in get_args(get_args(Message)[0])
+}
+_KINDS = frozenset(_BY_KIND)
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -527,11 +499,12 @@ def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     if kind not in _KINDS:
         raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown kind {kind!r}")
     try:
-        return _ADAPTER.validate_python(obj)
+        message: Message = _BY_KIND[kind].model_validate(obj)  # type: ignore[assignment]
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"][1:]) or "(frame)"
+        where = ".".join(str(p) for p in first["loc"]) or "(frame)"
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"{kind}: {where}: {first['msg']}") from exc
+    return message
 
 
 def peek_msg_id(frame: bytes) -> str | None:
