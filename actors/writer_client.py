@@ -6,7 +6,9 @@ broker."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -17,6 +19,27 @@ from broker.curve import CurveClient
 from broker.errors import ProtocolError
 from broker.requester import Requester, new_msg_id
 from broker.statedir import StateDir
+
+# Soak and test instrumentation: when set, every acknowledged append is also
+# journaled, fsynced, to <dir>/<origin>.acks as "key<TAB>seq" lines, an
+# independent record outside .corral/ of what the writer acknowledged.
+ENV_ACK_JOURNAL_DIR = "CORRAL_ACK_JOURNAL_DIR"
+
+
+class AckJournal:
+    """Append-only, fsynced file of acknowledged (key, seq) for one origin."""
+
+    def __init__(self, directory: Path, origin: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / (origin.replace("/", "%") + ".acks")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def record(self, key: str, seq: int) -> None:
+        os.write(self._fd, f"{key}\t{seq}\n".encode())
+        os.fdatasync(self._fd)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def encode_payload(value: Any) -> bytes:
@@ -42,6 +65,8 @@ class WriterClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self._req = Requester(ctx, endpoint or state_dir.endpoint("writer"), curve=curve)
+        journal_dir = os.environ.get(ENV_ACK_JOURNAL_DIR)
+        self._journal = AckJournal(Path(journal_dir), origin) if journal_dir else None
 
     @property
     def reconnects(self) -> int:
@@ -70,6 +95,8 @@ class WriterClient:
         reply = self._req.request(message, timeout_s=self.timeout_s, retries=self.retries)
         if not isinstance(reply, protocol.AppendOk):
             raise ProtocolError("unexpected_message", f"append answered with {reply.kind}")
+        if self._journal is not None:
+            self._journal.record(key, reply.seq)
         return reply
 
     def read_page(self, stream: str, from_seq: int = 1, max_records: int = 512) -> protocol.Records:
@@ -119,6 +146,9 @@ class WriterClient:
 
     def close(self) -> None:
         self._req.close()
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
 
     def __enter__(self) -> WriterClient:
         return self
