@@ -1,7 +1,8 @@
 """One background command.
 
 It runs as `bash -c WRAPPER` in its own session: the wrapper runs the
-command with combined stdout/stderr piped into `head -c CAP >> LOG`, so the
+command with combined stdout/stderr piped into `head -c CAP >> LOG` (with
+`stdbuf -o0`: head writes through stdio, which would hold bytes back), so the
 bytes go to `.procs/<id>.log` without passing through procs (nothing is lost
 if procs dies, and procs' memory does not grow with the output), the cap is
 exact, and a command that keeps writing past it gets SIGPIPE. The wrapper
@@ -18,7 +19,7 @@ from actors.procs.job import Job, state_for
 BASH = "/bin/bash"
 # $1 command, $2 log, $3 cap bytes, $4 exit file
 WRAPPER = r"""
-bash -c "$1" </dev/null 2>&1 | head -c "$3" >>"$2"
+bash -c "$1" </dev/null 2>&1 | stdbuf -o0 head -c "$3" >>"$2"
 s=${PIPESTATUS[0]}
 printf '%s' "$s" >"$4.tmp" && mv -f "$4.tmp" "$4"
 exit "$s"

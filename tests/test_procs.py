@@ -1,0 +1,309 @@
+"""The procs host with real programs: foreground and background commands,
+`python3 -i` on a PTY, output caps (`yes`), lifetimes, a command that ignores
+SIGTERM, grandchildren that leave the group (nohup, double fork, setsid),
+an agent SIGKILLed while its commands run, and procs itself SIGKILLed:
+re-attached or reported lost, and never an orphan."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+
+from actors.procs.client import ProcsClient
+from actors.procs.launch import ENV_PROC_ID
+from actors.writer_client import WriterClient
+from broker import protocol
+from broker.errors import RemoteError, RequestTimeoutError
+from broker.peer import BrokerPeer
+from broker.statedir import StateDir
+from tests.processes import ProcessTracker, wait_for
+
+pytestmark = pytest.mark.process
+SESSION = "agent-1"
+GRACE_S = 0.3
+
+
+@dataclass
+class Stack:
+    state: StateDir
+    processes: ProcessTracker
+    ctx: zmq.Context[zmq.Socket[bytes]]
+    peer: BrokerPeer
+    client: ProcsClient
+    writer: WriterClient
+    procs: subprocess.Popen[bytes]
+    workdir: Path
+
+    def start_procs(self) -> None:
+        self.procs = self.processes.spawn(
+            ["-m", "actors.procs", "--state-dir", str(self.state.root),
+             "--kill-grace-s", str(GRACE_S), "--broker-heartbeat-interval-ms", "200",
+             "--log-level", "debug"],
+            name="procs",
+        )
+
+        def answered() -> bool:
+            assert self.procs.poll() is None, self.processes.output("procs")
+            try:
+                reply = self.peer.request("procs", protocol.Ping(msg_id=f"w{time.monotonic_ns()}"),
+                                          timeout_s=0.2, retries=0)
+            except (RequestTimeoutError, RemoteError):
+                return False
+            return isinstance(reply, protocol.Pong)
+
+        wait_for(answered, 15, "procs to answer a ping")
+
+    def facts(self, event: str | None = None) -> list[dict[str, object]]:
+        out = []
+        for record in self.writer.read_stream(f"procs/{SESSION}"):
+            if event is None or record.event == event:
+                payload = record.payload()
+                assert isinstance(payload, dict)
+                out.append({"event": record.event, **payload})
+        return out
+
+
+def marked(proc_id: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and \
+                    proc.environ().get(ENV_PROC_ID) == proc_id:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture
+def stack(processes: ProcessTracker, state_dir: StateDir) -> Iterator[Stack]:
+    processes.spawn(["-m", "actors.writer", "--state-dir", str(state_dir.root)], name="writer")
+    processes.spawn(["-m", "broker.server", "--state-dir", str(state_dir.root),
+                     "--heartbeat-interval-ms", "200"], name="broker")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    peer = BrokerPeer(ctx, state_dir, SESSION, heartbeat_interval_s=0.2)
+    writer = WriterClient(ctx, state_dir, "test")
+    workdir = state_dir.root.parent / "work"
+    workdir.mkdir()
+    s = Stack(state_dir, processes, ctx, peer, ProcsClient(peer, SESSION), writer,
+              processes.started[0], workdir)
+    try:
+        s.start_procs()
+        yield s
+    finally:
+        peer.close()
+        writer.close()
+        ctx.destroy(linger=0)
+
+
+def read_all(client: ProcsClient, proc_id: str, *, terminal: bool = False,
+             timeout_s: float = 20) -> tuple[bytes, protocol.ProcOutput]:
+    """Poll by cursor until eof (bounded wait); return every byte."""
+    data = bytearray()
+    last: list[protocol.ProcOutput] = []
+
+    def done() -> bool:
+        out = (client.terminal_read if terminal else client.poll)(proc_id, len(data))
+        assert out.cursor == len(data)
+        data.extend(out.data)
+        last[:] = [out]
+        return out.eof
+
+    wait_for(done, timeout_s, f"eof of {proc_id}", interval_s=0.02)
+    return bytes(data), last[0]
+
+
+def test_foreground_bash_returns_combined_output_and_exit_code(stack: Stack) -> None:
+    out = stack.client.bash("echo out; echo err >&2; exit 3", str(stack.workdir))
+    assert (out.data, out.state, out.exit_code, out.eof) == (b"out\nerr\n", "exited", 3, True)
+    log = stack.state.agent_dir(SESSION) / ".procs" / f"{out.proc_id}.log"
+    assert log.read_bytes() == b"out\nerr\n"
+    timed = stack.client.bash("sleep 30", str(stack.workdir), timeout_s=0.3)
+    assert timed.state == "expired"
+    assert not marked(timed.proc_id)
+    events = [f["event"] for f in stack.facts()]
+    assert events.count("proc_start") == 2
+    assert "proc_exit" in events
+    assert "proc_poll" in events
+    start = stack.facts("proc_start")[0]
+    assert "command" not in start
+    assert start["command_bytes"] == len(b"echo out; echo err >&2; exit 3")
+
+
+def test_background_command_is_polled_by_cursor_and_refusals_are_typed(stack: Stack) -> None:
+    started = stack.client.start("for i in $(seq 1 200); do echo line-$i; done; exit 7",
+                                 str(stack.workdir))
+    assert started.state == "running"
+    data, last = read_all(stack.client, started.proc_id)
+    assert data == b"".join(b"line-%d\n" % i for i in range(1, 201))
+    assert (last.state, last.exit_code) == ("exited", 7)
+    small = stack.client.poll(started.proc_id, cursor=10, max_bytes=5)
+    assert small.data == data[10:15] and small.next_cursor == 15
+    with pytest.raises(RemoteError) as info:
+        stack.client.poll("p-0000000000000000")
+    assert info.value.code == "not_found"
+    other = ProcsClient(stack.peer, "agent-2")
+    with pytest.raises(RemoteError):
+        other.poll(started.proc_id)  # another session's job is not visible
+    with pytest.raises(RemoteError) as info:
+        stack.client.start("true", "relative/dir")
+    assert info.value.code == "invalid_message"
+    again = stack.client.start("echo once >> once.txt", str(stack.workdir), msg_id="fixed-id")
+    # a resend under the same msg_id (from a reconnected peer) finds the same job
+    resender = BrokerPeer(stack.ctx, stack.state, "agent-1-b", heartbeat_interval_s=0.2)
+    try:
+        same = ProcsClient(resender, SESSION).start("echo once >> once.txt", str(stack.workdir),
+                                                    msg_id="fixed-id")
+    finally:
+        resender.close()
+    assert again.proc_id == same.proc_id
+    read_all(stack.client, again.proc_id)
+    assert (stack.workdir / "once.txt").read_text() == "once\n"
+
+
+def test_python_repl_through_a_terminal(stack: Stack) -> None:
+    term = stack.client.terminal_start([sys.executable, "-i", "-q"], str(stack.workdir))
+    seen = bytearray()
+
+    def shows(text: bytes) -> bool:
+        out = stack.client.terminal_read(term.proc_id, len(seen))
+        seen.extend(out.data)
+        return text in seen
+
+    wait_for(lambda: shows(b">>> "), 10, "the first prompt")
+    stack.client.terminal_input(term.proc_id, b"print(6 * 7)\n")
+    wait_for(lambda: shows(b"42\r\n>>> "), 10, "the answer and the next prompt")
+    stack.client.terminal_input(term.proc_id, b"import sys; sys.stdout.write('bye\\n'); exit(5)\n")
+    data, last = read_all(stack.client, term.proc_id, terminal=True)
+    assert b"bye" in data  # written just before exit: never lost
+    assert (last.state, last.exit_code) == ("exited", 5)
+    inputs = stack.facts("terminal_input")
+    assert [f["data_bytes"] for f in inputs] == [13, 47]
+    wal = b"".join(p.read_bytes() for p in stack.state.wal_dir.iterdir())
+    assert b"print(6 * 7)" not in wal  # input is recorded as a hash and a size
+
+
+def test_output_cap_terminates_a_flood(stack: Stack) -> None:
+    cmd = stack.client.start("yes", str(stack.workdir), max_output_bytes=1_000_000)
+    term = stack.client.terminal_start(["yes"], str(stack.workdir), max_output_bytes=300_000)
+    data, last = read_all(stack.client, cmd.proc_id)
+    assert len(data) == 1_000_000 and last.state == "capped"
+    tdata, tlast = read_all(stack.client, term.proc_id, terminal=True)
+    assert len(tdata) == 300_000 and tlast.state == "capped"
+    assert not marked(cmd.proc_id) and not marked(term.proc_id)
+
+
+def test_lifetime_expires_a_terminal_and_a_command(stack: Stack) -> None:
+    term = stack.client.terminal_start(["sleep", "60"], str(stack.workdir), lifetime_s=0.3)
+    cmd = stack.client.start("sleep 60", str(stack.workdir), lifetime_s=0.3)
+    assert read_all(stack.client, term.proc_id, terminal=True)[1].state == "expired"
+    assert read_all(stack.client, cmd.proc_id)[1].state == "expired"
+
+
+def test_kill_ends_a_command_that_ignores_sigterm_and_every_grandchild(stack: Stack) -> None:
+    stubborn = stack.client.start("trap '' TERM; echo armed; while :; do sleep 0.05; done",
+                                  str(stack.workdir))
+    family = stack.client.start(
+        "nohup sleep 300 >/dev/null 2>&1 & (sleep 301 &) ; setsid sleep 302 & echo spawned; wait",
+        str(stack.workdir))
+    wait_for(lambda: b"armed" in stack.client.poll(stubborn.proc_id).data, 10, "trap armed")
+    wait_for(lambda: len(marked(family.proc_id)) >= 4, 10, "grandchildren started")
+    escaped = [p for p in marked(family.proc_id) if os.getpgid(p.pid) != family.pid]
+    assert escaped  # setsid left the process group: only the marker sweep finds it
+    t0 = time.monotonic()
+    killed = stack.client.kill(stubborn.proc_id)
+    assert killed.state == "killed"
+    assert time.monotonic() - t0 >= GRACE_S  # SIGTERM was ignored: SIGKILL after the grace
+    assert not marked(stubborn.proc_id)
+    assert stack.client.kill(family.proc_id).state == "killed"
+    assert not marked(family.proc_id)
+    assert [f["reason"] for f in stack.facts("proc_kill")] == ["request", "request"]
+
+
+def test_session_end_tears_down_commands_terminals_and_grandchildren(stack: Stack) -> None:
+    ids = [stack.client.start("nohup sleep 300 >/dev/null 2>&1 & sleep 300",
+                              str(stack.workdir)).proc_id for _ in range(3)]
+    ids.append(stack.client.terminal_start(["bash", "-c", "(sleep 300 &); sleep 300"],
+                                           str(stack.workdir)).proc_id)
+    wait_for(lambda: all(len(marked(i)) >= 2 for i in ids), 10, "everything started")
+    ended = stack.client.end_session()
+    assert ended.ended == 4
+    assert all(not marked(i) for i in ids)
+    assert stack.facts("session_end")[0]["ended"] == 4
+    with pytest.raises(RemoteError):
+        stack.client.poll(ids[0])  # the session's jobs are forgotten
+
+
+def test_agent_sigkilled_restarted_agent_reads_every_byte(stack: Stack) -> None:
+    """The 'agent' is a separate process; after its SIGKILL a new peer rebuilds
+    the proc ids from the WAL (proc_start facts) and reads every byte."""
+    script = (
+        "import sys, zmq; from broker.statedir import StateDir; "
+        "from broker.peer import BrokerPeer; from actors.procs.client import ProcsClient; "
+        f"st = StateDir.at({str(stack.state.root)!r}); ctx = zmq.Context(); "
+        "c = ProcsClient(BrokerPeer(ctx, st, 'agent-1-old'), 'agent-1'); "
+        "[c.start(f'for i in $(seq 1 40); do echo {n}-$i; sleep 0.01; done', "
+        f"{str(stack.workdir)!r}) for n in range(3)]; "
+        "print('started', flush=True); import time; time.sleep(300)"
+    )
+    agent = stack.processes.spawn(["-c", script], name="agent")
+    wait_for(lambda: "started" in stack.processes.output("agent"), 15, "the agent's starts")
+    os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait()
+    proc_ids = [str(f["proc_id"]) for f in stack.facts("proc_start")]
+    assert len(proc_ids) == 3
+    seen = set()
+    for proc_id in proc_ids:
+        data, last = read_all(stack.client, proc_id)
+        assert last.state == "exited"
+        lines = data.splitlines()
+        n = lines[0].split(b"-")[0]
+        assert lines == [b"%s-%d" % (n, i) for i in range(1, 41)]
+        seen.add(n)
+    assert seen == {b"0", b"1", b"2"}
+
+
+def test_procs_sigkilled_reattaches_commands_reports_terminals_lost_no_orphan(
+    stack: Stack,
+) -> None:
+    long = stack.client.start("echo begin; sleep 1.5; echo end", str(stack.workdir))
+    short = stack.client.start("sleep 0.3; echo done; exit 4", str(stack.workdir))
+    term = stack.client.terminal_start(["bash", "-c", "trap '' HUP; sleep 300"],
+                                       str(stack.workdir))
+    wait_for(lambda: marked(term.proc_id), 10, "the terminal's program")
+    os.killpg(stack.procs.pid, signal.SIGKILL)
+    stack.procs.wait()
+    wait_for(lambda: not marked(short.proc_id), 10, "the short command to end while procs is down")
+    stack.start_procs()
+    assert not marked(term.proc_id)  # a terminal cannot be re-attached: ended, reported lost
+    data, last = read_all(stack.client, long.proc_id)
+    assert (data, last.state, last.exit_code) == (b"begin\nend\n", "exited", 0)
+    sdata, slast = read_all(stack.client, short.proc_id)
+    assert (sdata, slast.state, slast.exit_code) == (b"done\n", "exited", 4)
+    assert stack.client.terminal_read(term.proc_id).state == "lost"
+    assert [f["proc_id"] for f in stack.facts("proc_lost")] == [term.proc_id]
+    assert [f["proc_id"] for f in stack.facts("proc_reattached")] == [long.proc_id]
+    registry = json.loads((stack.state.root / "procs" / "registry.json").read_text())
+    assert {e["proc_id"] for e in registry["entries"]} == {long.proc_id, short.proc_id,
+                                                            term.proc_id}
+    stack.client.end_session()
+
+
+def test_status_values_reach_the_supervisor_heartbeat(stack: Stack) -> None:
+    cmd = stack.client.start("sleep 30", str(stack.workdir))
+    stats = stack.peer.request("procs", protocol.StatsRequest(msg_id="s1"), timeout_s=5)
+    assert isinstance(stats, protocol.Stats)
+    assert stats.values["live_commands"] == 1
+    assert stats.values["live_terminals"] == 0
+    stack.client.kill(cmd.proc_id)
