@@ -13,7 +13,8 @@ operator needs to act on it.
      ├── RemoteError              a peer answered with a typed error reply
      ├── SpawnError               a child process could not be started
      ├── PathRefusedError         an agent's op named a path outside its workspace
-     └── ModelError               a model backend failed (after its retries)
+     ├── ModelError               a model backend failed (after its retries)
+     └── ChangeSetRefusedError    a change set was refused: the bound or rule hit
 """
 
 from __future__ import annotations
@@ -98,3 +99,15 @@ class PathRefusedError(CorralError):
 
 class ModelError(CorralError):
     """A model backend could not produce a reply (after its retries)."""
+
+
+class ChangeSetRefusedError(CorralError):
+    """A change set cannot be built or applied; `bound` names the limit or rule
+    (max_files, max_input_bytes, max_patch_bytes, unsafe_path, symlink, stale,
+    already_applied, not_ready, ...), `path` the file concerned if any."""
+
+    def __init__(self, bound: str, detail: str, path: str | None = None) -> None:
+        super().__init__(f"{bound}: {detail}")
+        self.bound = bound
+        self.detail = detail
+        self.path = path
