@@ -103,13 +103,16 @@ class Requester:
     def _send(self, frame: bytes, timeout_s: float) -> bool:
         """Send without ever blocking past the deadline (a DEALER with no live
         connection, e.g. during a refused CURVE handshake, would block)."""
-        if self._sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+        try:
+            self._sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            if not self._sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+                return False
             try:
                 self._sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 return False
-            return True
-        return False
+        return True
 
     def _await(self, msg_id: str, timeout_s: float) -> protocol.Message | None:
         deadline = time.monotonic() + timeout_s
