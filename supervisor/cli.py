@@ -7,6 +7,10 @@
     supervisor stop [--timeout-s S]
     supervisor logs [-f] [--actor A] [--level L] [--since T] [--json]
     supervisor wal verify ...
+    supervisor run [CONFIG] [--agents N]          (supervisor/run.py)
+    supervisor spawn NAME --task FILE [--model M]  (supervisor/agentcli.py)
+    supervisor approve AGENT REQUEST [--always] | deny AGENT REQUEST
+    supervisor resume AGENT --budget N
 
 Each subcommand imports only what it needs (`status` never imports structlog
 or PyYAML). Errors print one line; exit codes: 0 done, 1 refused or failed,
@@ -60,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("--since", default=None, help="30s, 5m, 2h, 1d or an ISO time")
     logs.add_argument("--json", action="store_true")
     sub.add_parser("wal", help="`wal verify ...`: check the WAL (see wal verify --help)")
+    _agent_parsers(sub, common)
     return parser
 
 
@@ -89,12 +94,56 @@ def _dispatch(args: argparse.Namespace) -> int:
         return up.run(args.state_dir, args.config)
     if args.command == "logs":
         return _logs(args)
+    if args.command in ("run", "spawn", "approve", "deny", "resume"):
+        return _agent_command(args)
     from broker.statedir import StateDir
 
     state_dir = StateDir.at(args.state_dir)
     if args.command == "status":
         return _status(state_dir, args.json, args.watch)
     return _control(state_dir, args)
+
+
+def _agent_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    """`run`, `spawn`, `approve`, `deny`, `resume` (supervisor/run.py, supervisor/agentcli.py)."""
+    run = sub.add_parser("run", parents=[common], help="run N agents on the demo tasks")
+    run.add_argument("config", nargs="?", help="configuration file (default config/default.yaml)")
+    run.add_argument("--agents", type=int, default=None, help="number of agents (default 8)")
+    run.add_argument("--timeout-s", type=float, default=None)
+    spawn = sub.add_parser("spawn", parents=[common], help="add an agent to a running runtime")
+    spawn.add_argument("name")
+    spawn.add_argument("--task", required=True, help="task file (YAML)")
+    spawn.add_argument("--model", default=None, help="scripted | replay:STREAM | openai[:MODEL]")
+    spawn.add_argument("--config", default=None, help="agent settings from this configuration")
+    for verb in ("approve", "deny"):
+        answer = sub.add_parser(verb, parents=[common], help=f"{verb} an agent's request")
+        answer.add_argument("agent")
+        answer.add_argument("request")
+        answer.add_argument("--note", default=None)
+        if verb == "approve":
+            answer.add_argument("--always", action="store_true",
+                                help="also allow this op on this pattern from now on")
+    resume = sub.add_parser("resume", parents=[common], help="resume an agent paused on budget")
+    resume.add_argument("agent")
+    resume.add_argument("--budget", type=int, required=True, help="tokens to add")
+    resume.add_argument("--cost-units", type=float, default=0.0, help="cost units to add")
+
+
+def _agent_command(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        from supervisor import run
+
+        return run.run(args.config, args.state_dir, args.agents, args.timeout_s)
+    from broker.statedir import StateDir
+    from supervisor import agentcli
+
+    state_dir = StateDir.at(args.state_dir)
+    if args.command == "spawn":
+        return agentcli.spawn(state_dir, args.name, args.task, args.model, args.config)
+    if args.command == "resume":
+        return agentcli.resume(state_dir, args.agent, args.budget, args.cost_units)
+    return agentcli.approve(state_dir, args.agent, args.request, deny=args.command == "deny",
+                            always=getattr(args, "always", False), note=args.note)
 
 
 def _status(state_dir: Any, as_json: bool, watch: bool) -> int:

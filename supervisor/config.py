@@ -15,8 +15,10 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from actors.agent.settings import AgentSettings
 from broker.errors import ConfigError
 from supervisor.policy import Policy
+from supervisor.runconfig import RunSettings
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
 
@@ -109,6 +111,8 @@ class Config(_Strict):
     broker: BrokerOptions = BrokerOptions()
     children: list[ChildSpec] = Field(default_factory=list)
     agents: AgentsGroup = AgentsGroup()
+    agent: AgentSettings = AgentSettings()  # the agent loop: bounds, gate rules, backends
+    run: RunSettings = RunSettings()  # `supervisor run`
 
     @model_validator(mode="after")
     def _check_children(self) -> Config:

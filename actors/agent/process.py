@@ -4,8 +4,18 @@
 (supervisor/zygote.py, the cheap path) or by `python -m actors.agent` in a
 fresh interpreter. It configures logging, tells the supervisor it is ready,
 sends heartbeats, joins the broker as a peer named after the agent and
-answers `ping` with `pong`; SIGTERM (or SIGINT) ends it with exit code 0.
-It is honestly idle: the agent loop of the next issue is not here yet.
+answers `ping` with `pong`.
+
+With a spec (`.corral/config/agents/<name>.json`, written by `supervisor run`
+or `spawn`) it runs the agent loop (actors/agent/loop.py): it rebuilds its
+state (newest snapshot generation + the stream's tail) *before* `ready`, so
+`ready` means "rebuilt and serving", then steps the loop between heartbeats
+and pings. Without a spec it is an idle agent, as before.
+
+Exit codes: 0 the session is over (finished, or closed at a bound) or an idle
+agent was stopped; 75 an agent with a session still open was stopped
+(SIGTERM) or lost the writer: a transient restart policy restarts it; 78 its
+spec or task file is invalid.
 """
 
 from __future__ import annotations
@@ -14,15 +24,22 @@ import os
 import signal
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 import zmq
 
+from actors.agent.loop import AgentLoop, Step
+from actors.agent.settings import read_spec
+from actors.writer_client import WriterClient
 from broker import logconfig, protocol
 from broker.control import ENV_CONTROL, ControlReporter
+from broker.errors import ConfigError, CorralError
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
 
 EXIT_OK = 0
+EXIT_STOPPED = 75  # stopped with its session still open: restart it
+EXIT_CONFIG = 78
 
 
 @dataclass(frozen=True)
@@ -59,7 +76,7 @@ class _StopFlag:
 
 
 def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
-    """Run one idle agent until SIGTERM; returns the exit code."""
+    """Run one agent (its loop, or idle without a spec) until done or SIGTERM."""
     stop = _StopFlag()
     log = logconfig.configure(
         name, state_dir.log_path(name), level=options.log_level,
@@ -80,10 +97,27 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
         if options.join_broker else None
     )
     pongs = 0
+    writer: WriterClient | None = None
+    loop: AgentLoop | None = None
     try:
+        try:
+            spec = read_spec(state_dir, name)
+            if spec is not None:
+                writer = WriterClient(ctx, state_dir, name)
+                loop = AgentLoop(name, state_dir, spec, writer)
+                loop.rebuild()
+        except ConfigError as exc:
+            log.error("agent_spec_invalid", error=str(exc))
+            return EXIT_CONFIG
+        except CorralError as exc:
+            log.error("agent_rebuild_failed", error=str(exc))
+            return EXIT_STOPPED
         if reporter is not None:
             reporter.ready()
-        log.info("agent_started", join_broker=peer is not None)
+        log.info("agent_started", join_broker=peer is not None, has_task=loop is not None)
+        if loop is not None:
+            return _run_loop(loop, stop=stop, peer=peer, reporter=reporter, name=name,
+                             options=options, log=log)
         poller = zmq.Poller()
         poller.register(stop.read_fd, zmq.POLLIN)
         watched = None
@@ -106,12 +140,54 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
         log.info("agent_stopped", pongs_total=pongs)
         return EXIT_OK
     finally:
+        if writer is not None:
+            writer.close()
         if peer is not None:
             peer.close()
         if reporter is not None:
             reporter.close()
         ctx.destroy(linger=0)
         stop.close()
+
+
+def _run_loop(
+    loop: AgentLoop, *, stop: _StopFlag, peer: BrokerPeer | None, reporter: ControlReporter | None,
+    name: str, options: AgentOptions, log: Any,
+) -> int:
+    """Step the agent loop; between steps answer pings and send heartbeats."""
+    poller = zmq.Poller()
+    poller.register(stop.read_fd, zmq.POLLIN)
+    watched = None
+    wait_ms = loop.settings.approval_poll_ms
+    last = Step.PROGRESS
+    try:
+        while not stop.stopped:
+            if peer is not None and watched is not peer.socket:
+                if watched is not None:
+                    poller.unregister(watched)
+                watched = peer.socket
+                poller.register(watched, zmq.POLLIN)
+            events = dict(poller.poll(0 if last is Step.PROGRESS else wait_ms))
+            if stop.read_fd in events:
+                os.read(stop.read_fd, 512)
+                continue
+            if peer is not None:
+                while (item := peer.recv(0)) is not None:
+                    _answer(peer, name, *item)
+                peer.tick()
+            if last is Step.WAIT:
+                loop.sync()
+            last = loop.step()
+            if reporter is not None:
+                reporter.tick(loop.values())
+            if last is Step.DONE:
+                log.info("agent_done", reason=loop.state.exit_reason, turn=loop.state.turn)
+                return EXIT_OK
+    except CorralError as exc:
+        log.error("agent_loop_failed", error=str(exc))
+        return EXIT_STOPPED
+    log.info("agent_stopped", phase=loop.state.phase, turn=loop.state.turn)
+    return EXIT_STOPPED
 
 
 def _answer(peer: BrokerPeer, name: str, sender: str, message: protocol.Message) -> int:

@@ -1,0 +1,132 @@
+"""Model backends behind one interface: given the agent's state, return the next
+reply (zero or more raw actions, optional text, token usage).
+
+    scripted  the default: plays a task file's steps in order, `repeat` times,
+              from the state's cursor (settled decisions), so a restarted agent
+              picks up exactly where the fold says it is; deterministic.
+    replay    re-plays the replies (the `turn` events' actions) recorded in an
+              earlier session's stream, one per model call.
+    openai    an OpenAI-compatible chat-completions client (openai_backend.py).
+
+Actions are validated by the loop, never here: a backend may return anything.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from actors.agent.settings import AgentSpec, Task
+from actors.agent.state import AgentState
+
+
+@dataclass(frozen=True)
+class Usage:
+    tokens_in: int = 0
+    tokens_out: int = 0
+    cost_units: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
+                "cost_units": round(self.cost_units, 6)}
+
+
+@dataclass(frozen=True)
+class Reply:
+    actions: list[Any] = field(default_factory=list)
+    text: str | None = None
+    usage: Usage = Usage()
+
+
+class Backend(Protocol):
+    name: str
+
+    def next_reply(self, state: AgentState) -> Reply: ...
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False, default=str))
+
+
+def estimate_usage(state: AgentState, actions: list[Any]) -> Usage:
+    """Deterministic token figures for backends without a tokenizer (~4 chars a token)."""
+    last = state.recent[-1] if state.recent else {}
+    tokens_in = 50 + _size(last) // 4
+    tokens_out = 1 + _size(actions) // 4
+    return Usage(tokens_in, tokens_out, (tokens_in + tokens_out) / 1000)
+
+
+def _substitute(value: Any, iteration: int) -> Any:
+    if isinstance(value, str):
+        return value.replace("{i}", str(iteration))
+    if isinstance(value, list):
+        return [_substitute(v, iteration) for v in value]
+    if isinstance(value, dict):
+        return {k: _substitute(v, iteration) for k, v in value.items()}
+    return value
+
+
+class ScriptedModel:
+    name = "scripted"
+
+    def __init__(self, task: Task) -> None:
+        self.setup = task.setup
+        self.steps = task.steps
+        self.total = len(task.setup) + len(task.steps) * task.repeat
+
+    def next_reply(self, state: AgentState) -> Reply:
+        pos = state.cursor
+        if pos >= self.total:
+            actions: list[Any] = [{"op": "finish", "summary": "script complete"}]
+        elif pos < len(self.setup):
+            actions = [self.setup[pos]]
+        else:
+            pos -= len(self.setup)
+            step = self.steps[pos % len(self.steps)]
+            actions = [_substitute(step, pos // len(self.steps))]
+        return Reply(actions=actions, usage=estimate_usage(state, actions))
+
+
+class ReplayModel:
+    name = "replay"
+
+    def __init__(self, replies: list[Reply]) -> None:
+        self.replies = replies
+
+    @classmethod
+    def from_turns(cls, payloads: Iterable[Any]) -> ReplayModel:
+        """Replies from the payloads of a recorded stream's `turn` events."""
+        replies = []
+        for p in payloads:
+            if isinstance(p, dict):
+                usage = p.get("usage") or {}
+                replies.append(Reply(
+                    actions=list(p.get("actions") or []), text=p.get("text"),
+                    usage=Usage(int(usage.get("tokens_in", 0)), int(usage.get("tokens_out", 0)),
+                                float(usage.get("cost_units", 0.0)))))
+        return cls(replies)
+
+    def next_reply(self, state: AgentState) -> Reply:
+        if state.model_calls < len(self.replies):
+            return self.replies[state.model_calls]
+        actions: list[Any] = [{"op": "finish", "summary": "replay ended"}]
+        return Reply(actions=actions, usage=estimate_usage(state, actions))
+
+
+def make_backend(
+    spec: AgentSpec, task: Task, read_turns: Callable[[str], Iterable[Any]]
+) -> Backend:
+    """The backend a spec names; `read_turns(stream)` yields a stream's turn payloads."""
+    if spec.backend == "replay":
+        if not spec.replay_stream:
+            from broker.errors import ConfigError  # noqa: PLC0415
+
+            raise ConfigError("backend replay needs replay_stream")
+        return ReplayModel.from_turns(read_turns(spec.replay_stream))
+    if spec.backend == "openai":
+        from actors.agent.openai_backend import OpenAIModel  # noqa: PLC0415
+
+        return OpenAIModel(spec.settings.openai, task, spec.model, spec.settings.context_window)
+    return ScriptedModel(task)

@@ -1,0 +1,23 @@
+"""The op catalogue: importing this module registers every op the agent knows.
+
+To add ops (background commands, terminals, subagents), write a module that
+calls `actors.agent.ops.register(Model, handler)` for each, and import it
+below. Nothing else changes: the union, the gate, the tool schemas for
+language models and the loop all read the registry.
+"""
+
+from __future__ import annotations
+
+from actors.agent import builtin_ops  # noqa: F401 - registers the file, memory, ask, finish ops
+from actors.agent.ops import (
+    handler_for,
+    model_for,
+    op_names,
+    parse_action,
+    tool_schemas,
+    warm,
+)
+
+warm()  # build the union once here, so a zygote-forked agent inherits it
+
+__all__ = ["handler_for", "model_for", "op_names", "parse_action", "tool_schemas", "warm"]

@@ -1,0 +1,47 @@
+"""Fault injection for tests (and only tests): SIGKILL the agent at an exact
+point of the loop, once.
+
+    CORRAL_AGENT_FAULT="<point>@<call_id>[,<point>@<call_id>...]"
+
+Points: `before_tool_call` (the action is decided, nothing of it recorded),
+`after_tool_start` (recorded as started, its effect not yet applied),
+`after_effect` (effect applied, no `tool_result`), `after_tool_result`.
+A fault fires once per agent: a marker file `faults/<point>@<call_id>` in the
+agent's directory is written and fsynced before the kill, so the restarted
+process goes past it. Unset (the normal case), `hit()` costs one dict lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+ENV_FAULT = "CORRAL_AGENT_FAULT"
+POINTS = ("before_tool_call", "after_tool_start", "after_effect", "after_tool_result")
+
+
+class Faults:
+    def __init__(self, agent_dir: Path, spec: str | None = None) -> None:
+        spec = os.environ.get(ENV_FAULT, "") if spec is None else spec
+        self.armed = frozenset(x.strip() for x in spec.split(",") if x.strip())
+        self.marker_dir = agent_dir / "faults"
+
+    def hit(self, point: str, call_id: str) -> None:
+        if not self.armed:
+            return
+        name = f"{point}@{call_id}"
+        if name not in self.armed:
+            return
+        marker = self.marker_dir / name
+        if marker.exists():
+            return
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        with open(marker, "wb") as f:
+            os.fsync(f.fileno())
+        fd = os.open(self.marker_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)

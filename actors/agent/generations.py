@@ -1,0 +1,95 @@
+"""Snapshot generations of an agent's state: the on-disk format and its reader.
+
+    .corral/agents/<name>/state/generations/gen-<seq, 20 digits>.json
+    .corral/agents/<name>/state/snapshot.json        (a copy of the newest)
+
+A generation is `{"version": 1, "agent": ..., "seq": N, "state": {...}}`: the
+fold of every event of the stream up to seq N. Each is written to a temp file,
+fsynced, renamed, and the directory fsynced. Both are derived: deleting them
+loses nothing (recovery then folds from the first event, only slower). A
+generation that does not parse is skipped for the next older one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from actors.agent.state import AgentState
+
+FORMAT_VERSION = 1
+_PREFIX = "gen-"
+
+
+def state_dir_of(agent_dir: Path) -> Path:
+    return agent_dir / "state"
+
+
+def generations_dir(agent_dir: Path) -> Path:
+    return state_dir_of(agent_dir) / "generations"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def write(agent_dir: Path, agent: str, state: AgentState, keep: int = 3) -> Path:
+    """Write a generation at state.last_seq and refresh snapshot.json; prune old ones."""
+    gens = generations_dir(agent_dir)
+    gens.mkdir(parents=True, exist_ok=True)
+    body = json.dumps({"version": FORMAT_VERSION, "agent": agent, "seq": state.last_seq,
+                       "state": state.model_dump(mode="json")}, separators=(",", ":")).encode()
+    path = gens / f"{_PREFIX}{state.last_seq:020d}.json"
+    _write_atomic(path, body)
+    _write_atomic(state_dir_of(agent_dir) / "snapshot.json", body)
+    _fsync_dir(gens)
+    _fsync_dir(state_dir_of(agent_dir))
+    for old in list_generations(agent_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def list_generations(agent_dir: Path) -> list[Path]:
+    """Generation files, oldest first."""
+    try:
+        names = os.listdir(generations_dir(agent_dir))
+    except FileNotFoundError:
+        return []
+    found = sorted(n for n in names if n.startswith(_PREFIX) and n.endswith(".json"))
+    return [generations_dir(agent_dir) / n for n in found]
+
+
+def read(path: Path) -> AgentState | None:
+    try:
+        data = json.loads(path.read_bytes())
+        if data.get("version") != FORMAT_VERSION:
+            return None
+        state = AgentState.model_validate(data["state"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError):
+        return None
+    return state if state.last_seq == data.get("seq") else None
+
+
+def newest(agent_dir: Path, max_seq: int | None = None) -> AgentState | None:
+    """The newest readable generation (at or below `max_seq` when given)."""
+    for path in reversed(list_generations(agent_dir)):
+        state = read(path)
+        if state is not None and (max_seq is None or state.last_seq <= max_seq):
+            return state
+    return None

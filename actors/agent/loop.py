@@ -1,0 +1,311 @@
+"""The agent loop: one step at a time, every fact through the writer first.
+
+    context -> model -> validate -> gate -> dispatch -> record
+
+`step()` looks at the state (the fold of the agent's stream), does the one
+next thing, appends its fact and folds what the stream now holds (its own
+events and the operator's answers, in seq order). So the state in memory is
+always the fold of the stream, and a process killed anywhere restarts by
+rebuilding it and calling `step()` again:
+
+- a turn recorded with actions not yet called: its calls go on (no new model call);
+- a call recorded and not started (`tool_call`, `permission`, an approval
+  pending or answered): it goes on through the gate; nothing has run;
+- a call started (`tool_start`) without `tool_result`: the turn is closed with
+  `turn_aborted`, whose payload says for each call whether its recorded effect
+  (file digests before/after) is on disk, and the model decides again (a
+  scripted model moves past an applied effect: each op runs at most once);
+- a call with a `tool_result` is never run again.
+
+Idempotency keys are derived from the state ("c3.0:result", "t4:turn"), so a
+redone append is written once.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from actors.agent import catalog, faults, gate, generations, rebuild, workspace
+from actors.agent.backends import Backend, make_backend
+from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write
+from actors.agent.settings import AgentSpec, load_task, workspace_for
+from actors.agent.state import AgentState, Call, fold
+from actors.writer_client import WriterClient
+from broker import protocol
+from broker.errors import PathRefusedError
+from broker.statedir import StateDir
+
+PHASE_CODES = {"new": 0, "running": 1, "paused": 2, "finished": 3, "closed": 4}
+
+
+class Step(Enum):
+    PROGRESS = "progress"  # did something: step again at once
+    WAIT = "wait"  # waits for the operator (approval, budget): sync, then step
+    DONE = "done"  # the session is over
+
+
+class AgentLoop:
+    def __init__(
+        self, name: str, state_dir: StateDir, spec: AgentSpec, writer: WriterClient,
+        *, fault_spec: str | None = None,
+    ) -> None:
+        self.name = name
+        self.state_dir = state_dir
+        self.spec = spec
+        self.settings = spec.settings
+        self.writer = writer
+        self.stream = rebuild.stream_of(name)
+        self.task = load_task(spec.task)
+        self.workspace = workspace_for(state_dir, name, spec)
+        self.workspace.mkdir(parents=True, exist_ok=True)
+        self.memory_dir = state_dir.memory_dir / name
+        self.agent_dir = state_dir.agent_dir(name)
+        self.state = AgentState()
+        self.faults = faults.Faults(self.agent_dir, fault_spec)
+        self.log = structlog.get_logger("agent").bind(agent=name)
+        self._since_generation = 0
+        self._backend: Backend | None = None
+        self.rebuild_ms = 0.0
+
+    # --- state ---------------------------------------------------------------
+    def rebuild(self) -> rebuild.Rebuilt:
+        done = rebuild.rebuild(self.writer, self.state_dir, self.name)
+        self.state = done.state
+        self.rebuild_ms = done.elapsed_ms
+        self._since_generation = done.tail_events
+        self.log.info("state_rebuilt", generation_seq=done.from_generation,
+                      tail_events=done.tail_events, elapsed_ms=done.elapsed_ms,
+                      phase=self.state.phase, turn=self.state.turn)
+        return done
+
+    def sync(self) -> None:
+        """Fold whatever the stream holds after our last seq."""
+        events = [(r.seq, r.event, r.payload())
+                  for r in self.writer.read_stream(self.stream, self.state.last_seq + 1)]
+        if not events:
+            return
+        self.state = fold(self.state, events)
+        self._since_generation += len(events)
+        if self._since_generation >= self.settings.snapshot_every:
+            generations.write(self.agent_dir, self.name, self.state,
+                              keep=self.settings.generations_kept)
+            self._since_generation = 0
+
+    def _append(self, event: str, payload: dict[str, Any], key: str,
+                ledger: protocol.LedgerName | None = None) -> None:
+        self.writer.append(self.stream, event, payload, key=key, ledger=ledger)
+        self.sync()
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            def read_turns(stream: str) -> list[Any]:
+                return [r.payload() for r in self.writer.read_stream(stream, 1)
+                        if r.event == "turn"]
+            self._backend = make_backend(self.spec, self.task, read_turns)
+        return self._backend
+
+    def values(self) -> dict[str, int | float]:
+        """Heartbeat values: what `supervisor status` and `run` show."""
+        s = self.state
+        names = catalog.op_names()
+        return {
+            "turn": s.turn, "phase": PHASE_CODES[s.phase], "tool_calls": s.counts.tool_calls,
+            "last_op": names.index(s.last_op) + 1 if s.last_op in names else 0,
+            "waiting": len(s.pending_approvals()), "events": s.counts.events,
+            "rebuild_ms": self.rebuild_ms,
+        }
+
+    # --- bounds ----------------------------------------------------------------
+    def budget_left(self) -> bool:
+        b, limit = self.state.budget, self.settings.budget
+        if limit.tokens is not None and b.tokens_used >= limit.tokens + b.extra_tokens:
+            return False
+        return not (limit.cost_units is not None
+                    and b.cost_used >= limit.cost_units + b.extra_cost)
+
+    # --- the step --------------------------------------------------------------
+    def step(self) -> Step:
+        s = self.state
+        if s.phase in ("finished", "closed"):
+            return Step.DONE
+        if s.phase == "paused":
+            if not self.budget_left():
+                return Step.WAIT
+            self._session_start(resumed=True)
+            return Step.PROGRESS
+        if s.phase == "new":
+            self._session_start(resumed=False)
+            return Step.PROGRESS
+        if s.open_turn is not None:
+            dangling = s.started_unsettled()
+            if dangling:
+                self._abort(dangling)
+                return Step.PROGRESS
+            return self._advance_turn(s.open_turn)
+        if s.turn >= self.settings.max_turns:
+            self._exit("max_turns")
+            return Step.PROGRESS
+        if not self.budget_left():
+            self._exit("budget")
+            return Step.PROGRESS
+        reply = self.backend.next_reply(s)
+        turn = s.turn + 1
+        payload: dict[str, Any] = {"turn": turn, "actions": reply.actions,
+                                   "usage": reply.usage.as_dict(), "backend": self.backend.name}
+        if reply.text:
+            payload["text"] = reply.text
+        self._append("turn", payload, key=f"t{turn}:turn", ledger="budget")
+        return Step.PROGRESS
+
+    def _session_start(self, *, resumed: bool) -> None:
+        segment = self.state.segment + 1
+        self._append("session_start", {
+            "segment": segment, "resumed": resumed, "backend": self.spec.backend,
+            "task": Path(self.spec.task).name, "workspace": str(self.workspace),
+            "max_turns": self.settings.max_turns,
+        }, key=f"s{segment}:start")
+
+    def _exit(self, reason: str, summary: str = "") -> None:
+        self._append("session_exit", {
+            "reason": reason, "resumable": reason == "budget", "turn": self.state.turn,
+            "summary": summary[:500]}, key=f"s{self.state.segment}:exit")
+        self.log.info("session_exited", reason=reason, turn=self.state.turn)
+
+    def _advance_turn(self, turn: int) -> Step:
+        s = self.state
+        for index, action in enumerate(s.actions):
+            cid = f"{turn}.{index}"
+            call = s.calls.get(cid)
+            parsed = catalog.parse_action(action)
+            if call is None:
+                self.faults.hit("before_tool_call", cid)
+                self._append("tool_call", {
+                    "call_id": cid, "turn": turn, "index": index,
+                    "op": parsed.op if isinstance(parsed, OpBase) else None,
+                }, key=f"c{cid}")
+                return Step.PROGRESS
+            if call.settled:
+                continue
+            if isinstance(parsed, Rejected):
+                self._append("schema_reject", {"call_id": cid, "op": parsed.op,
+                                               "errors": parsed.errors}, key=f"c{cid}:reject")
+                self.log.info("action_rejected", call_id=cid, op=parsed.op)
+                return Step.PROGRESS
+            return self._gate_and_dispatch(call, parsed)
+        return Step.PROGRESS  # every call settled: the fold has closed the turn
+
+    def _gate_and_dispatch(self, call: Call, op: OpBase) -> Step:
+        cid = call.call_id
+        if call.verdict is None:
+            verdict = gate.decide(op, self.settings, self.state.grant_set(), self.workspace,
+                                  self.state_dir)
+            payload: dict[str, Any] = {"call_id": cid, "op": op.op, "decision": verdict.verdict,
+                                       "rule": verdict.rule}
+            if verdict.reason:
+                payload["reason"] = verdict.reason
+            if verdict.verdict == "ask":
+                payload["request"] = f"req-{cid}"
+            self._append("permission", payload, key=f"c{cid}:perm")
+            if verdict.verdict == "ask":
+                self._request(call, op, verdict.pattern)
+            return Step.PROGRESS
+        if call.verdict in ("deny", "excluded", "refused"):
+            status = {"deny": "denied"}.get(call.verdict, call.verdict)
+            self._result(call, op, status, {"error": f"{status} by the gate ({call.rule})"})
+            return Step.PROGRESS
+        answer: dict[str, Any] | None = None
+        if call.verdict == "ask":
+            request = call.request or f"req-{cid}"
+            approval = self.state.approvals.get(request)
+            if approval is None:
+                self._request(call, op, gate.pattern_of(op))
+                return Step.PROGRESS
+            if approval.status == "pending":
+                return Step.WAIT
+            answer = {"decision": "approve" if approval.status == "approved" else "deny",
+                      "note": approval.note}
+            if approval.status == "denied" and not op.needs_operator:
+                self._result(call, op, "denied", {"error": "denied by the operator"})
+                return Step.PROGRESS
+        self._dispatch(call, op, answer)
+        return Step.PROGRESS
+
+    def _request(self, call: Call, op: OpBase, pattern: str) -> None:
+        request = call.request or f"req-{call.call_id}"
+        question = getattr(op, "question", None)
+        self._append("approval_requested", {
+            "request": request, "call_id": call.call_id, "op": op.op, "pattern": pattern,
+            "kind": "clarification" if op.needs_operator else "permission",
+            "question": question, "agent": self.name,
+        }, key=f"c{call.call_id}:req", ledger="approvals")
+        self.log.info("approval_requested", request=request, op=op.op)
+
+    def _context(self, answer: dict[str, Any] | None) -> OpContext:
+        return OpContext(agent=self.name, workspace=self.workspace, memory_dir=self.memory_dir,
+                         state_dir=self.state_dir,
+                         max_result_chars=self.settings.max_result_chars, answer=answer)
+
+    def _dispatch(self, call: Call, op: OpBase, answer: dict[str, Any] | None) -> None:
+        cid = call.call_id
+        try:
+            outcome = catalog.handler_for(op.op)(op, self._context(answer))
+        except PathRefusedError as exc:
+            outcome = Done({"error": exc.reason}, ok=False)
+        except OSError as exc:
+            outcome = Done({"error": exc.strerror or type(exc).__name__}, ok=False)
+        effect = None
+        if isinstance(outcome, Write):
+            effect = {"path": outcome.label, "before_sha": workspace.digest(outcome.target),
+                      "after_sha": workspace.content_digest(outcome.content)}
+        self._append("tool_start", {"call_id": cid, "op": op.op, "effect": effect},
+                     key=f"c{cid}:start")
+        self.faults.hit("after_tool_start", cid)
+        if isinstance(outcome, Write):
+            try:
+                workspace.apply_write(outcome.target, outcome.content)
+                outcome = Done(outcome.result)
+            except OSError as exc:
+                outcome = Done({"error": exc.strerror or type(exc).__name__}, ok=False)
+        self.faults.hit("after_effect", cid)
+        self._result(call, op, "ok" if outcome.ok else "error", outcome.result)
+        self.faults.hit("after_tool_result", cid)
+        for j, (event, payload) in enumerate(outcome.facts):
+            self._append(event, payload, key=f"c{cid}:fact{j}")
+        if outcome.ok and op.ends_session:
+            self._exit("finished", str(getattr(op, "summary", "")))
+
+    def _result(self, call: Call, op: OpBase, status: str, result: dict[str, Any]) -> None:
+        self._append("tool_result", {"call_id": call.call_id, "op": op.op, "status": status,
+                                     "result": result}, key=f"c{call.call_id}:result")
+
+    def _effect_target(self, label: str) -> Path | None:
+        if label.startswith("memory:"):
+            return self.memory_dir / f"{label.removeprefix('memory:')}.md"
+        try:
+            return workspace.resolve(self.workspace, label, write=True)
+        except PathRefusedError:
+            return None
+
+    def _abort(self, dangling: list[Call]) -> None:
+        """Close a turn whose started calls have no result (a crash): say what is known."""
+        calls = []
+        for call in dangling:
+            applied: bool | None = None
+            effect = call.effect
+            if isinstance(effect, dict):
+                target = self._effect_target(str(effect.get("path")))
+                now = workspace.digest(target) if target is not None else "unknown"
+                if now == effect.get("after_sha"):
+                    applied = True
+                elif now == effect.get("before_sha"):
+                    applied = False
+            calls.append({"call_id": call.call_id, "op": call.op, "effect_applied": applied})
+        turn = self.state.open_turn
+        self._append("turn_aborted", {"turn": turn, "reason": "recovery", "calls": calls},
+                     key=f"t{turn}:aborted")
+        self.log.warning("turn_aborted", turn=turn, calls=len(calls))

@@ -1,0 +1,159 @@
+"""An OpenAI-compatible chat-completions backend (Ollama, vLLM, llama.cpp
+server, hosted APIs), with tool calling, on the standard library's http.client.
+
+The context is built from the state alone: a system message (the task's
+prompt and the rules of the game), then the recent exchanges the fold keeps
+(each action as an assistant tool call, each result as a tool message), so a
+restarted agent sends the same context. Every registered op is offered as a
+function (its pydantic schema). A reply's tool calls become raw actions
+(`{"op": name, **arguments}`); arguments that are not a JSON object become an
+action the loop rejects (`schema_reject`), never an exception.
+
+Timeouts per request (`timeout_s`); 429 and 5xx answers, timeouts and
+connection errors are retried `max_retries` times with exponential backoff
+(`backoff_base_s * 2**n`, capped, honouring a numeric Retry-After up to the
+cap); then ModelError. The key is read from the environment variable named by
+`api_key_env` and never logged.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+from actors.agent import catalog
+from actors.agent.backends import Reply, Usage
+from actors.agent.settings import OpenAISettings, Task
+from actors.agent.state import AgentState
+from broker.errors import ModelError
+
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+def build_messages(task: Task, state: AgentState, window: int) -> list[dict[str, Any]]:
+    system = (
+        "You are an agent working in a sandboxed workspace. Act only through the tools. "
+        "Paths are relative to the workspace. Call `finish` when the task is done.\n\n"
+        f"Task: {task.prompt or task.name}"
+    )
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system},
+                                      {"role": "user", "content": task.prompt or task.name}]
+    for item in state.recent[-window:]:
+        if "text" in item and "call_id" not in item:
+            messages.append({"role": "assistant", "content": str(item["text"])})
+            continue
+        call_id = str(item.get("call_id"))
+        action = item.get("action")
+        if isinstance(action, dict):
+            name = str(action.get("op", "unknown"))
+            args = {k: v for k, v in action.items() if k != "op"}
+            messages.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": call_id, "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args)}}]})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": json.dumps(
+                {"status": item.get("status"), "result": item.get("result")})})
+        else:
+            messages.append({"role": "user", "content": json.dumps(
+                {"call_id": call_id, "status": item.get("status"), "result": item.get("result")})})
+    return messages
+
+
+def parse_reply(body: dict[str, Any]) -> Reply:
+    """Actions, text and usage from a chat-completions response body."""
+    try:
+        message = body["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ModelError("chat completion without choices[0].message") from exc
+    actions: list[Any] = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        name = function.get("name")
+        raw = function.get("arguments") or "{}"
+        try:
+            args = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            args = None
+        if isinstance(args, dict):
+            actions.append({**args, "op": name})
+        else:
+            actions.append({"op": name, "arguments_not_an_object": True})
+    usage = body.get("usage") or {}
+    tokens_in = int(usage.get("prompt_tokens") or 0)
+    tokens_out = int(usage.get("completion_tokens") or 0)
+    return Reply(actions=actions, text=message.get("content") or None,
+                 usage=Usage(tokens_in, tokens_out, (tokens_in + tokens_out) / 1000))
+
+
+class OpenAIModel:
+    name = "openai"
+
+    def __init__(self, settings: OpenAISettings, task: Task, model: str | None = None,
+                 window: int = 20, sleep: Any = time.sleep) -> None:
+        self.settings = settings
+        self.task = task
+        self.model = model or settings.model
+        self.window = window
+        self.sleep = sleep
+        parts = urlsplit(settings.base_url.rstrip("/"))
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ModelError(f"invalid base_url {settings.base_url!r}")
+        self.parts = parts
+        self.attempts = 0
+
+    def next_reply(self, state: AgentState) -> Reply:
+        body = {"model": self.model, "temperature": self.settings.temperature,
+                "messages": build_messages(self.task, state, self.window),
+                "tools": catalog.tool_schemas(), "tool_choice": "auto"}
+        return parse_reply(self.post("/chat/completions", body))
+
+    def _connection(self) -> http.client.HTTPConnection:
+        cls = (http.client.HTTPSConnection if self.parts.scheme == "https"
+               else http.client.HTTPConnection)
+        return cls(self.parts.hostname or "", self.parts.port, timeout=self.settings.timeout_s)
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(self.settings.api_key_env)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        last = "no attempt"
+        for attempt in range(self.settings.max_retries + 1):
+            self.attempts += 1
+            retry_after: float | None = None
+            conn = self._connection()
+            try:
+                conn.request("POST", self.parts.path + path, body=data, headers=headers)
+                response = conn.getresponse()
+                payload = response.read()
+                if response.status == 200:
+                    try:
+                        parsed = json.loads(payload)
+                    except ValueError as exc:
+                        raise ModelError("the model server sent invalid JSON") from exc
+                    if not isinstance(parsed, dict):
+                        raise ModelError("the model server sent a non-object body")
+                    return parsed
+                last = f"HTTP {response.status}"
+                if response.status not in RETRY_STATUS:
+                    raise ModelError(f"the model server answered {last}: {payload[:200]!r}")
+                header = response.getheader("Retry-After")
+                if header and header.strip().isdigit():
+                    retry_after = float(header)
+            except TimeoutError:
+                last = f"timeout after {self.settings.timeout_s:g}s"
+            except (ConnectionError, http.client.HTTPException, OSError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            finally:
+                conn.close()
+            if attempt < self.settings.max_retries:
+                delay = min(self.settings.backoff_cap_s,
+                            retry_after if retry_after is not None
+                            else self.settings.backoff_base_s * 2 ** attempt)
+                self.sleep(delay)
+        raise ModelError(f"model server failed after {self.settings.max_retries + 1} "
+                         f"attempts: {last}")

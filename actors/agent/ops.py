@@ -1,0 +1,177 @@
+"""Typed ops: the registry that makes them one pydantic discriminated union.
+
+An op is a frozen, strict pydantic model with a literal `op` field, plus one
+handler; `register(Model, handler)` adds both, and the union used to validate
+a model's action (`parse_action`) is rebuilt from the registry. This is the
+ONE place new ops join: the ops of this issue register in
+actors/agent/builtin_ops.py, and actors/agent/catalog.py imports every module
+that registers ops (add yours there, e.g. background commands, terminals,
+subagents).
+
+Class variables tell the gate and the loop what an op touches:
+    path_field      the argument holding a workspace path (confinement, path rules)
+    command_field   the argument holding a command (command-prefix rules)
+    mutates         the op changes files: the loop records its effect digest in
+                    `tool_start` before running it, so recovery can tell whether
+                    it happened
+    needs_operator  the op always waits for an operator answer (`ask`)
+    ends_session    a successful result closes the session (`finish`)
+
+A handler returns an `Outcome`: `Done(result)` or, for a mutating op,
+`Write(target, content, result)`, which the loop applies atomically after
+recording it. Handlers never write themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from broker.statedir import StateDir
+
+
+class OpBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    op: str
+    path_field: ClassVar[str | None] = None
+    command_field: ClassVar[str | None] = None
+    mutates: ClassVar[bool] = False
+    needs_operator: ClassVar[bool] = False
+    ends_session: ClassVar[bool] = False
+
+    def gate_path(self) -> str | None:
+        value = getattr(self, self.path_field) if self.path_field else None
+        return value if isinstance(value, str) else None
+
+    def gate_command(self) -> str | None:
+        value = getattr(self, self.command_field) if self.command_field else None
+        return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """What a handler may use: its agent's workspace and memory, and limits."""
+
+    agent: str
+    workspace: Path
+    memory_dir: Path
+    state_dir: StateDir
+    max_result_chars: int = 8192
+    answer: dict[str, Any] | None = None  # the operator's answer, for needs_operator ops
+
+
+@dataclass(frozen=True)
+class Done:
+    result: dict[str, Any]
+    ok: bool = True
+    facts: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # extra events
+
+
+@dataclass(frozen=True)
+class Write:
+    """Replace `target` with `content` (None: delete); `label` names it in events."""
+
+    target: Path
+    label: str
+    content: bytes | None
+    result: dict[str, Any]
+
+
+Outcome = Done | Write
+Handler = Callable[[Any, OpContext], Outcome]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A malformed action: which op it claimed and value-free field errors."""
+
+    op: str | None
+    errors: list[str]
+
+
+_MODELS: dict[str, type[OpBase]] = {}
+_HANDLERS: dict[str, Handler] = {}
+_adapter: TypeAdapter[Any] | None = None
+
+
+def register(model: type[OpBase], handler: Handler) -> None:
+    """Add an op to the union (idempotent for the same model)."""
+    global _adapter  # noqa: PLW0603 - the registry is module state by design
+    name = model.model_fields["op"].default
+    if not isinstance(name, str):
+        raise TypeError(f"{model.__name__}.op needs a Literal default")
+    existing = _MODELS.get(name)
+    if existing is not None and existing is not model:
+        raise ValueError(f"op {name!r} is already registered by {existing.__name__}")
+    _MODELS[name] = model
+    _HANDLERS[name] = handler
+    _adapter = None
+
+
+def op_names() -> list[str]:
+    """Registered op names, in registration order (heartbeat codes index this)."""
+    return list(_MODELS)
+
+
+def model_for(name: str) -> type[OpBase] | None:
+    return _MODELS.get(name)
+
+
+def handler_for(name: str) -> Handler:
+    return _HANDLERS[name]
+
+
+def _union() -> TypeAdapter[Any]:
+    global _adapter  # noqa: PLW0603
+    if _adapter is None:
+        models = tuple(_MODELS.values())
+        member: Any = models[0] if len(models) == 1 else Union[models]  # noqa: UP007
+        _adapter = TypeAdapter(Annotated[member, Field(discriminator="op")])
+    return _adapter
+
+
+def warm() -> None:
+    """Build the union's validator now (cheap to call again)."""
+    _union()
+
+
+def parse_action(action: object) -> OpBase | Rejected:
+    """Validate one model action; never raises. Errors carry no argument values."""
+    if not isinstance(action, dict):
+        return Rejected(None, [f"action is a {type(action).__name__}, not an object"])
+    name = action.get("op")
+    if not isinstance(name, str) or name not in _MODELS:
+        return Rejected(name if isinstance(name, str) else None, [f"unknown op {name!r}"[:100]])
+    try:
+        parsed = _union().validate_python(action)
+    except ValidationError as exc:
+        errors = [
+            f"{'.'.join(str(p) for p in err['loc'][1:]) or '(action)'}: {err['type']}"
+            for err in exc.errors(include_input=False)
+        ]
+        return Rejected(name, errors[:10])
+    assert isinstance(parsed, OpBase)
+    return parsed
+
+
+def tool_schemas() -> list[dict[str, Any]]:
+    """OpenAI-style function declarations for every registered op."""
+    out = []
+    for name, model in _MODELS.items():
+        schema = model.model_json_schema()
+        props = {k: v for k, v in schema.get("properties", {}).items() if k != "op"}
+        required = [r for r in schema.get("required", []) if r != "op"]
+        out.append({
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": (model.__doc__ or name).strip().splitlines()[0],
+                "parameters": {"type": "object", "properties": props, "required": required},
+            },
+        })
+    return out

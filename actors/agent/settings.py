@@ -1,0 +1,157 @@
+"""What an agent is told before it starts: its settings (bounds, gate rules,
+backend options; the `agent:` section of the runtime configuration) and its
+spec (task file, backend, workspace), written by `supervisor run` / `spawn` to
+`.corral/config/agents/<name>.json` (recovery-core: written only by those
+dedicated commands). An agent without a spec file is an idle agent.
+
+A task file (config/tasks/*.yaml) holds a `prompt` (for a language model) and
+the `setup` steps a scripted model plays once, then its `steps`, `repeat` times
+(loops allowed; "{i}" in a string is replaced by the iteration number).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from broker.errors import ConfigError
+from broker.statedir import StateDir
+
+Decision = Literal["allow", "ask", "deny"]
+BackendName = Literal["scripted", "replay", "openai"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Rule(_Strict):
+    """One permission rule; the first rule that matches an op decides.
+
+    `op` is an op name or "*"; `path` a glob (fnmatch: `*` also crosses "/")
+    matched on the workspace-relative path; `command` a prefix matched on an
+    op's command argument (ops that run commands). A rule with `path` or
+    `command` matches only ops that carry that argument."""
+
+    op: str = "*"
+    path: str | None = None
+    command: str | None = None
+    decision: Decision
+
+
+class Permissions(_Strict):
+    default: Decision = "allow"
+    rules: list[Rule] = Field(default_factory=list)
+
+
+class Budget(_Strict):
+    """Bounds on model use; None is unbounded."""
+
+    tokens: Annotated[int, Field(ge=0)] | None = None
+    cost_units: Annotated[float, Field(ge=0)] | None = None
+
+
+class OpenAISettings(_Strict):
+    """An OpenAI-compatible /v1/chat/completions endpoint. The key is read from
+    the environment variable named by `api_key_env` (never from this file)."""
+
+    base_url: str = "http://127.0.0.1:11434/v1"
+    model: str = "llama3.1"
+    api_key_env: str = "OPENAI_API_KEY"
+    timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    max_retries: Annotated[int, Field(ge=0)] = 4
+    backoff_base_s: Annotated[float, Field(ge=0)] = 0.5
+    backoff_cap_s: Annotated[float, Field(ge=0)] = 8.0
+    temperature: float = 0.0
+
+
+class AgentSettings(_Strict):
+    """The `agent:` section of the runtime configuration."""
+
+    max_turns: Annotated[int, Field(ge=1)] = 500
+    budget: Budget = Budget()
+    exclude: list[str] = Field(default_factory=list)
+    permissions: Permissions = Permissions()
+    snapshot_every: Annotated[int, Field(ge=1)] = 256
+    generations_kept: Annotated[int, Field(ge=1)] = 3
+    context_window: Annotated[int, Field(ge=1)] = 20
+    max_result_chars: Annotated[int, Field(ge=256)] = 8192
+    approval_poll_ms: Annotated[int, Field(ge=5)] = 100
+    openai: OpenAISettings = OpenAISettings()
+
+
+class AgentSpec(_Strict):
+    """One agent's assignment, as `supervisor run` / `spawn` write it."""
+
+    task: str  # path of the task file
+    backend: BackendName = "scripted"
+    model: str | None = None  # openai: overrides settings.openai.model
+    replay_stream: str | None = None  # replay: the stream whose replies are played
+    workspace: str | None = None  # None: .corral/agents/<name>/workspace/
+    settings: AgentSettings = AgentSettings()
+
+
+class Task(_Strict):
+    name: str = "task"
+    prompt: str = ""
+    repeat: Annotated[int, Field(ge=1)] = 1
+    setup: list[dict[str, Any]] = Field(default_factory=list)  # played once, before the loop
+    steps: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def spec_path(state_dir: StateDir, name: str) -> Path:
+    return state_dir.config_dir / "agents" / f"{name}.json"
+
+
+def write_spec(state_dir: StateDir, name: str, spec: AgentSpec) -> Path:
+    """Write an agent's spec atomically (temp, fsync, rename)."""
+    path = spec_path(state_dir, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(spec.model_dump_json(indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return path
+
+
+def read_spec(state_dir: StateDir, name: str) -> AgentSpec | None:
+    """The agent's spec, or None when it has none (an idle agent)."""
+    path = spec_path(state_dir, name)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        return AgentSpec.model_validate(json.loads(text))
+    except (ValueError, ValidationError) as exc:
+        raise ConfigError(f"{path}: invalid agent spec: {exc}") from exc
+
+
+def load_task(path: str | Path) -> Task:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read task: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    try:
+        return Task.model_validate(data or {})
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: invalid task: {exc.errors()[0]['msg']}") from exc
+
+
+def workspace_for(state_dir: StateDir, name: str, spec: AgentSpec) -> Path:
+    """The agent's workspace: the spec's directory, or .corral/agents/<name>/workspace/."""
+    if spec.workspace is not None:
+        return Path(spec.workspace).resolve()
+    return state_dir.agent_dir(name) / "workspace"

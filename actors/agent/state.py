@@ -1,0 +1,250 @@
+"""An agent's state: a pure fold of the events of its stream (`agent/<name>`).
+
+`fold(state, events)` returns a new state and never touches its input; the
+same events always give the same state, and folding a generation's state with
+the events after its seq gives what folding every event from the first gives
+(tests/test_agent_state.py). Events at or below `last_seq` are skipped, so a
+replayed tail is harmless.
+
+What the state holds is bounded (the open turn, pending approvals, grants, a
+window of recent exchanges for a model's context), so a snapshot's size does
+not grow with history. Event payloads are documented in docs/agents.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Phase = Literal["new", "running", "paused", "finished", "closed"]
+RECENT_MAX = 32
+RECENT_RESULT_CHARS = 2000
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Call(_Model):
+    call_id: str
+    index: int
+    op: str | None = None
+    verdict: str | None = None
+    rule: str | None = None
+    request: str | None = None
+    started: bool = False
+    effect: dict[str, Any] | None = None
+    settled: bool = False
+    status: str | None = None
+
+
+class Approval(_Model):
+    request: str
+    call_id: str
+    op: str
+    pattern: str
+    kind: str  # "permission" | "clarification"
+    question: str | None = None
+    status: Literal["pending", "approved", "denied"] = "pending"
+    always: bool = False
+    note: str | None = None
+
+
+class BudgetUse(_Model):
+    tokens_used: int = 0
+    cost_used: float = 0.0
+    extra_tokens: int = 0
+    extra_cost: float = 0.0
+
+
+class Counts(_Model):
+    events: int = 0
+    tool_calls: int = 0
+    tool_results: int = 0
+    rejects: int = 0
+    aborted: int = 0
+
+
+class AgentState(_Model):
+    phase: Phase = "new"
+    segment: int = 0
+    turn: int = 0
+    open_turn: int | None = None
+    actions: list[Any] = Field(default_factory=list)  # the open turn's raw actions
+    calls: dict[str, Call] = Field(default_factory=dict)  # the open turn's calls
+    cursor: int = 0  # settled decisions: a scripted model's position
+    model_calls: int = 0
+    todos: list[dict[str, Any]] = Field(default_factory=list)
+    budget: BudgetUse = Field(default_factory=BudgetUse)
+    approvals: dict[str, Approval] = Field(default_factory=dict)
+    grants: list[tuple[str, str]] = Field(default_factory=list)
+    counts: Counts = Field(default_factory=Counts)
+    last_op: str | None = None
+    exit_reason: str | None = None
+    recent: list[dict[str, Any]] = Field(default_factory=list)
+    last_seq: int = 0
+
+    # --- views ---------------------------------------------------------------
+    def pending_approvals(self) -> list[Approval]:
+        return [a for a in self.approvals.values() if a.status == "pending"]
+
+    def grant_set(self) -> frozenset[tuple[str, str]]:
+        return frozenset((op, pattern) for op, pattern in self.grants)
+
+    def started_unsettled(self) -> list[Call]:
+        return [c for c in self.calls.values() if c.started and not c.settled]
+
+
+Event = tuple[int, str, Any]  # (seq, event type, payload)
+
+
+def fold(state: AgentState, events: Iterable[Event]) -> AgentState:
+    """The state after `events` (in seq order); `state` is not modified."""
+    out = state.model_copy(deep=True)
+    for seq, event, payload in events:
+        if seq <= out.last_seq:
+            continue
+        _apply(out, event, payload if isinstance(payload, dict) else {})
+        out.last_seq = seq
+        out.counts.events += 1
+    return out
+
+
+def _remember(state: AgentState, item: dict[str, Any]) -> None:
+    state.recent.append(item)
+    if len(state.recent) > RECENT_MAX:
+        del state.recent[: len(state.recent) - RECENT_MAX]
+
+
+def _clip(value: Any) -> Any:
+    text = repr(value) if not isinstance(value, dict | list | str | int | float | None) else None
+    if text is not None:
+        return text[:RECENT_RESULT_CHARS]
+    import json  # noqa: PLC0415 - only for oversized results
+
+    encoded = json.dumps(value, ensure_ascii=False)
+    return value if len(encoded) <= RECENT_RESULT_CHARS else encoded[:RECENT_RESULT_CHARS]
+
+
+def _close_turn_if_settled(state: AgentState) -> None:
+    if state.open_turn is None:
+        return
+    if len(state.calls) == len(state.actions) and all(c.settled for c in state.calls.values()):
+        _close_turn(state)
+
+
+def _close_turn(state: AgentState) -> None:
+    for call in state.calls.values():
+        state.approvals = {k: a for k, a in state.approvals.items() if a.call_id != call.call_id}
+    state.open_turn = None
+    state.actions = []
+    state.calls = {}
+
+
+def _action(state: AgentState, call: Call) -> Any:
+    return state.actions[call.index] if 0 <= call.index < len(state.actions) else None
+
+
+def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
+    match event:
+        case "session_start":
+            state.segment += 1
+            state.phase = "running"
+            state.exit_reason = None
+        case "turn":
+            state.turn = int(p.get("turn", state.turn + 1))
+            state.model_calls += 1
+            usage = p.get("usage") or {}
+            state.budget.tokens_used += int(usage.get("tokens_in", 0)) + int(
+                usage.get("tokens_out", 0))
+            state.budget.cost_used += float(usage.get("cost_units", 0.0))
+            actions = p.get("actions") or []
+            state.calls = {}
+            state.actions = list(actions)
+            state.open_turn = state.turn if actions else None
+            if p.get("text"):
+                _remember(state, {"turn": state.turn, "text": str(p["text"])[:RECENT_RESULT_CHARS]})
+        case "tool_call":
+            cid = str(p.get("call_id"))
+            if state.open_turn is None or cid in state.calls:
+                return
+            state.calls[cid] = Call(call_id=cid, index=int(p.get("index", 0)), op=p.get("op"))
+            state.counts.tool_calls += 1
+            state.last_op = p.get("op") or "invalid"
+        case "schema_reject":
+            call = state.calls.get(str(p.get("call_id")))
+            if call is None or call.settled:
+                return
+            call.settled, call.status = True, "rejected"
+            state.counts.rejects += 1
+            state.cursor += 1
+            _remember(state, {"turn": state.turn, "call_id": call.call_id,
+                              "action": _action(state, call), "status": "rejected",
+                              "result": {"errors": p.get("errors", [])}})
+            _close_turn_if_settled(state)
+        case "permission":
+            call = state.calls.get(str(p.get("call_id")))
+            if call is not None:
+                call.verdict, call.rule = p.get("decision"), p.get("rule")
+                call.request = p.get("request")
+        case "approval_requested":
+            request = str(p.get("request"))
+            if str(p.get("call_id")) in state.calls and request not in state.approvals:
+                state.approvals[request] = Approval(
+                    request=request, call_id=str(p["call_id"]), op=str(p.get("op")),
+                    pattern=str(p.get("pattern", "*")), kind=str(p.get("kind", "permission")),
+                    question=p.get("question"))
+        case "approval_answer":
+            approval = state.approvals.get(str(p.get("request")))
+            if approval is None or approval.status != "pending":
+                return
+            approved = p.get("decision") == "approve"
+            approval.status = "approved" if approved else "denied"
+            approval.always = bool(p.get("always")) and approved
+            approval.note = p.get("note")
+            grant = (approval.op, approval.pattern)
+            if approval.always and approval.kind == "permission" and grant not in state.grants:
+                state.grants.append(grant)
+                state.grants.sort()
+        case "tool_start":
+            call = state.calls.get(str(p.get("call_id")))
+            if call is not None:
+                call.started = True
+                call.effect = p.get("effect")
+        case "tool_result":
+            call = state.calls.get(str(p.get("call_id")))
+            if call is None or call.settled:
+                return
+            call.settled, call.status = True, str(p.get("status"))
+            state.counts.tool_results += 1
+            state.cursor += 1
+            _remember(state, {"turn": state.turn, "call_id": call.call_id,
+                              "action": _action(state, call), "status": call.status,
+                              "result": _clip(p.get("result"))})
+            _close_turn_if_settled(state)
+        case "todos":
+            items = p.get("items")
+            if isinstance(items, list):
+                state.todos = items
+        case "turn_aborted":
+            for item in p.get("calls") or []:
+                applied = isinstance(item, dict) and item.get("effect_applied") is True
+                state.counts.aborted += 1
+                if applied:
+                    state.cursor += 1
+                _remember(state, {"turn": state.turn, "call_id": item.get("call_id"),
+                                  "status": "aborted", "result": {
+                                      "effect_applied": item.get("effect_applied")}})
+            _close_turn(state)
+        case "session_exit":
+            reason = str(p.get("reason"))
+            state.exit_reason = reason
+            state.phase = ("finished" if reason == "finished"
+                           else "paused" if reason == "budget" else "closed")
+        case "budget_resumed":
+            state.budget.extra_tokens += int(p.get("tokens", 0))
+            state.budget.extra_cost += float(p.get("cost_units", 0.0))
+        case _:
+            return

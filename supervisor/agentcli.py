@@ -1,0 +1,178 @@
+"""The operator's agent commands: `spawn`, `approve`, `deny`, `resume`.
+
+    supervisor spawn NAME --task FILE [--model M] [--config F]
+    supervisor approve AGENT REQUEST [--always] [--note TEXT]
+    supervisor deny AGENT REQUEST [--note TEXT]
+    supervisor resume AGENT --budget N [--cost-units C]
+
+Answers and budget increases are facts of the agent's stream, appended through
+the writer (ledgers `approvals` and `budget`) by the origin "operator" under a
+key derived from the request, so a repeated command is written once. Each
+command first rebuilds the agent's state (snapshot generation + tail) to check
+that what it answers is pending. `spawn` writes the agent's spec and asks the
+supervisor to start it.
+"""
+
+# Imports inside functions are deliberate: each path loads only what it needs.
+# ruff: noqa: PLC0415
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from broker.statedir import StateDir
+
+if TYPE_CHECKING:
+    from actors.agent.state import AgentState
+    from actors.writer_client import WriterClient
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NO_SUPERVISOR = 3
+EXIT_NO_ANSWER = 4
+
+
+def _fail(message: str, code: int = EXIT_FAILED) -> int:
+    print(f"supervisor: {message}", file=sys.stderr)
+    return code
+
+
+def _with_writer(state_dir: StateDir, agent: str, action: Any) -> int:
+    """Run `action(writer, state)` with the agent's rebuilt state."""
+    import zmq
+
+    from actors.agent.rebuild import rebuild
+    from broker.errors import CorralError, RequestTimeoutError
+    from broker.statedir import check_actor_name
+    from supervisor import client
+
+    try:
+        check_actor_name(agent)
+    except CorralError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    if not client.running(state_dir):
+        return _fail(f"no supervisor for {state_dir.root}", EXIT_NO_SUPERVISOR)
+    from actors.writer_client import WriterClient
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    writer = WriterClient(ctx, state_dir, "operator", timeout_s=2.0, retries=2)
+    try:
+        state = rebuild(writer, state_dir, agent).state
+        if state.counts.events == 0:
+            return _fail(f"agent {agent} has no session in {state_dir.root}")
+        code: int = action(writer, state)
+    except RequestTimeoutError:
+        return _fail(f"the writer of {state_dir.root} did not answer", EXIT_NO_ANSWER)
+    except CorralError as exc:
+        return _fail(str(exc))
+    finally:
+        writer.close()
+        ctx.destroy(linger=0)
+    return code
+
+
+def answer_approval(writer: WriterClient, agent: str, state: AgentState, request: str, *,
+                    decision: str, always: bool, note: str | None) -> str:
+    """Append the answer to a pending request; returns a line for the operator.
+    Raises LookupError when the request is not pending."""
+    approval = state.approvals.get(request)
+    if approval is None:
+        pending = ", ".join(a.request for a in state.pending_approvals()) or "none"
+        raise LookupError(f"agent {agent} has no request {request} (pending: {pending})")
+    if approval.status != "pending":
+        raise LookupError(f"request {request} of {agent} is already {approval.status}")
+    writer.append(f"agent/{agent}", "approval_answer", {
+        "request": request, "decision": decision, "always": always, "note": note,
+        "op": approval.op, "pattern": approval.pattern,
+    }, key=f"answer:{agent}:{request}", ledger="approvals")
+    scope = f" (always: {approval.op} {approval.pattern})" if always else ""
+    verb = "approved" if decision == "approve" else "denied"
+    return f"{verb} {agent} {request}: {approval.op} {approval.pattern}{scope}"
+
+
+def approve(state_dir: StateDir, agent: str, request: str, *, deny: bool, always: bool,
+            note: str | None) -> int:
+    if deny and always:
+        return _fail("--always applies to approve only", EXIT_USAGE)
+
+    def act(writer: WriterClient, state: AgentState) -> int:
+        try:
+            line = answer_approval(writer, agent, state, request,
+                                   decision="deny" if deny else "approve", always=always,
+                                   note=note)
+        except LookupError as exc:
+            return _fail(str(exc))
+        print(f"supervisor: {line}")
+        return EXIT_OK
+
+    return _with_writer(state_dir, agent, act)
+
+
+def resume(state_dir: StateDir, agent: str, tokens: int, cost_units: float) -> int:
+    if tokens < 0 or cost_units < 0:
+        return _fail("--budget and --cost-units must be >= 0", EXIT_USAGE)
+
+    def act(writer: WriterClient, state: AgentState) -> int:
+        if state.phase != "paused":
+            return _fail(f"agent {agent} is {state.phase}, not paused on its budget")
+        writer.append(f"agent/{agent}", "budget_resumed",
+                      {"tokens": tokens, "cost_units": cost_units, "segment": state.segment},
+                      key=f"resume:{agent}:s{state.segment}", ledger="budget")
+        print(f"supervisor: resumed {agent}: +{tokens} tokens, +{cost_units:g} cost units")
+        return EXIT_OK
+
+    return _with_writer(state_dir, agent, act)
+
+
+def parse_model(text: str | None) -> dict[str, Any]:
+    """`--model`: scripted | replay:STREAM | openai | openai:MODEL."""
+    if not text or text == "scripted":
+        return {"backend": "scripted"}
+    kind, _, rest = text.partition(":")
+    if kind == "replay" and rest:
+        return {"backend": "replay", "replay_stream": rest}
+    if kind == "openai":
+        return {"backend": "openai", "model": rest or None}
+    raise ValueError(f"unknown model {text!r}: use scripted, replay:STREAM, openai[:MODEL]")
+
+
+def spawn(state_dir: StateDir, name: str, task: str, model: str | None,
+          config_arg: str | None) -> int:
+    import zmq
+
+    from actors.agent.settings import AgentSpec, load_task, write_spec
+    from broker import protocol
+    from broker.errors import CorralError, RemoteError, RequestTimeoutError
+    from broker.requester import Requester, new_msg_id
+    from broker.statedir import check_actor_name
+    from supervisor import client
+    from supervisor import config as config_mod
+
+    try:
+        check_actor_name(name)
+        load_task(task)
+        chosen = parse_model(model)
+        config = config_mod.load(Path(config_arg) if config_arg else None)
+    except (CorralError, ValueError) as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    if not client.running(state_dir):
+        return _fail(f"no supervisor for {state_dir.root}", EXIT_NO_SUPERVISOR)
+    write_spec(state_dir, name, AgentSpec(task=str(Path(task).resolve()),
+                                          settings=config.agent, **chosen))
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    requester = Requester(ctx, state_dir.endpoint("supervisor"))
+    try:
+        message: Any = protocol.SpawnRequest(msg_id=new_msg_id("sp"), name=name)
+        requester.request(message, timeout_s=5.0, retries=0)
+    except RequestTimeoutError:
+        return _fail(f"no answer from the supervisor of {state_dir.root}", EXIT_NO_ANSWER)
+    except RemoteError as exc:
+        return _fail(f"spawn refused: {exc.detail}")
+    finally:
+        requester.close()
+        ctx.destroy(linger=0)
+    print(f"supervisor: spawned {name} ({chosen['backend']}, task {Path(task).name})")
+    return EXIT_OK
