@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ from broker.requester import Requester, new_msg_id
 from broker.statedir import StateDir
 
 # Soak and test instrumentation: when set, every acknowledged append is also
-# journaled, fsynced, to <dir>/<origin>.acks as "key<TAB>seq" lines, an
-# independent record outside .corral/ of what the writer acknowledged.
+# journaled, fsynced, to <dir>/<origin>.acks as "key<TAB>seq<TAB>unix time"
+# lines, an independent record outside .corral/ of what the writer acknowledged.
 ENV_ACK_JOURNAL_DIR = "CORRAL_ACK_JOURNAL_DIR"
 
 
@@ -35,7 +36,7 @@ class AckJournal:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
     def record(self, key: str, seq: int) -> None:
-        os.write(self._fd, f"{key}\t{seq}\n".encode())
+        os.write(self._fd, f"{key}\t{seq}\t{time.time():.6f}\n".encode())
         os.fdatasync(self._fd)
 
     def close(self) -> None:

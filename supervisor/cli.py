@@ -205,10 +205,10 @@ def _signal_number(text: str) -> int:
 
 
 def _control(state_dir: Any, args: argparse.Namespace) -> int:
-    from broker import protocol
+    from broker import pidlock, protocol
     from broker.errors import RemoteError, RequestTimeoutError
     from broker.requester import new_msg_id
-    from supervisor import client, lock
+    from supervisor import client
 
     message: protocol.SignalRequest | protocol.RestartRequest | protocol.StopRequest
     try:
@@ -223,7 +223,7 @@ def _control(state_dir: Any, args: argparse.Namespace) -> int:
         first = str(exc).splitlines()[0]
         print(f"supervisor: {first}", file=sys.stderr)
         return 2
-    holder = lock.read_holder(state_dir.lock_path)
+    holder = pidlock.read_holder(state_dir.lock_path)
     try:
         reply = client.ask(state_dir, message, timeout_s=5.0)
     except client.NoSupervisorError:

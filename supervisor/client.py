@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from broker import pidlock
 from broker.statedir import StateDir
-from supervisor import lock
 
 if TYPE_CHECKING:
     from broker import protocol
@@ -23,7 +23,7 @@ class NoSupervisorError(Exception):
 
 
 def running(state_dir: StateDir) -> bool:
-    return lock.is_held(state_dir.lock_path)
+    return pidlock.is_held(state_dir.lock_path)
 
 
 def ask(state_dir: StateDir, message: protocol.StatusRequest | protocol.SignalRequest

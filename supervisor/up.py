@@ -32,8 +32,8 @@ DETACH_WAIT_S = 30.0
 def run(state_arg: str | None, config_arg: str | None) -> int:
     """Run the supervisor in the foreground until it stops; returns the exit code."""
     from broker import logconfig
+    from broker.pidlock import PidLock
     from supervisor import config as config_mod
-    from supervisor.lock import SupervisorLock
     from supervisor.runtime import Runtime
 
     try:
@@ -46,7 +46,7 @@ def run(state_arg: str | None, config_arg: str | None) -> int:
     except StateDirError as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    lock = SupervisorLock(state_dir.lock_path)
+    lock = PidLock(state_dir.lock_path)
     try:
         lock.acquire()
     except LockHeldError as exc:
@@ -79,7 +79,8 @@ def run(state_arg: str | None, config_arg: str | None) -> int:
 
 def detach(state_arg: str | None, config_arg: str | None) -> int:
     """Start `supervisor up` in the background and return once it is serving."""
-    from supervisor import lock, statusfile
+    from broker import pidlock
+    from supervisor import statusfile
 
     state_dir = StateDir.at(state_arg)
     try:
@@ -103,7 +104,7 @@ def detach(state_arg: str | None, config_arg: str | None) -> int:
             return code
         status = statusfile.read(state_dir.status_path)
         if (status is not None and status.get("supervisor_pid") == proc.pid
-                and lock.read_holder(state_dir.lock_path) == proc.pid):
+                and pidlock.read_holder(state_dir.lock_path) == proc.pid):
             print(f"supervisor: started, pid {proc.pid}, state {state_dir.root}")
             return 0
         time.sleep(0.05)
