@@ -1,0 +1,177 @@
+"""Applying a change set to the parent's workspace, at most once, all or
+nothing, surviving a crash at any step.
+
+Steps (each a fault-injection point, see FAULT_ENV):
+
+    checked   the set is ready, its patch and blobs match the manifest, no
+              receipt exists, and every touched file still has its base hash
+              (stale-state check; refused with bound `stale` naming the path)
+    intent    apply.intent.json is durable: from here on the apply is
+              rolled forward, never back
+    file<N>   file N is replaced (temp + fsync + rename + fsync of its
+              directory) or deleted, through directory fds without links
+    files     every file is done
+    receipt   application.json is durable: the set counts as applied
+    fact      the WAL fact `subagent_applied` (idempotency key
+              `apply:<changeset_id>`: a retry is written once)
+    done      the intent is removed
+
+Recovery (`apply()` again, or `recover()` at start-up) finds the intent and
+rolls forward: a file already at its after-hash is skipped, one still at its
+before-hash is written, anything else stops with bound `conflict` (the intent
+stays for the operator). A set with a receipt and no intent is refused with
+bound `already_applied`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from actors.changesets.manifest import (
+    BLOBS,
+    INTENT,
+    PATCH,
+    RECEIPT,
+    Intent,
+    Manifest,
+    Receipt,
+    ReceiptFile,
+    fsync_dir,
+    load,
+    load_receipt,
+    write_once,
+)
+from actors.changesets.paths import delete_file, open_root, read_file, write_file
+from broker.errors import ChangeSetRefusedError
+
+FAULT_ENV = "CORRAL_APPLY_FAULT"  # a step name: SIGKILL this process right after it
+Record = Callable[[str, dict[str, Any], str], None]  # (event, payload, idempotency key)
+
+
+def _fault(step: str) -> None:
+    if os.environ.get(FAULT_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hash(root_fd: int, path: str) -> str | None:
+    found = read_file(root_fd, path)
+    return hashlib.sha256(found[0]).hexdigest() if found is not None else None
+
+
+def _verified(directory: Path, manifest: Manifest) -> dict[str, bytes]:
+    """The blobs, each checked against its hash; the patch checked too."""
+    if manifest.status != "ready" or manifest.patch_sha256 is None:
+        raise ChangeSetRefusedError("not_ready", f"change set {manifest.changeset_id} is "
+                                    f"{manifest.status}: only a ready set can be applied")
+    patch = (directory / PATCH).read_bytes()
+    if hashlib.sha256(patch).hexdigest() != manifest.patch_sha256:
+        raise ChangeSetRefusedError("damaged", f"{directory / PATCH} does not match its manifest")
+    blobs: dict[str, bytes] = {}
+    for change in manifest.files:
+        if change.after_sha256 is not None and change.after_sha256 not in blobs:
+            data = (directory / BLOBS / change.after_sha256).read_bytes()
+            if hashlib.sha256(data).hexdigest() != change.after_sha256:
+                raise ChangeSetRefusedError("damaged", f"blob of {change.path!r} is damaged",
+                                            change.path)
+            blobs[change.after_sha256] = data
+    return blobs
+
+
+def workspace_digest(manifest: Manifest) -> str:
+    h = hashlib.sha256()
+    for c in sorted(manifest.files, key=lambda c: c.path):
+        h.update(f"{c.path}\0{c.after_sha256}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def apply(directory: Path, workspace: Path, record: Record | None = None) -> Receipt:
+    """Apply the set in `directory` to `workspace`; return the receipt.
+    Raises ChangeSetRefusedError (stale, already_applied, not_ready, ...)."""
+    manifest = load(directory)
+    if (directory / INTENT).exists():
+        return _recover(directory, workspace, manifest, record)
+    if load_receipt(directory) is not None:
+        raise ChangeSetRefusedError("already_applied",
+                                    f"change set {manifest.changeset_id} was applied already")
+    blobs = _verified(directory, manifest)
+    with open_root(str(workspace)) as root_fd:
+        for change in manifest.files:
+            current = _hash(root_fd, change.path)
+            if current != change.before_sha256:
+                raise ChangeSetRefusedError(
+                    "stale", f"{change.path!r} changed since the snapshot "
+                    f"(expected {change.before_sha256}, found {current})", change.path)
+        _fault("checked")
+        intent = Intent(changeset_id=manifest.changeset_id, patch_sha256=manifest.patch_sha256
+                        or "", started_at=time.time())
+        write_once(directory / INTENT, intent.model_dump_json().encode(), read_only=False)
+        _fault("intent")
+        _write_files(root_fd, manifest, blobs, recovering=False)
+    return _finish(directory, manifest, record, recovered=False)
+
+
+def _write_files(root_fd: int, manifest: Manifest, blobs: dict[str, bytes], *,
+                 recovering: bool) -> None:
+    for n, change in enumerate(manifest.files):
+        if recovering:
+            current = _hash(root_fd, change.path)
+            if current == change.after_sha256:
+                _fault(f"file{n}")
+                continue
+            if current != change.before_sha256:
+                raise ChangeSetRefusedError(
+                    "conflict", f"{change.path!r} is neither before nor after during recovery; "
+                    "the intent is kept for the operator", change.path)
+        if change.after_sha256 is None:
+            delete_file(root_fd, change.path)
+        else:
+            write_file(root_fd, change.path, blobs[change.after_sha256],
+                       change.after_mode or 0o100644)
+        _fault(f"file{n}")
+    _fault("files")
+
+
+def _finish(directory: Path, manifest: Manifest, record: Record | None, *,
+            recovered: bool) -> Receipt:
+    receipt = load_receipt(directory)
+    if receipt is None:
+        receipt = Receipt(
+            changeset_id=manifest.changeset_id, patch_sha256=manifest.patch_sha256 or "",
+            task_sha256=manifest.task_sha256, workspace_sha256=workspace_digest(manifest),
+            files=[ReceiptFile(path=c.path, after_sha256=c.after_sha256) for c in manifest.files],
+            applied_at=time.time(), recovered=recovered,
+        )
+        write_once(directory / RECEIPT, receipt.model_dump_json(indent=1).encode())
+    _fault("receipt")
+    if record is not None:
+        record("subagent_applied", {
+            "changeset_id": manifest.changeset_id, "patch_sha256": receipt.patch_sha256,
+            "workspace_sha256": receipt.workspace_sha256, "files": len(manifest.files),
+        }, f"apply:{manifest.changeset_id}")
+    _fault("fact")
+    (directory / INTENT).unlink(missing_ok=True)
+    fsync_dir(directory)
+    _fault("done")
+    return receipt
+
+
+def _recover(directory: Path, workspace: Path, manifest: Manifest,
+             record: Record | None) -> Receipt:
+    if load_receipt(directory) is None:
+        blobs = _verified(directory, manifest)
+        with open_root(str(workspace)) as root_fd:
+            _write_files(root_fd, manifest, blobs, recovering=True)
+    return _finish(directory, manifest, record, recovered=True)
+
+
+def recover(directory: Path, workspace: Path, record: Record | None = None) -> Receipt | None:
+    """Complete an interrupted apply (start-up); None when none was in progress."""
+    if not (directory / INTENT).exists():
+        return None
+    return _recover(directory, workspace, load(directory), record)

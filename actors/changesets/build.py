@@ -1,0 +1,160 @@
+"""Building a change set: compare the child's tree with its base index,
+check every changed path, enforce the bounds, render the patch, write the
+set (blobs, patch, manifest last) into its directory.
+
+A set over a bound, or touching a refused path (symlink, special file,
+`.git`, `.corral/`, ...), is written with status `refused` and a `refusal`
+naming the bound, the limit and the value; it has no patch and cannot be
+applied. Bounds are checked in order: files, input bytes, patch bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import time
+from pathlib import Path
+
+from actors.changesets import gitpatch
+from actors.changesets.manifest import (
+    BLOBS,
+    MANIFEST,
+    PATCH,
+    FileChange,
+    Limits,
+    Manifest,
+    Refusal,
+    write_once,
+)
+from actors.changesets.paths import check_path
+from actors.changesets.snapshot import BaseIndex, copy_key, git_mode
+from broker.errors import ChangeSetRefusedError
+
+_Current = tuple[int, bytes, os.stat_result]  # (git mode, content or link target, stat)
+
+
+def _scan(work: Path) -> dict[str, os.stat_result]:
+    """Every non-directory under `work` by relative path (links not followed)."""
+    found: dict[str, os.stat_result] = {}
+    stack: list[tuple[str, Path]] = [("", work)]
+    while stack:
+        prefix, directory = stack.pop()
+        with os.scandir(directory) as it:
+            for item in it:
+                rel = f"{prefix}{item.name}"
+                st = item.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append((rel + "/", Path(item.path)))
+                else:
+                    found[rel] = st
+    return found
+
+
+def _read(work: Path, rel: str, st: os.stat_result) -> bytes:
+    path = work / rel
+    if stat.S_ISLNK(st.st_mode):
+        return os.fsencode(os.readlink(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def diff_trees(index: BaseIndex, work: Path) -> list[gitpatch.FileDiff]:
+    """What changed from the base to `work`; raises ChangeSetRefusedError for
+    a change the set cannot carry (a link, a special file, an unsafe path)."""
+    current = _scan(work)
+    diffs: list[gitpatch.FileDiff] = []
+    for rel in sorted(set(index.entries) | set(current)):
+        base = index.entries.get(rel)
+        st = current.get(rel)
+        if base is not None and st is not None and base.copy_key == copy_key(st):
+            continue  # the child never wrote it
+        after: bytes | None = None
+        after_mode: int | None = None
+        if st is not None:
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                check_path(rel)
+                raise ChangeSetRefusedError("special_file", f"{rel!r} is not a regular file", rel)
+            after = _read(work, rel, st)
+            after_mode = git_mode(st.st_mode)
+        if base is not None and after is not None and after_mode == base.mode and \
+                hashlib.sha256(after).hexdigest() == base.sha256:
+            continue  # rewritten with the same bytes
+        check_path(rel)
+        if after_mode == 0o120000 or (base is not None and base.mode == 0o120000):
+            raise ChangeSetRefusedError("symlink", f"{rel!r}: a symlink was added, changed or "
+                                        "removed (symlink mode is refused)", rel)
+        before = index.content(rel) if base is not None else None
+        diffs.append(gitpatch.FileDiff(rel, before, after, base.mode if base else None,
+                                       after_mode))
+    return diffs
+
+
+def _change(d: gitpatch.FileDiff) -> FileChange:
+    op = "add" if d.before is None else "delete" if d.after is None else "modify"
+    return FileChange(
+        path=d.path, op=op,
+        before_sha256=hashlib.sha256(d.before).hexdigest() if d.before is not None else None,
+        after_sha256=hashlib.sha256(d.after).hexdigest() if d.after is not None else None,
+        before_size=len(d.before or b""), after_size=len(d.after or b""),
+        before_mode=d.before_mode, after_mode=d.after_mode,
+        binary=gitpatch.is_binary(d.before) or gitpatch.is_binary(d.after),
+    )
+
+
+def build(
+    changeset_id: str, index: BaseIndex, work: Path, out: Path, *,
+    limits: Limits | None = None, task_sha256: str | None = None,
+) -> Manifest:
+    """Write the change set of `work` against `index` into `out`; return it."""
+    limits = limits or Limits()
+    out.mkdir(parents=True, exist_ok=True)
+    common = {"changeset_id": changeset_id, "created_at": time.time(),
+              "task_sha256": task_sha256, "base_sha256": index.digest(), "limits": limits}
+    try:
+        diffs = diff_trees(index, work)
+    except ChangeSetRefusedError as exc:
+        return _refused(out, common, Refusal(bound=exc.bound, detail=exc.detail, path=exc.path))
+    changes = [_change(d) for d in diffs]
+    input_bytes = sum(c.before_size + c.after_size for c in changes)
+    if len(changes) > limits.max_files:
+        return _refused(out, common, Refusal(
+            bound="max_files", detail=f"{len(changes)} files changed > {limits.max_files}",
+            limit=limits.max_files, actual=len(changes)), changes, input_bytes)
+    if input_bytes > limits.max_input_bytes:
+        return _refused(out, common, Refusal(
+            bound="max_input_bytes",
+            detail=f"{input_bytes} bytes before+after > {limits.max_input_bytes}",
+            limit=limits.max_input_bytes, actual=input_bytes), changes, input_bytes)
+    patch = gitpatch.render(diffs)
+    if len(patch) > limits.max_patch_bytes:
+        return _refused(out, common, Refusal(
+            bound="max_patch_bytes", detail=f"patch of {len(patch)} bytes > "
+            f"{limits.max_patch_bytes}", limit=limits.max_patch_bytes, actual=len(patch)),
+            changes, input_bytes)
+    blobs = out / BLOBS
+    blobs.mkdir(exist_ok=True)
+    for d, c in zip(diffs, changes, strict=True):
+        if d.after is not None and c.after_sha256 is not None:
+            write_once(blobs / c.after_sha256, d.after)
+    write_once(out / PATCH, patch)
+    manifest = Manifest(**common, status="ready", files=changes, input_bytes=input_bytes,
+                        patch_bytes=len(patch), patch_sha256=hashlib.sha256(patch).hexdigest())
+    write_once(out / MANIFEST, manifest.model_dump_json(indent=1).encode())
+    return manifest
+
+
+def _refused(out: Path, common: dict[str, object], refusal: Refusal,
+             changes: list[FileChange] | None = None, input_bytes: int = 0) -> Manifest:
+    manifest = Manifest.model_validate({
+        **common, "status": "refused", "files": changes or [], "input_bytes": input_bytes,
+        "patch_bytes": 0, "patch_sha256": None, "refusal": refusal,
+    })
+    write_once(out / MANIFEST, manifest.model_dump_json(indent=1).encode())
+    return manifest
