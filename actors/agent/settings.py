@@ -100,8 +100,8 @@ class Task(_Strict):
     name: str = "task"
     prompt: str = ""
     repeat: Annotated[int, Field(ge=1)] = 1
-    setup: list[dict[str, Any]] = Field(default_factory=list)  # played once, before the loop
-    steps: list[dict[str, Any]] = Field(default_factory=list)
+    setup: list[Any] = Field(default_factory=list)  # played once, before the loop
+    steps: list[Any] = Field(default_factory=list)  # raw actions: validated by the loop
 
 
 def spec_path(state_dir: StateDir, name: str) -> Path:

@@ -1,0 +1,76 @@
+"""Helpers for agent tests: an in-memory stand-in for the writer (same
+append/read_stream contract: global gapless seq, idempotency by (origin, key))
+and task/spec builders."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from actors.agent.settings import AgentSettings, AgentSpec, Permissions, Rule
+from broker import protocol
+
+
+@dataclass(frozen=True)
+class FakeRecord:
+    seq: int
+    stream: str
+    event: str
+    body: bytes
+    ledger: str | None
+
+    def payload(self) -> object:
+        return json.loads(self.body)
+
+
+class FakeWriter:
+    def __init__(self) -> None:
+        self.records: list[FakeRecord] = []
+        self.keys: dict[tuple[str, str], int] = {}
+        self.origin = "test"
+
+    def as_origin(self, origin: str) -> FakeWriter:
+        view = FakeWriter.__new__(FakeWriter)
+        view.records, view.keys, view.origin = self.records, self.keys, origin
+        return view
+
+    def append(self, stream: str, event: str, payload: Any, *, key: str,
+               ledger: str | None = None) -> protocol.AppendOk:
+        known = self.keys.get((self.origin, key))
+        if known is not None:
+            return protocol.AppendOk(msg_id="m", seq=known, duplicate=True)
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        seq = len(self.records) + 1
+        self.records.append(FakeRecord(seq, stream, event, body, ledger))
+        self.keys[(self.origin, key)] = seq
+        return protocol.AppendOk(msg_id="m", seq=seq, duplicate=False)
+
+    def read_stream(self, stream: str, from_seq: int = 1, page: int = 512) -> Iterator[FakeRecord]:
+        return iter([r for r in self.records if r.stream == stream and r.seq >= from_seq])
+
+    def events(self, stream: str) -> list[tuple[str, Any]]:
+        return [(r.event, r.payload()) for r in self.records if r.stream == stream]
+
+    def close(self) -> None:
+        pass
+
+
+def write_task(path: Path, steps: list[dict[str, Any]], **extra: Any) -> Path:
+    path.write_text(yaml.safe_dump({"name": path.stem, "steps": steps, **extra}))
+    return path
+
+
+def spec(task: Path, *, rules: list[Rule] | None = None, **settings: Any) -> AgentSpec:
+    return AgentSpec(task=str(task), settings=AgentSettings(
+        permissions=Permissions(rules=rules or []), **settings))
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file under root (relative path -> text), temp files excluded."""
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.endswith(".corral-tmp")}

@@ -1,0 +1,246 @@
+"""The agent loop in-process over an in-memory writer: a scripted task runs to
+its end; malformed actions are rejected and nothing runs; `ask` waits and an
+`--always` answer covers exactly its op and pattern; approvals survive a
+restart and are not asked twice; a budget stop pauses and a resume goes on;
+max turns close the session; a crash at any point of a call, then a restart,
+runs each op at most once and leaves the workspace an uninterrupted run
+leaves; generations are derived (deleting them changes nothing)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.agent import generations
+from actors.agent.loop import AgentLoop, Step
+from actors.agent.rebuild import rebuild
+from actors.agent.settings import Budget, Rule
+from actors.agent.state import AgentState, fold
+from broker.statedir import StateDir
+from supervisor.agentcli import answer_approval
+from tests.agentkit import FakeWriter, spec, tree, write_task
+
+STREAM = "agent/a1"
+
+
+def drive(loop: AgentLoop, limit: int = 2000) -> Step:
+    for _ in range(limit):
+        result = loop.step()
+        if result is not Step.PROGRESS:
+            return result
+    raise AssertionError("the loop did not settle")
+
+
+def new_loop(state_dir: StateDir, writer: FakeWriter, task: Path, **kw: Any) -> AgentLoop:
+    loop = AgentLoop("a1", state_dir, spec(task, **kw), writer)  # type: ignore[arg-type]
+    loop.rebuild()
+    return loop
+
+
+def events(writer: FakeWriter, name: str | None = None) -> list[Any]:
+    return [p for e, p in writer.events(STREAM) if name is None or e == name]
+
+
+COUNTER = [
+    {"op": "write_file", "path": "tally.txt", "content": "start\n"},
+    {"op": "edit_file", "path": "tally.txt", "old": "start", "new": "start+1"},
+    {"op": "edit_file", "path": "tally.txt", "old": "+1", "new": "+1+2"},
+    {"op": "memory_write", "key": "m", "content": "remembered"},
+    {"op": "edit_file", "path": "tally.txt", "old": "+2", "new": "+2+3"},
+    {"op": "finish", "summary": "done"},
+]
+
+
+def test_scripted_task_runs_to_finish(state_dir: StateDir, tmp_path: Path) -> None:
+    writer = FakeWriter()
+    loop = new_loop(state_dir, writer, write_task(tmp_path / "t.yaml", COUNTER))
+    assert drive(loop) is Step.DONE
+    assert loop.state.phase == "finished"
+    assert tree(loop.workspace) == {"tally.txt": "start+1+2+3\n"}
+    assert (state_dir.memory_dir / "a1" / "m.md").read_text() == "remembered"
+    kinds = [e for e, _ in writer.events(STREAM)]
+    assert kinds[0] == "session_start" and kinds[-1] == "session_exit"
+    assert kinds[1:7] == ["turn", "tool_call", "permission", "tool_start", "tool_result", "turn"]
+    assert all(r.ledger == "budget" for r in writer.records if r.event == "turn")
+
+
+MALFORMED: list[Any] = [
+    {"op": "no_such_op"},
+    {"op": "write_file", "path": "x.txt"},  # content missing
+    {"op": "write_file", "path": "x.txt", "content": 7},  # wrong type (strict)
+    {"op": "write_file", "path": "x.txt", "content": "y", "mode": "777"},  # extra field
+    {"op": "edit_file", "path": "x.txt", "old": "", "new": "z"},  # empty old
+    "write_file x.txt",  # not an object
+    {"path": "x.txt", "content": "no op"},
+]
+
+
+def test_malformed_actions_are_rejected_and_nothing_runs(state_dir: StateDir,
+                                                         tmp_path: Path) -> None:
+    writer = FakeWriter()
+    loop = new_loop(state_dir, writer, write_task(tmp_path / "t.yaml", [*MALFORMED,
+                                                                        {"op": "finish"}]))
+    assert drive(loop) is Step.DONE
+    rejects = events(writer, "schema_reject")
+    assert len(rejects) == len(MALFORMED)
+    assert all("x.txt" not in str(r) and "777" not in str(r) for r in rejects)  # value-free
+    assert len(events(writer, "tool_start")) == 1  # only finish ran
+    assert tree(loop.workspace) == {}
+    assert loop.state.counts.rejects == len(MALFORMED)
+
+
+ASK_RULES = [Rule(op="write_file", path="release/*", decision="ask"),
+             Rule(op="edit_file", path="release/*", decision="ask")]
+
+
+def test_ask_waits_and_always_covers_exactly_its_op_and_pattern(state_dir: StateDir,
+                                                                 tmp_path: Path) -> None:
+    steps = [
+        {"op": "write_file", "path": "release/a.md", "content": "1"},
+        {"op": "write_file", "path": "release/a.md", "content": "2"},  # granted: same op+path
+        {"op": "write_file", "path": "release/b.md", "content": "3"},  # other path: asks
+        {"op": "edit_file", "path": "release/a.md", "old": "2", "new": "4"},  # other op: asks
+        {"op": "finish"},
+    ]
+    writer = FakeWriter()
+    operator = writer.as_origin("operator")
+    loop = new_loop(state_dir, writer, write_task(tmp_path / "t.yaml", steps), rules=ASK_RULES)
+    assert drive(loop) is Step.WAIT
+    assert not (loop.workspace / "release").exists()
+    [pending] = loop.state.pending_approvals()
+    answer_approval(operator, "a1", loop.state, pending.request,  # type: ignore[arg-type]
+                    decision="approve", always=True, note=None)
+    loop.sync()
+    assert drive(loop) is Step.WAIT  # release/b.md
+    [pending] = loop.state.pending_approvals()
+    assert pending.pattern == "release/b.md"
+    answer_approval(operator, "a1", loop.state, pending.request,  # type: ignore[arg-type]
+                    decision="approve", always=False, note=None)
+    loop.sync()
+    assert drive(loop) is Step.WAIT  # edit_file release/a.md
+    [pending] = loop.state.pending_approvals()
+    assert pending.op == "edit_file"
+    answer_approval(operator, "a1", loop.state, pending.request,  # type: ignore[arg-type]
+                    decision="deny", always=False, note=None)
+    loop.sync()
+    assert drive(loop) is Step.DONE
+    assert tree(loop.workspace) == {"release/a.md": "2", "release/b.md": "3"}
+    verdicts = [p["rule"] for p in events(writer, "permission") if p["op"] == "write_file"]
+    assert verdicts == ["rules[0]", "always", "rules[0]"]
+    assert [p["status"] for p in events(writer, "tool_result")][:4] == [
+        "ok", "ok", "ok", "denied"]
+    assert all(r.ledger == "approvals" for r in writer.records
+               if r.event in ("approval_requested", "approval_answer"))
+
+
+def test_approvals_survive_a_restart_and_are_not_asked_twice(state_dir: StateDir,
+                                                             tmp_path: Path) -> None:
+    task = write_task(tmp_path / "t.yaml", [
+        {"op": "write_file", "path": "release/a.md", "content": "1"},
+        {"op": "ask", "question": "ship?"}, {"op": "finish"}])
+    writer = FakeWriter()
+    loop = new_loop(state_dir, writer, task, rules=ASK_RULES)
+    assert drive(loop) is Step.WAIT
+    loop = new_loop(state_dir, writer, task, rules=ASK_RULES)  # a restart while waiting
+    assert drive(loop) is Step.WAIT
+    assert len(events(writer, "approval_requested")) == 1
+    [pending] = loop.state.pending_approvals()
+    answer_approval(writer.as_origin("operator"), "a1", loop.state,  # type: ignore[arg-type]
+                    pending.request, decision="approve", always=False, note=None)
+    loop = new_loop(state_dir, writer, task, rules=ASK_RULES)  # restart after the answer
+    assert drive(loop) is Step.WAIT  # now the `ask` op's question
+    [question] = loop.state.pending_approvals()
+    assert question.kind == "clarification"
+    answer_approval(writer.as_origin("operator"), "a1", loop.state,  # type: ignore[arg-type]
+                    question.request, decision="approve", always=False, note="yes")
+    loop.sync()
+    assert drive(loop) is Step.DONE
+    assert len(events(writer, "approval_requested")) == 2
+    assert events(writer, "tool_result")[1]["result"] == {"answer": "approve", "note": "yes"}
+
+
+def test_budget_stop_pauses_and_resume_continues(state_dir: StateDir, tmp_path: Path) -> None:
+    task = write_task(tmp_path / "t.yaml", COUNTER)
+    writer = FakeWriter()
+    loop = new_loop(state_dir, writer, task, budget=Budget(tokens=150))
+    assert drive(loop) is Step.WAIT
+    assert loop.state.phase == "paused" and loop.state.exit_reason == "budget"
+    exit_event = events(writer, "session_exit")[-1]
+    assert exit_event["reason"] == "budget" and exit_event["resumable"] is True
+    loop = new_loop(state_dir, writer, task, budget=Budget(tokens=150))  # survives a restart
+    assert drive(loop) is Step.WAIT
+    writer.as_origin("operator").append(STREAM, "budget_resumed", {"tokens": 10_000},
+                                        key="resume:a1:s1", ledger="budget")
+    loop.sync()
+    assert drive(loop) is Step.DONE
+    assert tree(loop.workspace) == {"tally.txt": "start+1+2+3\n"}
+    assert [p["resumed"] for p in events(writer, "session_start")] == [False, True]
+
+
+def test_max_turns_closes_the_session(state_dir: StateDir, tmp_path: Path) -> None:
+    writer = FakeWriter()
+    loop = new_loop(state_dir, writer, write_task(tmp_path / "t.yaml", COUNTER), max_turns=3)
+    assert drive(loop) is Step.DONE
+    assert loop.state.phase == "closed" and loop.state.exit_reason == "max_turns"
+    assert loop.state.turn == 3
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("point", ["before_tool_call", "after_tool_start", "after_effect",
+                                   "after_tool_result"])
+@pytest.mark.parametrize("call", ["2.0", "3.0", "4.0"])
+def test_a_crash_at_any_point_runs_each_op_at_most_once(
+        state_dir: StateDir, tmp_path: Path, point: str, call: str) -> None:
+    task = write_task(tmp_path / "t.yaml", COUNTER)
+    reference = StateDir(tmp_path / "ref" / ".corral").ensure()
+    ref = new_loop(reference, FakeWriter(), task)
+    assert drive(ref) is Step.DONE
+
+    writer = FakeWriter()
+    loop = new_loop(state_dir, writer, task)
+
+    def hit(where: str, call_id: str) -> None:
+        if (where, call_id) == (point, call):
+            raise Crash
+
+    loop.faults.hit = hit  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        drive(loop)
+    loop = new_loop(state_dir, writer, task)  # the restarted process
+    assert drive(loop) is Step.DONE
+    assert tree(loop.workspace) == tree(ref.workspace)
+    assert (state_dir.memory_dir / "a1" / "m.md").read_text() == "remembered"
+    aborted = events(writer, "turn_aborted")
+    if point in ("after_tool_start", "after_effect"):
+        [fact] = aborted
+        applied = fact["calls"][0]["effect_applied"]
+        assert applied is (point == "after_effect")
+    else:
+        assert aborted == []
+    results = [p["call_id"] for p in events(writer, "tool_result")]
+    assert len(results) == len(set(results))
+
+
+def test_generations_are_derived(state_dir: StateDir, tmp_path: Path) -> None:
+    steps = [{"op": "write_file", "path": "f{i}.txt", "content": "{i}"}]
+    task = write_task(tmp_path / "t.yaml", steps, repeat=40)
+    writer = FakeWriter()
+    loop = new_loop(state_dir, writer, task, snapshot_every=16)
+    assert drive(loop) is Step.DONE
+    agent_dir = state_dir.agent_dir("a1")
+    gens = generations.list_generations(agent_dir)
+    assert 1 <= len(gens) <= 3
+    assert (agent_dir / "state" / "snapshot.json").exists()
+    full = fold(AgentState(), [(r.seq, r.event, r.payload()) for r in writer.records
+                               if r.stream == STREAM])
+    with_gen = rebuild(writer, state_dir, "a1")  # type: ignore[arg-type]
+    assert with_gen.from_generation > 0
+    assert with_gen.state == full
+    shutil.rmtree(agent_dir / "state")
+    assert rebuild(writer, state_dir, "a1").state == full  # type: ignore[arg-type]
