@@ -1,0 +1,81 @@
+"""`supervisor run` and the operator's agent commands as real processes:
+`run --agents 8` runs the demo tasks to the end (answering the release
+approval and the question itself), exits 0 and leaves no process; `spawn`
+adds an agent to a running runtime, `approve` and `deny` answer it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from broker.statedir import StateDir
+from supervisor.config import DEFAULT_CONFIG_PATH
+from tests.processes import REPO_ROOT, ProcessTracker, wait_for
+from tests.test_supervisor_process import cli, status
+
+pytestmark = pytest.mark.process
+
+
+def fast_config(state_dir: StateDir, **run: Any) -> Path:
+    config = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    config["heartbeat"] = {"interval_ms": 200, "timeout_s": 10}
+    config["status_interval_s"] = 0.2
+    config["run"].update({"tasks": [str(p) for p in sorted(
+        (REPO_ROOT / "config" / "tasks").glob("*.yaml"))], "refresh_s": 0.1, **run})
+    path = state_dir.root.parent / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_run_with_8_agents_exits_0_and_leaves_no_process(
+        processes: ProcessTracker, state_dir: StateDir) -> None:
+    config = fast_config(state_dir, timeout_s=90)
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "run", str(config), "--agents", "8",
+         "--state-dir", str(state_dir.root)],
+        env=processes.env(), capture_output=True, text=True, timeout=100, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "8/8 agents finished" in done.stdout
+    assert "approved agent-" in done.stdout  # release notes and the question
+    assert processes.marked() == []
+    notes = state_dir.agent_dir("agent-2") / "workspace" / "notes.md"
+    assert "status: reviewed" in notes.read_text()
+    release = sorted(state_dir.root.glob("agents/*/workspace/release/NOTES.md"))
+    assert len(release) == 2
+    assert (state_dir.approvals_ledger_path.read_text().count("approval_answer")) == 4
+
+
+def test_spawn_approve_and_deny_on_a_running_runtime(
+        processes: ProcessTracker, state_dir: StateDir) -> None:
+    config = fast_config(state_dir)
+    up = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                          "--config", str(config)], name="up")
+    wait_for(lambda: up.poll() is None and cli(processes, state_dir, "status").returncode == 0,
+             30, "the supervisor")
+    task = REPO_ROOT / "config" / "tasks" / "release.yaml"
+    done = cli(processes, state_dir, "spawn", "extra", "--task", str(task),
+               "--config", str(config))
+    assert done.returncode == 0, done.stderr
+
+    def answered(verb: str, request: str, *extra: str) -> bool:
+        result = cli(processes, state_dir, verb, "extra", request, *extra)
+        return result.returncode == 0
+
+    wait_for(lambda: answered("approve", "req-2.0"), 30, "the release approval")
+    again = cli(processes, state_dir, "approve", "extra", "req-2.0")
+    assert again.returncode == 1 and "no request req-2.0" in again.stderr  # answered, settled
+    wait_for(lambda: answered("deny", "req-3.0", "--note", "not yet"), 30, "the question")
+
+    def exited() -> bool:
+        children = {c["name"]: c for c in status(processes, state_dir)["children"]}
+        return children.get("extra", {}).get("last_exit") == "exit 0"
+
+    wait_for(exited, 30, "the spawned agent to finish")
+    assert (state_dir.agent_dir("extra") / "workspace" / "release" / "NOTES.md").exists()
+    assert cli(processes, state_dir, "stop").returncode == 0
+    assert up.wait(timeout=30) == 0
