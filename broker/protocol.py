@@ -368,6 +368,57 @@ class ProcOutput(_Message):
     eof: bool = False  # ended and every byte of the log has been returned
 
 
+# --- subagents: isolated children and their change sets (the `subagents` actor) -
+SubagentId = Annotated[str, Field(pattern=r"^s-[0-9a-f]{12}$")]
+
+
+class SpawnSubagent(_Message):
+    """Snapshot `workspace` and run a child agent on `task` there. The reply
+    (`subagent_reply`) comes when the child ends or after `wait_s`."""
+
+    kind: Literal["spawn_subagent"] = "spawn_subagent"
+    msg_id: MsgId
+    parent: ActorName
+    workspace: Annotated[str, Field(min_length=1, max_length=4096)]
+    task: Annotated[str, Field(min_length=1, max_length=4096)]  # a task file's path
+    descriptor: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_\-]{0,31}$")] = "child"
+    wait_s: Annotated[float, Field(ge=0, le=24 * 3600)] = 600.0
+
+
+class SubagentChanges(_Message):
+    """The child's state and, once it ended, its change set."""
+
+    kind: Literal["subagent_changes"] = "subagent_changes"
+    msg_id: MsgId
+    parent: ActorName
+    subagent_id: SubagentId
+    wait_s: Annotated[float, Field(ge=0, le=24 * 3600)] = 0.0
+
+
+class ApplySubagent(_Message):
+    """Apply the child's ready change set to the parent's workspace, once."""
+
+    kind: Literal["apply_subagent"] = "apply_subagent"
+    msg_id: MsgId
+    parent: ActorName
+    subagent_id: SubagentId
+
+
+class SubagentReply(_Message):
+    """`manifest` is changeset.json, `patch` changes.patch, `receipt`
+    application.json (each once it exists); `refusal` names a refused apply."""
+
+    kind: Literal["subagent_reply"] = "subagent_reply"
+    msg_id: MsgId
+    subagent_id: SubagentId
+    state: Literal["running", "ended", "failed", "applied"]
+    exit_code: int | None = None
+    manifest: bytes | None = None
+    patch: bytes | None = None
+    receipt: bytes | None = None
+    refusal: Annotated[str, Field(max_length=2000)] | None = None
+
+
 Message = Annotated[
     Ping
     | Pong
@@ -397,7 +448,11 @@ Message = Annotated[
     | TerminalEnd
     | SessionEnd
     | ProcStatus
-    | ProcOutput,
+    | ProcOutput
+    | SpawnSubagent
+    | SubagentChanges
+    | ApplySubagent
+    | SubagentReply,
     Field(discriminator="kind"),
 ]
 

@@ -24,6 +24,7 @@ values = st.dictionaries(
     max_size=5,
 )
 proc_ids = st.from_regex(r"\A[pt]-[0-9a-f]{16}\Z")
+subagent_ids = st.from_regex(r"\As-[0-9a-f]{12}\Z")
 proc_states = st.sampled_from(["running", "exited", "killed", "capped", "expired", "lost"])
 child = st.builds(
     p.ChildStatus,
@@ -175,6 +176,28 @@ BUILDERS: dict[str, st.SearchStrategy[p._Message]] = {
             state=proc_states,
             exit_code=st.none() | st.integers(-64, 255),
             eof=st.booleans(),
+        ),
+    },
+    **{  # subagents: isolated children and their change sets
+        "spawn_subagent": st.builds(
+            p.SpawnSubagent, msg_id=msg_ids, parent=actors,
+            workspace=st.text(min_size=1, max_size=20), task=st.text(min_size=1, max_size=20),
+            descriptor=st.from_regex(r"\A[a-z0-9][a-z0-9_\-]{0,31}\Z"),
+            wait_s=st.floats(0, 1000),
+        ),
+        "subagent_changes": st.builds(
+            p.SubagentChanges, msg_id=msg_ids, parent=actors, subagent_id=subagent_ids,
+            wait_s=st.floats(0, 1000),
+        ),
+        "apply_subagent": st.builds(
+            p.ApplySubagent, msg_id=msg_ids, parent=actors, subagent_id=subagent_ids,
+        ),
+        "subagent_reply": st.builds(
+            p.SubagentReply, msg_id=msg_ids, subagent_id=subagent_ids,
+            state=st.sampled_from(["running", "ended", "failed", "applied"]),
+            exit_code=st.none() | st.integers(-64, 255),
+            manifest=st.none() | st.binary(max_size=64), patch=st.none() | st.binary(max_size=64),
+            receipt=st.none() | st.binary(max_size=64), refusal=st.none() | st.text(max_size=50),
         ),
     },
 }
