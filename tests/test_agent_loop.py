@@ -188,7 +188,7 @@ def test_max_turns_closes_the_session(state_dir: StateDir, tmp_path: Path) -> No
     assert loop.state.turn == 3
 
 
-class Crash(Exception):
+class CrashError(Exception):
     pass
 
 
@@ -207,10 +207,10 @@ def test_a_crash_at_any_point_runs_each_op_at_most_once(
 
     def hit(where: str, call_id: str) -> None:
         if (where, call_id) == (point, call):
-            raise Crash
+            raise CrashError
 
     loop.faults.hit = hit  # type: ignore[method-assign]
-    with pytest.raises(Crash):
+    with pytest.raises(CrashError):
         drive(loop)
     loop = new_loop(state_dir, writer, task)  # the restarted process
     assert drive(loop) is Step.DONE
