@@ -41,7 +41,7 @@ payloads: dict[str, st.SearchStrategy[dict[str, Any]]] = {
         ["ok", "error"]), "result": st.fixed_dictionaries({"n": small})}),
     "todos": st.fixed_dictionaries({"items": st.lists(st.fixed_dictionaries(
         {"text": st.text(max_size=5), "done": st.booleans()}), max_size=3)}),
-    "turn_aborted": st.fixed_dictionaries({"turn": st.integers(1, 6), "calls": st.lists(
+    "turn_aborted": st.fixed_dictionaries({"turn": st.integers(0, 6), "calls": st.lists(
         st.fixed_dictionaries({"call_id": cids, "effect_applied": st.sampled_from(
             [True, False, None])}), max_size=2)}),
     "session_exit": st.fixed_dictionaries({"reason": st.sampled_from(

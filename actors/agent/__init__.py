@@ -1,3 +1,4 @@
-"""An agent: one OS process per agent. Today an idle process shell
-(`process.serve`): it reports to the supervisor, joins the broker and answers
-pings; the agent loop (model, ops, gate) fills it in a later issue."""
+"""An agent: one OS process per agent running one session (`process.serve`):
+the loop (`loop`), typed ops (`ops`, `builtin_ops`, `catalog`), the gate
+(`gate`, `workspace`), model backends (`backends`, `openai_backend`), and
+state recovery (`state`, `generations`, `rebuild`). See docs/agents.md."""

@@ -1,5 +1,6 @@
-"""`python -m actors.agent --name N --state-dir D`: one idle agent in a fresh
-interpreter (the fallback when the zygote is off, and the benchmark baseline)."""
+"""`python -m actors.agent --name N --state-dir D`: one agent in a fresh
+interpreter (the fallback when the zygote is off, the benchmark baseline, and
+the process-level tests). It runs its spec's session, or idles without one."""
 
 from __future__ import annotations
 

@@ -229,6 +229,8 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
             if isinstance(items, list):
                 state.todos = items
         case "turn_aborted":
+            if p.get("turn") != state.open_turn or state.open_turn is None:
+                return  # late or stale: that turn is already closed
             for item in p.get("calls") or []:
                 applied = isinstance(item, dict) and item.get("effect_applied") is True
                 state.counts.aborted += 1
