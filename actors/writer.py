@@ -28,6 +28,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from actors import checkpoint
 from actors.dedupe import DEFAULT_WINDOW
+from actors.groupcommit import Ack, Batch, SyncWorker
 from actors.ledgers import Ledgers
 from actors.recovery import Recovered, recover
 from actors.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
@@ -83,18 +84,6 @@ class WriterStatistics:
     segment_bytes: int
     streams: int
     checkpoint_head_seq: int
-
-
-class _Pending:
-    """One batch being assembled: records in seq order, and who waits for what."""
-
-    __slots__ = ("acks", "keys", "lines", "meta")
-
-    def __init__(self) -> None:
-        self.lines: list[bytes] = []
-        self.meta: list[tuple[str, int, str, str, str | None]] = []
-        self.keys: dict[tuple[str, str], int] = {}
-        self.acks: list[tuple[bytes, str, int, bool]] = []
 
 
 class Writer:
@@ -195,28 +184,47 @@ class Writer:
         self._stopping = True
 
     def serve(self, reporter: ControlReporter | None) -> None:
+        """Receive, frame and acknowledge until SIGTERM. While one batch is being
+        made durable by the sync worker, the next one is received and framed."""
+        self.worker = SyncWorker(self.segment, self.ledgers)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.worker.fileno(), zmq.POLLIN)
         sock = self.sock
         max_batch = self.options.max_batch
-        while not self._stopping:
-            if poller.poll(100):
-                batch: list[list[bytes]] = []
-                while len(batch) < max_batch:
-                    try:
-                        batch.append(sock.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                self._process(batch)
-            if reporter is not None:
-                reporter.tick(self.values())
-            self._maybe_checkpoint()
-        self.log.info("writer_stopping", head_seq=self.head)
-        self._checkpoint()
+        self.inflight: Batch | None = None
+        self.staged = Batch()
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(100))
+                if self.worker.fileno() in events:
+                    self._finish(self.worker.collect())
+                if sock in events:
+                    frames: list[list[bytes]] = []
+                    while len(frames) < max_batch:
+                        try:
+                            frames.append(sock.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                    self._process(frames)
+                if self.inflight is None:  # the files are quiet: checkpoint if due
+                    self._maybe_checkpoint()
+                    if self.staged.lines:
+                        self._submit()
+                if reporter is not None:
+                    reporter.tick(self.values())
+            self.log.info("writer_stopping", head_seq=self.head)
+            if self.inflight is not None:
+                self._finish(self.worker.collect())
+            if self.staged.lines:
+                self._submit()
+                self._finish(self.worker.collect())
+            self._checkpoint()
+        finally:
+            self.worker.close()
 
-    def _process(self, batch: list[list[bytes]]) -> None:
-        pending = _Pending()
-        for parts in batch:
+    def _process(self, frames: list[list[bytes]]) -> None:
+        for parts in frames:
             if len(parts) != 2:
                 self._refuse(
                     parts[0],
@@ -232,7 +240,7 @@ class Writer:
                 continue
             match msg:
                 case protocol.Append():
-                    self._stage(ident, msg, pending)
+                    self._stage(ident, msg)
                 case protocol.ReadStream():
                     self._reply(ident, self._read(msg))
                 case protocol.Ping():
@@ -252,28 +260,28 @@ class Writer:
                         ),
                         getattr(msg, "msg_id", None),
                     )
-        if pending.lines:
-            self._commit(pending)
-        send = self.sock.send_multipart
-        ack = protocol.AppendOk.model_construct  # values are ours and known valid
-        for ident, msg_id, seq, duplicate in pending.acks:
-            send([ident, protocol.encode(ack(msg_id=msg_id, seq=seq, duplicate=duplicate))])
 
-    def _stage(self, ident: bytes, msg: protocol.Append, pending: _Pending) -> None:
+    def _stage(self, ident: bytes, msg: protocol.Append) -> None:
+        """Frame one append into the staged batch (or answer a retried key)."""
         key = (msg.origin, msg.key)
         seq = self.dedupe.lookup(msg.origin, msg.key)
-        if seq is None:
-            seq = pending.keys.get(key)
-        if seq is not None:
+        if seq is not None:  # durable already: answer at once
             self.duplicates_total += 1
-            pending.acks.append((ident, msg.msg_id, seq, True))
+            self._send_acks([(ident, msg.msg_id, seq, True)])
             return
+        inflight = self.inflight
+        for batch in (inflight, self.staged):
+            if batch is not None and (seq := batch.keys.get(key)) is not None:
+                self.duplicates_total += 1
+                batch.acks.append((ident, msg.msg_id, seq, True))  # answered with that batch
+                return
         try:
             check_payload(msg.payload)
         except ProtocolError as exc:
             self._refuse(ident, exc, msg.msg_id)
             return
-        seq = self.head + len(pending.lines) + 1
+        in_flight = len(inflight.lines) if inflight is not None else 0
+        seq = self.head + in_flight + len(self.staged.lines) + 1
         line = encode_record(
             seq, time.time(), msg.stream, msg.event, msg.origin, msg.key, msg.ledger, msg.payload
         )
@@ -286,36 +294,46 @@ class Writer:
                 msg.msg_id,
             )
             return
-        pending.lines.append(line)
-        pending.meta.append((msg.stream, seq, msg.origin, msg.key, msg.ledger))
-        pending.keys[key] = seq
-        pending.acks.append((ident, msg.msg_id, seq, False))
+        staged = self.staged
+        staged.lines.append(line)
+        staged.meta.append((msg.stream, seq, msg.origin, msg.key, msg.ledger))
+        staged.keys[key] = seq
+        staged.acks.append((ident, msg.msg_id, seq, False))
 
-    def _commit(self, pending: _Pending) -> None:
-        """Write and fdatasync the batch; only then may it be acknowledged."""
-        offset = self.segment.write(b"".join(pending.lines))
-        self.segment.sync()
+    def _submit(self) -> None:
+        batch, self.staged = self.staged, Batch()
+        if len(batch.lines) == 1:  # a lone append: sync here, no hand-off to wait for
+            self._finish(self.worker.run_inline(batch))
+            return
+        self.inflight = batch
+        self.worker.submit(batch)
+
+    def _finish(self, batch: Batch) -> None:
+        """The batch is durable: index it, remember its keys, acknowledge it."""
+        self.inflight = None
         self.fsyncs_total += 1
-        first = self.segment.first_seq
-        for line, (stream, seq, origin, key, ledger) in zip(
-            pending.lines, pending.meta, strict=True
-        ):
+        first, offset = batch.segment_first_seq, batch.offset
+        for line, (stream, seq, origin, key, _) in zip(batch.lines, batch.meta, strict=True):
             self.index.add(stream, seq, first, offset, len(line))
             self.dedupe.remember(origin, key, seq)
-            if ledger is not None:
-                self.ledgers.add(ledger, line)
             self.last_record_offset = offset
             offset += len(line)
-        self.ledgers.commit()
-        count = len(pending.lines)
+        count = len(batch.lines)
         self.head += count
         self.head_segment = first
         self.head_end_offset = offset
         self.appends_total += count
         self.batches_total += 1
         self.max_batch_seen = max(self.max_batch_seen, count)
+        self._send_acks(batch.acks)
         if self.segment.rotate_if_full(self.head + 1):
             self.log.info("wal_segment_rotated", segment=segment_name(self.segment.first_seq))
+
+    def _send_acks(self, acks: list[Ack]) -> None:
+        send = self.sock.send_multipart
+        ack = protocol.AppendOk.model_construct  # values are ours and known valid
+        for ident, msg_id, seq, duplicate in acks:
+            send([ident, protocol.encode(ack(msg_id=msg_id, seq=seq, duplicate=duplicate))])
 
     # --- reads ----------------------------------------------------------------
     def _read(self, msg: protocol.ReadStream) -> protocol.Records | protocol.Error:

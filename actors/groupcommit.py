@@ -1,0 +1,120 @@
+"""Group commit for the writer: a batch of framed records is written and
+fdatasynced by one worker thread while the writer's loop goes on receiving,
+checking and framing the next batch. `fdatasync` and `write` release the GIL,
+so the disk wait overlaps the CPU work; at most one batch is in flight, and
+the loop acknowledges a batch only after the worker reports it durable.
+
+The worker owns the active segment's and the ledgers' file writes while a
+batch is in flight; the loop touches them only when the worker is idle
+(rotation, checkpoint, shutdown)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+from actors.ledgers import Ledgers
+from actors.segments import ActiveSegment
+from broker.errors import DurabilityError
+
+RecordMeta = tuple[str, int, str, str, str | None]  # stream, seq, origin, key, ledger
+Ack = tuple[bytes, str, int, bool]  # client identity, msg_id, seq, duplicate
+
+
+@dataclass
+class Batch:
+    """Records in seq order and who waits for which seq."""
+
+    lines: list[bytes] = field(default_factory=list)
+    meta: list[RecordMeta] = field(default_factory=list)
+    keys: dict[tuple[str, str], int] = field(default_factory=dict)
+    acks: list[Ack] = field(default_factory=list)
+    # set by the worker once durable
+    segment_first_seq: int = 0
+    offset: int = -1
+
+
+class SyncWorker:
+    """One thread that makes batches durable; wakes the loop through a pipe."""
+
+    def __init__(self, segment: ActiveSegment, ledgers: Ledgers) -> None:
+        self.segment = segment
+        self.ledgers = ledgers
+        self._wake_r, self._wake_w = os.pipe()
+        self._cond = threading.Condition()
+        self._todo: Batch | None = None
+        self._done: Batch | None = None
+        self._error: DurabilityError | None = None
+        self._closing = False
+        self.busy = False
+        self._thread = threading.Thread(target=self._run, name="wal-sync", daemon=True)
+        self._thread.start()
+
+    def fileno(self) -> int:
+        """Readable when a submitted batch is durable (or failed)."""
+        return self._wake_r
+
+    def submit(self, batch: Batch) -> None:
+        if self.busy:
+            raise RuntimeError("a batch is already in flight")
+        self.busy = True
+        with self._cond:
+            self._todo = batch
+            self._cond.notify()
+
+    def run_inline(self, batch: Batch) -> Batch:
+        """Make a batch durable in the caller's thread (the worker is idle): a
+        lone append does not pay for two thread hand-offs."""
+        if self.busy:
+            raise RuntimeError("a batch is already in flight")
+        self._make_durable(batch)
+        return batch
+
+    def collect(self) -> Batch:
+        """The durable batch (blocks until it is); raises DurabilityError if
+        its write or fdatasync failed: nothing of it may be acknowledged."""
+        os.read(self._wake_r, 1)
+        self.busy = False
+        with self._cond:
+            batch, error = self._done, self._error
+            self._done = self._error = None
+        if error is not None:
+            raise error
+        assert batch is not None
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._todo is None and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                batch, self._todo = self._todo, None
+            assert batch is not None
+            error: DurabilityError | None = None
+            try:
+                self._make_durable(batch)
+            except DurabilityError as exc:
+                error = exc
+            with self._cond:
+                self._done, self._error = batch, error
+            os.write(self._wake_w, b"x")
+
+    def _make_durable(self, batch: Batch) -> None:
+        batch.segment_first_seq = self.segment.first_seq
+        batch.offset = self.segment.write(b"".join(batch.lines))
+        self.segment.sync()
+        for line, meta in zip(batch.lines, batch.meta, strict=True):
+            if meta[4] is not None:
+                self.ledgers.add(meta[4], line)
+        self.ledgers.commit()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
