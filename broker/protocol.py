@@ -370,6 +370,7 @@ class ProcOutput(_Message):
 
 # --- subagents: isolated children and their change sets (the `subagents` actor) -
 SubagentId = Annotated[str, Field(pattern=r"^s-[0-9a-f]{12}$")]
+SubagentRef = Annotated[str, Field(pattern=r"^(s-[0-9a-f]{12}|latest)$")]  # latest: the newest
 
 
 class SpawnSubagent(_Message):
@@ -391,7 +392,7 @@ class SubagentChanges(_Message):
     kind: Literal["subagent_changes"] = "subagent_changes"
     msg_id: MsgId
     parent: ActorName
-    subagent_id: SubagentId
+    subagent_id: SubagentRef
     wait_s: Annotated[float, Field(ge=0, le=24 * 3600)] = 0.0
 
 
@@ -401,7 +402,7 @@ class ApplySubagent(_Message):
     kind: Literal["apply_subagent"] = "apply_subagent"
     msg_id: MsgId
     parent: ActorName
-    subagent_id: SubagentId
+    subagent_id: SubagentRef
 
 
 class SubagentReply(_Message):
@@ -417,6 +418,8 @@ class SubagentReply(_Message):
     patch: bytes | None = None
     receipt: bytes | None = None
     refusal: Annotated[str, Field(max_length=2000)] | None = None
+    tokens_used: Annotated[int, Field(ge=0)] = 0  # the child's model usage (the parent's budget)
+    cost_used: Annotated[float, Field(ge=0)] = 0.0
 
 
 Message = Annotated[

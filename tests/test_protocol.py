@@ -25,6 +25,7 @@ values = st.dictionaries(
 )
 proc_ids = st.from_regex(r"\A[pt]-[0-9a-f]{16}\Z")
 subagent_ids = st.from_regex(r"\As-[0-9a-f]{12}\Z")
+subagent_refs = subagent_ids | st.just("latest")
 proc_states = st.sampled_from(["running", "exited", "killed", "capped", "expired", "lost"])
 child = st.builds(
     p.ChildStatus,
@@ -186,11 +187,11 @@ BUILDERS: dict[str, st.SearchStrategy[p._Message]] = {
             wait_s=st.floats(0, 1000),
         ),
         "subagent_changes": st.builds(
-            p.SubagentChanges, msg_id=msg_ids, parent=actors, subagent_id=subagent_ids,
+            p.SubagentChanges, msg_id=msg_ids, parent=actors, subagent_id=subagent_refs,
             wait_s=st.floats(0, 1000),
         ),
         "apply_subagent": st.builds(
-            p.ApplySubagent, msg_id=msg_ids, parent=actors, subagent_id=subagent_ids,
+            p.ApplySubagent, msg_id=msg_ids, parent=actors, subagent_id=subagent_refs,
         ),
         "subagent_reply": st.builds(
             p.SubagentReply, msg_id=msg_ids, subagent_id=subagent_ids,
@@ -198,6 +199,7 @@ BUILDERS: dict[str, st.SearchStrategy[p._Message]] = {
             exit_code=st.none() | st.integers(-64, 255),
             manifest=st.none() | st.binary(max_size=64), patch=st.none() | st.binary(max_size=64),
             receipt=st.none() | st.binary(max_size=64), refusal=st.none() | st.text(max_size=50),
+            tokens_used=st.integers(0, 2**40), cost_used=st.floats(0, 1e9),
         ),
     },
 }

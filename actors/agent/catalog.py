@@ -17,6 +17,8 @@ from actors.agent.ops import (
     tool_schemas,
     warm,
 )
+from actors.procs import ops as procs_ops  # noqa: F401 - bash, bash_*, terminal_*
+from actors.subagents import ops as subagent_ops  # noqa: F401 - spawn/changes/apply
 
 warm()  # build the union once here, so a zygote-forked agent inherits it
 

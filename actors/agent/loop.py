@@ -51,7 +51,7 @@ class Step(Enum):
 class AgentLoop:
     def __init__(
         self, name: str, state_dir: StateDir, spec: AgentSpec, writer: WriterClient,
-        *, fault_spec: str | None = None,
+        *, fault_spec: str | None = None, peer: Any = None,
     ) -> None:
         self.name = name
         self.state_dir = state_dir
@@ -70,6 +70,7 @@ class AgentLoop:
         self._since_generation = 0
         self._backend: Backend | None = None
         self.rebuild_ms = 0.0
+        self.peer = peer  # BrokerPeer | None: for ops served by other actors
 
     # --- state ---------------------------------------------------------------
     def rebuild(self) -> rebuild.Rebuilt:
@@ -248,7 +249,8 @@ class AgentLoop:
     def _context(self, answer: dict[str, Any] | None) -> OpContext:
         return OpContext(agent=self.name, workspace=self.workspace, memory_dir=self.memory_dir,
                          state_dir=self.state_dir,
-                         max_result_chars=self.settings.max_result_chars, answer=answer)
+                         max_result_chars=self.settings.max_result_chars, answer=answer,
+                         peer=self.peer)
 
     def _dispatch(self, call: Call, op: OpBase, answer: dict[str, Any] | None) -> None:
         cid = call.call_id

@@ -63,6 +63,7 @@ class OpContext:
     state_dir: StateDir
     max_result_chars: int = 8192
     answer: dict[str, Any] | None = None  # the operator's answer, for needs_operator ops
+    peer: Any = None  # the agent's BrokerPeer: ops served by procs and subagents use it
 
 
 @dataclass(frozen=True)

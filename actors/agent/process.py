@@ -104,7 +104,7 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
             spec = read_spec(state_dir, name)
             if spec is not None:
                 writer = WriterClient(ctx, state_dir, name)
-                loop = AgentLoop(name, state_dir, spec, writer)
+                loop = AgentLoop(name, state_dir, spec, writer, peer=peer)
                 loop.rebuild()
         except ConfigError as exc:
             log.error("agent_spec_invalid", error=str(exc))

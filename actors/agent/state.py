@@ -245,6 +245,9 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
             state.exit_reason = reason
             state.phase = ("finished" if reason == "finished"
                            else "paused" if reason == "budget" else "closed")
+        case "subagent_usage":  # a child's model usage counts into its parent's budget
+            state.budget.tokens_used += int(p.get("tokens", 0))
+            state.budget.cost_used += float(p.get("cost_units", 0.0))
         case "budget_resumed":
             state.budget.extra_tokens += int(p.get("tokens", 0))
             state.budget.extra_cost += float(p.get("cost_units", 0.0))

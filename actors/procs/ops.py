@@ -1,0 +1,183 @@
+"""The agent ops served by the procs host: `bash`, `bash_start`, `bash_poll`,
+`bash_kill`, `terminal_start`, `terminal_input`, `terminal_read`,
+`terminal_end`. Registered into the agent's op union (actors/agent/catalog.py
+imports this module); each passes the agent's gate like any op: the command
+is the gate's pattern (`command_field`), the working directory is confined to
+the workspace (`path_field`). Handlers talk to procs through the agent's
+broker peer (`OpContext.peer`); the session is the agent's name.
+
+Output enters the model's context only through these results (decoded as
+UTF-8 with replacement, clipped to the agent's max_result_chars), each
+recorded by procs as a `proc_poll` / `terminal_read` fact.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from actors.agent import workspace
+from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
+from actors.procs.client import ProcsClient
+from broker import protocol
+from broker.errors import RemoteError, RequestTimeoutError
+
+ProcIdField = Annotated[str, Field(pattern=r"^[pt]-[0-9a-f]{16}$")]
+Command = Annotated[str, Field(min_length=1, max_length=64 * 1024)]
+TERMINAL_SHELL = "/bin/bash"
+
+
+def _client(ctx: OpContext) -> ProcsClient | None:
+    peer = getattr(ctx, "peer", None)
+    return ProcsClient(peer, ctx.agent) if peer is not None else None
+
+
+def _cwd(ctx: OpContext, rel: str) -> str:
+    return str(ctx.workspace.resolve() if rel in ("", ".") else
+               workspace.resolve(ctx.workspace, rel, write=False))
+
+
+def _out(ctx: OpContext, out: protocol.ProcOutput) -> dict[str, Any]:
+    text = out.data.decode("utf-8", "replace")
+    clipped = text[: ctx.max_result_chars]
+    return {"proc_id": out.proc_id, "output": clipped, "truncated": len(clipped) < len(text),
+            "next_cursor": out.cursor + len(out.data), "state": out.state,
+            "exit_code": out.exit_code, "eof": out.eof}
+
+
+def _status(st: protocol.ProcStatus) -> dict[str, Any]:
+    return {"proc_id": st.proc_id, "state": st.state, "exit_code": st.exit_code,
+            "log_bytes": st.log_bytes}
+
+
+def _call(ctx: OpContext, body: Any) -> Outcome:
+    """Run `body(client)`; unreachable procs and refusals become op errors."""
+    client = _client(ctx)
+    if client is None:
+        return Done({"error": "procs is not reachable: this agent has no broker connection"},
+                    ok=False)
+    try:
+        result: dict[str, Any] = body(client)
+    except RemoteError as exc:
+        return Done({"error": f"{exc.code}: {exc.detail}"[:500]}, ok=False)
+    except RequestTimeoutError:
+        return Done({"error": "procs did not answer"}, ok=False)
+    return Done(result, ok=result.get("state") != "lost")
+
+
+class BashOp(OpBase):
+    """Run a shell command in the foreground and return its output (timeout kills it)."""
+
+    op: Literal["bash"] = "bash"
+    command: Command
+    cwd: str = "."
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+    command_field: ClassVar[str | None] = "command"
+    path_field: ClassVar[str | None] = "cwd"
+
+
+class BashStartOp(OpBase):
+    """Start a background command; poll its output with bash_poll."""
+
+    op: Literal["bash_start"] = "bash_start"
+    command: Command
+    cwd: str = "."
+    lifetime_s: Annotated[float, Field(gt=0, le=24 * 3600)] | None = None
+    command_field: ClassVar[str | None] = "command"
+    path_field: ClassVar[str | None] = "cwd"
+
+
+class BashPollOp(OpBase):
+    """Read a background command's output after `cursor`, and its exit status once known."""
+
+    op: Literal["bash_poll"] = "bash_poll"
+    proc_id: ProcIdField
+    cursor: Annotated[int, Field(ge=0)] = 0
+
+
+class BashKillOp(OpBase):
+    """End a background command and everything it started."""
+
+    op: Literal["bash_kill"] = "bash_kill"
+    proc_id: ProcIdField
+
+
+class TerminalStartOp(OpBase):
+    """Start an interactive program on a terminal (e.g. `python3 -i`)."""
+
+    op: Literal["terminal_start"] = "terminal_start"
+    command: Command
+    cwd: str = "."
+    lifetime_s: Annotated[float, Field(gt=0, le=24 * 3600)] | None = None
+    command_field: ClassVar[str | None] = "command"
+    path_field: ClassVar[str | None] = "cwd"
+
+
+class TerminalInputOp(OpBase):
+    """Type text into a terminal (include a newline to submit a line)."""
+
+    op: Literal["terminal_input"] = "terminal_input"
+    proc_id: ProcIdField
+    text: Annotated[str, Field(max_length=16 * 1024)]
+
+
+class TerminalReadOp(OpBase):
+    """Read a terminal's output after `cursor`."""
+
+    op: Literal["terminal_read"] = "terminal_read"
+    proc_id: ProcIdField
+    cursor: Annotated[int, Field(ge=0)] = 0
+
+
+class TerminalEndOp(OpBase):
+    """End a terminal's program."""
+
+    op: Literal["terminal_end"] = "terminal_end"
+    proc_id: ProcIdField
+
+
+def bash(op: BashOp, ctx: OpContext) -> Outcome:
+    cwd = _cwd(ctx, op.cwd)
+    return _call(ctx, lambda c: _out(ctx, c.bash(op.command, cwd, timeout_s=op.timeout_s)))
+
+
+def bash_start(op: BashStartOp, ctx: OpContext) -> Outcome:
+    cwd = _cwd(ctx, op.cwd)
+    return _call(ctx, lambda c: _status(c.start(op.command, cwd, lifetime_s=op.lifetime_s)))
+
+
+def bash_poll(op: BashPollOp, ctx: OpContext) -> Outcome:
+    return _call(ctx, lambda c: _out(ctx, c.poll(op.proc_id, op.cursor)))
+
+
+def bash_kill(op: BashKillOp, ctx: OpContext) -> Outcome:
+    return _call(ctx, lambda c: _status(c.kill(op.proc_id)))
+
+
+def terminal_start(op: TerminalStartOp, ctx: OpContext) -> Outcome:
+    cwd = _cwd(ctx, op.cwd)
+    return _call(ctx, lambda c: _status(c.terminal_start(
+        [TERMINAL_SHELL, "-c", op.command], cwd, lifetime_s=op.lifetime_s)))
+
+
+def terminal_input(op: TerminalInputOp, ctx: OpContext) -> Outcome:
+    return _call(ctx, lambda c: _status(c.terminal_input(op.proc_id, op.text.encode())))
+
+
+def terminal_read(op: TerminalReadOp, ctx: OpContext) -> Outcome:
+    return _call(ctx, lambda c: _out(ctx, c.terminal_read(op.proc_id, op.cursor)))
+
+
+def terminal_end(op: TerminalEndOp, ctx: OpContext) -> Outcome:
+    return _call(ctx, lambda c: _status(c.terminal_end(op.proc_id)))
+
+
+register(BashOp, bash)
+register(BashStartOp, bash_start)
+register(BashPollOp, bash_poll)
+register(BashKillOp, bash_kill)
+register(TerminalStartOp, terminal_start)
+register(TerminalInputOp, terminal_input)
+register(TerminalReadOp, terminal_read)
+register(TerminalEndOp, terminal_end)

@@ -1,0 +1,13 @@
+"""The subagents host: isolated child agents whose work comes back as a
+bounded change set (`python -m actors.subagents --state-dir D`, a broker
+peer named `subagents`).
+
+    children   the durable registry of children (what a restart resumes)
+    host       spawn (snapshot, spec, child process), reap, build the change
+               set, answer through the broker, apply once, recover
+    __main__   the process: loop, heartbeats with statistics
+
+A child is a real agent process (`python -m actors.agent`) running the same
+loop, gate and model code on a copy of its parent's workspace, with its own
+stream `agent/<parent>.<id>`. docs/changesets.md is the normative text.
+"""

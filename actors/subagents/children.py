@@ -1,0 +1,74 @@
+"""The subagents registry: `<state>/subagents/registry.json` (version 1),
+rewritten atomically (temp, fsync, rename, fsync of the directory) before a
+child's start gate opens and on every state change.
+
+After a crash of the host, a child recorded `running` is started again: the
+agent rebuilds its state from its stream and carries on (its process died
+with the host: PDEATHSIG). One recorded `exited` without a manifest gets
+its change set built; an apply with an intent on disk is rolled forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+VERSION = 1
+ChildState = Literal["running", "exited", "ended", "failed", "applied"]
+
+
+@dataclass
+class ChildRecord:
+    subagent_id: str
+    parent: str
+    name: str  # the child's actor name: <parent>.<subagent_id>
+    directory: str  # <parent session dir>/subagents/<id>/
+    workspace: str  # the parent's workspace (where an apply writes)
+    task: str
+    state: ChildState = "running"
+    pid: int | None = None
+    exit_code: int | None = None
+    starts: int = 0
+    tokens_used: int = 0
+    cost_used: float = 0.0
+
+
+class Children:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: dict[str, ChildRecord] = {}
+
+    @classmethod
+    def load(cls, path: Path) -> Children:
+        children = cls(path)
+        try:
+            raw = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return children
+        if raw.get("version") != VERSION:
+            raise ValueError(f"{path}: version {raw.get('version')!r}, expected {VERSION}")
+        for item in raw["children"]:
+            record = ChildRecord(**item)
+            children.records[record.subagent_id] = record
+        return children
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        body = json.dumps({"version": VERSION,
+                           "children": [asdict(r) for r in self.records.values()]}).encode()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -1,0 +1,269 @@
+"""The subagents host's work: spawn a child on a snapshot, watch it, build
+its change set when it ends, answer the parent through the broker, apply a
+ready set once.
+
+Replies that wait for a child (`spawn_subagent`, `subagent_changes` with
+`wait_s`) are deferred; the loop never blocks on a child. A child is named
+from (parent, msg_id), so a resent spawn finds the child it already started.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from pydantic import BaseModel, ConfigDict
+
+from actors.agent.rebuild import rebuild
+from actors.agent.settings import AgentSettings, AgentSpec, read_spec, write_spec
+from actors.changesets import manifest as mf
+from actors.changesets.apply import apply, recover
+from actors.changesets.build import build
+from actors.changesets.manifest import Limits
+from actors.changesets.snapshot import BaseIndex, snapshot
+from actors.procs import launch
+from actors.subagents.children import ChildRecord, Children
+from actors.writer_client import WriterClient
+from broker import protocol
+from broker.errors import ChangeSetRefusedError, CorralError
+from broker.peer import BrokerPeer
+from broker.statedir import StateDir
+
+log = structlog.get_logger("actors.subagents")
+ACTOR_NAME = "subagents"
+EXIT_STOPPED = 75  # the child agent was stopped with its session open: start it again
+MAX_STARTS = 5
+
+
+class SubagentsStats(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    running_children: int
+    spawned_total: int
+    ended_total: int
+    failed_total: int
+    applied_total: int
+    refused_total: int
+
+
+@dataclass
+class _Deferred:
+    sender: str
+    ready: Callable[[], bool]
+    reply: Callable[[], protocol.Message]
+    deadline: float
+
+
+class SubagentsHost:
+    def __init__(self, state: StateDir, peer: BrokerPeer, writer: WriterClient,
+                 limits: Limits) -> None:
+        self.state = state
+        self.peer = peer
+        self.writer = writer
+        self.limits = limits
+        self.children = Children.load(state.root / "subagents" / "registry.json")
+        self._pids: dict[int, ChildRecord] = {}
+        self._deferred: list[_Deferred] = []
+        self.counts = {"spawned": 0, "ended": 0, "failed": 0, "applied": 0, "refused": 0}
+        self._recover()
+
+    # --- facts ----------------------------------------------------------------------
+    def record(self, parent: str, event: str, payload: dict[str, Any], key: str) -> None:
+        self.writer.append(f"subagents/{parent}", event, payload, key=key)
+
+    # --- recovery ---------------------------------------------------------------------
+    def _recover(self) -> None:
+        for child in self.children.records.values():
+            directory = Path(child.directory)
+            if child.state == "running":
+                self._start(child)  # the agent resumes from its stream
+            elif child.state == "exited":
+                self._build(child)
+            if (directory / mf.INTENT).exists():
+                receipt = recover(directory, Path(child.workspace), self._recorder(child))
+                if receipt is not None:
+                    child.state = "applied"
+        self.children.save()
+
+    def _recorder(self, child: ChildRecord) -> Callable[[str, dict[str, Any], str], None]:
+        return lambda event, payload, key: self.record(child.parent, event, payload, key)
+
+    # --- spawning ---------------------------------------------------------------------
+    def spawn(self, message: protocol.SpawnSubagent) -> ChildRecord:
+        digest = hashlib.sha256(f"{message.parent}\0{message.msg_id}".encode()).hexdigest()
+        subagent_id = f"s-{digest[:12]}"
+        existing = self.children.records.get(subagent_id)
+        if existing is not None:
+            return existing
+        workspace = Path(message.workspace)
+        if not workspace.is_absolute() or not workspace.is_dir():
+            raise ChangeSetRefusedError("invalid_workspace",
+                                        f"{message.workspace!r} is not an absolute directory")
+        directory = self.state.agent_dir(message.parent) / "subagents" / subagent_id
+        snapshot(workspace, directory / "base", directory / "work")
+        name = f"{message.parent}.{subagent_id}"
+        parent_spec = read_spec(self.state, message.parent)
+        settings = parent_spec.settings if parent_spec is not None else AgentSettings()
+        backend = parent_spec.backend if parent_spec is not None else "scripted"
+        write_spec(self.state, name, AgentSpec(task=message.task, backend=backend,
+                                               workspace=str(directory / "work"),
+                                               settings=settings))
+        child = ChildRecord(subagent_id=subagent_id, parent=message.parent, name=name,
+                            directory=str(directory), workspace=str(workspace),
+                            task=message.task)
+        self.children.records[subagent_id] = child
+        self.record(child.parent, "subagent_spawned", {
+            "subagent_id": subagent_id, "child": name, "descriptor": message.descriptor,
+            "task": message.task, "files": len(BaseIndex.load(directory / "base").entries),
+        }, f"{subagent_id}:spawned")
+        self._start(child)
+        self.counts["spawned"] += 1
+        return child
+
+    def _start(self, child: ChildRecord) -> None:
+        out = os.open(Path(child.directory) / "child.out",
+                      os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_CONTROL", "CORRAL_ACTOR")}
+        argv = [sys.executable, "-m", "actors.agent", "--name", child.name,
+                "--state-dir", str(self.state.root)]
+        try:
+            spawned = launch.spawn(argv, env, child.directory, stdio_fd=out,
+                                   die_with_parent=True)
+        finally:
+            os.close(out)
+        child.pid, child.state = spawned.pid, "running"
+        child.starts += 1
+        self._pids[spawned.pid] = child
+        self.children.save()  # durable before the gate: a restart knows this child
+        launch.open_gate(spawned)
+        log.info("subagent_started", subagent_id=child.subagent_id, pid=spawned.pid,
+                 starts=child.starts)
+
+    def find(self, parent: str, ref: str) -> ChildRecord | None:
+        """A parent's child by id, or its newest with "latest"."""
+        if ref == "latest":
+            mine = [c for c in self.children.records.values() if c.parent == parent]
+            return mine[-1] if mine else None
+        return self.children.records.get(ref)
+
+    # --- the loop's chores ------------------------------------------------------------
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            child = self._pids.pop(pid, None)
+            if child is None:
+                continue
+            child.exit_code = os.waitstatus_to_exitcode(status)
+            if child.exit_code == EXIT_STOPPED and child.starts < MAX_STARTS:
+                self._start(child)
+                continue
+            child.state = "exited"
+            self.children.save()
+            self._build(child)
+
+    def _build(self, child: ChildRecord) -> None:
+        directory = Path(child.directory)
+        usage = rebuild(self.writer, self.state, child.name).state.budget
+        child.tokens_used, child.cost_used = usage.tokens_used, usage.cost_used
+        if child.exit_code != 0:
+            child.state = "failed"
+            self.counts["failed"] += 1
+        else:
+            if not (directory / mf.MANIFEST).exists():
+                build(child.subagent_id, BaseIndex.load(directory / "base"), directory / "work",
+                      directory, limits=self.limits,
+                      task_sha256=hashlib.sha256(child.task.encode()).hexdigest())
+            child.state = "ended"
+            self.counts["ended"] += 1
+        manifest = mf.load(directory) if (directory / mf.MANIFEST).exists() else None
+        self.record(child.parent, "subagent_ended", {
+            "subagent_id": child.subagent_id, "exit_code": child.exit_code,
+            "status": manifest.status if manifest else None,
+            "files": len(manifest.files) if manifest else 0,
+            "tokens_used": child.tokens_used, "cost_used": child.cost_used,
+        }, f"{child.subagent_id}:ended")
+        self.children.save()
+        log.info("subagent_ended", subagent_id=child.subagent_id, exit_code=child.exit_code,
+                 status=manifest.status if manifest else None)
+
+    def settle(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for item in self._deferred:
+            if item.ready() or now >= item.deadline:
+                self.peer.send(item.sender, item.reply())
+            else:
+                keep.append(item)
+        self._deferred = keep
+
+    def defer(self, sender: str, ready: Callable[[], bool],
+              reply: Callable[[], protocol.Message], wait_s: float) -> None:
+        self._deferred.append(_Deferred(sender, ready, reply, time.monotonic() + wait_s))
+
+    # --- replies ----------------------------------------------------------------------
+    def reply(self, msg_id: str, child: ChildRecord,
+              refusal: str | None = None) -> protocol.SubagentReply:
+        directory = Path(child.directory)
+
+        def read(name: str) -> bytes | None:
+            try:
+                return (directory / name).read_bytes()
+            except FileNotFoundError:
+                return None
+
+        state = {"exited": "running"}.get(child.state, child.state)
+        return protocol.SubagentReply(
+            msg_id=msg_id, subagent_id=child.subagent_id, state=state,  # type: ignore[arg-type]
+            exit_code=child.exit_code, manifest=read(mf.MANIFEST), patch=read(mf.PATCH),
+            receipt=read(mf.RECEIPT), refusal=refusal, tokens_used=child.tokens_used,
+            cost_used=child.cost_used,
+        )
+
+    def apply(self, msg_id: str, child: ChildRecord) -> protocol.SubagentReply:
+        if child.state not in ("ended", "applied"):
+            return self.reply(msg_id, child, f"not_ready: the child is {child.state}")
+        try:
+            apply(Path(child.directory), Path(child.workspace), self._recorder(child))
+        except ChangeSetRefusedError as exc:
+            self.counts["refused"] += 1
+            return self.reply(msg_id, child, f"{exc.bound}: {exc.detail}")
+        except (OSError, CorralError) as exc:
+            return self.reply(msg_id, child, f"failed: {type(exc).__name__}: {exc}")
+        child.state = "applied"
+        self.counts["applied"] += 1
+        self.children.save()
+        return self.reply(msg_id, child)
+
+    def statistics(self) -> SubagentsStats:
+        return SubagentsStats(
+            running_children=sum(1 for c in self.children.records.values()
+                                 if c.state == "running"),
+            spawned_total=self.counts["spawned"], ended_total=self.counts["ended"],
+            failed_total=self.counts["failed"], applied_total=self.counts["applied"],
+            refused_total=self.counts["refused"],
+        )
+
+    def shutdown(self) -> None:
+        """SIGTERM: stop the children (they resume from their streams next time)."""
+        for pid in list(self._pids):
+            launch.end_tree(pid, "-", 15, sweep=False)
+        deadline = time.monotonic() + 5.0
+        while self._pids and time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            self._pids.pop(pid, None)
+        self.children.save()

@@ -1,0 +1,126 @@
+"""The agent ops served by the subagents host: `spawn_subagent`,
+`subagent_changes`, `apply_subagent` (registered through
+actors/agent/catalog.py, passing the gate like any op).
+
+`spawn_subagent` waits for the child (up to `wait_s`) and returns a summary
+of its change set; the child's model usage comes back with it and is
+recorded in the parent's stream as a `subagent_usage` fact, which the
+parent's fold adds to its budget. `apply_subagent` applies a ready set once
+(the host does the write-ahead intent, the stale check and the receipt).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
+from broker import protocol
+from broker.errors import RemoteError, RequestTimeoutError
+from broker.requester import new_msg_id
+
+SUBAGENTS = "subagents"
+SubagentIdField = Annotated[str, Field(pattern=r"^(s-[0-9a-f]{12}|latest)$")]  # latest: newest
+REPLY_MARGIN_S = 30.0
+
+
+def _summary(ctx: OpContext, reply: protocol.SubagentReply, *,
+             with_patch: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"subagent_id": reply.subagent_id, "state": reply.state,
+                           "exit_code": reply.exit_code}
+    if reply.manifest is not None:
+        manifest = json.loads(reply.manifest)
+        out["status"] = manifest["status"]
+        out["files"] = [{"path": f["path"], "op": f["op"]} for f in manifest["files"]][:64]
+        out["refusal"] = manifest.get("refusal")
+        out["patch_bytes"] = manifest["patch_bytes"]
+    if with_patch and reply.patch is not None:
+        text = reply.patch.decode("utf-8", "replace")
+        out["patch"] = text[: ctx.max_result_chars]
+        out["patch_truncated"] = len(text) > ctx.max_result_chars
+    if reply.receipt is not None:
+        out["applied"] = True
+    if reply.refusal is not None:
+        out["error"] = reply.refusal
+    return out
+
+
+def _request(
+    ctx: OpContext, message: protocol.Message, timeout_s: float
+) -> Outcome | protocol.SubagentReply:
+    peer = getattr(ctx, "peer", None)
+    if peer is None:
+        return Done({"error": "subagents is not reachable: no broker connection"}, ok=False)
+    try:
+        reply = peer.request(SUBAGENTS, message, timeout_s=timeout_s, retries=1)
+    except RemoteError as exc:
+        return Done({"error": f"{exc.code}: {exc.detail}"[:500]}, ok=False)
+    except RequestTimeoutError:
+        return Done({"error": "subagents did not answer"}, ok=False)
+    if not isinstance(reply, protocol.SubagentReply):
+        return Done({"error": f"unexpected reply {reply.kind}"}, ok=False)
+    return reply
+
+
+class SpawnSubagentOp(OpBase):
+    """Run a child agent on a task file in an isolated copy of the workspace; get its changes."""
+
+    op: Literal["spawn_subagent"] = "spawn_subagent"
+    task: Annotated[str, Field(min_length=1, max_length=4096)]
+    descriptor: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_\-]{0,31}$")] = "child"
+    wait_s: Annotated[float, Field(gt=0, le=3600)] = 600.0
+    command_field: ClassVar[str | None] = "task"
+
+
+class SubagentChangesOp(OpBase):
+    """Show a child's change set (manifest and patch)."""
+
+    op: Literal["subagent_changes"] = "subagent_changes"
+    subagent_id: SubagentIdField
+
+
+class ApplySubagentOp(OpBase):
+    """Apply a child's ready change set to the workspace (once; refused if files changed)."""
+
+    op: Literal["apply_subagent"] = "apply_subagent"
+    subagent_id: SubagentIdField
+
+
+def spawn_subagent(op: SpawnSubagentOp, ctx: OpContext) -> Outcome:
+    task = str(Path(op.task).resolve())
+    message = protocol.SpawnSubagent(msg_id=new_msg_id("sa"), parent=ctx.agent,
+                                     workspace=str(ctx.workspace.resolve()), task=task,
+                                     descriptor=op.descriptor, wait_s=op.wait_s)
+    reply = _request(ctx, message, op.wait_s + REPLY_MARGIN_S)
+    if not isinstance(reply, protocol.SubagentReply):
+        return reply
+    facts = []
+    if reply.state != "running":
+        facts.append(("subagent_usage", {"subagent_id": reply.subagent_id,
+                                         "tokens": reply.tokens_used,
+                                         "cost_units": reply.cost_used}))
+    return Done(_summary(ctx, reply), ok=reply.state == "ended", facts=facts)
+
+
+def subagent_changes(op: SubagentChangesOp, ctx: OpContext) -> Outcome:
+    reply = _request(ctx, protocol.SubagentChanges(msg_id=new_msg_id("sc"), parent=ctx.agent,
+                                                   subagent_id=op.subagent_id), 10.0)
+    if not isinstance(reply, protocol.SubagentReply):
+        return reply
+    return Done(_summary(ctx, reply, with_patch=True))
+
+
+def apply_subagent(op: ApplySubagentOp, ctx: OpContext) -> Outcome:
+    reply = _request(ctx, protocol.ApplySubagent(msg_id=new_msg_id("ap"), parent=ctx.agent,
+                                                 subagent_id=op.subagent_id), 30.0)
+    if not isinstance(reply, protocol.SubagentReply):
+        return reply
+    return Done(_summary(ctx, reply), ok=reply.refusal is None and reply.state == "applied")
+
+
+register(SpawnSubagentOp, spawn_subagent)
+register(SubagentChangesOp, subagent_changes)
+register(ApplySubagentOp, apply_subagent)
