@@ -29,6 +29,10 @@ def _info(child: dict[str, Any]) -> str:
     values = child.get("values") or {}
     if child.get("kind") == "writer" and "head_seq" in values:
         return f"seq={values['head_seq']} {values.get('appends_per_s', 0)}/s"
+    if child.get("kind") == "procs" and "live_commands" in values:
+        return f"commands={values['live_commands']} terminals={values['live_terminals']}"
+    if child.get("kind") == "subagents" and "running_children" in values:
+        return f"children={values['running_children']} applied={values.get('applied_total', 0)}"
     if "ready_ms" in values:
         return f"ready={values['ready_ms']}ms"
     return ""
