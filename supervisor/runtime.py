@@ -421,7 +421,8 @@ class Runtime:
         return protocol.Ack(msg_id=msg_id, affected=affected)
 
     def _spawn(self, msg_id: str, name: str, now: float) -> protocol.Ack | protocol.Error:
-        """Add an agent child (`supervisor spawn`) with the agents group's policy."""
+        """Add an agent child (`supervisor spawn`) with the agents group's policy, but
+        restart `transient`: it runs a session, and a finished one exits 0."""
         from supervisor.config import ChildSpec  # noqa: PLC0415 - only this request needs it
 
         if self.stopping:
@@ -434,6 +435,7 @@ class Runtime:
                                   detail=f"a child named {name!r} is {child.state}")
         if child is None:
             template = self.config.agents.model_dump(exclude={"count", "name_prefix", "zygote"})
+            template["restart"] = "transient"  # a session that finished (exit 0) stays down
             spec = ChildSpec(name=name, kind="agent", **template)
             child = self.children[name] = Child(spec=spec, policy=spec.policy())
         child.history.clear()

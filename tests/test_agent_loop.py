@@ -244,3 +244,18 @@ def test_generations_are_derived(state_dir: StateDir, tmp_path: Path) -> None:
     assert with_gen.state == full
     shutil.rmtree(agent_dir / "state")
     assert rebuild(writer, state_dir, "a1").state == full  # type: ignore[arg-type]
+
+
+def test_replay_plays_a_recorded_session_again(state_dir: StateDir, tmp_path: Path) -> None:
+    writer = FakeWriter()
+    task = write_task(tmp_path / "t.yaml", COUNTER)
+    assert drive(new_loop(state_dir, writer, task)) is Step.DONE
+    replay_spec = spec(task).model_copy(update={"backend": "replay", "replay_stream": STREAM})
+    again = AgentLoop("a2", state_dir, replay_spec,
+                      writer.as_origin("a2"))  # type: ignore[arg-type]
+    again.rebuild()
+    assert drive(again) is Step.DONE
+    assert tree(again.workspace) == {"tally.txt": "start+1+2+3\n"}
+    recorded = [p["actions"] for e, p in writer.events(STREAM) if e == "turn"]
+    replayed = [p["actions"] for e, p in writer.events("agent/a2") if e == "turn"]
+    assert replayed == recorded

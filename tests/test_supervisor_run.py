@@ -21,8 +21,9 @@ from tests.test_supervisor_process import cli, status
 pytestmark = pytest.mark.process
 
 
-def fast_config(state_dir: StateDir, **run: Any) -> Path:
+def fast_config(state_dir: StateDir, agent: dict[str, Any] | None = None, **run: Any) -> Path:
     config = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    config["agent"].update(agent or {})
     config["heartbeat"] = {"interval_ms": 200, "timeout_s": 10}
     config["status_interval_s"] = 0.2
     config["run"].update({"tasks": [str(p) for p in sorted(
@@ -77,5 +78,30 @@ def test_spawn_approve_and_deny_on_a_running_runtime(
 
     wait_for(exited, 30, "the spawned agent to finish")
     assert (state_dir.agent_dir("extra") / "workspace" / "release" / "NOTES.md").exists()
+    child = {c["name"]: c for c in status(processes, state_dir)["children"]}["extra"]
+    assert (child["state"], child["restarts"]) == ("exited", 0)  # transient: not restarted
+    assert cli(processes, state_dir, "stop").returncode == 0
+    assert up.wait(timeout=30) == 0
+
+
+def test_budget_pause_and_resume_through_the_cli(
+        processes: ProcessTracker, state_dir: StateDir) -> None:
+    config = fast_config(state_dir, agent={"budget": {"tokens": 150, "cost_units": None},
+                                           "approval_poll_ms": 20})
+    up = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                          "--config", str(config)], name="up")
+    wait_for(lambda: up.poll() is None and cli(processes, state_dir, "status").returncode == 0,
+             30, "the supervisor")
+    task = REPO_ROOT / "config" / "tasks" / "notes.yaml"
+    assert cli(processes, state_dir, "spawn", "thrifty", "--task", str(task),
+               "--config", str(config)).returncode == 0
+    early = cli(processes, state_dir, "resume", "thrifty", "--budget", "1")
+    assert early.returncode == 1  # not paused (yet), or no session yet
+    wait_for(lambda: cli(processes, state_dir, "resume", "thrifty", "--budget",
+                         "100000").returncode == 0, 30, "the budget pause")
+    notes = state_dir.agent_dir("thrifty") / "workspace" / "notes.md"
+    wait_for(lambda: notes.exists() and "reviewed" in notes.read_text(), 30, "the task to go on")
+    budget = state_dir.budget_ledger_path.read_text()
+    assert '"budget_resumed"' in budget and '"turn"' in budget
     assert cli(processes, state_dir, "stop").returncode == 0
     assert up.wait(timeout=30) == 0
