@@ -69,5 +69,11 @@ class ControlReporter:
         self._next_beat = now + self.interval_s
         self._send(protocol.Heartbeat(actor=self.actor, pid=self._pid, values=values or {}))
 
-    def close(self) -> None:
-        self._sock.close(linger=0)
+    def beat(self, values: dict[str, int | float] | None = None) -> None:
+        """Send a heartbeat now (e.g. a final report just before a clean exit)."""
+        self._next_beat = time.monotonic() + self.interval_s
+        self._send(protocol.Heartbeat(actor=self.actor, pid=self._pid, values=values or {}))
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; `linger_ms` > 0 gives queued messages (a final beat) that long to leave."""
+        self._sock.close(linger=linger_ms)

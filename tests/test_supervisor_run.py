@@ -80,6 +80,7 @@ def test_spawn_approve_and_deny_on_a_running_runtime(
     assert (state_dir.agent_dir("extra") / "workspace" / "release" / "NOTES.md").exists()
     child = {c["name"]: c for c in status(processes, state_dir)["children"]}["extra"]
     assert (child["state"], child["restarts"]) == ("exited", 0)  # transient: not restarted
+    assert child["values"]["phase"] == 3  # its final heartbeat: finished
     assert cli(processes, state_dir, "stop").returncode == 0
     assert up.wait(timeout=30) == 0
 

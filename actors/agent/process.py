@@ -145,7 +145,8 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
         if peer is not None:
             peer.close()
         if reporter is not None:
-            reporter.close()
+            over = loop is not None and loop.state.phase in ("finished", "closed")
+            reporter.close(linger_ms=200 if over else 0)  # let the final beat leave
         ctx.destroy(linger=0)
         stop.close()
 
@@ -181,6 +182,8 @@ def _run_loop(
             if reporter is not None:
                 reporter.tick(loop.values())
             if last is Step.DONE:
+                if reporter is not None:
+                    reporter.beat(loop.values())  # the supervisor sees phase finished/closed
                 log.info("agent_done", reason=loop.state.exit_reason, turn=loop.state.turn)
                 return EXIT_OK
     except CorralError as exc:
