@@ -18,6 +18,8 @@ SUITES = {
     "broker": "ops.bench_broker",
     "spawn": "ops.bench_spawn",
     "agent-recovery": "ops.bench_agent_recovery",
+    "procs": "ops.bench_procs",
+    "subagents": "ops.bench_subagents",
 }
 
 

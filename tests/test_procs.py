@@ -129,11 +129,13 @@ def test_foreground_bash_returns_combined_output_and_exit_code(stack: Stack) -> 
     assert (out.data, out.state, out.exit_code, out.eof) == (b"out\nerr\n", "exited", 3, True)
     log = stack.state.agent_dir(SESSION) / ".procs" / f"{out.proc_id}.log"
     assert log.read_bytes() == b"out\nerr\n"
+    piped = stack.client.bash("yes | head -c 6", str(stack.workdir))
+    assert piped.data == b"y\ny\ny\n"  # SIGPIPE at its default: `yes` dies quietly
     timed = stack.client.bash("sleep 30", str(stack.workdir), timeout_s=0.3)
     assert timed.state == "expired"
     assert not marked(timed.proc_id)
     events = [f["event"] for f in stack.facts()]
-    assert events.count("proc_start") == 2
+    assert events.count("proc_start") == 3
     assert "proc_exit" in events
     assert "proc_poll" in events
     start = stack.facts("proc_start")[0]

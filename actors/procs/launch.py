@@ -69,6 +69,8 @@ def spawn(
             os.close(gate_w)
             os.close(err_r)
             os.setsid()
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these; exec keeps
+                signal.signal(sig, signal.SIG_DFL)  # SIG_IGN, so restore a shell's defaults
             if die_with_parent and not _die_with_parent(parent):
                 os._exit(GATE_CLOSED_EXIT)
             if not os.read(gate_r, 1):

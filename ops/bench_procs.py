@@ -1,0 +1,151 @@
+"""`python ops/bench.py procs`: the procs host under 100 concurrent background
+commands and 20 terminals (real writer, broker and procs processes; every
+poll that returns bytes is a durable WAL fact).
+
+Figures:
+    poll_ms_p50 / poll_ms_p99   one bash_poll / terminal_read round trip through
+                                the broker, while all 120 jobs run
+    capture_mb_per_s            bytes read back by cursor / time from the first
+                                start to the last eof
+    procs_rss_mib_idle          procs' RSS before the jobs start
+    procs_rss_mib_flood         procs' largest RSS while 100 MB flows through the
+                                terminals (the PTY path: every byte passes through
+                                procs) plus 100 MB through the command logs;
+                                must stay flat, well under 100 MB
+    lost_bytes                  expected minus received, content-checked (must be 0)
+    commands / terminals / total_mb
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import zmq
+
+from actors.procs.client import ProcsClient
+from broker import protocol
+from broker.errors import RemoteError, RequestTimeoutError
+from broker.peer import BrokerPeer
+from broker.requester import new_msg_id
+from broker.statedir import StateDir
+from ops.benchkit import child_env, percentile, stop, temp_state_root, wait_writer_ready
+
+SESSION = "bench-agent"
+READ_BYTES = 512 * 1024  # the protocol's largest read per poll
+
+
+def _spawn(module: str, state: StateDir, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", module, "--state-dir", str(state.root), *extra],
+        env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+
+
+def _wait_procs(peer: BrokerPeer, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            reply = peer.request("procs", protocol.Ping(msg_id=new_msg_id("p")), timeout_s=0.2,
+                                 retries=0)
+            if isinstance(reply, protocol.Pong):
+                return
+        except (RequestTimeoutError, RemoteError):
+            continue
+    raise TimeoutError("procs did not answer")
+
+
+def _expected_command(i: int, chunk: int, rounds: int) -> bytes:
+    line = f"cmd-{i:03d}-abcdefghijklmnopqrstuvwxyz\n".encode()
+    one = (line * (chunk // len(line) + 1))[:chunk]
+    return one * rounds
+
+
+def run(quick: bool = False) -> dict[str, object]:
+    n_cmd, n_term = (20, 4) if quick else (100, 20)
+    cmd_bytes = 1_000_000 if not quick else 200_000
+    term_bytes = 5_000_000 if not quick else 1_000_000
+    rounds = 20
+    chunk = cmd_bytes // rounds
+    with temp_state_root() as root:
+        state = StateDir(root / ".corral").ensure()
+        work = root / "work"
+        work.mkdir()
+        procs_list: list[subprocess.Popen[bytes]] = []
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        peer: BrokerPeer | None = None
+        try:
+            procs_list.append(_spawn("actors.writer", state))
+            wait_writer_ready(state.root)
+            procs_list.append(_spawn("broker.server", state))
+            procs = _spawn("actors.procs", state, "--terminal-cap-bytes", str(2 * term_bytes))
+            procs_list.append(procs)
+            peer = BrokerPeer(ctx, state, SESSION)
+            _wait_procs(peer)
+            client = ProcsClient(peer, SESSION, timeout_s=30)
+            ps = psutil.Process(procs.pid)
+            rss_idle = ps.memory_info().rss
+            t0 = time.monotonic()
+            jobs: list[tuple[str, bool, int]] = []  # (proc_id, terminal, index)
+            for i in range(n_cmd):
+                line = f"cmd-{i:03d}-abcdefghijklmnopqrstuvwxyz"
+                cmd = (f"for r in $(seq 1 {rounds}); do yes {line} | head -c {chunk}; "
+                       "sleep 0.02; done")
+                jobs.append((str(client.start(cmd, str(work)).proc_id), False, i))
+            for i in range(n_term):
+                argv = ["/bin/bash", "-c",
+                        f"sleep 0.3; head -c {term_bytes} /dev/zero | tr '\\0' t"]
+                jobs.append((str(client.terminal_start(argv, str(work)).proc_id), True, i))
+            received: dict[str, bytearray] = {pid: bytearray() for pid, _, _ in jobs}
+            done: set[str] = set()
+            poll_ms: list[float] = []
+            rss_max = rss_idle
+            while len(done) < len(jobs):
+                for proc_id, terminal, _ in jobs:
+                    if proc_id in done:
+                        continue
+                    cursor = len(received[proc_id])
+                    started = time.perf_counter()
+                    if terminal:
+                        out = client.terminal_read(proc_id, cursor, READ_BYTES)
+                    else:
+                        out = client.poll(proc_id, cursor, READ_BYTES)
+                    poll_ms.append((time.perf_counter() - started) * 1000)
+                    received[proc_id] += out.data
+                    if out.eof:
+                        done.add(proc_id)
+                rss_max = max(rss_max, ps.memory_info().rss)
+            elapsed = time.monotonic() - t0
+            expected_total = 0
+            lost = 0
+            for proc_id, terminal, i in jobs:
+                want = b"t" * term_bytes if terminal else _expected_command(i, chunk, rounds)
+                got = bytes(received[proc_id])
+                expected_total += len(want)
+                lost += len(want) - len(got) if got == want[: len(got)] else len(want)
+            total = sum(len(b) for b in received.values())
+            client.end_session()
+        finally:
+            if peer is not None:
+                peer.close()
+            ctx.destroy(linger=0)
+            for p in reversed(procs_list):
+                stop(p)
+    return {
+        "commands": n_cmd,
+        "terminals": n_term,
+        "total_mb": round(total / 1e6, 1),
+        "poll_ms_p50": round(percentile(poll_ms, 50), 3),
+        "poll_ms_p99": round(percentile(poll_ms, 99), 3),
+        "polls": len(poll_ms),
+        "capture_mb_per_s": round(total / 1e6 / elapsed, 1),
+        "procs_rss_mib_idle": round(rss_idle / 1048576, 1),
+        "procs_rss_mib_flood": round(rss_max / 1048576, 1),
+        "lost_bytes": lost,
+        "expected_mb": round(expected_total / 1e6, 1),
+    }
+
+
