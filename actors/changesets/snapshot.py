@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import stat
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from actors.changesets.paths import is_git_name
@@ -58,16 +58,19 @@ class BaseIndex:
         return h.hexdigest()
 
     def save(self) -> None:
-        body = {p: asdict(e) for p, e in self.entries.items()}
-        (self.directory / INDEX).write_text(json.dumps(body, separators=(",", ":")))
+        """`{"version": 1, "entries": {path: [sha256, size, mode, offset, copy_key]}}`."""
+        body = {p: [e.sha256, e.size, e.mode, e.offset, e.copy_key]
+                for p, e in self.entries.items()}
+        (self.directory / INDEX).write_text(
+            json.dumps({"version": 1, "entries": body}, separators=(",", ":")))
 
     @classmethod
     def load(cls, directory: Path) -> BaseIndex:
         raw = json.loads((directory / INDEX).read_text())
-        entries = {
-            p: BaseEntry(e["sha256"], e["size"], e["mode"], e["offset"], tuple(e["copy_key"]))
-            for p, e in raw.items()
-        }
+        if raw.get("version") != 1:
+            raise ValueError(f"{directory / INDEX}: version {raw.get('version')!r}, expected 1")
+        entries = {p: BaseEntry(e[0], e[1], e[2], e[3], tuple(e[4]))
+                   for p, e in raw["entries"].items()}
         return cls(directory, entries)
 
 
@@ -134,11 +137,12 @@ def snapshot(source: Path, base_dir: Path, work_dir: Path) -> BaseIndex:
                                   0o755 if mode == 0o100755 else 0o644)
                     try:
                         write_all(out, data)
+                        key = copy_key(os.fstat(out))  # after the last write: final times
                     finally:
                         os.close(out)
                     write_all(pack, data)
                     entries[rel] = BaseEntry(hashlib.sha256(data).hexdigest(), len(data), mode,
-                                             offset, copy_key(os.lstat(dst)))
+                                             offset, key)
                     offset += len(data)
     finally:
         os.close(pack)

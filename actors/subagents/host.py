@@ -107,7 +107,10 @@ class SubagentsHost:
             raise ChangeSetRefusedError("invalid_workspace",
                                         f"{message.workspace!r} is not an absolute directory")
         directory = self.state.agent_dir(message.parent) / "subagents" / subagent_id
-        snapshot(workspace, directory / "base", directory / "work")
+        started = time.monotonic()
+        index = snapshot(workspace, directory / "base", directory / "work")
+        log.info("subagent_snapshotted", subagent_id=subagent_id, files=len(index.entries),
+                 elapsed_ms=round((time.monotonic() - started) * 1000, 1))
         name = f"{message.parent}.{subagent_id}"
         parent_spec = read_spec(self.state, message.parent)
         settings = parent_spec.settings if parent_spec is not None else AgentSettings()
@@ -121,7 +124,7 @@ class SubagentsHost:
         self.children.records[subagent_id] = child
         self.record(child.parent, "subagent_spawned", {
             "subagent_id": subagent_id, "child": name, "descriptor": message.descriptor,
-            "task": message.task, "files": len(BaseIndex.load(directory / "base").entries),
+            "task": message.task, "files": len(index.entries),
         }, f"{subagent_id}:spawned")
         self._start(child)
         self.counts["spawned"] += 1
