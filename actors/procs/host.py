@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -143,7 +144,12 @@ class ProcsHost:
                 entry.state, entry.exit_code = "exited", code
                 self._ended(job)
                 continue
-            launch.end_tree(entry.pid, entry.proc_id, 9)  # SIGKILL: nothing may survive
+            # SIGKILL what is left: the group only while its recorded leader lives (a
+            # gone leader's pid may since lead someone else's group); the marker
+            # sweep finds the descendants either way
+            launch.end_tree(entry.pid, entry.proc_id, signal.SIGKILL,
+                            group=launch.alive(entry.pid, entry.start_ticks)
+                            or launch.group_is_ours(entry.pid, entry.proc_id))
             entry.state = "lost"
             self.facts.record(entry.session, "proc_lost", f"{entry.proc_id}:lost",
                               proc_id=entry.proc_id, kind=entry.kind,

@@ -155,6 +155,15 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def group_is_ours(pgid: int, proc_id: str) -> bool:
+    """A marked process of the job still lives in the process group `pgid`."""
+    for pid in marked_pids(proc_id):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pgid:
+                return True
+    return False
+
+
 def marked_pids(proc_id: str) -> list[int]:
     """Live processes whose environment carries CORRAL_PROC_ID=<proc_id>."""
     needle = f"{ENV_PROC_ID}={proc_id}".encode()
@@ -173,10 +182,12 @@ def marked_pids(proc_id: str) -> list[int]:
     return found
 
 
-def end_tree(pgid: int, proc_id: str, sig: int, *, sweep: bool = True) -> None:
-    """Signal the process group and (with `sweep`) every marked process."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+def end_tree(pgid: int, proc_id: str, sig: int, *, sweep: bool = True,
+             group: bool = True) -> None:
+    """Signal the process group (with `group`) and every marked process (`sweep`)."""
+    if group:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
     if sweep:
         for pid in marked_pids(proc_id):
             with contextlib.suppress(ProcessLookupError, PermissionError):
