@@ -220,9 +220,23 @@ def test_kill_ends_a_command_that_ignores_sigterm_and_every_grandchild(stack: St
         "nohup sleep 300 >/dev/null 2>&1 & (sleep 301 &) ; setsid sleep 302 & echo spawned; wait",
         str(stack.workdir))
     wait_for(lambda: b"armed" in stack.client.poll(stubborn.proc_id).data, 10, "trap armed")
-    wait_for(lambda: len(marked(family.proc_id)) >= 4, 10, "grandchildren started")
-    escaped = [p for p in marked(family.proc_id) if os.getpgid(p.pid) != family.pid]
-    assert escaped  # setsid left the process group: only the marker sweep finds it
+    def sleepers() -> tuple[int, int]:
+        """(sleeps running, of which outside the command's process group)."""
+        inside = outside = 0
+        for proc in marked(family.proc_id):
+            try:
+                if proc.name() != "sleep":
+                    continue
+                if os.getpgid(proc.pid) == family.pid:
+                    inside += 1
+                else:
+                    outside += 1
+            except (psutil.Error, ProcessLookupError):
+                continue
+        return inside + outside, outside
+
+    # nohup, double fork, setsid: the last left the group, only the marker sweep finds it
+    wait_for(lambda: sleepers() == (3, 1), 10, "three grandchildren, one outside the group")
     t0 = time.monotonic()
     killed = stack.client.kill(stubborn.proc_id)
     assert killed.state == "killed"
