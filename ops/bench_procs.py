@@ -13,6 +13,9 @@ Figures:
                                 procs) plus 100 MB through the command logs;
                                 must stay flat, well under 100 MB
     lost_bytes                  expected minus received, content-checked (must be 0)
+    elapsed_s / procs_cpu_s     wall time of the run and the CPU procs used in it (the
+                                producers themselves - yes, head, tr, bash - share the
+                                same cores, so capture_mb_per_s is bounded by the box)
     commands / terminals / total_mb
 """
 
@@ -88,6 +91,7 @@ def run(quick: bool = False) -> dict[str, object]:
             client = ProcsClient(peer, SESSION, timeout_s=30)
             ps = psutil.Process(procs.pid)
             rss_idle = ps.memory_info().rss
+            cpu_before = ps.cpu_times()
             t0 = time.monotonic()
             jobs: list[tuple[str, bool, int]] = []  # (proc_id, terminal, index)
             for i in range(n_cmd):
@@ -119,6 +123,9 @@ def run(quick: bool = False) -> dict[str, object]:
                         done.add(proc_id)
                 rss_max = max(rss_max, ps.memory_info().rss)
             elapsed = time.monotonic() - t0
+            cpu_after = ps.cpu_times()
+            procs_cpu_s = (cpu_after.user + cpu_after.system
+                           - cpu_before.user - cpu_before.system)
             expected_total = 0
             lost = 0
             for proc_id, terminal, i in jobs:
@@ -145,6 +152,8 @@ def run(quick: bool = False) -> dict[str, object]:
         "procs_rss_mib_idle": round(rss_idle / 1048576, 1),
         "procs_rss_mib_flood": round(rss_max / 1048576, 1),
         "lost_bytes": lost,
+        "elapsed_s": round(elapsed, 2),
+        "procs_cpu_s": round(procs_cpu_s, 2),
         "expected_mb": round(expected_total / 1e6, 1),
     }
 
