@@ -106,7 +106,7 @@ def write_history(state_dir: StateDir, count: int) -> AgentState:
             state = fold(state, batch)
             batch.clear()
             if seq == generation_at:
-                generations.write(state_dir.agent_dir(AGENT), AGENT, state)
+                generations.write(state_dir.agent_dir(AGENT), AGENT, state, key=key)
         seq += 1
     assert out is not None
     out.close()

@@ -23,6 +23,7 @@ class FakeRecord:
     event: str
     body: bytes
     ledger: str | None
+    key: str = ""
 
     def payload(self) -> object:
         return json.loads(self.body)
@@ -46,7 +47,7 @@ class FakeWriter:
             return protocol.AppendOk(msg_id="m", seq=known, duplicate=True)
         body = json.dumps(payload, separators=(",", ":")).encode()
         seq = len(self.records) + 1
-        self.records.append(FakeRecord(seq, stream, event, body, ledger))
+        self.records.append(FakeRecord(seq, stream, event, body, ledger, key))
         self.keys[(self.origin, key)] = seq
         return protocol.AppendOk(msg_id="m", seq=seq, duplicate=False)
 

@@ -259,3 +259,22 @@ def test_replay_plays_a_recorded_session_again(state_dir: StateDir, tmp_path: Pa
     recorded = [p["actions"] for e, p in writer.events(STREAM) if e == "turn"]
     replayed = [p["actions"] for e, p in writer.events("agent/a2") if e == "turn"]
     assert replayed == recorded
+
+
+def test_a_generation_the_wal_no_longer_holds_is_skipped(state_dir: StateDir,
+                                                         tmp_path: Path) -> None:
+    steps = [{"op": "write_file", "path": "f{i}.txt", "content": "{i}"}]
+    task = write_task(tmp_path / "t.yaml", steps, repeat=20)
+    writer = FakeWriter()
+    assert drive(new_loop(state_dir, writer, task, snapshot_every=16)) is Step.DONE
+    newest = generations.candidates(state_dir.agent_dir("a1"))[0].state.last_seq
+    del writer.records[newest - 5:]  # the WAL lost its tail: the newest generation is ahead
+    remaining = [(r.seq, r.event, r.payload()) for r in writer.records if r.stream == STREAM]
+    rebuilt = rebuild(writer, state_dir, "a1")  # type: ignore[arg-type]
+    assert rebuilt.from_generation < newest
+    assert rebuilt.state == fold(AgentState(), remaining)
+    writer.append("agent/other", "filler", {}, key="x")  # a new record takes a lost seq
+    writer.records[-1] = writer.records[-1].__class__(
+        newest, "agent/other", "filler", b"{}", None, "x")
+    assert rebuild(writer, state_dir, "a1").state == fold(  # type: ignore[arg-type]
+        AgentState(), remaining)

@@ -36,7 +36,7 @@ from actors.agent.settings import AgentSpec, load_task, workspace_for
 from actors.agent.state import AgentState, Call, fold
 from actors.writer_client import WriterClient
 from broker import protocol
-from broker.errors import PathRefusedError
+from broker.errors import PathRefusedError, WalError
 from broker.statedir import StateDir
 
 PHASE_CODES = {"new": 0, "running": 1, "paused": 2, "finished": 3, "closed": 4}
@@ -85,20 +85,23 @@ class AgentLoop:
 
     def sync(self) -> None:
         """Fold whatever the stream holds after our last seq."""
-        events = [(r.seq, r.event, r.payload())
-                  for r in self.writer.read_stream(self.stream, self.state.last_seq + 1)]
-        if not events:
+        records = list(self.writer.read_stream(self.stream, self.state.last_seq + 1))
+        if not records:
             return
-        self.state = fold(self.state, events)
-        self._since_generation += len(events)
+        self.state = fold(self.state, [(r.seq, r.event, r.payload()) for r in records])
+        self._since_generation += len(records)
         if self._since_generation >= self.settings.snapshot_every:
             generations.write(self.agent_dir, self.name, self.state,
-                              keep=self.settings.generations_kept)
+                              keep=self.settings.generations_kept, key=records[-1].key)
             self._since_generation = 0
 
     def _append(self, event: str, payload: dict[str, Any], key: str,
                 ledger: protocol.LedgerName | None = None) -> None:
-        self.writer.append(self.stream, event, payload, key=key, ledger=ledger)
+        ok = self.writer.append(self.stream, event, payload, key=key, ledger=ledger)
+        if not ok.duplicate and ok.seq <= self.state.last_seq:
+            # the WAL head went back under us (records we folded are gone): rebuild
+            raise WalError(f"append {key} got seq {ok.seq} <= folded seq "
+                           f"{self.state.last_seq}: the WAL lost records; restart to rebuild")
         self.sync()
 
     @property

@@ -37,12 +37,29 @@ def tail(writer: WriterClient, name: str, state: AgentState, page: int = 512) ->
     return fold(state, events) if events else state
 
 
+def _from_generation(writer: WriterClient, name: str, gen: generations.Generation
+                     ) -> AgentState | None:
+    """gen's state plus the tail, if the WAL still holds gen's last record; else None."""
+    records = writer.read_stream(stream_of(name), gen.state.last_seq)
+    first = next(records, None)
+    if first is None or first.seq != gen.state.last_seq or (
+            gen.key is not None and first.key != gen.key):
+        return None  # the WAL does not hold this generation's history
+    events = [(r.seq, r.event, r.payload()) for r in records]
+    return fold(gen.state, events) if events else gen.state
+
+
 def rebuild(
     writer: WriterClient, state_dir: StateDir, name: str, *, use_generations: bool = True
 ) -> Rebuilt:
+    """The agent's state: the newest generation the WAL still holds, plus its tail."""
     started = time.monotonic()
-    base = (generations.newest(state_dir.agent_dir(name)) if use_generations else None) \
-        or AgentState()
-    state = tail(writer, name, base, page=4096 if base.last_seq == 0 else 512)
-    return Rebuilt(state, base.last_seq, state.counts.events - base.counts.events,
-                   round((time.monotonic() - started) * 1000, 3))
+    gens = generations.candidates(state_dir.agent_dir(name)) if use_generations else []
+    for gen in gens:
+        state = _from_generation(writer, name, gen)
+        if state is not None:
+            return Rebuilt(state, gen.state.last_seq,
+                           state.counts.events - gen.state.counts.events,
+                           round((time.monotonic() - started) * 1000, 3))
+    state = tail(writer, name, AgentState(), page=4096)
+    return Rebuilt(state, 0, state.counts.events, round((time.monotonic() - started) * 1000, 3))
