@@ -126,13 +126,14 @@ def test_trim_keeps_what_the_decision_needs(policy: Policy, history: list[Exit])
 # --- configuration --------------------------------------------------------------
 def test_default_config_loads_with_writer_then_broker() -> None:
     config = config_mod.load(None)
-    assert [s.kind for s in config.child_specs()] == ["writer", "broker"]
+    assert [s.kind for s in config.child_specs()] == ["writer", "broker", "procs", "subagents"]
 
 
 def test_agents_group_expands_in_start_order() -> None:
     data = yaml.safe_load(config_mod.DEFAULT_CONFIG_PATH.read_text())
     data["agents"]["count"] = 3
     data["children"][2]["enabled"] = True  # procs
+    data["children"][3]["enabled"] = False  # subagents
     specs = config_mod.parse(data, "x.yaml").child_specs()
     assert [s.name for s in specs] == ["writer", "broker", "procs", "agent-1", "agent-2",
                                        "agent-3"]
