@@ -323,3 +323,14 @@ def test_status_values_reach_the_supervisor_heartbeat(stack: Stack) -> None:
     assert stats.values["live_commands"] == 1
     assert stats.values["live_terminals"] == 0
     stack.client.kill(cmd.proc_id)
+
+
+def test_sigterm_stops_procs_after_ending_every_job(stack: Stack) -> None:
+    cmd = stack.client.start("trap '' TERM; sleep 300", str(stack.workdir))
+    term = stack.client.terminal_start(["sleep", "300"], str(stack.workdir))
+    wait_for(lambda: marked(cmd.proc_id) and marked(term.proc_id), 10, "both running")
+    stack.procs.send_signal(signal.SIGTERM)
+    assert stack.procs.wait(15) == 0
+    assert not marked(cmd.proc_id) and not marked(term.proc_id)
+    registry = json.loads((stack.state.root / "procs" / "registry.json").read_text())
+    assert {e["state"] for e in registry["entries"]} == {"killed"}

@@ -7,7 +7,9 @@ counted into the parent's budget. The patch also applies with real git."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -112,6 +114,72 @@ def test_parent_spawns_child_reads_and_applies_its_change_set_once(
         stats = peer.request("subagents", protocol.StatsRequest(msg_id="st"), timeout_s=5)
         assert isinstance(stats, protocol.Stats)
         assert stats.values["applied_total"] == 1 and stats.values["running_children"] == 0
+    finally:
+        peer.close()
+        writer.close()
+        ctx.destroy(linger=0)
+
+
+CRASH_CHILD_TASK = """
+name: child
+steps:
+  - {op: write_file, path: before.txt, content: "before the crash\\n"}
+  - {op: bash, command: "sleep 1.5"}
+  - {op: write_file, path: after.txt, content: "after the crash\\n"}
+  - {op: finish, summary: done}
+"""
+
+
+def test_host_sigkilled_mid_child_resumes_the_child_and_delivers_its_change_set(
+    processes: ProcessTracker, state_dir: StateDir,
+) -> None:
+    root = str(state_dir.root)
+    processes.spawn(["-m", "actors.writer", "--state-dir", root], name="writer")
+    processes.spawn(["-m", "broker.server", "--state-dir", root], name="broker")
+    processes.spawn(["-m", "actors.procs", "--state-dir", root], name="procs")
+    host = processes.spawn(["-m", "actors.subagents", "--state-dir", root], name="subagents")
+    tmp = state_dir.root.parent
+    ws = tmp / "ws"
+    ws.mkdir()
+    (ws / "keep.txt").write_text("keep\n")
+    (tmp / "child.yaml").write_text(CRASH_CHILD_TASK)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    peer = BrokerPeer(ctx, state_dir, "agent-9")
+    writer = WriterClient(ctx, state_dir, "test")
+    try:
+        wait_for(lambda: _ping(peer, "procs") and _ping(peer, "subagents"), 20, "hosts")
+        first = peer.request("subagents", protocol.SpawnSubagent(
+            msg_id=new_msg_id("s"), parent="agent-9", workspace=str(ws),
+            task=str(tmp / "child.yaml"), wait_s=0), timeout_s=10)
+        assert isinstance(first, protocol.SubagentReply)
+        assert first.state == "running"
+        child = f"agent-9.{first.subagent_id}"
+
+        def child_in_bash() -> bool:
+            return any(r.event == "proc_start" for r in writer.read_stream(f"procs/{child}"))
+
+        wait_for(child_in_bash, 20, "the child inside its bash op")
+        os.killpg(host.pid, signal.SIGKILL)  # the child dies with it (PDEATHSIG)
+        host.wait()
+        processes.spawn(["-m", "actors.subagents", "--state-dir", root], name="subagents2")
+        wait_for(lambda: _ping(peer, "subagents"), 20, "the restarted host")
+        reply = peer.request("subagents", protocol.SubagentChanges(
+            msg_id=new_msg_id("c"), parent="agent-9", subagent_id="latest", wait_s=30),
+            timeout_s=40, retries=0)
+        assert isinstance(reply, protocol.SubagentReply)
+        assert reply.state == "ended", reply
+        assert reply.manifest is not None
+        manifest = json.loads(reply.manifest)
+        assert manifest["status"] == "ready"
+        assert {f["path"] for f in manifest["files"]} == {"before.txt", "after.txt"}
+        registry = json.loads((state_dir.root / "subagents" / "registry.json").read_text())
+        assert registry["children"][0]["starts"] == 2
+        assert not (ws / "after.txt").exists()  # nothing reaches the parent before an apply
+        applied = peer.request("subagents", protocol.ApplySubagent(
+            msg_id=new_msg_id("a"), parent="agent-9", subagent_id="latest"), timeout_s=10)
+        assert isinstance(applied, protocol.SubagentReply)
+        assert applied.state == "applied" and applied.refusal is None
+        assert (ws / "after.txt").read_text() == "after the crash\n"
     finally:
         peer.close()
         writer.close()

@@ -30,6 +30,7 @@ import zmq
 
 from actors.agent.loop import AgentLoop, Step
 from actors.agent.settings import read_spec
+from actors.procs.client import end_session_quietly
 from actors.writer_client import WriterClient
 from broker import logconfig, protocol
 from broker.control import ENV_CONTROL, ControlReporter
@@ -182,6 +183,8 @@ def _run_loop(
             if reporter is not None:
                 reporter.tick(loop.values())
             if last is Step.DONE:
+                if peer is not None:  # the session is over: end its commands and terminals
+                    end_session_quietly(peer, name)
                 if reporter is not None:
                     reporter.beat(loop.values())  # the supervisor sees phase finished/closed
                 log.info("agent_done", reason=loop.state.exit_reason, turn=loop.state.turn)

@@ -6,7 +6,7 @@ jobs from (session, msg_id), so a resent start never starts twice."""
 from __future__ import annotations
 
 from broker import protocol
-from broker.errors import ProtocolError
+from broker.errors import ProtocolError, RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
 
@@ -91,3 +91,15 @@ class ProcsClient:
     def end_session(self) -> protocol.ProcStatus:
         return self._status(protocol.SessionEnd(msg_id=new_msg_id("x"), session=self.session),
                             KILL_REPLY_MARGIN_S)
+
+
+def end_session_quietly(peer: BrokerPeer, session: str, timeout_s: float = 5.0) -> int | None:
+    """End a finished session's jobs, best effort: None when procs is not
+    running or did not answer (no retries: a session without jobs costs one
+    round trip, an absent procs one refusal from the broker)."""
+    try:
+        reply = peer.request(PROCS, protocol.SessionEnd(msg_id=new_msg_id("x"), session=session),
+                             timeout_s=timeout_s, retries=0)
+    except (RemoteError, RequestTimeoutError):
+        return None
+    return reply.ended if isinstance(reply, protocol.ProcStatus) else None

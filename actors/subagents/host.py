@@ -29,6 +29,7 @@ from actors.changesets.build import build
 from actors.changesets.manifest import Limits
 from actors.changesets.snapshot import BaseIndex, snapshot
 from actors.procs import launch
+from actors.procs.client import end_session_quietly
 from actors.subagents.children import ChildRecord, Children
 from actors.writer_client import WriterClient
 from broker import protocol
@@ -178,6 +179,8 @@ class SubagentsHost:
 
     def _build(self, child: ChildRecord) -> None:
         directory = Path(child.directory)
+        # the child's session is over: nothing it started may still write into work/
+        end_session_quietly(self.peer, child.name)
         usage = rebuild(self.writer, self.state, child.name).state.budget
         child.tokens_used, child.cost_used = usage.tokens_used, usage.cost_used
         if child.exit_code != 0:
