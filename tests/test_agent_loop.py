@@ -278,3 +278,27 @@ def test_a_generation_the_wal_no_longer_holds_is_skipped(state_dir: StateDir,
         newest, "agent/other", "filler", b"{}", None, "x")
     assert rebuild(writer, state_dir, "a1").state == fold(  # type: ignore[arg-type]
         AgentState(), remaining)
+
+
+def test_a_write_is_not_applied_twice_when_the_wal_lost_its_records(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    """A disk that lost an acknowledged tail (the soak test cuts one): the effect
+    journal still knows the write of call 3.0 is on disk."""
+    task = write_task(tmp_path / "t.yaml", COUNTER)
+    writer = FakeWriter()
+    loop = new_loop(state_dir, writer, task)
+
+    def hit(where: str, call_id: str) -> None:
+        if (where, call_id) == ("after_tool_result", "3.0"):
+            raise CrashError
+
+    loop.faults.hit = hit  # type: ignore[method-assign]
+    with pytest.raises(CrashError):
+        drive(loop)
+    cut = next(r.seq for r in writer.records
+               if r.event == "tool_start" and r.payload()["call_id"] == "3.0")  # type: ignore[index]
+    del writer.records[cut - 1:]
+    writer.keys = {k: s for k, s in writer.keys.items() if s < cut}
+    loop = new_loop(state_dir, writer, task)
+    assert drive(loop) is Step.DONE
+    assert tree(loop.workspace) == {"tally.txt": "start+1+2+3\n"}

@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from actors.agent import catalog, faults, gate, generations, rebuild, workspace
+from actors.agent import catalog, effects, faults, gate, generations, rebuild, workspace
 from actors.agent.backends import Backend, make_backend
 from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write
 from actors.agent.settings import AgentSpec, load_task, workspace_for
@@ -66,6 +66,7 @@ class AgentLoop:
         self.agent_dir = state_dir.agent_dir(name)
         self.state = AgentState()
         self.faults = faults.Faults(self.agent_dir, fault_spec)
+        self.effects = effects.EffectJournal(self.agent_dir)
         self.log = structlog.get_logger("agent").bind(agent=name)
         self._since_generation = 0
         self._backend: Backend | None = None
@@ -265,8 +266,7 @@ class AgentLoop:
             outcome = Done({"error": exc.strerror or type(exc).__name__}, ok=False)
         effect = None
         if isinstance(outcome, Write):
-            effect = {"path": outcome.label, "before_sha": workspace.digest(outcome.target),
-                      "after_sha": workspace.content_digest(outcome.content)}
+            effect, outcome = self._plan_write(call, outcome)
         self._append("tool_start", {"call_id": cid, "op": op.op, "effect": effect},
                      key=f"c{cid}:start")
         self.faults.hit("after_tool_start", cid)
@@ -283,6 +283,23 @@ class AgentLoop:
             self._append(event, payload, key=f"c{cid}:fact{j}")
         if outcome.ok and op.ends_session:
             self._exit("finished", str(getattr(op, "summary", "")))
+
+    def _plan_write(self, call: Call, write: Write) -> tuple[dict[str, Any], Write | Done]:
+        """The effect to record; `Done` when the effect journal shows this very write
+        is already on disk (its WAL records were lost), so it is not applied twice."""
+        action_sha = effects.action_digest(self.state.actions[call.index])
+        now = workspace.digest(write.target)
+        prior = self.effects.get(call.call_id)
+        if (prior is not None and prior.action_sha == action_sha and prior.label == write.label
+                and prior.before_sha != prior.after_sha and now == prior.after_sha):
+            self.log.warning("effect_already_applied", call_id=call.call_id)
+            return ({"path": write.label, "before_sha": prior.before_sha,
+                     "after_sha": prior.after_sha}, Done(prior.result))
+        after = workspace.content_digest(write.content)
+        self.effects.record(effects.Entry(call.call_id, action_sha, write.label, now, after,
+                                          write.result))
+        self.effects.prune(self.state.turn)
+        return {"path": write.label, "before_sha": now, "after_sha": after}, write
 
     def _result(self, call: Call, op: OpBase, status: str, result: dict[str, Any]) -> None:
         self._append("tool_result", {"call_id": call.call_id, "op": op.op, "status": status,

@@ -1,0 +1,77 @@
+"""The effect journal: an agent's local note of each write it is about to
+apply, so that a write is applied at most once even when the WAL loses the
+records that said it was (a disk that lost an acknowledged tail; the soak test
+cuts one on purpose).
+
+    .corral/agents/<name>/effects/<call_id>.json
+        {"call_id", "action_sha", "label", "before_sha", "after_sha", "result"}
+
+Written (temp, fsync, rename) before the write is applied. When the loop is
+about to apply a write for a call id whose entry names the same action and
+target, and the target already has the entry's after-digest, the effect is
+there: the loop records it and does not apply it again. Only the last
+`KEEP_TURNS` turns' entries are kept (a lost tail is short), so the journal
+does not grow with history. Derived and local: deleting it only removes this
+protection."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+KEEP_TURNS = 64
+
+
+@dataclass(frozen=True)
+class Entry:
+    call_id: str
+    action_sha: str
+    label: str
+    before_sha: str | None
+    after_sha: str | None
+    result: dict[str, Any]
+
+
+def action_digest(action: Any) -> str:
+    text = json.dumps(action, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class EffectJournal:
+    def __init__(self, agent_dir: Path) -> None:
+        self.dir = agent_dir / "effects"
+
+    def _path(self, call_id: str) -> Path:
+        return self.dir / f"{call_id}.json"
+
+    def get(self, call_id: str) -> Entry | None:
+        try:
+            data = json.loads(self._path(call_id).read_bytes())
+            return Entry(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def record(self, entry: Entry) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self._path(entry.call_id)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(entry.__dict__, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+
+    def prune(self, turn: int) -> None:
+        """Drop entries of turns older than `turn - KEEP_TURNS`."""
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return
+        for name in names:
+            head = name.split(".", 1)[0]
+            if head.isdigit() and int(head) < turn - KEEP_TURNS:
+                (self.dir / name).unlink(missing_ok=True)
