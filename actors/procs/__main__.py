@@ -72,7 +72,7 @@ def serve(state: StateDir, options: HostOptions, broker_heartbeat_s: float) -> i
             peer.tick()
             if reporter is not None:
                 reporter.tick({k: v for k, v in host.statistics().model_dump().items()})
-        log.info("procs_stopping")
+        log.info("procs_stop_requested")
         host.shutdown()
         log.info("procs_stopped", **host.statistics().model_dump())
         return 0
