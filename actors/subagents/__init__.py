@@ -5,7 +5,8 @@ peer named `subagents`).
     children   the durable registry of children (what a restart resumes)
     host       spawn (snapshot, spec, child process), reap, build the change
                set, answer through the broker, apply once, recover
-    __main__   the process: loop, heartbeats with statistics
+    __main__   the process: loop, request handlers, heartbeats with statistics
+    ops        the agent ops (spawn_subagent, subagent_changes, apply_subagent)
 
 A child is a real agent process (`python -m actors.agent`) running the same
 loop, gate and model code on a copy of its parent's workspace, with its own
