@@ -4,8 +4,9 @@ many entries each stream index held. Start-up reads it and scans only what
 follows, so start-up time does not grow with the length of the WAL.
 
 It is derived state: written atomically (temp file, fsync, rename, fsync of the
-directory) after everything it describes is durable; when it is missing or does
-not match the WAL, the writer falls back to a full scan."""
+directory) after everything it describes is durable, and the previous one is
+kept (`wal.checkpoint.prev.json`); when neither matches the WAL, the writer
+falls back to a full scan."""
 
 from __future__ import annotations
 
@@ -52,7 +53,16 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def previous_path(path: Path) -> Path:
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
 def save(path: Path, checkpoint: Checkpoint) -> None:
+    """Replace the checkpoint, keeping the one before it: when the WAL's tail
+    is lost past the newest checkpoint, start-up can still begin from the
+    previous one instead of scanning everything."""
+    if path.exists():
+        os.replace(path, previous_path(path))
     write_atomic(path, checkpoint.model_dump_json().encode())
 
 

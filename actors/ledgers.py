@@ -82,6 +82,27 @@ class Ledgers:
                 os.fsync(f.fileno())
         return last_seq, cut
 
+    def cut_after(self, name: str, head_seq: int) -> int:
+        """Drop the ledger's lines with seq > head_seq (the WAL lost its tail
+        past them, so the ledger must not keep facts the WAL does not have).
+        Returns how many lines were dropped."""
+        path = self.paths[name]
+        data = path.read_bytes()
+        cut = len(data)
+        dropped = 0
+        while cut > 0:
+            start = data.rfind(b"\n", 0, cut - 1) + 1
+            record = parse_record(data[start:cut])
+            if record is not None and record.seq <= head_seq:
+                break
+            cut = start
+            dropped += 1
+        if dropped:
+            with open(path, "r+b") as f:
+                f.truncate(cut)
+                os.fsync(f.fileno())
+        return dropped
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)

@@ -35,6 +35,7 @@ class Recovered:
     checkpoint_note: str | None
     repaired: TornTail | None = None
     ledger_appends: dict[str, int] = field(default_factory=dict)
+    ledger_dropped: dict[str, int] = field(default_factory=dict)
 
 
 def _checkpoint_matches(cp: checkpoint.Checkpoint, segments: dict[int, Path]) -> str | None:
@@ -61,29 +62,34 @@ def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
     segments = list_segments(state_dir.wal_dir)
     by_first = dict(segments)
     index = StreamIndex(state_dir.stream_index_dir)
-    cp, note = checkpoint.load(state_dir.checkpoint_path)
-
     head, last_off, start_first, start_off = 0, -1, 1, 0
     head_seg, head_end = 1, 0
     dedupe = DedupeWindows(window)
     full_scan = True
-    if cp is not None:
+    notes: list[str] = []
+    for path in (state_dir.checkpoint_path, checkpoint.previous_path(state_dir.checkpoint_path)):
+        cp, why = checkpoint.load(path)
+        if cp is None:
+            notes.append(f"{path.name} {why}")
+            continue
         if not segments and cp.head_seq > 0:
             raise WalError(
-                f"checkpoint {state_dir.checkpoint_path} records head seq {cp.head_seq} "
+                f"checkpoint {path} records head seq {cp.head_seq} "
                 f"but {state_dir.wal_dir} holds no segment: the WAL is missing"
             )
         mismatch = _checkpoint_matches(cp, by_first) if segments else None
         if mismatch is None and not index.restore(cp.index_counts):
             mismatch = "stream index shorter than the checkpoint"
-        if mismatch is None:
-            head, last_off = cp.head_seq, cp.last_record_offset
-            head_seg, head_end = cp.segment_first_seq, cp.offset
-            start_first, start_off = cp.segment_first_seq, cp.offset
-            dedupe = DedupeWindows.load(cp.dedupe, window)
-            full_scan = False
-        else:
-            note = f"ignored: {mismatch}"
+        if mismatch is not None:
+            notes.append(f"{path.name} ignored: {mismatch}")
+            continue
+        head, last_off = cp.head_seq, cp.last_record_offset
+        head_seg, head_end = cp.segment_first_seq, cp.offset
+        start_first, start_off = cp.segment_first_seq, cp.offset
+        dedupe = DedupeWindows.load(cp.dedupe, window)
+        full_scan = False
+        break
+    note = "; ".join(notes) or None
     if full_scan:
         index.reset()
         if segments:
@@ -123,8 +129,12 @@ def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
             os.fsync(f.fileno())
 
     appended: dict[str, int] = {}
+    dropped: dict[str, int] = {}
     for name in ledgers.paths:
         last_seq, _ = ledgers.repair_and_last_seq(name)
+        if last_seq > head:
+            dropped[name] = ledgers.cut_after(name, head)
+            last_seq = head
         missing = [r for r in ledger_tail if r.ledger == name and r.seq > last_seq]
         for record in missing:
             ledgers.add(name, record.line)
@@ -144,4 +154,5 @@ def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
         checkpoint_note=note,
         repaired=repaired,
         ledger_appends=appended,
+        ledger_dropped=dropped,
     )

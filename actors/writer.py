@@ -130,11 +130,15 @@ class Writer:
                 offset=rec.repaired.offset,
                 cut_bytes=rec.repaired.size,
             )
-        if rec.checkpoint_note:
+        if rec.full_scan:
             self.log.info("checkpoint_not_used", reason=rec.checkpoint_note)
+        elif rec.checkpoint_note:
+            self.log.warning("checkpoint_fell_back", reason=rec.checkpoint_note)
         for ledger, count in rec.ledger_appends.items():
             if count:
                 self.log.warning("ledger_completed_from_wal", ledger=ledger, records=count)
+        for ledger, count in rec.ledger_dropped.items():
+            self.log.error("ledger_cut_to_wal", ledger=ledger, records=count, head_seq=rec.head_seq)
         # The scanned tail is checkpointed at the first loop turn, after the
         # writer answers: start-up does not wait for it.
         self._checkpoint_head = rec.head_seq - rec.scanned_records

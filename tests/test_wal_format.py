@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from actors import checkpoint
 from actors.ledgers import Ledgers
-from actors.recovery import recover
+from actors.recovery import Recovered, recover
 from actors.wal import (
     TornTail,
     check_payload,
@@ -237,7 +237,46 @@ def test_a_checkpoint_that_disagrees_with_the_wal_is_ignored_not_trusted(
     )
     rec = recover(state_dir, 8, _ledgers(state_dir))
     assert rec.full_scan and rec.head_seq == 10
-    assert rec.checkpoint_note is not None and rec.checkpoint_note.startswith("ignored")
+    assert rec.checkpoint_note is not None
+    assert rec.checkpoint_note.startswith("wal.checkpoint.json ignored")
+
+
+def _save_checkpoint_of(state_dir: StateDir, rec: Recovered) -> None:
+    rec.index.flush()
+    checkpoint.save(
+        state_dir.checkpoint_path,
+        checkpoint.Checkpoint(
+            head_seq=rec.head_seq,
+            segment_first_seq=rec.head_segment_first_seq,
+            offset=rec.head_end_offset,
+            last_record_offset=rec.last_record_offset,
+            dedupe=rec.dedupe.dump(),
+            index_counts=rec.index.counts(),
+        ),
+    )
+    rec.index.close()
+
+
+def test_a_tail_lost_past_the_newest_checkpoint_starts_from_the_previous_one(
+    state_dir: StateDir,
+) -> None:
+    offsets = _write_wal(state_dir, 30)
+    path = state_dir.wal_dir / segment_name(1)
+    pristine = path.read_bytes()
+    path.write_bytes(pristine[: offsets[20]])  # the WAL as it was at seq 20
+    _save_checkpoint_of(state_dir, recover(state_dir, 8, _ledgers(state_dir)))
+    path.write_bytes(pristine)  # then it grew to 30 and was checkpointed again
+    _save_checkpoint_of(state_dir, recover(state_dir, 8, _ledgers(state_dir)))
+    path.write_bytes(pristine[: offsets[25] + 7])  # and lost its tail past seq 25
+    rec = recover(state_dir, 8, _ledgers(state_dir))
+    assert not rec.full_scan  # the previous checkpoint (seq 20) was used
+    assert rec.scanned_records == 5
+    assert rec.head_seq == 25
+    assert rec.repaired is not None and rec.repaired.offset == offsets[25]
+    assert rec.checkpoint_note is not None and "wal.checkpoint.json ignored" in rec.checkpoint_note
+    assert [e[0] for e in rec.index.lookup("agent/a1", 1, 100)] == [1, 4, 7, 10, 13, 16, 19, 22, 25]
+    assert rec.dedupe.lookup("o0", "k28") is None  # keys of the lost records are forgotten
+    assert rec.dedupe.lookup("o1", "k25") == 25
 
 
 def test_checkpoint_without_any_segment_is_refused(state_dir: StateDir) -> None:
@@ -294,3 +333,15 @@ def test_recovering_twice_changes_nothing(state_dir: StateDir) -> None:
     assert second.head_seq == first.head_seq == 30
     assert {p.name: p.read_bytes() for p in state_dir.wal_dir.iterdir()} == snapshot
     assert os.path.getsize(state_dir.budget_ledger_path) > 0
+
+
+def test_ledger_ahead_of_a_wal_that_lost_its_tail_is_cut_back_to_it(state_dir: StateDir) -> None:
+    offsets = _write_wal(state_dir, 20, ledger_every=4)
+    path = state_dir.wal_dir / segment_name(1)
+    wal_lines = {r.seq: r.line for _, r in iter_segment(path)}  # type: ignore[union-attr]
+    state_dir.budget_ledger_path.write_bytes(b"".join(wal_lines[s] for s in (4, 8, 12, 16, 20)))
+    path.write_bytes(path.read_bytes()[: offsets[13]])  # the WAL now ends at seq 13
+    rec = recover(state_dir, 8, _ledgers(state_dir))
+    assert rec.head_seq == 13
+    assert rec.ledger_dropped == {"budget": 2}
+    assert state_dir.budget_ledger_path.read_bytes() == wal_lines[4] + wal_lines[8] + wal_lines[12]

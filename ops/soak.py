@@ -1,0 +1,297 @@
+"""The soak test: run the real runtime under load while SIGKILLing a random
+child every few hundred milliseconds, then prove that nothing acknowledged was
+lost.
+
+    python ops/soak.py --duration S --agents N --kill-interval-ms I [--seed X] [--json]
+
+It starts `supervisor up` in a fresh state directory with N agents on the soak
+task (config/tasks/soak.yaml), kills children of every kind (agents, writer,
+broker, procs, subagents) chosen by a seeded random sequence, now and then
+cuts the WAL's active segment at a random byte while the writer is down, then
+stops everything and checks the invariants (ops/soakcheck.py). It prints one
+JSON object and exits 1 on any violation, 2 when the run itself failed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import yaml
+
+from broker.statedir import StateDir
+from ops import soakcheck
+from ops.soakruntime import (
+    MARKER_ENV,
+    Approver,
+    Control,
+    Run,
+    kill_group,
+    kill_loop,
+    orphans,
+    wait_agents_finished,
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(marker: str | None, journal: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    if marker is not None:
+        env[MARKER_ENV] = marker
+    if journal is not None:
+        env["CORRAL_ACK_JOURNAL_DIR"] = str(journal)
+    return env
+
+
+def write_config(root: Path, agents: int) -> Path:
+    """The default configuration, with N agents on the soak task and restart
+    intensities that tolerate a kill every few hundred milliseconds."""
+    data = yaml.safe_load((REPO_ROOT / "config" / "default.yaml").read_text())
+    storm = {"max_restarts": 100_000, "period_s": 60}
+    quick = {"base_s": 0.05, "cap_s": 0.5, "jitter": 0.2}
+    for child in data["children"]:
+        if child.get("enabled", True) is False and child["kind"] in ("procs", "subagents"):
+            module = REPO_ROOT / "actors" / child["kind"]
+            child["enabled"] = module.is_dir() and (module / "__main__.py").exists()
+        child["intensity"] = storm
+        child["backoff"] = quick
+    data["agents"].update(count=agents, restart="transient", intensity=storm, backoff=quick)
+    path = root / "soak.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def write_task(root: Path, repeat: int) -> Path:
+    """The soak task: every op the runtime has, in a loop of `repeat` passes."""
+    task = {
+        "name": "soak",
+        "prompt": "Keep a log, write work items, remember progress, get one approval.",
+        "repeat": repeat,
+        "setup": [
+            {"op": "write_file", "path": "log.txt", "content": "log\nend\n"},
+            {"op": "write_file", "path": "release/plan.md", "content": "plan\n"},  # asks
+            {"op": "todos", "items": [{"text": "work", "done": False}]},
+        ],
+        "steps": [
+            {"op": "edit_file", "path": "log.txt", "old": "end", "new": "pass {i}\nend"},
+            {"op": "write_file", "path": "work/{i}.txt", "content": "item {i}\n"},
+            {"op": "memory_write", "key": "progress", "content": "at pass {i}"},
+            {"op": "memory_read", "key": "progress"},
+            {"op": "read_file", "path": "log.txt"},
+            {"op": "search", "text": "pass {i}"},
+            {"op": "list_dir", "path": "work"},
+            {"op": "edit_file", "path": "log.txt"},  # malformed: a schema_reject each pass
+        ],
+    }
+    path = root / "soak-task.yaml"
+    path.write_text(yaml.safe_dump(task, sort_keys=False))
+    return path
+
+
+def write_specs(state_dir: StateDir, config: Path, agents: int, prefix: str, task: Path) -> None:
+    """Each agent plays the soak task under the configuration's agent settings
+    (so `release/*` writes ask for an approval)."""
+    from actors.agent.settings import AgentSettings, AgentSpec, write_spec
+
+    settings = AgentSettings.model_validate(yaml.safe_load(config.read_text()).get("agent", {}))
+    for i in range(1, agents + 1):
+        write_spec(state_dir, f"{prefix}{i}", AgentSpec(task=str(task), settings=settings))
+
+
+def stop_supervisor(state_dir: StateDir, supervisor: subprocess.Popen[bytes]) -> int | None:
+    subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "stop", "--state-dir", str(state_dir.root)],
+        capture_output=True,
+        timeout=300,
+        check=False,
+        env=_env(None),
+        cwd=REPO_ROOT,
+    )
+    try:
+        return supervisor.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        kill_group(supervisor.pid)
+        supervisor.wait()
+        return None
+
+
+def soak(args: argparse.Namespace) -> dict[str, object]:
+    rng = random.Random(args.seed)
+    root = Path(tempfile.mkdtemp(prefix="corral-soak-", dir="/tmp"))
+    state_dir = StateDir(root / ".corral").ensure()
+    journal = root / "journal"
+    marker = uuid.uuid4().hex
+    config = write_config(root, args.agents)
+    write_specs(state_dir, config, args.agents, "agent-", write_task(root, args.task_repeat))
+    run = Run(started_at=time.time())
+    out = open(root / "supervisor.out", "wb")  # noqa: SIM115 - handed to the child
+    supervisor = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "up",
+            "--state-dir",
+            str(state_dir.root),
+            "--config",
+            str(config),
+        ],
+        env=_env(marker, journal),
+        cwd=REPO_ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    out.close()
+    figures: dict[str, object] = {}
+    control = Control(state_dir)
+    approver = Approver(state_dir, control)
+    try:
+        started = time.monotonic()
+        while True:
+            children = control.children(timeout_s=0.5)
+            if children and all(c.state == "running" for c in children if c.kind != "agent"):
+                break
+            if supervisor.poll() is not None or time.monotonic() - started > 120:
+                raise RuntimeError(
+                    "the runtime did not come up: " + (root / "supervisor.out").read_text()[-2000:]
+                )
+            time.sleep(0.1)
+        kill_loop(
+            state_dir,
+            control,
+            approver,
+            supervisor,
+            run,
+            rng,
+            args.duration,
+            args.kill_interval_ms / 1000,
+            args.cut_chance,
+        )
+        names = {f"agent-{i}" for i in range(1, args.agents + 1)}
+        # Agents whose acknowledged facts a cut destroyed: their files and
+        # answers are ahead of their WAL stream, so the agent-level invariants
+        # cannot be asked of them (the WAL-level ones still are).
+        tainted = soakcheck.cut_victims(journal, [c.__dict__ for c in run.cuts]) & names
+        checked = names - tainted
+        finished = wait_agents_finished(control, approver, checked, args.finish_timeout)
+        exit_code = stop_supervisor(state_dir, supervisor)
+        left = orphans(marker)
+        figures = soakcheck.check(
+            state_dir, journal, [c.__dict__ for c in run.cuts], args.task_repeat, tainted
+        )
+        figures.update(
+            agents=args.agents,
+            agents_checked=len(checked),
+            agents_tainted_by_cuts=sorted(tainted),
+            agents_finished=finished,
+            supervisor_exit=exit_code,
+            orphans=len(left),
+            orphan_list=left[:20],
+        )
+    finally:
+        approver.close()
+        control.close()
+        if supervisor.poll() is None:
+            kill_group(supervisor.pid)
+            supervisor.wait()
+        orphans(marker)
+    total = sum(run.kills.values())
+    figures.update(
+        duration_s=args.duration,
+        kill_interval_ms=args.kill_interval_ms,
+        seed=args.seed,
+        kills={"total": total, **run.kills},
+        cuts=len(run.cuts),
+        approvals_answered=approver.answered,
+        peak_rss_mib=run.peak_rss_mib,
+        status_failures=run.status_failures,
+        state_dir=str(state_dir.root),
+    )
+    if args.keep:
+        figures["kept"] = str(root)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return figures
+
+
+def violations(figures: dict[str, object]) -> list[str]:
+    bad = []
+    for key in (
+        "lost",
+        "duplicates",
+        "checksum_failures",
+        "orphans",
+        "state_mismatches",
+        "workspace_mismatches",
+        "double_applies",
+    ):
+        if figures.get(key):
+            bad.append(f"{key}={figures[key]}")
+    if figures.get("gapless") is not True:
+        bad.append("gapless=false")
+    if figures.get("agents_finished") != figures.get("agents_checked"):
+        bad.append(
+            f"agents_finished={figures.get('agents_finished')} of {figures.get('agents_checked')}"
+        )
+    if figures.get("supervisor_exit") != 0:
+        bad.append(f"supervisor_exit={figures.get('supervisor_exit')}")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--duration", type=float, required=True, help="seconds of killing")
+    parser.add_argument("--agents", type=int, required=True)
+    parser.add_argument("--kill-interval-ms", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--cut-chance",
+        type=float,
+        default=0.1,
+        help="share of writer kills that also cut the WAL tail",
+    )
+    parser.add_argument(
+        "--finish-timeout",
+        type=float,
+        default=600,
+        help="seconds to let agents finish after the killing stops",
+    )
+    parser.add_argument(
+        "--task-repeat", type=int, default=20, help="passes of the soak task's loop per agent"
+    )
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the state directory")
+    args = parser.parse_args(argv)
+    try:
+        figures = soak(args)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 2
+    bad = violations(figures)
+    figures["violations"] = bad
+    if args.json:
+        print(json.dumps(figures, indent=2, sort_keys=True))
+    else:
+        for key, value in sorted(figures.items()):
+            print(f"{key:24} {value}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The soak test's agent invariants, read offline from the WAL and the disk:
+
+- `state_mismatches`: an agent's last reported state (its newest snapshot
+  generation, written from its in-memory state) differs from the fold of its
+  WAL stream up to the same seq, or its stream does not end `finished`;
+- `workspace_mismatches`: an agent's workspace differs from what the soak task
+  produces when each of its ops is applied exactly once (an op lost, or
+  applied twice, after a crash shows here), or a file's digest differs from
+  the last write the WAL says was applied to it;
+- `double_applies`: a call whose effect was started twice (two `tool_start`
+  facts for one call id)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from actors.agent import generations
+from actors.agent.settings import read_spec, workspace_for
+from actors.agent.state import AgentState, fold
+from actors.wal import list_segments, parse_record
+from broker.statedir import StateDir
+
+Event = tuple[int, str, Any]
+
+
+def expected_workspace(repeat: int) -> dict[str, bytes]:
+    """What the soak task (ops/soak.py write_task) leaves, each op applied once."""
+    files = {
+        "log.txt": ("log\n" + "".join(f"pass {i}\n" for i in range(repeat)) + "end\n").encode(),
+        "release/plan.md": b"plan\n",
+    }
+    files.update({f"work/{i}.txt": f"item {i}\n".encode() for i in range(repeat)})
+    return files
+
+
+def _agent_events(state_dir: StateDir) -> dict[str, list[Event]]:
+    events: dict[str, list[Event]] = defaultdict(list)
+    for _, path in list_segments(state_dir.wal_dir):
+        with open(path, "rb") as f:
+            for line in f:
+                record = parse_record(line)
+                if record is not None and record.stream.startswith("agent/"):
+                    events[record.stream.removeprefix("agent/")].append(
+                        (record.seq, record.event, record.payload())
+                    )
+    return events
+
+
+def _workspace_files(root: Path) -> dict[str, bytes]:
+    if not root.is_dir():
+        return {}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
+def _effects_disagree(events: list[Event], workspace: Path) -> int:
+    """Files whose digest is not the after_sha of the last applied write."""
+    started: dict[str, dict[str, Any]] = {}
+    last: dict[str, str | None] = {}
+    for _, event, payload in events:
+        if event == "tool_start" and isinstance(payload.get("effect"), dict):
+            started[payload["call_id"]] = payload["effect"]
+        elif event == "tool_result" and payload.get("call_id") in started:
+            effect = started.pop(payload["call_id"])
+            if payload.get("status") == "ok":
+                last[str(effect["path"])] = effect.get("after_sha")
+        elif event == "turn_aborted":
+            for call in payload.get("calls", []):
+                effect = started.pop(str(call.get("call_id")), {})
+                if effect and call.get("effect_applied") is True:
+                    last[str(effect["path"])] = effect.get("after_sha")
+    bad = 0
+    for label, sha in last.items():
+        if label.startswith("memory:"):
+            continue
+        path = workspace / label
+        actual = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        bad += actual != sha
+    return bad
+
+
+def check(
+    state_dir: StateDir, repeat: int | None = None, tainted: set[str] | None = None
+) -> dict[str, object]:
+    """Agents in `tainted` (acknowledged facts of theirs were cut by the soak)
+    are skipped: their files and answers are ahead of what their WAL says."""
+    all_events = _agent_events(state_dir)
+    names = sorted(
+        p.stem
+        for p in (state_dir.config_dir / "agents").glob("*.json")
+        if p.stem not in (tainted or set())
+    )
+    state_bad: list[str] = []
+    workspace_bad: list[str] = []
+    double = 0
+    for name in names:
+        events = all_events.get(name, [])
+        full = fold(AgentState(), events)
+        reported = generations.newest(state_dir.agent_dir(name))
+        if full.phase != "finished":
+            state_bad.append(f"{name}: stream ends {full.phase}")
+        elif reported is not None:
+            upto = fold(AgentState(), [e for e in events if e[0] <= reported.last_seq])
+            if upto.model_dump() != reported.model_dump():
+                state_bad.append(f"{name}: generation at seq {reported.last_seq} differs")
+        starts = [p["call_id"] for _, ev, p in events if ev == "tool_start"]
+        double += len(starts) - len(set(starts))
+        spec = read_spec(state_dir, name)
+        if spec is None:
+            continue
+        workspace = workspace_for(state_dir, name, spec)
+        if _effects_disagree(events, workspace):
+            workspace_bad.append(f"{name}: a file differs from its last applied write")
+        elif repeat is not None and _workspace_files(workspace) != expected_workspace(repeat):
+            workspace_bad.append(f"{name}: workspace differs from one pass of every op")
+    return {
+        "state_mismatches": len(state_bad),
+        "state_mismatch_examples": state_bad[:10],
+        "workspace_mismatches": len(workspace_bad),
+        "workspace_mismatch_examples": workspace_bad[:10],
+        "double_applies": double,
+    }
