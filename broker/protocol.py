@@ -384,6 +384,10 @@ class SpawnSubagent(_Message):
     task: Annotated[str, Field(min_length=1, max_length=4096)]  # a task file's path
     descriptor: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_\-]{0,31}$")] = "child"
     wait_s: Annotated[float, Field(ge=0, le=24 * 3600)] = 600.0
+    # The parent's idempotency key for this spawn: every request carrying the
+    # same key (a retry, or the same call redone after the parent crashed)
+    # names the same child. None: the msg_id is the key.
+    key: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")] | None = None
 
 
 class SubagentChanges(_Message):

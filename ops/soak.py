@@ -73,20 +73,40 @@ def write_config(root: Path, agents: int) -> Path:
     return path
 
 
+CHILD_FILE = "child/made.txt"
+CHILD_CONTENT = "made by a subagent\n"
+
+
 def write_task(root: Path, repeat: int) -> Path:
-    """The soak task: every op the runtime has, in a loop of `repeat` passes."""
+    """The soak task: every op the runtime has (files, memory, todos, an
+    approval, a background command, a subagent whose change set is applied
+    once and refused the second time), with a loop of `repeat` passes."""
+    child = {
+        "name": "soak-child",
+        "steps": [
+            {"op": "write_file", "path": CHILD_FILE, "content": CHILD_CONTENT},
+            {"op": "bash", "command": "echo child-ran"},
+        ],
+    }
+    child_path = root / "soak-child.yaml"
+    child_path.write_text(yaml.safe_dump(child, sort_keys=False))
     task = {
         "name": "soak",
-        "prompt": "Keep a log, write work items, remember progress, get one approval.",
+        "prompt": "Keep a log, write work items, remember progress, delegate once.",
         "repeat": repeat,
         "setup": [
             {"op": "write_file", "path": "log.txt", "content": "log\nend\n"},
             {"op": "write_file", "path": "release/plan.md", "content": "plan\n"},  # asks
             {"op": "todos", "items": [{"text": "work", "done": False}]},
+            {"op": "spawn_subagent", "task": str(child_path), "descriptor": "helper"},
+            {"op": "subagent_changes", "subagent_id": "latest"},
+            {"op": "apply_subagent", "subagent_id": "latest"},
+            {"op": "apply_subagent", "subagent_id": "latest"},  # refused: applied once only
         ],
         "steps": [
             {"op": "edit_file", "path": "log.txt", "old": "end", "new": "pass {i}\nend"},
             {"op": "write_file", "path": "work/{i}.txt", "content": "item {i}\n"},
+            {"op": "bash", "command": "echo pass {i}"},
             {"op": "memory_write", "key": "progress", "content": "at pass {i}"},
             {"op": "memory_read", "key": "progress"},
             {"op": "read_file", "path": "log.txt"},

@@ -7,8 +7,9 @@
   produces when each of its ops is applied exactly once (an op lost, or
   applied twice, after a crash shows here), or a file's digest differs from
   the last write the WAL says was applied to it;
-- `double_applies`: a call whose effect was started twice (two `tool_start`
-  facts for one call id)."""
+- `double_applies`: a change set applied more than once (two
+  `subagent_applied` facts for one change set), or a call whose effect was
+  started twice (two `tool_start` facts for one call id)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,30 @@ from broker.statedir import StateDir
 Event = tuple[int, str, Any]
 
 
+def _change_set_applications(state_dir: StateDir) -> dict[str, int]:
+    """changeset id -> how many `subagent_applied` facts name it."""
+    counts: dict[str, int] = defaultdict(int)
+    for _, path in list_segments(state_dir.wal_dir):
+        with open(path, "rb") as f:
+            for line in f:
+                if b'"event":"subagent_applied"' not in line:
+                    continue
+                record = parse_record(line)
+                if record is not None and record.event == "subagent_applied":
+                    payload = record.payload()
+                    if isinstance(payload, dict):
+                        counts[str(payload.get("changeset_id"))] += 1
+    return counts
+
+
 def expected_workspace(repeat: int) -> dict[str, bytes]:
     """What the soak task (ops/soak.py write_task) leaves, each op applied once."""
+    from ops.soak import CHILD_CONTENT, CHILD_FILE
+
     files = {
         "log.txt": ("log\n" + "".join(f"pass {i}\n" for i in range(repeat)) + "end\n").encode(),
         "release/plan.md": b"plan\n",
+        CHILD_FILE: CHILD_CONTENT.encode(),
     }
     files.update({f"work/{i}.txt": f"item {i}\n".encode() for i in range(repeat)})
     return files
@@ -101,6 +121,9 @@ def check(
     double = 0
     for name in names:
         events = all_events.get(name, [])
+        child = "." in name  # a subagent's child: agent/<parent>.<subagent id>
+        if child and not events:
+            continue  # spawned but never started (its spawn was retried under another id)
         full = fold(AgentState(), events)
         reported = generations.newest(state_dir.agent_dir(name))
         if full.phase != "finished":
@@ -117,9 +140,14 @@ def check(
         workspace = workspace_for(state_dir, name, spec)
         if _effects_disagree(events, workspace):
             workspace_bad.append(f"{name}: a file differs from its last applied write")
-        elif repeat is not None and _workspace_files(workspace) != expected_workspace(repeat):
+        elif not child and repeat is not None and (
+            _workspace_files(workspace) != expected_workspace(repeat)
+        ):
             workspace_bad.append(f"{name}: workspace differs from one pass of every op")
+    applications = _change_set_applications(state_dir)
+    double += sum(1 for n in applications.values() if n > 1)
     return {
+        "change_sets_applied": len(applications),
         "state_mismatches": len(state_bad),
         "state_mismatch_examples": state_bad[:10],
         "workspace_mismatches": len(workspace_bad),

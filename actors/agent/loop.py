@@ -250,16 +250,16 @@ class AgentLoop:
         }, key=f"c{call.call_id}:req", ledger="approvals")
         self.log.info("approval_requested", request=request, op=op.op)
 
-    def _context(self, answer: dict[str, Any] | None) -> OpContext:
+    def _context(self, answer: dict[str, Any] | None, call_id: str | None = None) -> OpContext:
         return OpContext(agent=self.name, workspace=self.workspace, memory_dir=self.memory_dir,
                          state_dir=self.state_dir,
                          max_result_chars=self.settings.max_result_chars, answer=answer,
-                         peer=self.peer)
+                         peer=self.peer, call_id=call_id)
 
     def _dispatch(self, call: Call, op: OpBase, answer: dict[str, Any] | None) -> None:
         cid = call.call_id
         try:
-            outcome = catalog.handler_for(op.op)(op, self._context(answer))
+            outcome = catalog.handler_for(op.op)(op, self._context(answer, cid))
         except PathRefusedError as exc:
             outcome = Done({"error": exc.reason}, ok=False)
         except OSError as exc:

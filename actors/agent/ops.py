@@ -64,6 +64,7 @@ class OpContext:
     max_result_chars: int = 8192
     answer: dict[str, Any] | None = None  # the operator's answer, for needs_operator ops
     peer: Any = None  # the agent's BrokerPeer: ops served by procs and subagents use it
+    call_id: str | None = None  # the call being run: stable across a crash and redo
 
 
 @dataclass(frozen=True)

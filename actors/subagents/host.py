@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -98,7 +99,8 @@ class SubagentsHost:
 
     # --- spawning ---------------------------------------------------------------------
     def spawn(self, message: protocol.SpawnSubagent) -> ChildRecord:
-        digest = hashlib.sha256(f"{message.parent}\0{message.msg_id}".encode()).hexdigest()
+        key = message.key or message.msg_id
+        digest = hashlib.sha256(f"{message.parent}\0{key}".encode()).hexdigest()
         subagent_id = f"s-{digest[:12]}"
         existing = self.children.records.get(subagent_id)
         if existing is not None:
@@ -108,6 +110,11 @@ class SubagentsHost:
             raise ChangeSetRefusedError("invalid_workspace",
                                         f"{message.workspace!r} is not an absolute directory")
         directory = self.state.agent_dir(message.parent) / "subagents" / subagent_id
+        if directory.exists():
+            # a spawn the host died in the middle of (it never recorded the child):
+            # its half-made snapshot is redone from the parent's workspace
+            log.warning("subagent_snapshot_redone", subagent_id=subagent_id)
+            shutil.rmtree(directory)
         started = time.monotonic()
         index = snapshot(workspace, directory / "base", directory / "work")
         log.info("subagent_snapshotted", subagent_id=subagent_id, files=len(index.entries),

@@ -12,6 +12,7 @@ parent's fold adds to its budget. `apply_subagent` applies a ready set once
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -24,7 +25,12 @@ from broker.requester import new_msg_id
 
 SUBAGENTS = "subagents"
 SubagentIdField = Annotated[str, Field(pattern=r"^(s-[0-9a-f]{12}|latest)$")]  # latest: newest
-REPLY_MARGIN_S = 30.0
+REPLY_MARGIN_S = 10.0
+SPAWN_ROUND_S = 5.0  # a spawn waits for its child in rounds this long
+# The supervisor restarts a crashed host within about a second; while it is
+# away the broker answers unknown_recipient, which the peer retries after a
+# heartbeat interval: this many retries ride out a restart.
+HOST_RESTART_RETRIES = 20
 
 
 def _summary(ctx: OpContext, reply: protocol.SubagentReply, *,
@@ -49,13 +55,13 @@ def _summary(ctx: OpContext, reply: protocol.SubagentReply, *,
 
 
 def _request(
-    ctx: OpContext, message: protocol.Message, timeout_s: float
+    ctx: OpContext, message: protocol.Message, timeout_s: float, retries: int = 1
 ) -> Outcome | protocol.SubagentReply:
     peer = getattr(ctx, "peer", None)
     if peer is None:
         return Done({"error": "subagents is not reachable: no broker connection"}, ok=False)
     try:
-        reply = peer.request(SUBAGENTS, message, timeout_s=timeout_s, retries=1)
+        reply = peer.request(SUBAGENTS, message, timeout_s=timeout_s, retries=retries)
     except RemoteError as exc:
         return Done({"error": f"{exc.code}: {exc.detail}"[:500]}, ok=False)
     except RequestTimeoutError:
@@ -90,13 +96,23 @@ class ApplySubagentOp(OpBase):
 
 
 def spawn_subagent(op: SpawnSubagentOp, ctx: OpContext) -> Outcome:
+    """Ask the host for the child and wait for it in short rounds: each round
+    is a spawn with the same key (the host answers with the existing child),
+    so a host restarted meanwhile, or this agent redoing the call after a
+    crash, finds the same child instead of starting another."""
     task = str(Path(op.task).resolve())
-    message = protocol.SpawnSubagent(msg_id=new_msg_id("sa"), parent=ctx.agent,
-                                     workspace=str(ctx.workspace.resolve()), task=task,
-                                     descriptor=op.descriptor, wait_s=op.wait_s)
-    reply = _request(ctx, message, op.wait_s + REPLY_MARGIN_S)
-    if not isinstance(reply, protocol.SubagentReply):
-        return reply
+    key = f"{ctx.agent}.{ctx.call_id}" if ctx.call_id else None
+    deadline = time.monotonic() + op.wait_s
+    while True:
+        wait_s = max(0.0, min(SPAWN_ROUND_S, deadline - time.monotonic()))
+        message = protocol.SpawnSubagent(msg_id=new_msg_id("sa"), parent=ctx.agent,
+                                         workspace=str(ctx.workspace.resolve()), task=task,
+                                         descriptor=op.descriptor, wait_s=wait_s, key=key)
+        reply = _request(ctx, message, wait_s + REPLY_MARGIN_S, retries=HOST_RESTART_RETRIES)
+        if not isinstance(reply, protocol.SubagentReply):
+            return reply
+        if reply.state != "running" or key is None or time.monotonic() >= deadline:
+            break
     facts = []
     if reply.state != "running":
         facts.append(("subagent_usage", {"subagent_id": reply.subagent_id,
@@ -107,7 +123,8 @@ def spawn_subagent(op: SpawnSubagentOp, ctx: OpContext) -> Outcome:
 
 def subagent_changes(op: SubagentChangesOp, ctx: OpContext) -> Outcome:
     reply = _request(ctx, protocol.SubagentChanges(msg_id=new_msg_id("sc"), parent=ctx.agent,
-                                                   subagent_id=op.subagent_id), 10.0)
+                                                   subagent_id=op.subagent_id), 10.0,
+                     retries=HOST_RESTART_RETRIES)
     if not isinstance(reply, protocol.SubagentReply):
         return reply
     return Done(_summary(ctx, reply, with_patch=True))
@@ -115,7 +132,8 @@ def subagent_changes(op: SubagentChangesOp, ctx: OpContext) -> Outcome:
 
 def apply_subagent(op: ApplySubagentOp, ctx: OpContext) -> Outcome:
     reply = _request(ctx, protocol.ApplySubagent(msg_id=new_msg_id("ap"), parent=ctx.agent,
-                                                 subagent_id=op.subagent_id), 30.0)
+                                                 subagent_id=op.subagent_id), 30.0,
+                     retries=HOST_RESTART_RETRIES)
     if not isinstance(reply, protocol.SubagentReply):
         return reply
     return Done(_summary(ctx, reply), ok=reply.refusal is None and reply.state == "applied")
