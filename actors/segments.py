@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from actors.checkpoint import fsync_dir
 from actors.wal import segment_name
+from broker.durable import fsync_dir
 from broker.errors import DurabilityError
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024

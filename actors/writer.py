@@ -36,6 +36,7 @@ from actors.wal import check_payload, encode_record, parse_record, segment_name
 from broker import curve, logconfig, protocol
 from broker.control import ControlReporter
 from broker.curve import check_endpoints
+from broker.durable import write_atomic
 from broker.errors import (
     ConfigError,
     DurabilityError,
@@ -46,7 +47,7 @@ from broker.errors import (
     WalError,
 )
 from broker.pidlock import PidLock
-from broker.statedir import StateDir, bind_umask, write_atomic_text
+from broker.statedir import StateDir, bind_umask
 
 EXIT_OK = 0
 EXIT_CORRUPT = 65
@@ -181,7 +182,9 @@ class Writer:
         finally:
             os.umask(old)
         self.endpoint = endpoint
-        write_atomic_text(self.state_dir.run_dir / "writer.endpoints", "\n".join(bound) + "\n")
+        write_atomic(
+            self.state_dir.run_dir / "writer.endpoints", ("\n".join(bound) + "\n").encode()
+        )
 
     # --- the loop -------------------------------------------------------------
     def request_stop(self, signum: int, frame: FrameType | None) -> None:

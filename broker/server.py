@@ -29,10 +29,11 @@ import zmq
 from broker import curve, logconfig, protocol
 from broker.control import ControlReporter
 from broker.curve import CurveServer, apply_server, check_endpoints
+from broker.durable import write_atomic
 from broker.errors import ConfigError, LockHeldError, ProtocolError, StateDirError
 from broker.heartbeat import HeartbeatRule, PeerTable
 from broker.pidlock import PidLock
-from broker.statedir import NAME_PATTERN, StateDir, bind_umask, write_atomic_text
+from broker.statedir import NAME_PATTERN, StateDir, bind_umask
 
 EXIT_OK = 0
 EXIT_LOCKED = 75  # another broker holds run/broker.lock
@@ -454,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.destroy(linger=0)
         lock.release()
         return EXIT_CONFIG
-    write_atomic_text(state.run_dir / "broker.endpoints", "\n".join(broker.bound) + "\n")
+    write_atomic(state.run_dir / "broker.endpoints", ("\n".join(broker.bound) + "\n").encode())
 
     def _on_signal(signum: int, _frame: FrameType | None) -> None:
         broker.stop()

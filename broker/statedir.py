@@ -148,9 +148,3 @@ def bind_umask() -> int:
     """Set a umask that keeps sockets private before a bind; returns the old one."""
     return os.umask(0o077)
 
-
-def write_atomic_text(path: Path, text: str) -> None:
-    """Replace a small file so readers see the old or the new text, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

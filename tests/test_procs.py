@@ -293,7 +293,12 @@ def test_agent_sigkilled_restarted_agent_reads_every_byte(stack: Stack) -> None:
 def test_procs_sigkilled_reattaches_commands_reports_terminals_lost_no_orphan(
     stack: Stack,
 ) -> None:
-    long = stack.client.start("echo begin; sleep 1.5; echo end", str(stack.workdir))
+    # the long command outlives procs' restart by waiting for a file the test
+    # creates afterwards (a fixed sleep would race a slow restart on a busy box)
+    gate = stack.workdir / "release-long"
+    long = stack.client.start(
+        f"echo begin; while [ ! -e {gate} ]; do sleep 0.02; done; echo end", str(stack.workdir)
+    )
     short = stack.client.start("sleep 0.3; echo done; exit 4", str(stack.workdir))
     term = stack.client.terminal_start(["bash", "-c", "trap '' HUP; sleep 300"],
                                        str(stack.workdir))
@@ -303,6 +308,7 @@ def test_procs_sigkilled_reattaches_commands_reports_terminals_lost_no_orphan(
     wait_for(lambda: not marked(short.proc_id), 10, "the short command to end while procs is down")
     stack.start_procs()
     assert not marked(term.proc_id)  # a terminal cannot be re-attached: ended, reported lost
+    gate.touch()
     data, last = read_all(stack.client, long.proc_id)
     assert (data, last.state, last.exit_code) == (b"begin\nend\n", "exited", 0)
     sdata, slast = read_all(stack.client, short.proc_id)

@@ -23,6 +23,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from actors.agent.state import AgentState
+from broker.durable import write_atomic
 
 FORMAT_VERSION = 1
 _PREFIX = "gen-"
@@ -34,23 +35,6 @@ def state_dir_of(agent_dir: Path) -> Path:
 
 def generations_dir(agent_dir: Path) -> Path:
     return state_dir_of(agent_dir) / "generations"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 @dataclass(frozen=True)
@@ -69,10 +53,8 @@ def write(agent_dir: Path, agent: str, state: AgentState, keep: int = 3,
                        "key": key, "state": state.model_dump(mode="json")},
                       separators=(",", ":")).encode()
     path = gens / f"{_PREFIX}{state.last_seq:020d}.json"
-    _write_atomic(path, body)
-    _write_atomic(state_dir_of(agent_dir) / "snapshot.json", body)
-    _fsync_dir(gens)
-    _fsync_dir(state_dir_of(agent_dir))
+    write_atomic(path, body)
+    write_atomic(state_dir_of(agent_dir) / "snapshot.json", body)
     for old in list_generations(agent_dir)[:-keep]:
         old.unlink(missing_ok=True)
     return path

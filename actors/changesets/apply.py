@@ -42,12 +42,12 @@ from actors.changesets.manifest import (
     Manifest,
     Receipt,
     ReceiptFile,
-    fsync_dir,
     load,
     load_receipt,
     write_once,
 )
 from actors.changesets.paths import delete_file, open_root, read_file, write_file
+from broker.durable import fsync_dir
 from broker.errors import ChangeSetRefusedError
 
 FAULT_ENV = "CORRAL_APPLY_FAULT"  # a step name: SIGKILL this process right after it

@@ -17,13 +17,13 @@ the manifest is written last, so its presence means the set is complete.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from broker.durable import write_atomic
 
 VERSION = 1
 MANIFEST = "changeset.json"
@@ -107,29 +107,7 @@ def sha256(data: bytes) -> str:
 
 def write_once(path: Path, data: bytes, *, read_only: bool = True) -> None:
     """temp + fsync + rename + fsync(dir); read-only afterwards."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        if read_only:
-            os.fchmod(fd, 0o444)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(path, data, read_only=read_only)
 
 
 def load(directory: Path) -> Manifest:

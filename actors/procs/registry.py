@@ -13,11 +13,11 @@ master does not survive its holder) lost. Entries leave with `session_end`.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from broker.durable import write_atomic
 from broker.statedir import StateDir
 
 VERSION = 1
@@ -88,18 +88,6 @@ class Registry:
             {"version": VERSION, "entries": [asdict(e) for e in self.entries.values()]},
             separators=(",", ":"),
         ).encode()
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, body)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomic(self.path, body)
         self.dirty = False
         self.saves += 1

@@ -11,10 +11,11 @@ its change set built; an apply with an intent on disk is rolled forward.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
+
+from broker.durable import write_atomic
 
 VERSION = 1
 ChildState = Literal["running", "exited", "ended", "failed", "applied"]
@@ -59,16 +60,4 @@ class Children:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         body = json.dumps({"version": VERSION,
                            "children": [asdict(r) for r in self.records.values()]}).encode()
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, body)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomic(self.path, body)
