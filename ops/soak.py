@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -41,6 +42,7 @@ from ops.soakruntime import (
     orphans,
     wait_agents_finished,
 )
+from supervisor.lifeline import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,6 +176,9 @@ def soak(args: argparse.Namespace) -> dict[str, object]:
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        # if the soak itself is killed, its runtime goes too (and, by the
+        # supervisor's own PDEATHSIG, every child of it)
+        preexec_fn=partial(die_with_parent, os.getpid()),  # noqa: PLW1509 - no thread yet
     )
     out.close()
     figures: dict[str, object] = {}
