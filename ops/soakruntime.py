@@ -242,12 +242,13 @@ def kill_loop(  # noqa: PLR0917 - the soak's parts, wired once
         if children is None:
             run.status_failures += 1
             continue
-        live = [c for c in children if c.pid and c.state == "running"]
-        kinds = sorted({c.kind for c in live})
-        if not kinds:
+        # any running child, whatever its kind, is as likely to be hit: a
+        # writer or broker down for most of the run would measure only restarts
+        live = sorted((c for c in children if c.pid and c.state == "running"), key=lambda c: c.name)
+        if not live:
             continue
-        kind = rng.choice(kinds)
-        target = rng.choice([c for c in live if c.kind == kind])
+        target = rng.choice(live)
+        kind = target.kind
         pid = int(target.pid or 0)
         if kind == "writer" and rng.random() < cut_chance:
             # hold the supervisor still so the writer stays down while we cut
