@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import time
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from types import FrameType
 
@@ -32,7 +31,8 @@ from actors.groupcommit import Ack, Batch, SyncWorker
 from actors.ledgers import Ledgers
 from actors.recovery import Recovered, recover
 from actors.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
-from actors.wal import check_payload, encode_record, parse_record, segment_name
+from actors.streamreader import StreamReader
+from actors.wal import check_payload, encode_record, segment_name
 from broker import curve, logconfig, protocol
 from broker.control import ControlReporter
 from broker.curve import check_endpoints
@@ -96,13 +96,12 @@ class Writer:
         self.log: structlog.stdlib.BoundLogger = structlog.get_logger("writer")
         self._stopping = False
         self._auth: ThreadAuthenticator | None = None
-        self._read_fds: OrderedDict[int, int] = OrderedDict()
         self.ledgers = Ledgers(
             {"budget": state_dir.budget_ledger_path, "approvals": state_dir.approvals_ledger_path}
         )
         # counters
         self.appends_total = self.duplicates_total = self.rejected_total = 0
-        self.reads_total = self.batches_total = self.fsyncs_total = self.max_batch_seen = 0
+        self.batches_total = self.fsyncs_total = self.max_batch_seen = 0
         self._rate_mark = (time.monotonic(), 0)
         self._rate = 0.0
 
@@ -118,6 +117,7 @@ class Writer:
         self.head = rec.head_seq
         self.dedupe = rec.dedupe
         self.index = rec.index
+        self.reader = StreamReader(self.state_dir.wal_dir, self.index)
         self.head_segment = rec.head_segment_first_seq
         self.head_end_offset = rec.head_end_offset
         self.last_record_offset = rec.last_record_offset
@@ -249,7 +249,7 @@ class Writer:
                 case protocol.Append():
                     self._stage(ident, msg)
                 case protocol.ReadStream():
-                    self._reply(ident, self._read(msg))
+                    self._reply(ident, self.reader.page(msg, self.head))
                 case protocol.Ping():
                     self._reply(
                         ident, protocol.Pong(msg_id=msg.msg_id, actor="writer", pid=os.getpid())
@@ -342,46 +342,6 @@ class Writer:
         for ident, msg_id, seq, duplicate in acks:
             send([ident, protocol.encode(ack(msg_id=msg_id, seq=seq, duplicate=duplicate))])
 
-    # --- reads ----------------------------------------------------------------
-    def _read(self, msg: protocol.ReadStream) -> protocol.Records | protocol.Error:
-        self.reads_total += 1
-        entries = self.index.lookup(msg.stream, msg.from_seq, msg.max_records + 1)
-        records: list[bytes] = []
-        total = 0
-        next_seq = msg.from_seq
-        for seq, segment, offset, length in entries[: msg.max_records]:
-            if records and total + length > msg.max_bytes:
-                break
-            line = os.pread(self._segment_fd(segment), length, offset)
-            record = parse_record(line)
-            if record is None or record.seq != seq:
-                self.log.error("wal_read_failed", segment=segment, offset=offset, seq=seq)
-                return protocol.Error(
-                    msg_id=msg.msg_id,
-                    code=protocol.ErrorCode.INTERNAL_ERROR,
-                    detail=f"record seq {seq} at {segment_name(segment)}:{offset} failed its check",
-                )
-            records.append(line[:-1])
-            total += length
-            next_seq = seq + 1
-        return protocol.Records(
-            msg_id=msg.msg_id,
-            stream=msg.stream,
-            records=records,
-            next_seq=next_seq,
-            more=len(records) < len(entries),
-            head_seq=self.head,
-        )
-
-    def _segment_fd(self, first_seq: int) -> int:
-        fd = self._read_fds.get(first_seq)
-        if fd is None:
-            if len(self._read_fds) >= 16:
-                os.close(self._read_fds.popitem(last=False)[1])
-            fd = os.open(self.state_dir.wal_dir / segment_name(first_seq), os.O_RDONLY)
-            self._read_fds[first_seq] = fd
-        return fd
-
     # --- replies --------------------------------------------------------------
     def _reply(
         self,
@@ -430,7 +390,7 @@ class Writer:
             appends_total=self.appends_total,
             duplicates_total=self.duplicates_total,
             rejected_total=self.rejected_total,
-            reads_total=self.reads_total,
+            reads_total=self.reader.reads_total,
             batches_total=self.batches_total,
             fsyncs_total=self.fsyncs_total,
             max_batch=self.max_batch_seen,
@@ -450,8 +410,7 @@ class Writer:
         self.segment.close()
         self.index.close()
         self.ledgers.close()
-        for fd in self._read_fds.values():
-            os.close(fd)
+        self.reader.close()
         self._lock.release()
 
 
