@@ -124,10 +124,17 @@ def write_task(root: Path, repeat: int) -> Path:
 
 def write_specs(state_dir: StateDir, config: Path, agents: int, prefix: str, task: Path) -> None:
     """Each agent plays the soak task under the configuration's agent settings
-    (so `release/*` writes ask for an approval)."""
-    from actors.agent.settings import AgentSettings, AgentSpec, write_spec
+    (so `release/*` writes ask for an approval), with a turn bound above the
+    task's length: the soak checks that agents finish the task, not that they
+    hit a bound."""
+    from actors.agent.settings import AgentSettings, AgentSpec, Budget, load_task, write_spec
 
     settings = AgentSettings.model_validate(yaml.safe_load(config.read_text()).get("agent", {}))
+    plan = load_task(task)
+    turns = len(plan.setup) + len(plan.steps) * plan.repeat + 1  # + finish
+    settings = settings.model_copy(
+        update={"max_turns": max(settings.max_turns, 2 * turns), "budget": Budget()}
+    )
     for i in range(1, agents + 1):
         write_spec(state_dir, f"{prefix}{i}", AgentSpec(task=str(task), settings=settings))
 
