@@ -45,6 +45,31 @@ def reap() -> list[Reaped]:
     return out
 
 
+# An exit reaped before the zygote named its pid is kept this long at most.
+EARLY_EXIT_TTL_S = 5.0
+
+
+def pid_alive(pid: int) -> bool:
+    """True when some process (a zombie included) holds `pid` now."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def early_exit_applies(reaped_at: float, now: float, alive: bool) -> bool:
+    """Whether an exit reaped under an unknown pid belongs to the fork the
+    zygote has just named with that pid. As a child subreaper the supervisor
+    also reaps orphans (commands' descendants, the zygote's go-betweens); once
+    reaped, their pid numbers are free for reuse. So the stored exit counts
+    only if it is recent and no live process holds the pid: a live one means
+    the number was reused and the exit was some other orphan's."""
+    return not alive and now - reaped_at <= EARLY_EXIT_TTL_S
+
+
 def overdue(
     child: Child, now: float, heartbeat_timeout_s: float
 ) -> Literal["ready", "heartbeat"] | None:

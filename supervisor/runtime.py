@@ -51,7 +51,8 @@ class Runtime:
             s.name: Child(spec=s, policy=s.policy()) for s in config.child_specs()
         }
         self.by_pid: dict[int, Child] = {}
-        self.early_exits: dict[int, monitor.Reaped] = {}  # reaped before the zygote's reply
+        # reaped before the zygote's reply named the pid: (exit, when reaped)
+        self.early_exits: dict[int, tuple[monitor.Reaped, float]] = {}
         self.early_ready: dict[int, float] = {}  # `ready` before the zygote's reply
         self.started_at = time.time()
         self.phase = 0  # index into KIND_ORDER while starting
@@ -201,7 +202,11 @@ class Runtime:
             self._ready(child, ready_at)
         early = self.early_exits.pop(pid, None)
         if early is not None:
-            self._on_reaped(early, now)
+            reaped, reaped_at = early
+            if monitor.early_exit_applies(reaped_at, now, monitor.pid_alive(pid)):
+                self._on_reaped(reaped, now)
+            else:
+                log.info("early_exit_discarded", child=child.name, pid=pid)
 
     def _flush_forks(self) -> None:
         if self.zygote is None:
@@ -278,8 +283,13 @@ class Runtime:
             return
         child = self.by_pid.pop(reaped.pid, None)
         if child is None or child.pid != reaped.pid:
-            if len(self.early_exits) < 10_000:
-                self.early_exits[reaped.pid] = reaped  # maybe a fork not yet announced
+            # maybe a fork not yet announced, maybe an orphan's: see _register
+            if len(self.early_exits) >= 1_000:
+                self.early_exits = {
+                    p: e for p, e in self.early_exits.items()
+                    if now - e[1] <= monitor.EARLY_EXIT_TTL_S
+                }
+            self.early_exits[reaped.pid] = (reaped, now)
             return
         record = child.exited(reaped.code, reaped.signal, now)
         log.info("actor_exited", child=child.name, pid=reaped.pid, returncode=reaped.code,
