@@ -428,18 +428,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dedupe-window", type=int, default=d.dedupe_window)
     parser.add_argument("--max-batch", type=int, default=d.max_batch)
     parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
-    parser.add_argument(
-        "--curve",
-        action="store_true",
-        help="require CURVE on every connection (keys in <state-dir>/keys)",
-    )
-    parser.add_argument(
-        "--tcp",
-        action="append",
-        default=[],
-        metavar="ENDPOINT",
-        help="also bind this tcp:// endpoint (needs --curve; port * picks one)",
-    )
+    curve.add_arguments(parser)
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
     parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)

@@ -17,6 +17,7 @@ A ZAP handler (pyzmq's ThreadAuthenticator) admits only authorized keys."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 from dataclasses import dataclass
@@ -112,6 +113,22 @@ def apply_client(sock: zmq.Socket[bytes], client: CurveClient) -> None:
     sock.setsockopt(zmq.CURVE_SERVERKEY, client.server_public)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, client.public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, client.secret)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The --curve and --tcp options of a process that binds (writer, broker)."""
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="require CURVE on every connection (keys in <state-dir>/keys)",
+    )
+    parser.add_argument(
+        "--tcp",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="also bind this tcp:// endpoint (needs --curve; port * picks one)",
+    )
 
 
 def check_endpoints(endpoints: tuple[str, ...], curve: bool) -> None:

@@ -406,18 +406,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max-frame-bytes", type=int, default=protocol.DEFAULT_LIMITS.max_frame_bytes
     )
-    parser.add_argument(
-        "--curve",
-        action="store_true",
-        help="require CURVE on every connection (keys in <state-dir>/keys)",
-    )
-    parser.add_argument(
-        "--tcp",
-        action="append",
-        default=[],
-        metavar="ENDPOINT",
-        help="also bind this tcp:// endpoint (needs --curve; port * picks one)",
-    )
+    curve.add_arguments(parser)
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 

@@ -180,23 +180,27 @@ def test_gap_in_seq_is_corruption(state_dir: StateDir) -> None:
     assert "follows 2" in info.value.reason
 
 
+def _save_checkpoint_of(state_dir: StateDir, rec: Recovered) -> None:
+    rec.index.flush()
+    checkpoint.save(
+        state_dir.checkpoint_path,
+        checkpoint.Checkpoint(
+            head_seq=rec.head_seq,
+            segment_first_seq=rec.head_segment_first_seq,
+            offset=rec.head_end_offset,
+            last_record_offset=rec.last_record_offset,
+            dedupe=rec.dedupe.dump(),
+            index_counts=rec.index.counts(),
+        ),
+    )
+    rec.index.close()
+
+
 def test_checkpoint_bounds_the_scan_and_matches_a_full_scan(state_dir: StateDir) -> None:
     _write_wal(state_dir, 50)
     full = recover(state_dir, 8, _ledgers(state_dir))
     assert full.full_scan and full.scanned_records == 50
-    full.index.flush()
-    checkpoint.save(
-        state_dir.checkpoint_path,
-        checkpoint.Checkpoint(
-            head_seq=full.head_seq,
-            segment_first_seq=full.head_segment_first_seq,
-            offset=full.head_end_offset,
-            last_record_offset=full.last_record_offset,
-            dedupe=full.dedupe.dump(),
-            index_counts=full.index.counts(),
-        ),
-    )
-    full.index.close()
+    _save_checkpoint_of(state_dir, full)
     path = state_dir.wal_dir / segment_name(1)
     with open(path, "ab") as f:
         for seq in range(51, 56):
@@ -239,22 +243,6 @@ def test_a_checkpoint_that_disagrees_with_the_wal_is_ignored_not_trusted(
     assert rec.full_scan and rec.head_seq == 10
     assert rec.checkpoint_note is not None
     assert rec.checkpoint_note.startswith("wal.checkpoint.json ignored")
-
-
-def _save_checkpoint_of(state_dir: StateDir, rec: Recovered) -> None:
-    rec.index.flush()
-    checkpoint.save(
-        state_dir.checkpoint_path,
-        checkpoint.Checkpoint(
-            head_seq=rec.head_seq,
-            segment_first_seq=rec.head_segment_first_seq,
-            offset=rec.head_end_offset,
-            last_record_offset=rec.last_record_offset,
-            dedupe=rec.dedupe.dump(),
-            index_counts=rec.index.counts(),
-        ),
-    )
-    rec.index.close()
 
 
 def test_a_tail_lost_past_the_newest_checkpoint_starts_from_the_previous_one(
