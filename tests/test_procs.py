@@ -340,3 +340,22 @@ def test_sigterm_stops_procs_after_ending_every_job(stack: Stack) -> None:
     assert not marked(cmd.proc_id) and not marked(term.proc_id)
     registry = json.loads((stack.state.root / "procs" / "registry.json").read_text())
     assert {e["state"] for e in registry["entries"]} == {"killed"}
+
+
+def test_the_registry_file_keeps_live_jobs_and_only_the_newest_ended_ones(tmp_path: Path) -> None:
+    from actors.procs import registry as reg
+
+    registry = reg.Registry(tmp_path / "registry.json")
+    for i in range(reg.KEEP_ENDED + 50):
+        registry.put(reg.Entry(proc_id=f"p-{i:016x}", kind="command", session="s", pid=1000 + i,
+                               start_ticks=1, log_path="l", exit_path="e", cap_bytes=1,
+                               deadline_wall=0.0, state="exited", exit_code=0))
+    registry.put(reg.Entry(proc_id="p-ffffffffffffffff", kind="command", session="s", pid=9,
+                           start_ticks=1, log_path="l", exit_path="e", cap_bytes=1,
+                           deadline_wall=0.0))
+    registry.save()
+    loaded = reg.Registry.load(tmp_path / "registry.json")
+    assert "p-ffffffffffffffff" in loaded.entries  # the running one, whatever its age
+    ended = [e for e in loaded.entries.values() if e.state == "exited"]
+    assert len(ended) == reg.KEEP_ENDED
+    assert ended[-1].proc_id == f"p-{reg.KEEP_ENDED + 49:016x}"  # the newest are kept

@@ -48,6 +48,9 @@ class Entry:
     extra: dict[str, str] = field(default_factory=dict)
 
 
+KEEP_ENDED = 256  # ended jobs the registry file keeps (the newest)
+
+
 class Registry:
     """The entries in memory; `save()` makes them durable when dirty."""
 
@@ -84,8 +87,15 @@ class Registry:
         if not self.dirty:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Running jobs must survive a crash of procs (to be re-attached); of the
+        # ended ones only the newest are kept, so the file (rewritten and fsynced
+        # on every change) stays small however many commands a session ran. An
+        # older ended command's log stays on disk; procs no longer lists it.
+        entries = list(self.entries.values())
+        ended = [e for e in entries if e.state != "running"][-KEEP_ENDED:]
+        kept = [e for e in entries if e.state == "running"] + ended
         body = json.dumps(
-            {"version": VERSION, "entries": [asdict(e) for e in self.entries.values()]},
+            {"version": VERSION, "entries": [asdict(e) for e in kept]},
             separators=(",", ":"),
         ).encode()
         write_atomic(self.path, body)
