@@ -105,7 +105,8 @@ def import_ms(rounds: int) -> float:
 
 
 def full_scan_ms(state_dir: Path) -> float:
-    (state_dir / "state" / "wal.checkpoint.json").unlink()
+    for name in ("wal.checkpoint.json", "wal.checkpoint.prev.json"):
+        (state_dir / "state" / name).unlink(missing_ok=True)  # no checkpoint to start from
     started = time.monotonic()
     writer = start_writer(state_dir)
     try:
