@@ -219,7 +219,7 @@ class Writer:
                     if self.staged.lines:
                         self._submit()
                 if reporter is not None:
-                    reporter.tick(self.values())
+                    reporter.tick(self.values)
             self.log.info("writer_stopping", head_seq=self.head)
             if self.inflight is not None:
                 self._finish(self.worker.collect())

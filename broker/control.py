@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -61,13 +62,15 @@ class ControlReporter:
         self._send(protocol.Ready(actor=self.actor, pid=self._pid))
         self._next_beat = time.monotonic() + self.interval_s
 
-    def tick(self, values: dict[str, int | float] | None = None) -> None:
-        """Send a heartbeat if one is due. Cheap to call on every loop turn."""
+    def tick(self, values: Callable[[], dict[str, int | float]] | None = None) -> None:
+        """Send a heartbeat if one is due. Cheap to call on every loop turn:
+        the counters are gathered (`values()`) only when a beat goes out."""
         now = time.monotonic()
         if now < self._next_beat:
             return
         self._next_beat = now + self.interval_s
-        self._send(protocol.Heartbeat(actor=self.actor, pid=self._pid, values=values or {}))
+        counters = values() if values is not None else {}
+        self._send(protocol.Heartbeat(actor=self.actor, pid=self._pid, values=counters))
 
     def beat(self, values: dict[str, int | float] | None = None) -> None:
         """Send a heartbeat now (e.g. a final report just before a clean exit)."""

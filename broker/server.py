@@ -157,7 +157,7 @@ class Broker:
             if reporter is not None and now >= next_report:
                 # the reporter keeps its own pace; asking twice per interval keeps it on time
                 next_report = now + report_every_s
-                reporter.tick(self.statistics().values())
+                reporter.tick(lambda: self.statistics().values())
 
     def _drain(self) -> None:
         """Handle up to DRAIN_BATCH frames without blocking: the hot path.

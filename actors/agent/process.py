@@ -137,7 +137,7 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
                     pongs += _answer(peer, name, *item)
                 peer.tick()
             if reporter is not None:
-                reporter.tick({"pongs_total": pongs})
+                reporter.tick(lambda n=pongs: {"pongs_total": n})
         log.info("agent_stopped", pongs_total=pongs)
         return EXIT_OK
     finally:
@@ -181,7 +181,7 @@ def _run_loop(
                 loop.sync()
             last = loop.step()
             if reporter is not None:
-                reporter.tick(loop.values())
+                reporter.tick(loop.values)
             if last is Step.DONE:
                 if peer is not None:  # the session is over: end its commands and terminals
                     end_session_quietly(peer, name)

@@ -71,7 +71,7 @@ def serve(state: StateDir, options: HostOptions, broker_heartbeat_s: float) -> i
             host.refresh()
             peer.tick()
             if reporter is not None:
-                reporter.tick({k: v for k, v in host.statistics().model_dump().items()})
+                reporter.tick(lambda: dict(host.statistics().model_dump()))
         log.info("procs_stop_requested")
         host.shutdown()
         log.info("procs_stopped", **host.statistics().model_dump())

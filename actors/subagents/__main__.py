@@ -93,7 +93,7 @@ def serve(state: StateDir, limits: Limits) -> int:
             host.reap()
             host.settle()
             if reporter is not None:
-                reporter.tick(dict(host.statistics().model_dump()))
+                reporter.tick(lambda: dict(host.statistics().model_dump()))
         host.shutdown()
         log.info("subagents_stopped", **host.statistics().model_dump())
         return 0
