@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
+from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -137,7 +138,7 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
                     pongs += _answer(peer, name, *item)
                 peer.tick()
             if reporter is not None:
-                reporter.tick(lambda n=pongs: {"pongs_total": n})
+                reporter.tick(partial(_pong_counters, pongs))
         log.info("agent_stopped", pongs_total=pongs)
         return EXIT_OK
     finally:
@@ -194,6 +195,10 @@ def _run_loop(
         return EXIT_STOPPED
     log.info("agent_stopped", phase=loop.state.phase, turn=loop.state.turn)
     return EXIT_STOPPED
+
+
+def _pong_counters(pongs: int) -> dict[str, int | float]:
+    return {"pongs_total": pongs}
 
 
 def _answer(peer: BrokerPeer, name: str, sender: str, message: protocol.Message) -> int:
