@@ -4,7 +4,9 @@ point of the loop, once.
     CORRAL_AGENT_FAULT="<point>@<call_id>[,<point>@<call_id>...]"
 
 Points: `before_tool_call` (the action is decided, nothing of it recorded),
-`after_tool_start` (recorded as started, its effect not yet applied),
+`before_tool_start` (the handler ran, e.g. procs started a command, and
+nothing of it is recorded), `after_tool_start` (recorded as started, its
+effect not yet applied),
 `after_effect` (effect applied, no `tool_result`), `after_tool_result`.
 A fault fires once per agent: a marker file `faults/<point>@<call_id>` in the
 agent's directory is written and fsynced before the kill, so the restarted
@@ -18,7 +20,8 @@ import signal
 from pathlib import Path
 
 ENV_FAULT = "CORRAL_AGENT_FAULT"
-POINTS = ("before_tool_call", "after_tool_start", "after_effect", "after_tool_result")
+POINTS = ("before_tool_call", "before_tool_start", "after_tool_start", "after_effect",
+          "after_tool_result")
 
 
 class Faults:

@@ -11,14 +11,19 @@ rebuilding it and calling `step()` again:
 - a turn recorded with actions not yet called: its calls go on (no new model call);
 - a call recorded and not started (`tool_call`, `permission`, an approval
   pending or answered): it goes on through the gate; nothing has run;
-- a call started (`tool_start`) without `tool_result`: the turn is closed with
+- a call started (`tool_start`) without `tool_result` whose op is
+  `replay_safe` (procs keys its starts by call id, so a command is started
+  once however often it is asked for): it is run again;
+- any other call started without `tool_result`: the turn is closed with
   `turn_aborted`, whose payload says for each call whether its recorded effect
   (file digests before/after) is on disk, and the model decides again (a
   scripted model moves past an applied effect: each op runs at most once);
 - a call with a `tool_result` is never run again.
 
 Idempotency keys are derived from the state ("c3.0:result", "t4:turn"), so a
-redone append is written once.
+redone append is written once. Secret arguments (a terminal's input) are
+sealed into the agent's vault before the turn is recorded: the WAL keeps
+their hash and size (actors/agent/vault.py).
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ import structlog
 
 from actors.agent import catalog, effects, faults, gate, generations, rebuild, workspace
 from actors.agent.backends import Backend, make_backend
-from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write
+from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, model_for
 from actors.agent.settings import AgentSpec, load_task, workspace_for
 from actors.agent.state import AgentState, Call, fold
+from actors.agent.vault import SealedInputMissingError, Vault
 from actors.writer_client import WriterClient
 from broker import protocol
 from broker.errors import PathRefusedError, WalError
@@ -67,6 +73,7 @@ class AgentLoop:
         self.state = AgentState()
         self.faults = faults.Faults(self.agent_dir, fault_spec)
         self.effects = effects.EffectJournal(self.agent_dir)
+        self.vault = Vault(self.agent_dir)
         self.log = structlog.get_logger("agent").bind(agent=name)
         self._since_generation = 0
         self._backend: Backend | None = None
@@ -147,7 +154,7 @@ class AgentLoop:
             self._session_start(resumed=False)
             return Step.PROGRESS
         if s.open_turn is not None:
-            dangling = s.started_unsettled()
+            dangling = [c for c in s.started_unsettled() if not _replay_safe(c)]
             if dangling:
                 self._abort(dangling)
                 return Step.PROGRESS
@@ -160,7 +167,7 @@ class AgentLoop:
             return Step.PROGRESS
         reply = self.backend.next_reply(s)
         turn = s.turn + 1
-        payload: dict[str, Any] = {"turn": turn, "actions": reply.actions,
+        payload: dict[str, Any] = {"turn": turn, "actions": self.vault.seal(reply.actions),
                                    "usage": reply.usage.as_dict(), "backend": self.backend.name}
         if reply.text:
             payload["text"] = reply.text
@@ -186,7 +193,10 @@ class AgentLoop:
         for index, action in enumerate(s.actions):
             cid = f"{turn}.{index}"
             call = s.calls.get(cid)
-            parsed = catalog.parse_action(action)
+            try:
+                parsed = catalog.parse_action(self.vault.open(action))
+            except SealedInputMissingError as exc:
+                parsed = Rejected(str(action.get("op")), [str(exc)])
             if call is None:
                 self.faults.hit("before_tool_call", cid)
                 self._append("tool_call", {
@@ -264,6 +274,7 @@ class AgentLoop:
             outcome = Done({"error": exc.reason}, ok=False)
         except OSError as exc:
             outcome = Done({"error": exc.strerror or type(exc).__name__}, ok=False)
+        self.faults.hit("before_tool_start", cid)
         effect = None
         if isinstance(outcome, Write):
             effect, outcome = self._plan_write(call, outcome)
@@ -331,3 +342,8 @@ class AgentLoop:
         self._append("turn_aborted", {"turn": turn, "reason": "recovery", "calls": calls},
                      key=f"t{turn}:aborted")
         self.log.warning("turn_aborted", turn=turn, calls=len(calls))
+
+
+def _replay_safe(call: Call) -> bool:
+    model = model_for(call.op) if call.op else None
+    return model is not None and model.replay_safe

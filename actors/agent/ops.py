@@ -16,6 +16,13 @@ Class variables tell the gate and the loop what an op touches:
                     it happened
     needs_operator  the op always waits for an operator answer (`ask`)
     ends_session    a successful result closes the session (`finish`)
+    replay_safe     running the handler again for the same call (same
+                    `OpContext.call_id`) has the effect of running it once, so
+                    a call whose result was lost in a crash is run again
+                    rather than aborted (procs keys its starts by call id)
+    secret_fields   string arguments the WAL must never hold (a terminal's
+                    input): the loop seals them into the agent's input vault
+                    before the turn is recorded (actors/agent/vault.py)
 
 A handler returns an `Outcome`: `Done(result)` or, for a mutating op,
 `Write(target, content, result)`, which the loop applies atomically after
@@ -43,6 +50,8 @@ class OpBase(BaseModel):
     mutates: ClassVar[bool] = False
     needs_operator: ClassVar[bool] = False
     ends_session: ClassVar[bool] = False
+    replay_safe: ClassVar[bool] = False
+    secret_fields: ClassVar[tuple[str, ...]] = ()
 
     def gate_path(self) -> str | None:
         value = getattr(self, self.path_field) if self.path_field else None

@@ -1,7 +1,10 @@
 """The agent side of procs: typed calls over a BrokerPeer, one method per
 request. Errors arrive as RemoteError (code `not_found`, `invalid_message`,
 ...); a request is resent under the same msg_id on timeout, and procs names
-jobs from (session, msg_id), so a resent start never starts twice."""
+jobs from (session, msg_id), so a resent start never starts twice (and a
+terminal takes an input once per msg_id). Every method that changes
+something takes an optional `msg_id`: an agent passes one derived from its
+call id, so the same call asked again after a crash is the same request."""
 
 from __future__ import annotations
 
@@ -43,11 +46,13 @@ class ProcsClient:
     # --- commands -----------------------------------------------------------------
     def bash(self, command: str, cwd: str, *, timeout_s: float = 120.0,
              max_bytes: int = 64 * 1024,
-             max_output_bytes: int | None = None) -> protocol.ProcOutput:
+             max_output_bytes: int | None = None,
+             msg_id: str | None = None) -> protocol.ProcOutput:
         """Run in the foreground; the reply comes when it ends (or is timed out)."""
-        message = protocol.Bash(msg_id=new_msg_id("b"), session=self.session, command=command,
-                                cwd=cwd, timeout_s=timeout_s, max_bytes=max_bytes,
-                                max_output_bytes=max_output_bytes)
+        message = protocol.Bash(
+            msg_id=msg_id or new_msg_id("b"), session=self.session, command=command,
+            cwd=cwd, timeout_s=timeout_s, max_bytes=max_bytes,
+            max_output_bytes=max_output_bytes)
         return self._output(message, timeout_s + KILL_REPLY_MARGIN_S, retries=1)
 
     def start(self, command: str, cwd: str, *, max_output_bytes: int | None = None,
@@ -62,21 +67,24 @@ class ProcsClient:
         return self._output(protocol.BashPoll(msg_id=new_msg_id("p"), session=self.session,
                                               proc_id=proc_id, cursor=cursor, max_bytes=max_bytes))
 
-    def kill(self, proc_id: str) -> protocol.ProcStatus:
-        return self._status(protocol.BashKill(msg_id=new_msg_id("k"), session=self.session,
-                                              proc_id=proc_id), KILL_REPLY_MARGIN_S)
+    def kill(self, proc_id: str, msg_id: str | None = None) -> protocol.ProcStatus:
+        return self._status(protocol.BashKill(
+            msg_id=msg_id or new_msg_id("k"), session=self.session, proc_id=proc_id),
+            KILL_REPLY_MARGIN_S)
 
     # --- terminals ----------------------------------------------------------------
     def terminal_start(self, argv: list[str], cwd: str, *, max_output_bytes: int | None = None,
                        lifetime_s: float | None = None, rows: int = 24,
-                       cols: int = 80) -> protocol.ProcStatus:
+                       cols: int = 80, msg_id: str | None = None) -> protocol.ProcStatus:
         return self._status(protocol.TerminalStart(
-            msg_id=new_msg_id("t"), session=self.session, argv=argv, cwd=cwd, rows=rows,
+            msg_id=msg_id or new_msg_id("t"), session=self.session, argv=argv, cwd=cwd, rows=rows,
             cols=cols, max_output_bytes=max_output_bytes, lifetime_s=lifetime_s))
 
-    def terminal_input(self, proc_id: str, data: bytes) -> protocol.ProcStatus:
-        return self._status(protocol.TerminalInput(msg_id=new_msg_id("i"), session=self.session,
-                                                   proc_id=proc_id, data=data))
+    def terminal_input(self, proc_id: str, data: bytes,
+                       msg_id: str | None = None) -> protocol.ProcStatus:
+        return self._status(protocol.TerminalInput(
+            msg_id=msg_id or new_msg_id("i"), session=self.session, proc_id=proc_id,
+            data=data))
 
     def terminal_read(self, proc_id: str, cursor: int = 0,
                       max_bytes: int = 64 * 1024) -> protocol.ProcOutput:
@@ -84,9 +92,10 @@ class ProcsClient:
                                                   proc_id=proc_id, cursor=cursor,
                                                   max_bytes=max_bytes))
 
-    def terminal_end(self, proc_id: str) -> protocol.ProcStatus:
-        return self._status(protocol.TerminalEnd(msg_id=new_msg_id("e"), session=self.session,
-                                                 proc_id=proc_id), KILL_REPLY_MARGIN_S)
+    def terminal_end(self, proc_id: str, msg_id: str | None = None) -> protocol.ProcStatus:
+        return self._status(protocol.TerminalEnd(
+            msg_id=msg_id or new_msg_id("e"), session=self.session, proc_id=proc_id),
+            KILL_REPLY_MARGIN_S)
 
     def end_session(self) -> protocol.ProcStatus:
         return self._status(protocol.SessionEnd(msg_id=new_msg_id("x"), session=self.session),

@@ -6,6 +6,13 @@ is the gate's pattern (`command_field`), the working directory is confined to
 the workspace (`path_field`). Handlers talk to procs through the agent's
 broker peer (`OpContext.peer`); the session is the agent's name.
 
+Every op here is `replay_safe`: a request that changes something carries a
+msg_id derived from the call id, and procs names a job from (session,
+msg_id) and takes a terminal's input once per msg_id; so an agent that
+crashed with a call started and no result runs the call again and gets the
+job it started, never a second one. A terminal's input text is a secret
+field: the WAL keeps its hash and size (actors/agent/vault.py).
+
 Output enters the model's context only through these results (decoded as
 UTF-8 with replacement, clipped to the agent's max_result_chars), each
 recorded by procs as a `proc_poll` / `terminal_read` fact.
@@ -38,6 +45,11 @@ def _cwd(ctx: OpContext, rel: str) -> str:
                workspace.resolve(ctx.workspace, rel, write=False))
 
 
+def _msg_id(ctx: OpContext, prefix: str) -> str | None:
+    """The request's msg_id, from the call: the same call is the same request."""
+    return f"{prefix}:{ctx.call_id}" if ctx.call_id else None
+
+
 def _out(ctx: OpContext, out: protocol.ProcOutput) -> dict[str, Any]:
     text = out.data.decode("utf-8", "replace")
     clipped = text[: ctx.max_result_chars]
@@ -66,7 +78,11 @@ def _call(ctx: OpContext, body: Any) -> Outcome:
     return Done(result, ok=result.get("state") != "lost")
 
 
-class BashOp(OpBase):
+class _ProcsOp(OpBase):
+    replay_safe: ClassVar[bool] = True
+
+
+class BashOp(_ProcsOp):
     """Run a shell command in the foreground and return its output (timeout kills it)."""
 
     op: Literal["bash"] = "bash"
@@ -77,7 +93,7 @@ class BashOp(OpBase):
     path_field: ClassVar[str | None] = "cwd"
 
 
-class BashStartOp(OpBase):
+class BashStartOp(_ProcsOp):
     """Start a background command; poll its output with bash_poll."""
 
     op: Literal["bash_start"] = "bash_start"
@@ -88,7 +104,7 @@ class BashStartOp(OpBase):
     path_field: ClassVar[str | None] = "cwd"
 
 
-class BashPollOp(OpBase):
+class BashPollOp(_ProcsOp):
     """Read a background command's output after `cursor`, and its exit status once known."""
 
     op: Literal["bash_poll"] = "bash_poll"
@@ -96,14 +112,14 @@ class BashPollOp(OpBase):
     cursor: Annotated[int, Field(ge=0)] = 0
 
 
-class BashKillOp(OpBase):
+class BashKillOp(_ProcsOp):
     """End a background command and everything it started."""
 
     op: Literal["bash_kill"] = "bash_kill"
     proc_id: ProcIdField
 
 
-class TerminalStartOp(OpBase):
+class TerminalStartOp(_ProcsOp):
     """Start an interactive program on a terminal (e.g. `python3 -i`)."""
 
     op: Literal["terminal_start"] = "terminal_start"
@@ -114,15 +130,16 @@ class TerminalStartOp(OpBase):
     path_field: ClassVar[str | None] = "cwd"
 
 
-class TerminalInputOp(OpBase):
+class TerminalInputOp(_ProcsOp):
     """Type text into a terminal (include a newline to submit a line)."""
 
     op: Literal["terminal_input"] = "terminal_input"
     proc_id: ProcIdField
     text: Annotated[str, Field(max_length=16 * 1024)]
+    secret_fields: ClassVar[tuple[str, ...]] = ("text",)
 
 
-class TerminalReadOp(OpBase):
+class TerminalReadOp(_ProcsOp):
     """Read a terminal's output after `cursor`."""
 
     op: Literal["terminal_read"] = "terminal_read"
@@ -130,7 +147,7 @@ class TerminalReadOp(OpBase):
     cursor: Annotated[int, Field(ge=0)] = 0
 
 
-class TerminalEndOp(OpBase):
+class TerminalEndOp(_ProcsOp):
     """End a terminal's program."""
 
     op: Literal["terminal_end"] = "terminal_end"
@@ -139,12 +156,14 @@ class TerminalEndOp(OpBase):
 
 def bash(op: BashOp, ctx: OpContext) -> Outcome:
     cwd = _cwd(ctx, op.cwd)
-    return _call(ctx, lambda c: _out(ctx, c.bash(op.command, cwd, timeout_s=op.timeout_s)))
+    return _call(ctx, lambda c: _out(ctx, c.bash(op.command, cwd, timeout_s=op.timeout_s,
+                                                     msg_id=_msg_id(ctx, "b"))))
 
 
 def bash_start(op: BashStartOp, ctx: OpContext) -> Outcome:
     cwd = _cwd(ctx, op.cwd)
-    return _call(ctx, lambda c: _status(c.start(op.command, cwd, lifetime_s=op.lifetime_s)))
+    return _call(ctx, lambda c: _status(c.start(op.command, cwd, lifetime_s=op.lifetime_s,
+                                                        msg_id=_msg_id(ctx, "s"))))
 
 
 def bash_poll(op: BashPollOp, ctx: OpContext) -> Outcome:
@@ -152,17 +171,19 @@ def bash_poll(op: BashPollOp, ctx: OpContext) -> Outcome:
 
 
 def bash_kill(op: BashKillOp, ctx: OpContext) -> Outcome:
-    return _call(ctx, lambda c: _status(c.kill(op.proc_id)))
+    return _call(ctx, lambda c: _status(c.kill(op.proc_id, _msg_id(ctx, "k"))))
 
 
 def terminal_start(op: TerminalStartOp, ctx: OpContext) -> Outcome:
     cwd = _cwd(ctx, op.cwd)
     return _call(ctx, lambda c: _status(c.terminal_start(
-        [TERMINAL_SHELL, "-c", op.command], cwd, lifetime_s=op.lifetime_s)))
+        [TERMINAL_SHELL, "-c", op.command], cwd, lifetime_s=op.lifetime_s,
+        msg_id=_msg_id(ctx, "t"))))
 
 
 def terminal_input(op: TerminalInputOp, ctx: OpContext) -> Outcome:
-    return _call(ctx, lambda c: _status(c.terminal_input(op.proc_id, op.text.encode())))
+    return _call(ctx, lambda c: _status(c.terminal_input(op.proc_id, op.text.encode(),
+                                                          _msg_id(ctx, "i"))))
 
 
 def terminal_read(op: TerminalReadOp, ctx: OpContext) -> Outcome:
@@ -170,7 +191,7 @@ def terminal_read(op: TerminalReadOp, ctx: OpContext) -> Outcome:
 
 
 def terminal_end(op: TerminalEndOp, ctx: OpContext) -> Outcome:
-    return _call(ctx, lambda c: _status(c.terminal_end(op.proc_id)))
+    return _call(ctx, lambda c: _status(c.terminal_end(op.proc_id, _msg_id(ctx, "e"))))
 
 
 register(BashOp, bash)

@@ -117,13 +117,15 @@ def _dispatch(host: ProcsHost, sender: str, message: protocol.Message) -> protoc
         case protocol.TerminalInput():
             job = _job(host, message.session, message.proc_id, "terminal")
             assert isinstance(job, Terminal)
+            if job.typed(message.msg_id):
+                return status(job, message.msg_id)  # a resend: typed once already
             if not job.running:
                 raise RefusedError(Code.NOT_FOUND, f"terminal {job.proc_id} is {job.entry.state}")
             host.facts.record(job.entry.session, "terminal_input",
                               f"{job.proc_id}:in:{message.msg_id}", proc_id=job.proc_id,
                               data_sha256=sha256(message.data), data_bytes=len(message.data))
             try:
-                job.send(message.data)
+                job.send(message.data, message.msg_id)
             except InputRefusedError as exc:
                 raise RefusedError(Code.RECIPIENT_BUSY, str(exc)) from exc
             return status(job, message.msg_id)

@@ -10,6 +10,11 @@ so after a crash of procs a terminal is reported lost, never re-attached.
 Output written before the program exits is never lost: the terminal ends
 only when the program has been reaped *and* the master reads EIO (on Linux:
 every byte the slave side wrote has been read).
+
+Input is typed once per request: the msg_ids of the last INPUT_IDS_KEPT
+inputs are remembered, so a resent `terminal_input` (a retry after a lost
+reply, or an agent running the same call again after a crash) is answered
+without typing it twice.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import errno
 import os
 import time
+from collections import OrderedDict
 
 from actors.procs.job import Job, state_for
 from actors.procs.registry import Entry
@@ -25,6 +31,7 @@ from actors.procs.registry import Entry
 READ_CHUNK = 64 * 1024
 PUMP_BUDGET_BYTES = 1024 * 1024  # per terminal per turn of the loop (fairness)
 MAX_PENDING_INPUT = 256 * 1024
+INPUT_IDS_KEPT = 256
 EIO_WAIT_S = 2.0  # after the program exits, how long a held slave may delay the end
 
 
@@ -41,6 +48,7 @@ class Terminal(Job):
         self.eof = master_fd is None
         self.reaped_at: float | None = None
         self._pending = bytearray()
+        self._inputs: OrderedDict[str, None] = OrderedDict()
         if master_fd is not None:
             self.log_fd = os.open(
                 entry.log_path,
@@ -75,13 +83,23 @@ class Terminal(Job):
         self._flush_input()
         return total
 
-    def send(self, data: bytes) -> None:
-        """Queue input for the program (written as the PTY takes it)."""
+    def typed(self, input_id: str) -> bool:
+        """Whether the input sent under `input_id` was already taken."""
+        return input_id in self._inputs
+
+    def send(self, data: bytes, input_id: str) -> None:
+        """Queue input for the program (written as the PTY takes it), once per
+        `input_id`."""
+        if input_id in self._inputs:
+            return
         if not self.running or self.master_fd is None:
             raise InputRefusedError(f"terminal {self.proc_id} is {self.entry.state}")
         if len(self._pending) + len(data) > MAX_PENDING_INPUT:
             raise InputRefusedError(f"terminal {self.proc_id}: input queue full")
         self._pending += data
+        self._inputs[input_id] = None
+        if len(self._inputs) > INPUT_IDS_KEPT:
+            self._inputs.popitem(last=False)
         self._flush_input()
 
     def _flush_input(self) -> None:

@@ -1,0 +1,105 @@
+"""The agent's input vault: the text of an op's secret fields (what the
+model types into a terminal) kept outside the WAL.
+
+The WAL records what the model asked for, and recovery runs a turn's
+actions from it; but terminal input may be a password, and the WAL records
+input only as a hash and a size. So before a turn is appended, every secret
+field of its actions (`OpBase.secret_fields`) is sealed: the text goes to
+`<agent dir>/vault/<sha256>` (0600, fsynced) and the action carries
+`{"sha256": ..., "bytes": ...}` in its place. A call opens it again just
+before it is parsed and run. The vault holds only the open turn's texts: a
+new turn clears it. A sealed field whose text is gone (the vault was
+removed, or a replay of another agent's turns) is refused as the call's
+error, never guessed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from actors.agent.ops import model_for
+from broker.durable import fsync_dir, write_atomic
+
+SEALED_KEYS = frozenset({"sha256", "bytes"})
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+class SealedInputMissingError(Exception):
+    """A sealed field's text is not in the vault (or does not match its hash)."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__(f"{field}: the sealed input is gone from this agent's vault")
+        self.field = field
+
+
+def _secret_fields(action: object) -> tuple[str, ...]:
+    if not isinstance(action, dict):
+        return ()
+    name = action.get("op")
+    model = model_for(name) if isinstance(name, str) else None
+    return model.secret_fields if model is not None else ()
+
+
+def is_sealed(value: object) -> bool:
+    return isinstance(value, dict) and set(value) == SEALED_KEYS
+
+
+class Vault:
+    def __init__(self, agent_dir: Path) -> None:
+        self.dir = agent_dir / "vault"
+
+    def seal(self, actions: list[Any]) -> list[Any]:
+        """Clear the vault, keep every secret text of `actions` in it (durably)
+        and return the actions with those texts replaced by their seals."""
+        self.clear()
+        out: list[Any] = []
+        for action in actions:
+            fields = [f for f in _secret_fields(action) if isinstance(action.get(f), str)]
+            if not fields:
+                out.append(action)
+                continue
+            sealed = dict(action)
+            for name in fields:
+                data = str(action[name]).encode("utf-8", "surrogatepass")
+                digest = hashlib.sha256(data).hexdigest()
+                self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                write_atomic(self.dir / digest, data, sync_dir=False)
+                sealed[name] = {"sha256": digest, "bytes": len(data)}
+            fsync_dir(self.dir)
+            out.append(sealed)
+        return out
+
+    def open(self, action: object) -> object:
+        """`action` with its sealed fields filled from the vault; raises
+        SealedInputMissingError when a text is missing or altered."""
+        if not isinstance(action, dict):
+            return action
+        fields = [f for f in _secret_fields(action) if is_sealed(action.get(f))]
+        if not fields:
+            return action
+        opened = dict(action)
+        for name in fields:
+            digest = str(action[name]["sha256"])
+            try:
+                data = (self.dir / digest).read_bytes() if _DIGEST.fullmatch(digest) else None
+            except OSError:
+                data = None
+            if data is None or hashlib.sha256(data).hexdigest() != digest:
+                raise SealedInputMissingError(name)
+            opened[name] = data.decode("utf-8", "surrogatepass")
+        return opened
+
+    def clear(self) -> None:
+        """Forget every kept text (no open turn refers to them any more)."""
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / name).unlink()
