@@ -270,6 +270,7 @@ def violations(figures: dict[str, object]) -> list[str]:
         "state_mismatches",
         "workspace_mismatches",
         "double_applies",
+        "commands_started_twice",
     ):
         if figures.get(key):
             bad.append(f"{key}={figures[key]}")

@@ -9,7 +9,12 @@
   the last write the WAL says was applied to it;
 - `double_applies`: a change set applied more than once (two
   `subagent_applied` facts for one change set), or a call whose effect was
-  started twice (two `tool_start` facts for one call id)."""
+  started twice (two `tool_start` facts for one call id);
+- `commands_started_twice`: one session's command started by procs more
+  than once (two `proc_start` facts with the same command digest on
+  `procs/<agent>`: every command of the soak task is distinct within an
+  agent, so a call run again after a crash must find its job, not start
+  another)."""
 
 from __future__ import annotations
 
@@ -56,17 +61,27 @@ def expected_workspace(repeat: int) -> dict[str, bytes]:
     return files
 
 
-def _agent_events(state_dir: StateDir) -> dict[str, list[Event]]:
+def _agent_events(state_dir: StateDir) -> tuple[dict[str, list[Event]], dict[str, list[str]]]:
+    """Each agent's stream, and the command digests procs started for each session."""
     events: dict[str, list[Event]] = defaultdict(list)
+    commands: dict[str, list[str]] = defaultdict(list)
     for _, path in list_segments(state_dir.wal_dir):
         with open(path, "rb") as f:
             for line in f:
                 record = parse_record(line)
-                if record is not None and record.stream.startswith("agent/"):
+                if record is None:
+                    continue
+                if record.stream.startswith("agent/"):
                     events[record.stream.removeprefix("agent/")].append(
                         (record.seq, record.event, record.payload())
                     )
-    return events
+                elif record.stream.startswith("procs/") and record.event == "proc_start":
+                    payload = record.payload()
+                    if isinstance(payload, dict):
+                        commands[record.stream.removeprefix("procs/")].append(
+                            str(payload.get("command_sha256"))
+                        )
+    return events, commands
 
 
 def _workspace_files(root: Path) -> dict[str, bytes]:
@@ -110,7 +125,7 @@ def check(
 ) -> dict[str, object]:
     """Agents in `tainted` (acknowledged facts of theirs were cut by the soak)
     are skipped: their files and answers are ahead of what their WAL says."""
-    all_events = _agent_events(state_dir)
+    all_events, commands = _agent_events(state_dir)
     names = sorted(
         p.stem
         for p in (state_dir.config_dir / "agents").glob("*.json")
@@ -119,7 +134,10 @@ def check(
     state_bad: list[str] = []
     workspace_bad: list[str] = []
     double = 0
+    commands_twice = 0
     for name in names:
+        started = commands.get(name, [])
+        commands_twice += len(started) - len(set(started))
         events = all_events.get(name, [])
         child = "." in name  # a subagent's child: agent/<parent>.<subagent id>
         if child and not events:
@@ -153,4 +171,5 @@ def check(
         "workspace_mismatches": len(workspace_bad),
         "workspace_mismatch_examples": workspace_bad[:10],
         "double_applies": double,
+        "commands_started_twice": commands_twice,
     }
