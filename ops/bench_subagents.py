@@ -5,10 +5,11 @@ the same edits + `git diff --binary`, measured in the same run.
 Figures:
     changeset_ms_p50        spawn_subagent sent by the parent (through the broker)
                             to the reply carrying the change set: snapshot of the
-                            1,000 files, a real child agent process (fresh
-                            interpreter, scripted model, 10 edit_file ops and
-                            finish, each through the gate and the WAL), the
-                            change set built and returned
+                            1,000 files, a real child agent process (forked by
+                            the host's zygote; the first run may find it still
+                            preloading and wait for it; scripted model, 10
+                            edit_file ops and finish, each through the gate and
+                            the WAL), the change set built and returned
     changeset_core_ms_p50   the same work as the baseline, in-process: snapshot,
                             the 10 edits, build of the change set (manifest, blobs,
                             patch); no child process

@@ -1,23 +1,38 @@
 """The zygote: a preloaded template process that forks cheap agents.
 
-`python -m supervisor.zygote --fd N ...` is started by the supervisor (a
-child with PDEATHSIG like any other). It imports the heavy modules (zmq,
+`python -m supervisor.zygote --fd N ...` is started by the supervisor, and by
+the subagents host for child agents (actors/subagents/host.py); either way a
+child with PDEATHSIG like any other. It imports the heavy modules (zmq,
 pydantic, structlog, the protocol, the agent shell), builds the validators
 once, calls `gc.freeze()` so that a collection in a child does not unshare
-the template's pages, and then serves fork requests on the socketpair `N`
-(SOCK_SEQPACKET: one datagram per request). It never creates a ZeroMQ context:
-contexts do not survive fork; each agent creates its own after the fork.
+the template's pages, says `ready`, and then serves fork requests on the
+socketpair `N` (SOCK_SEQPACKET: one datagram per request). It never creates a
+ZeroMQ context: contexts do not survive fork; each agent creates its own
+after the fork.
 
-Who is whose parent: the supervisor is a child subreaper
-(supervisor/lifeline.py). The zygote double-forks: an intermediate process
-forks the agent and exits at once, so the agent is adopted by the supervisor,
-which reaps it and sees its exit status like any other child's. The agent
-waits until its parent is the supervisor, then sets PDEATHSIG relative to it
-and checks getppid() once more.
+Who is whose parent: the zygote's parent (the supervisor, or the subagents
+host) is a child subreaper (supervisor/lifeline.py). The zygote double-forks:
+an intermediate process forks the agent and exits at once, so the agent is
+adopted by the zygote's parent, which reaps it and sees its exit status like
+any other child's. The agent waits until its parent is the zygote's parent,
+then sets PDEATHSIG relative to it and checks getppid() once more.
 
-The request/reply format on the socketpair (this module owns it):
-    request  b"fork <name>"
-    reply    b"forked <name> <pid>"   or   b"failed <name> <reason>"
+The format on the socketpair (this module owns it):
+    from the zygote, once, after preloading
+        b"ready <zygote pid>"
+    request
+        b"fork <name>"                  stdout/stderr are the zygote's (the supervisor)
+        b"fork <name> <output path>"    stdout and stderr go to <output path>, opened
+                                        by the zygote before it forks (O_WRONLY|O_CREAT|
+                                        O_APPEND|O_CLOEXEC, 0600; the path is the rest of
+                                        the datagram, spaces included)
+        Either form may carry one file descriptor (SCM_RIGHTS): a *start gate*,
+        the read end of a pipe. The agent, once adopted, reads one byte from it
+        and runs only on b"g"; on EOF (the requester closed the write end: it
+        gave up, or died) it exits 125 without running anything. The subagents
+        host records the agent's pid durably before it opens the gate.
+    reply
+        b"forked <name> <pid>"   or   b"failed <name> <reason>"
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.
@@ -33,11 +48,20 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from typing import get_args
 
 from supervisor.lifeline import die_with_parent
 
 EXIT_SOFTWARE = 70
+EXIT_GATE_CLOSED = 125  # the start gate closed without "go" (as actors/procs/launch.py)
+MAX_DATAGRAM_BYTES = 8192  # a request: the word, a name, a path (PATH_MAX 4096)
 _REPARENT_WAIT_S = 2.0
+_OUTPUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
 
 
 @dataclass(frozen=True)
@@ -52,13 +76,32 @@ class ForkFailed:
     reason: str
 
 
-def fork_request(name: str) -> bytes:
-    return f"fork {name}".encode()
+@dataclass(frozen=True)
+class ForkRequest:
+    name: str
+    output: bytes | None = None  # a path (bytes: any file name the OS accepts)
 
 
-def parse_reply(data: bytes) -> Forked | ForkFailed:
-    """Parse one reply datagram; ValueError when it is not one."""
-    word, name, rest = data.decode("utf-8", "replace").split(" ", 2)
+def fork_request(name: str, output: str | os.PathLike[str] | None = None) -> bytes:
+    data = f"fork {name}".encode()
+    return data if output is None else data + b" " + os.fsencode(output)
+
+
+def parse_request(data: bytes) -> ForkRequest | None:
+    """Parse one request datagram; None when it is not one."""
+    word, _, rest = data.partition(b" ")
+    name, _, output = rest.partition(b" ")
+    if word != b"fork" or not name:
+        return None
+    return ForkRequest(name.decode("utf-8", "replace"), output or None)
+
+
+def parse_reply(data: bytes) -> Ready | Forked | ForkFailed:
+    """Parse one datagram from the zygote; ValueError when it is not one."""
+    text = data.decode("utf-8", "replace")
+    if text.startswith("ready "):
+        return Ready(int(text.removeprefix("ready ")))
+    word, name, rest = text.split(" ", 2)
     if word == "forked":
         return Forked(name, int(rest))
     if word == "failed":
@@ -73,7 +116,11 @@ def _preload() -> None:
     from actors.agent import process  # noqa: F401
     from broker import protocol
 
-    # Build the validators and encoders once, in the template.
+    # Build the validators and encoders once, in the template: protocol.py defers
+    # them to first use (cheap for a short-lived CLI), which every agent would
+    # otherwise pay again after the fork.
+    for model in get_args(get_args(protocol.Message)[0]):
+        model.model_rebuild()
     frame = protocol.encode(protocol.Heartbeat(actor="zygote", pid=os.getpid()))
     protocol.decode(frame)
     protocol.decode(protocol.encode(protocol.Ping(msg_id="warm")))
@@ -85,29 +132,46 @@ class Zygote:
     def __init__(self, sock: socket.socket, args: argparse.Namespace) -> None:
         self.sock = sock
         self.args = args
-        self.supervisor_pid = os.getppid()
+        self.parent_pid = os.getppid()  # the supervisor or the subagents host
 
     def serve(self) -> int:
+        try:
+            self.sock.send(f"ready {os.getpid()}".encode())
+        except OSError:
+            return 0  # the parent is gone already
         while True:
             try:
-                data = self.sock.recv(4096)
+                data, fds, _flags, _addr = socket.recv_fds(
+                    self.sock, MAX_DATAGRAM_BYTES, 1, socket.MSG_CMSG_CLOEXEC)
             except InterruptedError:
                 continue
             if not data:
-                return 0  # the supervisor closed its end
-            word, _, name = data.decode("utf-8", "replace").partition(" ")
-            if word != "fork" or not name:
-                continue
+                return 0  # the parent closed its end
             try:
-                pid = self._fork(name)
-                reply = f"forked {name} {pid}"
-            except OSError as exc:
-                reply = f"failed {name} {exc.strerror or exc}"
-            self.sock.send(reply.encode())
+                request = parse_request(data)
+                if request is None:
+                    continue
+                try:
+                    pid = self._fork(request, fds[0] if fds else None)
+                    reply = f"forked {request.name} {pid}"
+                except OSError as exc:
+                    reply = f"failed {request.name} {exc.strerror or exc}"
+                self.sock.send(reply.encode())
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
-    def _fork(self, name: str) -> int:
-        read_fd, write_fd = os.pipe()
-        middle = os.fork()
+    def _fork(self, request: ForkRequest, gate: int | None) -> int:
+        output = os.open(request.output, _OUTPUT_FLAGS, 0o600) if request.output else None
+        read_fd = write_fd = -1
+        try:
+            read_fd, write_fd = os.pipe()
+            middle = os.fork()
+        except BaseException:
+            for fd in (output, read_fd, write_fd):
+                if fd is not None and fd >= 0:
+                    os.close(fd)
+            raise
         if middle == 0:  # the intermediate: fork the agent, report its pid, vanish
             code = 0
             try:
@@ -115,13 +179,15 @@ class Zygote:
                 pid = os.fork()
                 if pid == 0:
                     os.close(write_fd)
-                    self._become_agent(name)  # never returns
+                    self._become_agent(request.name, output, gate)  # never returns
                 os.write(write_fd, str(pid).encode())
             except BaseException:  # noqa: BLE001 - nothing may escape a forked child
                 code = EXIT_SOFTWARE
             finally:
                 os._exit(code)
         os.close(write_fd)
+        if output is not None:
+            os.close(output)
         try:
             data = b""
             while chunk := os.read(read_fd, 64):
@@ -133,18 +199,26 @@ class Zygote:
             raise OSError(0, "the intermediate process failed to fork")
         return int(data)
 
-    def _become_agent(self, name: str) -> None:
+    def _become_agent(self, name: str, output: int | None, gate: int | None) -> None:
         code = EXIT_SOFTWARE
         try:
             self.sock.close()
             os.setsid()
             deadline = time.monotonic() + _REPARENT_WAIT_S
-            while os.getppid() != self.supervisor_pid:
+            while os.getppid() != self.parent_pid:
                 if time.monotonic() > deadline:
-                    os._exit(EXIT_SOFTWARE)  # not adopted: the supervisor is gone
+                    os._exit(EXIT_SOFTWARE)  # not adopted: the zygote's parent is gone
                 time.sleep(0.0002)
-            if not die_with_parent(self.supervisor_pid):
+            if not die_with_parent(self.parent_pid):
                 os._exit(EXIT_SOFTWARE)
+            if output is not None:
+                os.dup2(output, 1)
+                os.dup2(output, 2)
+                os.close(output)
+            if gate is not None:
+                if os.read(gate, 1) != b"g":
+                    os._exit(EXIT_GATE_CLOSED)
+                os.close(gate)
             from actors.agent.process import AgentOptions, serve
             from broker.statedir import StateDir
 

@@ -2,7 +2,14 @@
 `bash` through procs, spawns a child (a real agent process on a snapshot of
 its workspace), reads the change set that came back through the broker,
 applies it once (a second apply is refused), and the child's usage is
-counted into the parent's budget. The patch also applies with real git."""
+counted into the parent's budget. The patch also applies with real git.
+
+The child's process: forked by the host's zygote (its parent is the host, its
+argv the zygote's), a fresh interpreter without the zygote or when the
+zygote fails; after a SIGKILL of the host neither the child nor the zygote
+is left, and a restart resumes the child. The child runs on what remains of
+its parent's budget; a relative task path stays inside the parent's
+workspace."""
 
 from __future__ import annotations
 
@@ -11,21 +18,33 @@ import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 import zmq
 
-from actors.agent.settings import AgentSpec, write_spec
+from actors.agent.ops import OpContext
+from actors.agent.rebuild import rebuild
+from actors.agent.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
+from actors.agent.state import BudgetUse
 from actors.changesets import manifest as mf
+from actors.procs.launch import GATE_CLOSED_EXIT
+from actors.subagents import starter as starter_mod
+from actors.subagents.host import remaining
+from actors.subagents.ops import SpawnSubagentOp, spawn_subagent, task_path
 from actors.writer_client import WriterClient
 from broker import protocol
-from broker.errors import RemoteError, RequestTimeoutError
+from broker.errors import PathRefusedError, RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
 from broker.statedir import StateDir
-from tests.processes import ProcessTracker, wait_for
-
-pytestmark = pytest.mark.process
+from supervisor import zygote
+from supervisor.agentcli import answer_approval
+from tests.processes import MARKER_ENV, ProcessTracker, wait_for
 
 CHILD_TASK = """
 name: child
@@ -48,6 +67,21 @@ steps:
 """
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _stop_host(host: subprocess.Popen[bytes]) -> None:
+    """SIGTERM: the host stops its children and its zygote, then exits 0."""
+    kids = psutil.Process(host.pid).children()
+    host.send_signal(signal.SIGTERM)
+    assert host.wait(20) == 0
+    wait_for(lambda: all(_gone(k.pid) for k in kids), 10, "the host's children to go")
+
+
 def _ping(peer: BrokerPeer, to: str) -> bool:
     try:
         reply = peer.request(to, protocol.Ping(msg_id=new_msg_id("p")), timeout_s=0.2,
@@ -57,6 +91,7 @@ def _ping(peer: BrokerPeer, to: str) -> bool:
     return isinstance(reply, protocol.Pong)
 
 
+@pytest.mark.process
 def test_parent_spawns_child_reads_and_applies_its_change_set_once(
     processes: ProcessTracker, state_dir: StateDir,
 ) -> None:
@@ -64,7 +99,7 @@ def test_parent_spawns_child_reads_and_applies_its_change_set_once(
     processes.spawn(["-m", "actors.writer", "--state-dir", root], name="writer")
     processes.spawn(["-m", "broker.server", "--state-dir", root], name="broker")
     processes.spawn(["-m", "actors.procs", "--state-dir", root], name="procs")
-    processes.spawn(["-m", "actors.subagents", "--state-dir", root], name="subagents")
+    host = processes.spawn(["-m", "actors.subagents", "--state-dir", root], name="subagents")
     tmp = state_dir.root.parent
     ws = tmp / "ws"
     (ws / "src").mkdir(parents=True)
@@ -114,6 +149,7 @@ def test_parent_spawns_child_reads_and_applies_its_change_set_once(
         stats = peer.request("subagents", protocol.StatsRequest(msg_id="st"), timeout_s=5)
         assert isinstance(stats, protocol.Stats)
         assert stats.values["applied_total"] == 1 and stats.values["running_children"] == 0
+        _stop_host(host)
     finally:
         peer.close()
         writer.close()
@@ -130,6 +166,7 @@ steps:
 """
 
 
+@pytest.mark.process
 def test_host_sigkilled_mid_child_resumes_the_child_and_delivers_its_change_set(
     processes: ProcessTracker, state_dir: StateDir,
 ) -> None:
@@ -161,7 +198,8 @@ def test_host_sigkilled_mid_child_resumes_the_child_and_delivers_its_change_set(
         wait_for(child_in_bash, 20, "the child inside its bash op")
         os.killpg(host.pid, signal.SIGKILL)  # the child dies with it (PDEATHSIG)
         host.wait()
-        processes.spawn(["-m", "actors.subagents", "--state-dir", root], name="subagents2")
+        host = processes.spawn(["-m", "actors.subagents", "--state-dir", root],
+                               name="subagents2")
         wait_for(lambda: _ping(peer, "subagents"), 20, "the restarted host")
         reply = peer.request("subagents", protocol.SubagentChanges(
             msg_id=new_msg_id("c"), parent="agent-9", subagent_id="latest", wait_s=30),
@@ -180,7 +218,288 @@ def test_host_sigkilled_mid_child_resumes_the_child_and_delivers_its_change_set(
         assert isinstance(applied, protocol.SubagentReply)
         assert applied.state == "applied" and applied.refusal is None
         assert (ws / "after.txt").read_text() == "after the crash\n"
+        _stop_host(host)
     finally:
         peer.close()
         writer.close()
         ctx.destroy(linger=0)
+
+
+# --- the child's process --------------------------------------------------------------
+
+ASKING_CHILD_TASK = """
+name: child
+steps:
+  - {op: write_file, path: a.txt, content: "before the question\\n"}
+  - {op: ask, question: "go on?"}
+  - {op: write_file, path: b.txt, content: "after the answer\\n"}
+  - {op: finish, summary: done}
+"""
+
+
+@dataclass
+class Rig:
+    """A writer and a broker, a peer named like a parent agent, a writer client."""
+
+    state_dir: StateDir
+    processes: ProcessTracker
+    peer: BrokerPeer
+    writer: WriterClient
+    ws: Path
+
+    def start_host(self, name: str, *extra: str,
+                   env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        host = self.processes.spawn(
+            ["-m", "actors.subagents", "--state-dir", str(self.state_dir.root), *extra],
+            name=name, env=env)
+        wait_for(lambda: _ping(self.peer, "subagents"), 20, "the subagents host")
+        return host
+
+    def request(self, message: protocol.Message, timeout_s: float = 10) -> Any:
+        return self.peer.request("subagents", message, timeout_s=timeout_s, retries=0)
+
+    def spawn(self, task: str, wait_s: float = 0) -> protocol.SubagentReply:
+        reply = self.request(protocol.SpawnSubagent(
+            msg_id=new_msg_id("s"), parent=self.peer.name, workspace=str(self.ws), task=task,
+            wait_s=wait_s), timeout_s=wait_s + 10)
+        assert isinstance(reply, protocol.SubagentReply)
+        return reply
+
+    def stats(self) -> dict[str, Any]:
+        reply = self.request(protocol.StatsRequest(msg_id=new_msg_id("st")))
+        assert isinstance(reply, protocol.Stats)
+        return reply.values
+
+    def registry(self) -> dict[str, dict[str, Any]]:
+        raw = json.loads((self.state_dir.root / "subagents" / "registry.json").read_text())
+        return {c["subagent_id"]: c for c in raw["children"]}
+
+    def asking(self, child: str) -> bool:
+        return bool(rebuild(self.writer, self.state_dir, child).state.pending_approvals())
+
+    def answer(self, child: str) -> None:
+        state = rebuild(self.writer, self.state_dir, child).state
+        [request] = state.pending_approvals()
+        answer_approval(self.writer, child, state, request.request, decision="approve",
+                        always=False, note=None)
+
+    def changes(self, subagent_id: str) -> protocol.SubagentReply:
+        reply = self.request(protocol.SubagentChanges(
+            msg_id=new_msg_id("c"), parent=self.peer.name, subagent_id=subagent_id,
+            wait_s=30), timeout_s=40)
+        assert isinstance(reply, protocol.SubagentReply)
+        return reply
+
+
+@pytest.fixture
+def rig(processes: ProcessTracker, state_dir: StateDir) -> Iterator[Rig]:
+    root = str(state_dir.root)
+    processes.spawn(["-m", "actors.writer", "--state-dir", root], name="writer")
+    processes.spawn(["-m", "broker.server", "--state-dir", root], name="broker")
+    ws = state_dir.root.parent / "ws"
+    ws.mkdir()
+    (ws / "keep.txt").write_text("keep\n")
+    (state_dir.root.parent / "asking.yaml").write_text(ASKING_CHILD_TASK)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    peer = BrokerPeer(ctx, state_dir, "agent-7")
+    writer = WriterClient(ctx, state_dir, "test")
+    try:
+        yield Rig(state_dir, processes, peer, writer, ws)
+    finally:
+        peer.close()
+        writer.close()
+        ctx.destroy(linger=0)
+
+
+def _zygotes(host_pid: int, *children: int) -> list[psutil.Process]:
+    """The host's zygote (a forked child shows the same argv: `children` are left out)."""
+    return [p for p in psutil.Process(host_pid).children()
+            if p.pid not in children and "supervisor.zygote" in p.cmdline()]
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("use_zygote", [True, False], ids=["zygote", "no-zygote"])
+def test_child_is_a_fork_of_the_hosts_zygote_or_without_it_a_fresh_interpreter(
+    rig: Rig, use_zygote: bool,
+) -> None:
+    """With the zygote the child's parent is the host and its argv is the
+    zygote's (forked, never exec'd); with --no-zygote it is `python -m
+    actors.agent`. Either way: stdout/stderr go to <child dir>/child.out, the
+    supervisor's variables are not inherited, and the change set comes back."""
+    supervised = {"CORRAL_CONTROL": f"ipc://{rig.state_dir.run_dir}/nobody.sock",
+                  "CORRAL_ACTOR": "subagents"}
+    host = rig.start_host("subagents", *([] if use_zygote else ["--no-zygote"]), env=supervised)
+    if use_zygote:  # else the first spawn may find it still preloading: a fresh interpreter
+        wait_for(lambda: rig.stats()["zygote_ready"] == 1, 20, "the zygote preloaded")
+    first = rig.spawn(str(rig.ws.parent / "asking.yaml"))
+    assert first.state == "running"
+    child = f"agent-7.{first.subagent_id}"
+    wait_for(lambda: rig.asking(child), 20, "the child waiting for its answer")
+    record = rig.registry()[first.subagent_id]
+    proc = psutil.Process(record["pid"])
+    assert proc.ppid() == host.pid
+    zygotes = _zygotes(host.pid, proc.pid)
+    if use_zygote:
+        assert len(zygotes) == 1
+        assert proc.cmdline() == zygotes[0].cmdline()
+        assert "CORRAL_CONTROL" not in zygotes[0].environ()
+    else:
+        assert zygotes == []
+        assert proc.cmdline()[1:5] == ["-m", "actors.agent", "--name", child]
+    out = str(Path(record["directory"]) / "child.out")
+    assert os.readlink(f"/proc/{proc.pid}/fd/1") == out
+    assert os.readlink(f"/proc/{proc.pid}/fd/2") == out
+    assert "CORRAL_CONTROL" not in proc.environ()
+    rig.answer(child)
+    reply = rig.changes(first.subagent_id)
+    assert reply.state == "ended", reply
+    assert reply.manifest is not None
+    assert {f["path"] for f in json.loads(reply.manifest)["files"]} == {"a.txt", "b.txt"}
+    stats = rig.stats()
+    assert stats["zygote_forks_total"] == (1 if use_zygote else 0)
+    assert stats["interpreter_starts_total"] == (0 if use_zygote else 1)
+    _stop_host(host)
+
+
+@pytest.mark.process
+def test_host_sigkilled_leaves_no_child_or_zygote_and_a_restart_resumes_the_child(
+    rig: Rig,
+) -> None:
+    """PDEATHSIG takes the forked child and the zygote with the host; the
+    restarted host starts the child again (as its own child) and the child
+    carries on from its stream (its question still pending)."""
+    host = rig.start_host("subagents")
+    wait_for(lambda: rig.stats()["zygote_ready"] == 1, 20, "the zygote preloaded")
+    first = rig.spawn(str(rig.ws.parent / "asking.yaml"))
+    child = f"agent-7.{first.subagent_id}"
+    wait_for(lambda: rig.asking(child), 20, "the child waiting for its answer")
+    pid = rig.registry()[first.subagent_id]["pid"]
+    [template] = _zygotes(host.pid, pid)
+    assert psutil.Process(pid).cmdline() == template.cmdline()  # a fork of the zygote
+    os.killpg(host.pid, signal.SIGKILL)
+    host.wait()
+    wait_for(lambda: _gone(pid) and _gone(template.pid), 10, "the child and the zygote to die")
+    host = rig.start_host("subagents2")
+    wait_for(lambda: rig.registry()[first.subagent_id]["starts"] == 2, 20, "the child resumed")
+    resumed = psutil.Process(rig.registry()[first.subagent_id]["pid"])
+    assert resumed.pid != pid and resumed.ppid() == host.pid  # (forked, or fresh if the
+    # new zygote was still preloading: either way the host's own child)
+    rig.answer(child)
+    reply = rig.changes(first.subagent_id)
+    assert reply.state == "ended", reply
+    assert reply.manifest is not None
+    assert {f["path"] for f in json.loads(reply.manifest)["files"]} == {"a.txt", "b.txt"}
+    _stop_host(host)
+
+
+def test_a_zygote_that_dies_before_ready_falls_back_to_a_fresh_interpreter(
+    processes: ProcessTracker, state_dir: StateDir, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A broken zygote costs a failure, not the child: it starts as a fresh
+    interpreter (held at its gate: abandoned here, it exits unrun); after
+    ZYGOTE_MAX_FAILURES failures in a row no zygote is started any more."""
+    monkeypatch.setenv(MARKER_ENV, processes.marker)  # the leak check sees our processes
+    starter = starter_mod.ChildStarter(state_dir, zygote_args=["--no-such-option"])
+    directory = state_dir.root / "child"
+    directory.mkdir()
+    for failures in range(1, starter_mod.ZYGOTE_MAX_FAILURES + 1):
+        started = starter.start("child", directory)
+        started.abandon()
+        assert started.via == "interpreter"
+        _, status = os.waitpid(started.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == GATE_CLOSED_EXIT
+        assert starter.zygote is not None and starter.zygote.pid is not None
+        zygote_pid = starter.zygote.pid
+        _, status = os.waitpid(zygote_pid, 0)
+        assert starter.reaped(zygote_pid, status)
+        assert starter.failures == failures and starter.zygote is None
+    assert not starter.use_zygote
+    started = starter.start("child", directory)
+    started.abandon()
+    os.waitpid(started.pid, 0)
+    assert starter.zygote is None
+    assert starter.counts == {"zygote": 0, "interpreter": starter_mod.ZYGOTE_MAX_FAILURES + 1}
+
+
+def test_zygote_request_format_keeps_the_old_form_and_carries_an_output_path() -> None:
+    assert zygote.parse_request(zygote.fork_request("agent-1")) == zygote.ForkRequest("agent-1")
+    data = zygote.fork_request("a.s-0123456789ab", "/tmp/with space/child.out")
+    assert data == b"fork a.s-0123456789ab /tmp/with space/child.out"
+    assert zygote.parse_request(data) == zygote.ForkRequest(
+        "a.s-0123456789ab", b"/tmp/with space/child.out")
+    assert zygote.parse_request(b"spoon agent-1") is None
+    assert zygote.parse_request(b"fork") is None
+    assert zygote.parse_reply(b"ready 42") == zygote.Ready(42)
+    assert zygote.parse_reply(b"forked agent-1 43") == zygote.Forked("agent-1", 43)
+    assert zygote.parse_reply(b"failed agent-1 out of memory") == zygote.ForkFailed(
+        "agent-1", "out of memory")
+
+
+# --- budget and task path ---------------------------------------------------------------
+
+@pytest.mark.parametrize(("limit", "used", "left"), [
+    (Budget(), BudgetUse(tokens_used=10**9, cost_used=1e9), Budget()),
+    (Budget(tokens=1000), BudgetUse(tokens_used=300), Budget(tokens=700)),
+    (Budget(tokens=1000), BudgetUse(tokens_used=1200, extra_tokens=500), Budget(tokens=300)),
+    (Budget(tokens=1000), BudgetUse(tokens_used=5000), Budget(tokens=0)),
+    (Budget(cost_units=2.0), BudgetUse(cost_used=0.5, extra_cost=1.0),
+     Budget(cost_units=2.5)),
+    (Budget(tokens=10, cost_units=1.0), BudgetUse(tokens_used=3, cost_used=4.0),
+     Budget(tokens=7, cost_units=0.0)),
+])
+def test_remaining_budget_is_limit_plus_extra_minus_use_floored_at_zero(
+    limit: Budget, used: BudgetUse, left: Budget,
+) -> None:
+    assert remaining(limit, used) == left
+
+
+def test_a_relative_task_path_resolves_inside_the_workspace_and_cannot_escape(
+    tmp_path: Path,
+) -> None:
+    ws = tmp_path / "ws"
+    (ws / "tasks").mkdir(parents=True)
+    (ws / "tasks/child.yaml").write_text("name: child\n")
+    (tmp_path / "outside.yaml").write_text("name: outside\n")
+    (ws / "out").symlink_to(tmp_path)
+    assert task_path(ws, "tasks/child.yaml") == str((ws / "tasks/child.yaml").resolve())
+    assert task_path(ws, str(tmp_path / "outside.yaml")) == str(tmp_path / "outside.yaml")
+    for escape in ("../outside.yaml", "out/outside.yaml", "~/x.yaml", "tasks/../../x"):
+        with pytest.raises(PathRefusedError):
+            task_path(ws, escape)
+    # the op resolves before it asks the host: an escape never leaves the agent
+    ctx = OpContext(agent="a1", workspace=ws, memory_dir=tmp_path,
+                    state_dir=StateDir(tmp_path / ".corral"))
+    with pytest.raises(PathRefusedError):
+        spawn_subagent(SpawnSubagentOp(task="../outside.yaml"), ctx)
+
+
+@pytest.mark.process
+def test_child_gets_what_remains_of_its_parents_budget_and_its_task_from_the_workspace(
+    rig: Rig,
+) -> None:
+    """The child's spec holds the parent's remaining budget (bounds plus
+    granted extra minus use); a parent with none left is refused; a relative
+    task path names a file in the parent's workspace, an escape is refused."""
+    (rig.ws / "tasks").mkdir()
+    (rig.ws / "tasks/child.yaml").write_text("name: child\nsteps:\n  - {op: finish}\n")
+    (rig.ws / "out").symlink_to(rig.ws.parent)
+    write_spec(rig.state_dir, "agent-7", AgentSpec(
+        task=str(rig.ws / "tasks/child.yaml"), workspace=str(rig.ws),
+        settings=AgentSettings(budget=Budget(tokens=1000, cost_units=2.0))))
+    stream = "agent/agent-7"
+    rig.writer.append(stream, "subagent_usage", {"tokens": 700, "cost_units": 0.5}, key="u1")
+    rig.writer.append(stream, "budget_resumed", {"tokens": 100}, key="r1")
+    host = rig.start_host("subagents")
+    reply = rig.spawn("tasks/child.yaml", wait_s=30)
+    assert reply.state == "ended", reply
+    spec = read_spec(rig.state_dir, f"agent-7.{reply.subagent_id}")
+    assert spec is not None
+    assert spec.settings.budget == Budget(tokens=400, cost_units=1.5)
+    assert spec.task == str((rig.ws / "tasks/child.yaml").resolve())
+    for escape in ("../asking.yaml", "out/asking.yaml"):
+        with pytest.raises(RemoteError, match="refused"):
+            rig.spawn(escape)
+    rig.writer.append(stream, "subagent_usage", {"tokens": 400}, key="u2")
+    with pytest.raises(RemoteError, match="budget"):
+        rig.spawn("tasks/child.yaml")
+    _stop_host(host)

@@ -1,5 +1,9 @@
 """`python -m actors.subagents --state-dir D`: the subagents host.
 
+One thread: a loop that polls the broker socket and a wakeup pipe (SIGCHLD,
+SIGTERM), answers requests, reaps children, builds change sets and sends the
+replies that were waiting for them.
+
 Exit codes: 0 stopped by SIGTERM/SIGINT (children stopped; a restart resumes
 them from their streams), 78 the state directory is unusable.
 """
@@ -7,9 +11,12 @@ them from their streams), 78 the state directory is unusable.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import signal
 import sys
+import time
 from types import FrameType
 
 import structlog
@@ -23,8 +30,12 @@ from broker.control import ControlReporter
 from broker.errors import ChangeSetRefusedError, CorralError, StateDirError
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
+from supervisor import lifeline
 
 EXIT_CONFIG = 78
+# The loop sleeps in one poll of the broker socket and the wakeup pipe; it
+# wakes at least this often to heartbeat the broker and the supervisor.
+TICK_S = 0.25
 
 
 def handle(host: SubagentsHost, sender: str, message: protocol.Message) -> None:
@@ -66,35 +77,81 @@ def handle(host: SubagentsHost, sender: str, message: protocol.Message) -> None:
         host.peer.send(sender, reply)
 
 
-def serve(state: StateDir, limits: Limits) -> int:
-    stopped = False
+class _Wakeup:
+    """SIGTERM/SIGINT set `stopped`; those and SIGCHLD (a child exited) write a
+    byte to a pipe that the loop polls with the broker socket, so it wakes at
+    once instead of on its next tick."""
 
-    def stop(_signum: int, _frame: FrameType | None) -> None:
-        nonlocal stopped
-        stopped = True
+    def __init__(self) -> None:
+        self.stopped = False
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+        signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        signal.signal(signal.SIGCHLD, self._child)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    def _stop(self, _signum: int, _frame: FrameType | None) -> None:
+        self.stopped = True
+
+    def _child(self, _signum: int, _frame: FrameType | None) -> None:
+        pass  # the byte in the pipe is the point: the loop reaps
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.read_fd, 4096):
+                pass
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+
+
+def serve(state: StateDir, limits: Limits, *, use_zygote: bool = True) -> int:
     log = structlog.get_logger(ACTOR_NAME)
+    wake = _Wakeup()
+    if use_zygote:
+        try:  # the zygote's double-forked children must be adopted by this process
+            lifeline.become_subreaper()
+        except OSError as exc:
+            log.warning("subreaper_refused", error=str(exc), fallback="fresh interpreters")
+            use_zygote = False
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     reporter = ControlReporter.from_env(ctx, ACTOR_NAME)
     peer = BrokerPeer(ctx, state, reporter.actor if reporter else ACTOR_NAME)
     writer = WriterClient(ctx, state, origin=ACTOR_NAME)
     try:
-        host = SubagentsHost(state, peer, writer, limits)
+        host = SubagentsHost(state, peer, writer, limits, use_zygote=use_zygote)
         if reporter is not None:
             reporter.ready()
-        log.info("subagents_started", children=len(host.children.records))
-        while not stopped:
-            item = peer.recv(0.05)
-            while item is not None:
+        log.info("subagents_started", children=len(host.children.records),
+                 zygote=host.starter.use_zygote)
+        poller = zmq.Poller()
+        poller.register(wake.read_fd, zmq.POLLIN)
+        watched: zmq.Socket[bytes] | None = None
+        while not wake.stopped:
+            if watched is not peer.socket:  # replaced on reconnect
+                if watched is not None:
+                    poller.unregister(watched)
+                watched = peer.socket
+                poller.register(watched, zmq.POLLIN)
+            while (item := peer.recv(0)) is not None:  # also heartbeats the broker
                 handle(host, *item)
-                item = peer.recv(0)
             host.reap()
             host.settle()
             if reporter is not None:
                 reporter.tick(lambda: dict(host.statistics().model_dump()))
-        host.shutdown()
+            wait_s = TICK_S
+            due = host.next_deadline()
+            if due is not None:
+                wait_s = min(wait_s, max(0.0, due - time.monotonic()))
+            events = dict(poller.poll(math.ceil(wait_s * 1000)))
+            if wake.read_fd in events:
+                wake.drain()
+        host.shutdown(wake.read_fd)
         log.info("subagents_stopped", **host.statistics().model_dump())
         return 0
     finally:
@@ -103,6 +160,7 @@ def serve(state: StateDir, limits: Limits) -> int:
         if reporter is not None:
             reporter.close()
         ctx.destroy(linger=0)
+        wake.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-files", type=int, default=64)
     parser.add_argument("--max-input-bytes", type=int, default=256 * 1024)
     parser.add_argument("--max-patch-bytes", type=int, default=512 * 1024)
+    parser.add_argument("--no-zygote", action="store_true",
+                        help="start every child as a fresh interpreter (slow; for baselines)")
     args = parser.parse_args(argv)
     try:
         state = StateDir.at(args.state_dir).ensure()
@@ -122,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                         console=False)
     limits = Limits(max_files=args.max_files, max_input_bytes=args.max_input_bytes,
                     max_patch_bytes=args.max_patch_bytes)
-    return serve(state, limits)
+    return serve(state, limits, use_zygote=not args.no_zygote)
 
 
 if __name__ == "__main__":

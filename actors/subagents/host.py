@@ -5,14 +5,22 @@ ready set once.
 Replies that wait for a child (`spawn_subagent`, `subagent_changes` with
 `wait_s`) are deferred; the loop never blocks on a child. A child is named
 from (parent, msg_id), so a resent spawn finds the child it already started.
+Its process comes from actors/subagents/starter.py (the host's zygote, or a
+fresh interpreter); the host is a child subreaper, so either way the child is
+its own child, reaped here.
+
+A child runs with what remains of its parent's budget when it is spawned (the
+parent's configured bounds plus any granted extra, minus its use so far); a
+parent with nothing left is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import select
 import shutil
-import sys
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +31,8 @@ import structlog
 from pydantic import BaseModel, ConfigDict
 
 from actors.agent.rebuild import rebuild
-from actors.agent.settings import AgentSettings, AgentSpec, read_spec, write_spec
+from actors.agent.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
+from actors.agent.state import BudgetUse
 from actors.changesets import manifest as mf
 from actors.changesets.apply import apply, recover
 from actors.changesets.build import build
@@ -32,6 +41,8 @@ from actors.changesets.snapshot import BaseIndex, snapshot
 from actors.procs import launch
 from actors.procs.client import end_session_quietly
 from actors.subagents.children import ChildRecord, Children
+from actors.subagents.ops import task_path
+from actors.subagents.starter import ChildStarter
 from actors.writer_client import WriterClient
 from broker import protocol
 from broker.errors import ChangeSetRefusedError, CorralError
@@ -42,6 +53,17 @@ log = structlog.get_logger("actors.subagents")
 ACTOR_NAME = "subagents"
 EXIT_STOPPED = 75  # the child agent was stopped with its session open: start it again
 MAX_STARTS = 5
+SHUTDOWN_TIMEOUT_S = 5.0  # SIGTERM to SIGKILL for the children at shutdown
+
+
+def remaining(limit: Budget, used: BudgetUse) -> Budget:
+    """What is left of `limit` (plus any extra the operator granted) after
+    `used`, floored at 0; an unbounded dimension stays unbounded."""
+    tokens = None if limit.tokens is None else max(
+        0, limit.tokens + used.extra_tokens - used.tokens_used)
+    cost = None if limit.cost_units is None else max(
+        0.0, limit.cost_units + used.extra_cost - used.cost_used)
+    return Budget(tokens=tokens, cost_units=cost)
 
 
 class SubagentsStats(BaseModel):
@@ -53,6 +75,9 @@ class SubagentsStats(BaseModel):
     failed_total: int
     applied_total: int
     refused_total: int
+    zygote_forks_total: int  # children forked by the host's zygote
+    interpreter_starts_total: int  # children started as fresh interpreters (the fallback)
+    zygote_ready: int  # 1 while the host's zygote is up and preloaded
 
 
 @dataclass
@@ -65,15 +90,17 @@ class _Deferred:
 
 class SubagentsHost:
     def __init__(self, state: StateDir, peer: BrokerPeer, writer: WriterClient,
-                 limits: Limits) -> None:
+                 limits: Limits, *, use_zygote: bool = True) -> None:
         self.state = state
         self.peer = peer
         self.writer = writer
         self.limits = limits
         self.children = Children.load(state.root / "subagents" / "registry.json")
+        self.starter = ChildStarter(state, use_zygote=use_zygote)
         self._pids: dict[int, ChildRecord] = {}
         self._deferred: list[_Deferred] = []
         self.counts = {"spawned": 0, "ended": 0, "failed": 0, "applied": 0, "refused": 0}
+        self.starter.start_zygote()  # it preloads while the host recovers and waits
         self._recover()
 
     # --- facts ----------------------------------------------------------------------
@@ -109,6 +136,13 @@ class SubagentsHost:
         if not workspace.is_absolute() or not workspace.is_dir():
             raise ChangeSetRefusedError("invalid_workspace",
                                         f"{message.workspace!r} is not an absolute directory")
+        task = task_path(workspace, message.task)  # the op resolved it; so does the host
+        parent_spec = read_spec(self.state, message.parent)
+        settings = parent_spec.settings if parent_spec is not None else AgentSettings()
+        budget = self.remaining_budget(message.parent, settings.budget)
+        if budget.tokens == 0 or budget.cost_units == 0:
+            raise ChangeSetRefusedError("budget", f"{message.parent} has no budget left "
+                                        f"for a child ({budget.model_dump()})")
         directory = self.state.agent_dir(message.parent) / "subagents" / subagent_id
         if directory.exists():
             # a spawn the host died in the middle of (it never recorded the child):
@@ -120,42 +154,49 @@ class SubagentsHost:
         log.info("subagent_snapshotted", subagent_id=subagent_id, files=len(index.entries),
                  elapsed_ms=round((time.monotonic() - started) * 1000, 1))
         name = f"{message.parent}.{subagent_id}"
-        parent_spec = read_spec(self.state, message.parent)
-        settings = parent_spec.settings if parent_spec is not None else AgentSettings()
         backend = parent_spec.backend if parent_spec is not None else "scripted"
-        write_spec(self.state, name, AgentSpec(task=message.task, backend=backend,
-                                               workspace=str(directory / "work"),
-                                               settings=settings))
+        write_spec(self.state, name, AgentSpec(
+            task=task, backend=backend, workspace=str(directory / "work"),
+            settings=settings.model_copy(update={"budget": budget})))
         child = ChildRecord(subagent_id=subagent_id, parent=message.parent, name=name,
-                            directory=str(directory), workspace=str(workspace),
-                            task=message.task)
-        self.children.records[subagent_id] = child
+                            directory=str(directory), workspace=str(workspace), task=task)
         self.record(child.parent, "subagent_spawned", {
             "subagent_id": subagent_id, "child": name, "descriptor": message.descriptor,
-            "task": message.task, "files": len(index.entries),
+            "task": task, "files": len(index.entries),
         }, f"{subagent_id}:spawned")
-        self._start(child)
+        self.children.records[subagent_id] = child
+        try:
+            self._start(child)
+        except BaseException:
+            # never recorded as started: a resent spawn redoes it from the snapshot
+            del self.children.records[subagent_id]
+            raise
         self.counts["spawned"] += 1
         return child
 
+    def remaining_budget(self, parent: str, limit: Budget) -> Budget:
+        """What is left of `parent`'s bounds now (its stream is folded only when
+        it has a bound)."""
+        if limit.tokens is None and limit.cost_units is None:
+            return limit
+        return remaining(limit, rebuild(self.writer, self.state, parent).state.budget)
+
     def _start(self, child: ChildRecord) -> None:
-        out = os.open(Path(child.directory) / "child.out",
-                      os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_CONTROL", "CORRAL_ACTOR")}
-        argv = [sys.executable, "-m", "actors.agent", "--name", child.name,
-                "--state-dir", str(self.state.root)]
-        try:
-            spawned = launch.spawn(argv, env, child.directory, stdio_fd=out,
-                                   die_with_parent=True)
-        finally:
-            os.close(out)
-        child.pid, child.state = spawned.pid, "running"
+        begun = time.monotonic()
+        started = self.starter.start(child.name, Path(child.directory))
+        child.pid, child.state = started.pid, "running"
         child.starts += 1
-        self._pids[spawned.pid] = child
-        self.children.save()  # durable before the gate: a restart knows this child
-        launch.open_gate(spawned)
-        log.info("subagent_started", subagent_id=child.subagent_id, pid=spawned.pid,
-                 starts=child.starts)
+        self._pids[started.pid] = child
+        try:
+            self.children.save()  # durable before the gate: a restart knows this child
+        except BaseException:
+            del self._pids[started.pid]
+            started.abandon()  # it exits unrun (reaped as an unknown pid)
+            raise
+        started.open_gate()
+        log.info("subagent_started", subagent_id=child.subagent_id, pid=started.pid,
+                 starts=child.starts, via=started.via,
+                 elapsed_ms=round((time.monotonic() - begun) * 1000, 1))
 
     def find(self, parent: str, ref: str) -> ChildRecord | None:
         """A parent's child by id, or its newest with "latest"."""
@@ -173,6 +214,8 @@ class SubagentsHost:
                 return
             if pid == 0:
                 return
+            if self.starter.reaped(pid, status):
+                continue
             child = self._pids.pop(pid, None)
             if child is None:
                 continue
@@ -225,6 +268,10 @@ class SubagentsHost:
               reply: Callable[[], protocol.Message], wait_s: float) -> None:
         self._deferred.append(_Deferred(sender, ready, reply, time.monotonic() + wait_s))
 
+    def next_deadline(self) -> float | None:
+        """When the earliest deferred reply is due anyway (None: nothing deferred)."""
+        return min((item.deadline for item in self._deferred), default=None)
+
     # --- replies ----------------------------------------------------------------------
     def reply(self, msg_id: str, child: ChildRecord,
               refusal: str | None = None) -> protocol.SubagentReply:
@@ -266,17 +313,45 @@ class SubagentsHost:
             spawned_total=self.counts["spawned"], ended_total=self.counts["ended"],
             failed_total=self.counts["failed"], applied_total=self.counts["applied"],
             refused_total=self.counts["refused"],
+            zygote_forks_total=self.starter.counts["zygote"],
+            interpreter_starts_total=self.starter.counts["interpreter"],
+            zygote_ready=int(self.starter.zygote_ready()),
         )
 
-    def shutdown(self) -> None:
-        """SIGTERM: stop the children (they resume from their streams next time)."""
-        for pid in list(self._pids):
-            launch.end_tree(pid, "-", 15, sweep=False)
-        deadline = time.monotonic() + 5.0
-        while self._pids and time.monotonic() < deadline:
-            try:
-                pid, _ = os.waitpid(-1, 0)
-            except ChildProcessError:
+    def shutdown(self, wake_fd: int) -> None:
+        """SIGTERM: stop the children (they resume from their streams next time)
+        and the zygote; SIGKILL whatever outlives the deadline. `wake_fd` becomes
+        readable when a child exits (the loop's SIGCHLD wakeup pipe)."""
+        zygote = self.starter.close()  # it exits when its socket closes
+        waiting = set(self._pids) | ({zygote} if zygote is not None else set())
+        for pid in self._pids:
+            launch.end_tree(pid, "-", signal.SIGTERM, sweep=False)
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        while waiting:
+            waiting -= self._reap_any()
+            left_s = deadline - time.monotonic()
+            if not waiting or left_s <= 0:
                 break
-            self._pids.pop(pid, None)
+            if select.select([wake_fd], [], [], left_s)[0]:
+                os.read(wake_fd, 4096)
+        for pid in waiting:
+            log.warning("subagent_killed", pid=pid, after_s=SHUTDOWN_TIMEOUT_S)
+            launch.end_tree(pid, "-", signal.SIGKILL, sweep=False)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                continue
+        self._pids.clear()
         self.children.save()
+
+    def _reap_any(self) -> set[int]:
+        """Every pid reaped now, without waiting."""
+        reaped: set[int] = set()
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return reaped
+            if pid == 0:
+                return reaped
+            reaped.add(pid)

@@ -12,12 +12,14 @@ parent's fold adds to its budget. `apply_subagent` applies a ready set once
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
+from actors.agent import workspace
 from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
@@ -95,12 +97,21 @@ class ApplySubagentOp(OpBase):
     subagent_id: SubagentIdField
 
 
+def task_path(ws: Path, task: str) -> str:
+    """The task file the child runs: an absolute path as given; a relative one
+    inside the parent's workspace (PathRefusedError when it escapes: `..`, a
+    symlink out, `~`)."""
+    if os.path.isabs(task):
+        return str(Path(task).resolve())
+    return str(workspace.resolve(ws, task, write=False))
+
+
 def spawn_subagent(op: SpawnSubagentOp, ctx: OpContext) -> Outcome:
     """Ask the host for the child and wait for it in short rounds: each round
     is a spawn with the same key (the host answers with the existing child),
     so a host restarted meanwhile, or this agent redoing the call after a
     crash, finds the same child instead of starting another."""
-    task = str(Path(op.task).resolve())
+    task = task_path(ctx.workspace, op.task)
     key = f"{ctx.agent}.{ctx.call_id}" if ctx.call_id else None
     deadline = time.monotonic() + op.wait_s
     while True:
