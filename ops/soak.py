@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import yaml
 
+from broker.lifeline import die_with_parent
 from broker.statedir import StateDir
 from ops import soakcheck
 from ops.soakruntime import (
@@ -42,7 +43,6 @@ from ops.soakruntime import (
     orphans,
     wait_agents_finished,
 )
-from supervisor.lifeline import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -40,7 +40,7 @@ def argv_for(spec: ChildSpec, config: Config, state_dir: StateDir) -> list[str]:
 
 
 def zygote_args(config: Config, state_dir: StateDir) -> list[str]:
-    """Arguments for `python -m supervisor.zygote` after `--fd N`."""
+    """Arguments for `python -m actors.zygote` after `--fd N`."""
     log = config.logging
     return [
         "--state-dir", str(state_dir.root),

@@ -22,15 +22,15 @@ from types import FrameType
 import structlog
 import zmq
 
-from broker import protocol
+from actors.zygote import Forked
+from broker import lifeline, protocol
 from broker.errors import SpawnError
 from broker.statedir import StateDir
-from supervisor import commands, lifeline, monitor, spawner, statusfile
+from supervisor import commands, monitor, spawner, statusfile
 from supervisor.children import Child, describe_exit
 from supervisor.config import CORE_KINDS, KIND_ORDER, Config
 from supervisor.control import ControlServer, Incoming
 from supervisor.policy import Exit, GiveUp, Policy, Restart, decide, trim
-from supervisor.zygote import Forked
 
 EXIT_OK = 0
 EXIT_WAL_CORRUPT = 65  # the writer found the WAL corrupt: the operator must act

@@ -27,6 +27,7 @@ import psutil
 import pytest
 import zmq
 
+from actors import zygote
 from actors.agent.ops import OpContext
 from actors.agent.rebuild import rebuild
 from actors.agent.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
@@ -42,7 +43,6 @@ from broker.errors import PathRefusedError, RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
 from broker.statedir import StateDir
-from supervisor import zygote
 from supervisor.agentcli import answer_approval
 from tests.processes import MARKER_ENV, ProcessTracker, wait_for
 
@@ -314,7 +314,7 @@ def rig(processes: ProcessTracker, state_dir: StateDir) -> Iterator[Rig]:
 def _zygotes(host_pid: int, *children: int) -> list[psutil.Process]:
     """The host's zygote (a forked child shows the same argv: `children` are left out)."""
     return [p for p in psutil.Process(host_pid).children()
-            if p.pid not in children and "supervisor.zygote" in p.cmdline()]
+            if p.pid not in children and "actors.zygote" in p.cmdline()]
 
 
 @pytest.mark.process

@@ -1,7 +1,7 @@
 """The agent process shell: what runs in one agent's OS process.
 
 `serve()` is called either in a child forked by the supervisor's zygote
-(supervisor/zygote.py, the cheap path) or by `python -m actors.agent` in a
+(actors/zygote.py, the cheap path) or by `python -m actors.agent` in a
 fresh interpreter. It configures logging, tells the supervisor it is ready,
 sends heartbeats, joins the broker as a peer named after the agent and
 answers `ping` with `pong`.

@@ -26,7 +26,7 @@ from actors.procs.facts import Facts, sha256
 from actors.procs.job import Job
 from actors.procs.registry import Entry, JobKind, Registry
 from actors.procs.terminal import Terminal
-from broker import protocol
+from broker import lifeline, protocol
 from broker.control import ControlReporter
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
@@ -117,7 +117,7 @@ class ProcsHost:
         self._by_pid: dict[int, Job] = {}
         self._deferred: list[_Deferred] = []
         self.counters = Counters()
-        launch.become_subreaper()
+        lifeline.become_subreaper()
         self._recover()
 
     # --- recovery after a crash of procs ------------------------------------------

@@ -16,7 +16,6 @@ Every process of a job carries `CORRAL_PROC_ID=<id>` in its environment, so
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import os
@@ -26,10 +25,11 @@ import termios
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from broker import lifeline
+
 ENV_PROC_ID = "CORRAL_PROC_ID"
 GATE_CLOSED_EXIT = 125  # the start gate closed without "go": procs died first
 _EXEC_FAILED = 127
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -37,13 +37,6 @@ class Spawned:
     pid: int
     gate_fd: int  # write end: `open_gate()` releases the child
     err_fd: int  # read end: EOF once the exec succeeded
-
-
-def _die_with_parent(parent: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        return False
-    return os.getppid() == parent
 
 
 def spawn(
@@ -71,7 +64,7 @@ def spawn(
             os.setsid()
             for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these; exec keeps
                 signal.signal(sig, signal.SIG_DFL)  # SIG_IGN, so restore a shell's defaults
-            if die_with_parent and not _die_with_parent(parent):
+            if die_with_parent and not lifeline.die_with_parent(parent):
                 os._exit(GATE_CLOSED_EXIT)
             if not os.read(gate_r, 1):
                 os._exit(GATE_CLOSED_EXIT)
@@ -203,15 +196,3 @@ def job_env(base: Mapping[str, str], proc_id: str) -> dict[str, str]:
     env = {k: v for k, v in base.items() if k not in ("CORRAL_CONTROL", "CORRAL_ACTOR")}
     env[ENV_PROC_ID] = proc_id
     return env
-
-
-_PR_SET_CHILD_SUBREAPER = 36
-
-
-def become_subreaper() -> None:
-    """Adopt orphaned descendants of our jobs (a `nohup cmd &` whose shell
-    exited), so procs reaps them instead of leaving zombies to init."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))

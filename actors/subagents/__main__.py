@@ -25,12 +25,11 @@ import zmq
 from actors.changesets.manifest import Limits
 from actors.subagents.host import ACTOR_NAME, SubagentsHost
 from actors.writer_client import WriterClient
-from broker import logconfig, protocol
+from broker import lifeline, logconfig, protocol
 from broker.control import ControlReporter
 from broker.errors import ChangeSetRefusedError, CorralError, StateDirError
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
-from supervisor import lifeline
 
 EXIT_CONFIG = 78
 # The loop sleeps in one poll of the broker socket and the wakeup pipe; it

@@ -1,7 +1,7 @@
 """Starting a child agent's process: forked by the host's zygote, or, when the
 zygote is unavailable, a fresh interpreter.
 
-The zygote (`python -m supervisor.zygote`, supervisor/zygote.py) is a
+The zygote (`python -m actors.zygote`, actors/zygote.py) is a
 preloaded template the host starts for itself: forking an agent from it skips
 the interpreter start and the imports (some hundreds of ms). The host is a
 child subreaper, so the zygote's double-forked agents become its children; the
@@ -30,11 +30,12 @@ from typing import Literal
 import structlog
 
 from actors.procs import launch
+from actors.zygote import Forked
+from actors.zygotelink import ZygoteLink
 from broker.control import ENV_ACTOR, ENV_CONTROL
 from broker.errors import SpawnError
+from broker.lifeline import signal_group
 from broker.statedir import StateDir
-from supervisor.spawner import ZygoteLink, signal_group
-from supervisor.zygote import Forked
 
 log = structlog.get_logger("actors.subagents")
 OUTPUT_NAME = "child.out"  # the child's stdout and stderr, in its directory

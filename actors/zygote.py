@@ -1,6 +1,6 @@
 """The zygote: a preloaded template process that forks cheap agents.
 
-`python -m supervisor.zygote --fd N ...` is started by the supervisor, and by
+`python -m actors.zygote --fd N ...` is started by the supervisor, and by
 the subagents host for child agents (actors/subagents/host.py); either way a
 child with PDEATHSIG like any other. It imports the heavy modules (zmq,
 pydantic, structlog, the protocol, the agent shell), builds the validators
@@ -11,7 +11,7 @@ ZeroMQ context: contexts do not survive fork; each agent creates its own
 after the fork.
 
 Who is whose parent: the zygote's parent (the supervisor, or the subagents
-host) is a child subreaper (supervisor/lifeline.py). The zygote double-forks:
+host) is a child subreaper (broker/lifeline.py). The zygote double-forks:
 an intermediate process forks the agent and exits at once, so the agent is
 adopted by the zygote's parent, which reaps it and sees its exit status like
 any other child's. The agent waits until its parent is the zygote's parent,
@@ -50,7 +50,7 @@ import traceback
 from dataclasses import dataclass
 from typing import get_args
 
-from supervisor.lifeline import die_with_parent
+from broker.lifeline import die_with_parent
 
 EXIT_SOFTWARE = 70
 EXIT_GATE_CLOSED = 125  # the start gate closed without "go" (as actors/procs/launch.py)
@@ -241,7 +241,7 @@ class Zygote:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m supervisor.zygote", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m actors.zygote", description=__doc__)
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--state-dir", required=True)
     parser.add_argument("--heartbeat-interval-ms", type=int, default=1000)
