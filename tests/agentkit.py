@@ -45,7 +45,8 @@ class FakeWriter:
         known = self.keys.get((self.origin, key))
         if known is not None:
             return protocol.AppendOk(msg_id="m", seq=known, duplicate=True)
-        body = json.dumps(payload, separators=(",", ":")).encode()
+        body = (payload if isinstance(payload, bytes)  # already encoded, as WriterClient takes
+                else json.dumps(payload, separators=(",", ":")).encode())
         seq = len(self.records) + 1
         self.records.append(FakeRecord(seq, stream, event, body, ledger, key))
         self.keys[(self.origin, key)] = seq

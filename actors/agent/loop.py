@@ -4,9 +4,11 @@
 
 `step()` looks at the state (the fold of the agent's stream), does the one
 next thing, appends its fact and folds what the stream now holds (its own
-events and the operator's answers, in seq order). So the state in memory is
-always the fold of the stream, and a process killed anywhere restarts by
-rebuilding it and calling `step()` again:
+events and the operator's answers, in seq order; when the append's seq
+follows the last folded one, nothing can lie between, and the record is
+folded without reading it back). So the state in memory is always the fold
+of the stream, and a process killed anywhere restarts by rebuilding it and
+calling `step()` again:
 
 - a turn recorded with actions not yet called: its calls go on (no new model call);
 - a call recorded and not started (`tool_call`, `permission`, an approval
@@ -28,6 +30,7 @@ their hash and size (actors/agent/vault.py).
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -38,9 +41,9 @@ from actors.agent import catalog, effects, faults, gate, generations, rebuild, w
 from actors.agent.backends import Backend, make_backend
 from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, model_for
 from actors.agent.settings import AgentSpec, load_task, workspace_for
-from actors.agent.state import AgentState, Call, fold
+from actors.agent.state import AgentState, Call, Event, fold_into
 from actors.agent.vault import SealedInputMissingError, Vault
-from actors.writer_client import WriterClient
+from actors.writer_client import WriterClient, encode_payload
 from broker import protocol
 from broker.errors import PathRefusedError, WalError
 from broker.statedir import StateDir
@@ -94,23 +97,31 @@ class AgentLoop:
     def sync(self) -> None:
         """Fold whatever the stream holds after our last seq."""
         records = list(self.writer.read_stream(self.stream, self.state.last_seq + 1))
-        if not records:
-            return
-        self.state = fold(self.state, [(r.seq, r.event, r.payload()) for r in records])
-        self._since_generation += len(records)
+        if records:
+            self._fold([(r.seq, r.event, r.payload()) for r in records], records[-1].key)
+
+    def _fold(self, events: list[Event], last_key: str) -> None:
+        fold_into(self.state, events)  # the loop owns its state: no copy
+        self._since_generation += len(events)
         if self._since_generation >= self.settings.snapshot_every:
             generations.write(self.agent_dir, self.name, self.state,
-                              keep=self.settings.generations_kept, key=records[-1].key)
+                              keep=self.settings.generations_kept, key=last_key)
             self._since_generation = 0
 
     def _append(self, event: str, payload: dict[str, Any], key: str,
                 ledger: protocol.LedgerName | None = None) -> None:
-        ok = self.writer.append(self.stream, event, payload, key=key, ledger=ledger)
+        body = encode_payload(payload)
+        ok = self.writer.append(self.stream, event, body, key=key, ledger=ledger)
         if not ok.duplicate and ok.seq <= self.state.last_seq:
             # the WAL head went back under us (records we folded are gone): rebuild
             raise WalError(f"append {key} got seq {ok.seq} <= folded seq "
                            f"{self.state.last_seq}: the WAL lost records; restart to rebuild")
-        self.sync()
+        if not ok.duplicate and ok.seq == self.state.last_seq + 1:
+            # seqs are global and gapless: nothing at all was appended between the
+            # last record we folded and this one, so the stream holds exactly it
+            self._fold([(ok.seq, event, json.loads(body))], key)
+        else:
+            self.sync()  # others' records (an operator's answer) may come first
 
     @property
     def backend(self) -> Backend:
