@@ -92,9 +92,14 @@ def _ping(peer: BrokerPeer, to: str) -> bool:
 
 
 @pytest.mark.process
+@pytest.mark.parametrize("faults", ["", "before_tool_start@2.0,after_tool_start@2.0"],
+                         ids=["uninterrupted", "parent-killed-around-its-spawn"])
 def test_parent_spawns_child_reads_and_applies_its_change_set_once(
-    processes: ProcessTracker, state_dir: StateDir,
+    processes: ProcessTracker, state_dir: StateDir, faults: str,
 ) -> None:
+    """Killed after its spawn call came back with nothing recorded, and again
+    after `tool_start`, the parent runs the call again (`replay_safe`) and
+    gets the same child: one spawn, one change set, applied once."""
     root = str(state_dir.root)
     processes.spawn(["-m", "actors.writer", "--state-dir", root], name="writer")
     processes.spawn(["-m", "broker.server", "--state-dir", root], name="broker")
@@ -115,9 +120,18 @@ def test_parent_spawns_child_reads_and_applies_its_change_set_once(
     writer = WriterClient(ctx, state_dir, "test")
     try:
         wait_for(lambda: _ping(peer, "procs") and _ping(peer, "subagents"), 20, "hosts")
-        agent = processes.spawn(["-m", "actors.agent", "--name", "agent-1", "--state-dir", root],
-                                name="agent")
-        assert agent.wait(60) == 0, processes.output("agent")
+        kills = 0
+        while True:
+            agent = processes.spawn(["-m", "actors.agent", "--name", "agent-1", "--state-dir",
+                                     root], name=f"agent{kills}",
+                                    env={"CORRAL_AGENT_FAULT": faults})
+            code = agent.wait(60)
+            if code == 0:
+                break
+            assert code == -signal.SIGKILL, processes.output(f"agent{kills}")
+            kills += 1
+            assert kills <= 2
+        assert kills == faults.count("@")
         # the child's edits are in the parent's workspace, applied once
         assert "def welcome()" in (ws / "src/app.py").read_text()
         assert (ws / "docs/NOTES.md").read_text() == "written by the child\n"
@@ -134,7 +148,7 @@ def test_parent_spawns_child_reads_and_applies_its_change_set_once(
         assert {f["path"] for f in spawned["files"]} == {"src/app.py", "docs/NOTES.md",
                                                          "made_by_bash.txt"}
         events = [r.event for r in writer.read_stream("agent/agent-1")]
-        assert "subagent_usage" in events
+        assert "subagent_usage" in events and "turn_aborted" not in events
         facts = [r.event for r in writer.read_stream("subagents/agent-1")]
         assert facts == ["subagent_spawned", "subagent_ended", "subagent_applied"]
         sid = spawned["subagent_id"]

@@ -7,6 +7,12 @@ of its change set; the child's model usage comes back with it and is
 recorded in the parent's stream as a `subagent_usage` fact, which the
 parent's fold adds to its budget. `apply_subagent` applies a ready set once
 (the host does the write-ahead intent, the stale check and the receipt).
+
+`spawn_subagent` and `subagent_changes` are `replay_safe`: the spawn is keyed
+by the call, so a parent that crashed while it waited runs the call again
+and waits for the same child. `apply_subagent` is not (a second apply is
+refused, which is not what the first one answered): a crash in its middle
+closes the turn with `turn_aborted` and the model decides again.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ class SpawnSubagentOp(OpBase):
     descriptor: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_\-]{0,31}$")] = "child"
     wait_s: Annotated[float, Field(gt=0, le=3600)] = 600.0
     command_field: ClassVar[str | None] = "task"
+    replay_safe: ClassVar[bool] = True
 
 
 class SubagentChangesOp(OpBase):
@@ -88,6 +95,7 @@ class SubagentChangesOp(OpBase):
 
     op: Literal["subagent_changes"] = "subagent_changes"
     subagent_id: SubagentIdField
+    replay_safe: ClassVar[bool] = True
 
 
 class ApplySubagentOp(OpBase):
