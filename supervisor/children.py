@@ -49,6 +49,7 @@ class Child:
     fork_pending: bool = False  # asked the zygote, no pid yet
     heartbeat_at: float | None = None
     values: dict[str, int | float] = field(default_factory=dict)
+    exited_pid: int | None = None  # the pid of the process that exited last
     cpu_percent: float | None = None
     rss_bytes: int | None = None
     uss_bytes: int | None = None
@@ -63,6 +64,7 @@ class Child:
 
     def spawned(self, pid: int, now: float) -> None:
         self.pid = pid
+        self.exited_pid = None
         self.started_at = now
         self.fork_pending = False
         self.heartbeat_at = None
@@ -74,6 +76,7 @@ class Child:
         record = Exit(at_s=now, code=code, signal=sig, requested=self.restart_requested)
         self.history.append(record)
         self.last_exit = describe_exit(code, sig)
+        self.exited_pid = self.pid
         self.pid = None
         self.started_at = None
         self.stop_deadline = None

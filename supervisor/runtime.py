@@ -379,6 +379,10 @@ class Runtime:
                     self._ready(child, now)  # a heartbeat also proves it serves
                     child.heartbeat_at = now
                     child.values = dict(values)
+                elif child is not None and child.pid is None and child.exited_pid == pid:
+                    # a final beat sent just before a clean exit, read after the reap:
+                    # its counters are the last word (an agent's phase `finished`)
+                    child.values = dict(values)
             case protocol.StatusRequest(msg_id=msg_id):
                 self.control.reply(incoming.identity, self._status(msg_id, now))
             case protocol.StopRequest(msg_id=msg_id):

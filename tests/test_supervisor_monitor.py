@@ -7,7 +7,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from broker import protocol
+from broker.statedir import StateDir
+from supervisor.config import load
+from supervisor.control import Incoming
 from supervisor.monitor import EARLY_EXIT_TTL_S, early_exit_applies, pid_alive
+from supervisor.runtime import Runtime
 
 
 def test_a_recent_exit_of_a_pid_nobody_holds_belongs_to_the_fork() -> None:
@@ -33,3 +38,27 @@ def test_pid_alive_sees_a_live_child_and_not_a_reaped_one() -> None:
         child.stdin.close()
         child.wait(timeout=10)
     assert not pid_alive(child.pid)
+
+
+def test_a_final_heartbeat_read_after_the_reap_still_counts(state_dir: StateDir) -> None:
+    """A child's last beat (an agent's phase finished) is sent just before it
+    exits; the supervisor may reap the exit before it reads the beat. The beat's counters
+    still land on the child, and a beat from any other pid does not."""
+    runtime = Runtime(load(None), state_dir)
+    try:
+        child = runtime.children["procs"]
+        child.spawned(4242, now=1.0)
+        child.exited(0, None, now=2.0)
+
+        def beat(pid: int, phase: int) -> None:
+            runtime._on_message(Incoming(b"x", protocol.Heartbeat(
+                actor=child.name, pid=pid, values={"phase": phase})), now=2.1)
+
+        beat(9999, 1)  # not the process that exited
+        assert child.values == {}
+        beat(4242, 3)
+        assert child.values == {"phase": 3}
+        assert child.pid is None and child.heartbeat_at is None  # still exited
+    finally:
+        runtime.control.close()
+        runtime.ctx.destroy(linger=0)
