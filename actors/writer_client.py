@@ -67,7 +67,8 @@ class WriterClient:
         self.retries = retries
         self._req = Requester(ctx, endpoint or state_dir.endpoint("writer"), curve=curve)
         journal_dir = os.environ.get(ENV_ACK_JOURNAL_DIR)
-        self._journal = AckJournal(Path(journal_dir), origin) if journal_dir else None
+        self._journal_dir = Path(journal_dir) if journal_dir else None
+        self._journals: dict[str, AckJournal] = {}
 
     @property
     def reconnects(self) -> int:
@@ -81,12 +82,16 @@ class WriterClient:
         *,
         key: str,
         ledger: protocol.LedgerName | None = None,
+        origin: str | None = None,
     ) -> protocol.AppendOk:
-        """Durably append one event; returns its seq once it is on disk."""
+        """Durably append one event; returns its seq once it is on disk.
+        `origin` (default: the client's) names the idempotency window of `key`:
+        an actor appending for many sessions gives each its own window."""
         body = payload if isinstance(payload, bytes) else encode_payload(payload)
+        origin = origin or self.origin
         message = protocol.Append(
             msg_id=new_msg_id("a"),
-            origin=self.origin,
+            origin=origin,
             key=key,
             stream=stream,
             event=event,
@@ -96,8 +101,11 @@ class WriterClient:
         reply = self._req.request(message, timeout_s=self.timeout_s, retries=self.retries)
         if not isinstance(reply, protocol.AppendOk):
             raise ProtocolError("unexpected_message", f"append answered with {reply.kind}")
-        if self._journal is not None:
-            self._journal.record(key, reply.seq)
+        if self._journal_dir is not None:
+            journal = self._journals.get(origin)
+            if journal is None:
+                journal = self._journals[origin] = AckJournal(self._journal_dir, origin)
+            journal.record(key, reply.seq)
         return reply
 
     def read_page(self, stream: str, from_seq: int = 1, max_records: int = 512) -> protocol.Records:
@@ -147,9 +155,9 @@ class WriterClient:
 
     def close(self) -> None:
         self._req.close()
-        if self._journal is not None:
-            self._journal.close()
-            self._journal = None
+        for journal in self._journals.values():
+            journal.close()
+        self._journals.clear()
 
     def __enter__(self) -> WriterClient:
         return self

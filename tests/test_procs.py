@@ -322,6 +322,47 @@ def test_procs_sigkilled_reattaches_commands_reports_terminals_lost_no_orphan(
     stack.client.end_session()
 
 
+def test_a_start_resent_after_procs_forgot_the_job_is_answered_from_its_files(
+    stack: Stack,
+) -> None:
+    """procs' registry keeps only the newest ended jobs; a start resent under
+    the same msg_id after a restart that let the job go (an agent re-running
+    its call late) finds the job's files and does not run it again."""
+    tally = stack.workdir / "tally"
+    first = stack.client.start(f"echo ran >> {tally}; exit 3", str(stack.workdir),
+                               msg_id="s:7.0")
+    term = stack.client.terminal_start(["bash", "-c", "exit 0"], str(stack.workdir),
+                                       msg_id="t:8.0")
+    read_all(stack.client, first.proc_id)
+    read_all(stack.client, term.proc_id, terminal=True)
+    os.killpg(stack.procs.pid, signal.SIGKILL)
+    stack.procs.wait()
+    path = stack.state.root / "procs" / "registry.json"
+    registry = json.loads(path.read_text())
+    registry["entries"] = []  # as if newer jobs had pushed both out of the window
+    path.write_text(json.dumps(registry))
+    stack.start_procs()
+    # the agent that resends is a new process (a peer ignores replies to msg_ids it
+    # already finished)
+    restarted = BrokerPeer(stack.ctx, stack.state, "agent-1-b", heartbeat_interval_s=0.2)
+    client = ProcsClient(restarted, SESSION)
+    again = client.start(f"echo ran >> {tally}; exit 3", str(stack.workdir), msg_id="s:7.0")
+    assert (again.proc_id, again.state, again.exit_code) == (first.proc_id, "exited", 3)
+    data, last = read_all(stack.client, first.proc_id)
+    assert (last.state, last.exit_code, data) == ("exited", 3, b"")
+    assert tally.read_text() == "ran\n"  # ran once
+    term_again = client.terminal_start(["bash", "-c", "exit 0"], str(stack.workdir),
+                                       msg_id="t:8.0")
+    assert (term_again.proc_id, term_again.state) == (term.proc_id, "lost")
+    assert len(stack.facts("proc_start")) == 1 and len(stack.facts("terminal_start")) == 1
+    # procs' facts carry the session's own origin: a window of idempotency keys each
+    origins = {r.origin for r in stack.writer.read_stream(f"procs/{SESSION}")}
+    assert origins == {f"procs/{SESSION}"}
+    killed = stack.client.kill(first.proc_id)  # an ended job known from files: no group signal
+    assert killed.state == "exited"
+    restarted.close()
+
+
 def test_status_values_reach_the_supervisor_heartbeat(stack: Stack) -> None:
     cmd = stack.client.start("sleep 30", str(stack.workdir))
     stats = stack.peer.request("procs", protocol.StatsRequest(msg_id="s1"), timeout_s=5)

@@ -355,3 +355,27 @@ def test_run_dir_and_sockets_are_private(
     assert stat.S_IMODE(state_dir.run_dir.stat().st_mode) == 0o700
     sock = Path(state_dir.endpoint("writer").removeprefix("ipc://"))
     assert stat.S_IMODE(sock.stat().st_mode) & 0o077 == 0
+
+
+def test_an_append_under_another_origin_has_its_own_window_and_journal(
+    processes: ProcessTracker, state_dir: StateDir, ctx: zmq.Context[zmq.Socket[bytes]],
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """procs appends each session's facts under the session's own origin: the
+    same key under two origins is two records, the same key again under one
+    origin is its first seq, and the soak's ack journal names each origin."""
+    from ops.soakcheck import read_journal
+
+    start_writer(processes, state_dir, ctx)
+    journals = tmp_path / "acks"
+    monkeypatch.setenv("CORRAL_ACK_JOURNAL_DIR", str(journals))
+    with WriterClient(ctx, state_dir, "procs") as writer:
+        a = writer.append("procs/a1", "proc_start", {"n": 1}, key="k", origin="procs/a1")
+        b = writer.append("procs/a2", "proc_start", {"n": 2}, key="k", origin="procs/a2")
+        again = writer.append("procs/a1", "proc_start", {"n": 1}, key="k", origin="procs/a1")
+        assert a.seq != b.seq and (again.seq, again.duplicate) == (a.seq, True)
+        origins = [r.origin for r in writer.read_stream("procs/a1")]
+        assert origins == ["procs/a1"]
+    assert read_journal(journals / "procs%a1.acks")[0][:2] == ("k", a.seq)
+    assert read_journal(journals / "procs%a2.acks")[0][:2] == ("k", b.seq)
+    assert not (journals / "procs.acks").exists()

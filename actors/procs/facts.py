@@ -1,6 +1,10 @@
 """The WAL facts procs records, through the writer, on the stream
-`procs/<session>` (origin `procs`). Each carries an idempotency key derived
-from the job and the request, so a retried or replayed fact is written once.
+`procs/<session>`, with the origin `procs/<session>` too: the writer keeps
+idempotency keys per origin for a bounded window (the last 256), so each
+session gets a window of its own and a fact replayed for one agent (a call
+run again after its crash) is not pushed out of it by every other agent's
+facts. Each carries an idempotency key derived from the job and the
+request, so a retried or replayed fact is written once.
 
     proc_start      proc_id, pid, command_sha256, command_bytes, cwd, cap_bytes,
                     lifetime_s, foreground
@@ -26,8 +30,6 @@ from typing import Any
 
 from actors.writer_client import WriterClient
 
-ORIGIN = "procs"
-
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -47,5 +49,6 @@ class Facts:
     def record(self, session: str, event: str, key: str, **payload: Any) -> None:
         if self.writer is None:
             return
-        self.writer.append(stream_for(session), event, payload, key=key)
+        stream = stream_for(session)
+        self.writer.append(stream, event, payload, key=key, origin=stream)
         self.appended += 1

@@ -167,6 +167,28 @@ class ProcsHost:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         return os.path.join(directory, f"{proc_id}.log"), os.path.join(directory, f"{proc_id}.exit")
 
+    def _remembered(self, session: str, kind: JobKind, proc_id: str) -> Job | None:
+        """A job started before procs restarted whose entry the registry let go
+        (it keeps only the newest ended ones): its log is still on disk (created
+        before the job could run). It is answered from its files, exited with
+        the status its exit file holds or else lost, and never started again."""
+        log_path, exit_path = self._files(session, kind, proc_id)
+        if not os.path.exists(log_path):
+            return None
+        code = read_exit_file(exit_path) if kind == "command" else None
+        entry = Entry(proc_id=proc_id, kind=kind, session=session, pid=0, start_ticks=0,
+                      log_path=log_path, exit_path=exit_path if kind == "command" else None,
+                      cap_bytes=os.path.getsize(log_path), deadline_wall=0.0,
+                      state="exited" if code is not None else "lost", exit_code=code)
+        grace = self.options.kill_grace_s
+        job: Job = (Command(entry, ours=False, kill_grace_s=grace) if kind == "command"
+                    else Terminal(entry, None, kill_grace_s=grace))
+        self.jobs[proc_id] = job
+        self.registry.entries[proc_id] = entry
+        self.registry.dirty = True
+        log.info("proc_remembered", proc_id=proc_id, state=entry.state, exit_code=code)
+        return job
+
     def _check_cwd(self, cwd: str) -> None:
         if not os.path.isabs(cwd) or not os.path.isdir(cwd):
             raise RefusedError(protocol.ErrorCode.INVALID_MESSAGE,
@@ -177,8 +199,9 @@ class ProcsHost:
         lifetime_s: float | None, foreground: bool,
     ) -> Job:
         proc_id = new_proc_id("command", session, msg_id)
-        if proc_id in self.jobs:
-            return self.jobs[proc_id]
+        known = self.jobs.get(proc_id) or self._remembered(session, "command", proc_id)
+        if known is not None:
+            return known
         self._check_cwd(cwd)
         cap_bytes = cap or self.options.command_cap_bytes
         lifetime = lifetime_s or self.options.command_lifetime_s
@@ -198,8 +221,9 @@ class ProcsHost:
 
     def start_terminal(self, message: protocol.TerminalStart) -> Job:
         proc_id = new_proc_id("terminal", message.session, message.msg_id)
-        if proc_id in self.jobs:
-            return self.jobs[proc_id]
+        known = self.jobs.get(proc_id) or self._remembered(message.session, "terminal", proc_id)
+        if known is not None:
+            return known
         self._check_cwd(message.cwd)
         cap_bytes = message.max_output_bytes or self.options.terminal_cap_bytes
         lifetime = message.lifetime_s or self.options.terminal_lifetime_s

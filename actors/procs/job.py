@@ -54,6 +54,11 @@ class Job:
         self.wait_status: int | None = None
         self.kill_deadline: float | None = None  # monotonic: SIGKILL when passed
         self.killed_hard = False
+        # the process group is the job's only while it runs under this procs (or
+        # was re-attached running): a job known only as ended (an older registry
+        # entry, or remembered from its files) left a pgid that may be reused, so
+        # ending it reaches only its marked processes
+        self.group_known = entry.state == "running"
 
     @property
     def proc_id(self) -> str:
@@ -83,7 +88,7 @@ class Job:
             self.entry.kill_reason = reason
         if self.kill_deadline is None:
             self.kill_deadline = time.monotonic() + self.kill_grace_s
-            launch.end_tree(self.entry.pid, self.proc_id, signal.SIGTERM)
+            launch.end_tree(self.entry.pid, self.proc_id, signal.SIGTERM, group=self.group_known)
 
     def escalate(self) -> None:
         """SIGKILL the tree once the grace period is over."""
@@ -91,11 +96,12 @@ class Job:
             return
         if time.monotonic() >= self.kill_deadline:
             self.killed_hard = True
-            launch.end_tree(self.entry.pid, self.proc_id, signal.SIGKILL)
+            launch.end_tree(self.entry.pid, self.proc_id, signal.SIGKILL, group=self.group_known)
 
     def settled(self) -> bool:
         """Ended, and nothing of its tree is left (checked after kills)."""
-        return not self.running and launch.tree_gone(self.entry.pid, self.proc_id)
+        return not self.running and launch.tree_gone(self.entry.pid, self.proc_id,
+                                                     group=self.group_known)
 
     def refresh(self) -> bool:
         """Advance the job; True when it just reached an end state."""

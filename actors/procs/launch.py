@@ -139,6 +139,8 @@ def alive(pid: int, ticks: int) -> bool:
 
 
 def group_alive(pgid: int) -> bool:
+    if pgid <= 1:
+        return False  # no group recorded (0 would be our own, 1 init's)
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -178,7 +180,7 @@ def marked_pids(proc_id: str) -> list[int]:
 def end_tree(pgid: int, proc_id: str, sig: int, *, sweep: bool = True,
              group: bool = True) -> None:
     """Signal the process group (with `group`) and every marked process (`sweep`)."""
-    if group:
+    if group and pgid > 1:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, sig)
     if sweep:
@@ -187,8 +189,8 @@ def end_tree(pgid: int, proc_id: str, sig: int, *, sweep: bool = True,
                 os.kill(pid, sig)
 
 
-def tree_gone(pgid: int, proc_id: str) -> bool:
-    return not group_alive(pgid) and not marked_pids(proc_id)
+def tree_gone(pgid: int, proc_id: str, *, group: bool = True) -> bool:
+    return not (group and group_alive(pgid)) and not marked_pids(proc_id)
 
 
 def job_env(base: Mapping[str, str], proc_id: str) -> dict[str, str]:
