@@ -257,8 +257,11 @@ def test_session_end_tears_down_commands_terminals_and_grandchildren(stack: Stac
     assert ended.ended == 4
     assert all(not marked(i) for i in ids)
     assert stack.facts("session_end")[0]["ended"] == 4
+    # forgotten by the registry, answered from the job's files (audit evidence)
+    out = stack.client.poll(ids[0])
+    assert (out.state, out.eof) == ("killed", True)
     with pytest.raises(RemoteError):
-        stack.client.poll(ids[0])  # the session's jobs are forgotten
+        stack.client.poll("p-0123456789abcdef")  # never started: no files
 
 
 def test_agent_sigkilled_restarted_agent_reads_every_byte(stack: Stack) -> None:
@@ -325,9 +328,9 @@ def test_procs_sigkilled_reattaches_commands_reports_terminals_lost_no_orphan(
 def test_a_start_resent_after_procs_forgot_the_job_is_answered_from_its_files(
     stack: Stack,
 ) -> None:
-    """procs' registry keeps only the newest ended jobs; a start resent under
-    the same msg_id after a restart that let the job go (an agent re-running
-    its call late) finds the job's files and does not run it again."""
+    """procs' registry keeps only the newest ended jobs; after a restart that
+    let a job go, a poll of it and a start resent under the same msg_id (an
+    agent re-running its call late) find the job's files: it is not run again."""
     tally = stack.workdir / "tally"
     first = stack.client.start(f"echo ran >> {tally}; exit 3", str(stack.workdir),
                                msg_id="s:7.0")
@@ -341,15 +344,20 @@ def test_a_start_resent_after_procs_forgot_the_job_is_answered_from_its_files(
     registry = json.loads(path.read_text())
     registry["entries"] = []  # as if newer jobs had pushed both out of the window
     path.write_text(json.dumps(registry))
+    # without the final states noted beside the logs (the session_end test reads
+    # one), the command is known from its exit file and the terminal not at all
+    agent_dir = stack.state.agent_dir(SESSION)
+    (agent_dir / ".procs" / f"{first.proc_id}.end").unlink()
+    (agent_dir / ".terminals" / f"{term.proc_id}.end").unlink()
     stack.start_procs()
     # the agent that resends is a new process (a peer ignores replies to msg_ids it
     # already finished)
     restarted = BrokerPeer(stack.ctx, stack.state, "agent-1-b", heartbeat_interval_s=0.2)
     client = ProcsClient(restarted, SESSION)
+    data, last = read_all(client, first.proc_id)  # a poll finds the forgotten job
+    assert (last.state, last.exit_code, data) == ("exited", 3, b"")
     again = client.start(f"echo ran >> {tally}; exit 3", str(stack.workdir), msg_id="s:7.0")
     assert (again.proc_id, again.state, again.exit_code) == (first.proc_id, "exited", 3)
-    data, last = read_all(stack.client, first.proc_id)
-    assert (last.state, last.exit_code, data) == ("exited", 3, b"")
     assert tally.read_text() == "ran\n"  # ran once
     term_again = client.terminal_start(["bash", "-c", "exit 0"], str(stack.workdir),
                                        msg_id="t:8.0")
@@ -400,3 +408,9 @@ def test_the_registry_file_keeps_live_jobs_and_only_the_newest_ended_ones(tmp_pa
     ended = [e for e in loaded.entries.values() if e.state == "exited"]
     assert len(ended) == reg.KEEP_ENDED
     assert ended[-1].proc_id == f"p-{reg.KEEP_ENDED + 49:016x}"  # the newest are kept
+    assert registry.entries.keys() == loaded.entries.keys()  # memory forgets the rest too
+    # "newest" is the order jobs ended in: the long runner that ends now is kept
+    registry.entries["p-ffffffffffffffff"].state = "exited"
+    registry.ended("p-ffffffffffffffff")
+    registry.save()
+    assert "p-ffffffffffffffff" in reg.Registry.load(tmp_path / "registry.json").entries

@@ -24,7 +24,7 @@ from actors.procs import launch
 from actors.procs.command import Command, read_exit_file, wrapper_argv
 from actors.procs.facts import Facts, sha256
 from actors.procs.job import Job
-from actors.procs.registry import Entry, JobKind, Registry
+from actors.procs.registry import Entry, JobKind, Registry, read_end_file, write_end_file
 from actors.procs.terminal import Terminal
 from broker import lifeline, protocol
 from broker.control import ControlReporter
@@ -157,7 +157,8 @@ class ProcsHost:
                               else "gone without an exit status")
             log.warning("proc_lost", proc_id=entry.proc_id, kind=entry.kind, pid=entry.pid)
             self._count_end(job)
-            self.registry.dirty = True
+            self.registry.ended(entry.proc_id)
+            write_end_file(entry)
         self.registry.save()
 
     # --- starting -----------------------------------------------------------------
@@ -167,26 +168,32 @@ class ProcsHost:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         return os.path.join(directory, f"{proc_id}.log"), os.path.join(directory, f"{proc_id}.exit")
 
-    def _remembered(self, session: str, kind: JobKind, proc_id: str) -> Job | None:
-        """A job started before procs restarted whose entry the registry let go
-        (it keeps only the newest ended ones): its log is still on disk (created
-        before the job could run). It is answered from its files, exited with
-        the status its exit file holds or else lost, and never started again."""
+    def remember(self, session: str, kind: JobKind, proc_id: str) -> Job | None:
+        """A job of `session` whose entry the registry let go (it keeps only the
+        newest ended ones, and a restart of procs starts from it): its log is
+        still on disk (created before the job could run). It is answered from
+        its files, exited with the status its exit file holds or else lost;
+        a start resent for it never runs it again. None: no such job."""
         log_path, exit_path = self._files(session, kind, proc_id)
         if not os.path.exists(log_path):
             return None
-        code = read_exit_file(exit_path) if kind == "command" else None
         entry = Entry(proc_id=proc_id, kind=kind, session=session, pid=0, start_ticks=0,
                       log_path=log_path, exit_path=exit_path if kind == "command" else None,
-                      cap_bytes=os.path.getsize(log_path), deadline_wall=0.0,
-                      state="exited" if code is not None else "lost", exit_code=code)
+                      cap_bytes=os.path.getsize(log_path), deadline_wall=0.0, state="lost")
+        ending = read_end_file(log_path)
+        code = read_exit_file(exit_path) if kind == "command" else None
+        if ending is not None:
+            entry.state, entry.exit_code, entry.kill_reason = ending
+        elif code is not None:
+            entry.state, entry.exit_code = "exited", code
         grace = self.options.kill_grace_s
         job: Job = (Command(entry, ours=False, kill_grace_s=grace) if kind == "command"
                     else Terminal(entry, None, kill_grace_s=grace))
         self.jobs[proc_id] = job
         self.registry.entries[proc_id] = entry
         self.registry.dirty = True
-        log.info("proc_remembered", proc_id=proc_id, state=entry.state, exit_code=code)
+        log.info("proc_remembered", proc_id=proc_id, state=entry.state,
+                 exit_code=entry.exit_code)
         return job
 
     def _check_cwd(self, cwd: str) -> None:
@@ -199,7 +206,7 @@ class ProcsHost:
         lifetime_s: float | None, foreground: bool,
     ) -> Job:
         proc_id = new_proc_id("command", session, msg_id)
-        known = self.jobs.get(proc_id) or self._remembered(session, "command", proc_id)
+        known = self.jobs.get(proc_id) or self.remember(session, "command", proc_id)
         if known is not None:
             return known
         self._check_cwd(cwd)
@@ -221,7 +228,7 @@ class ProcsHost:
 
     def start_terminal(self, message: protocol.TerminalStart) -> Job:
         proc_id = new_proc_id("terminal", message.session, message.msg_id)
-        known = self.jobs.get(proc_id) or self._remembered(message.session, "terminal", proc_id)
+        known = self.jobs.get(proc_id) or self.remember(message.session, "terminal", proc_id)
         if known is not None:
             return known
         self._check_cwd(message.cwd)
@@ -308,10 +315,21 @@ class ProcsHost:
             self.peer.send(item.sender, item.reply())
         self._deferred = still
         self.registry.save()
+        self._forget_old()
+
+    def _forget_old(self) -> None:
+        """Drop from memory the ended jobs the registry let go (it keeps the
+        newest ended ones): `remember()` answers for them from their files. A
+        job whose tree is still being ended stays until its SIGKILL went out."""
+        for proc_id, job in list(self.jobs.items()):
+            if (not job.running and proc_id not in self.registry.entries
+                    and (job.kill_deadline is None or job.killed_hard)):
+                del self.jobs[proc_id]
 
     def _ended(self, job: Job) -> None:
         entry = job.entry
-        self.registry.dirty = True
+        self.registry.ended(entry.proc_id)
+        write_end_file(entry)
         self._count_end(job)
         event = "proc_exit" if entry.kind == "command" else "terminal_end"
         self.facts.record(entry.session, event, f"{entry.proc_id}:end", proc_id=entry.proc_id,

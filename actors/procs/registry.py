@@ -7,15 +7,20 @@ state; so after a crash of procs every process it may have started is named
 here with its pid and start time (pid reuse is told apart), its log and its
 exit file. The restarted procs re-attaches live commands, finishes the ended
 ones from their exit files, and reports the rest (and every terminal: a PTY
-master does not survive its holder) lost. Entries leave with `session_end`.
+master does not survive its holder) lost. Entries leave with `session_end`,
+and ended ones beyond the newest KEEP_ENDED leave the file and memory; a job
+that left is answered for from its files (`<id>.log`, `<id>.exit`, and the
+`<id>.end` noted when it ended).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from broker.durable import write_atomic
 from broker.statedir import StateDir
@@ -49,6 +54,41 @@ class Entry:
 
 
 KEEP_ENDED = 256  # ended jobs the registry file keeps (the newest)
+END_STATES: frozenset[str] = frozenset(get_args(JobState)) - {"running"}
+
+
+def end_path(log_path: str) -> str:
+    """`<id>.end` beside `<id>.log`: a job's final state, for after the
+    registry let it go."""
+    return os.path.splitext(log_path)[0] + ".end"
+
+
+def write_end_file(entry: Entry) -> None:
+    """Note the job's final state beside its log (not fsynced: like the log,
+    it describes what the registry, the durable record, already said)."""
+    body = json.dumps({"state": entry.state, "exit_code": entry.exit_code,
+                       "reason": entry.kill_reason}).encode()
+    with contextlib.suppress(OSError):
+        fd = os.open(end_path(entry.log_path),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, body)
+        finally:
+            os.close(fd)
+
+
+def read_end_file(log_path: str) -> tuple[JobState, int | None, str | None] | None:
+    """(state, exit code, kill reason) from a job's end file; None if absent or bad."""
+    try:
+        with open(end_path(log_path), "rb") as f:
+            raw = json.loads(f.read())
+        state, code, reason = raw["state"], raw["exit_code"], raw["reason"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if state not in END_STATES or not isinstance(code, int | None) \
+            or not isinstance(reason, str | None):
+        return None
+    return state, code, reason
 
 
 class Registry:
@@ -78,6 +118,13 @@ class Registry:
         self.entries[entry.proc_id] = entry
         self.dirty = True
 
+    def ended(self, proc_id: str) -> None:
+        """`proc_id` reached an end state: it is now the newest ended entry."""
+        entry = self.entries.pop(proc_id, None)
+        if entry is not None:
+            self.entries[proc_id] = entry
+            self.dirty = True
+
     def drop(self, proc_id: str) -> None:
         if self.entries.pop(proc_id, None) is not None:
             self.dirty = True
@@ -90,10 +137,13 @@ class Registry:
         # Running jobs must survive a crash of procs (to be re-attached); of the
         # ended ones only the newest are kept, so the file (rewritten and fsynced
         # on every change) stays small however many commands a session ran. An
-        # older ended command's log stays on disk; procs no longer lists it.
+        # older ended command's log stays on disk; procs no longer lists it (and
+        # forgets it in memory too), but answers for it from its files.
         entries = list(self.entries.values())
         ended = [e for e in entries if e.state != "running"][-KEEP_ENDED:]
         kept = [e for e in entries if e.state == "running"] + ended
+        keep_ids = {e.proc_id for e in kept}
+        self.entries = {k: e for k, e in self.entries.items() if k in keep_ids}
         body = json.dumps(
             {"version": VERSION, "entries": [asdict(e) for e in kept]},
             separators=(",", ":"),

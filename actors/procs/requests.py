@@ -8,6 +8,7 @@ import os
 from actors.procs.facts import sha256
 from actors.procs.host import SETTLE_MARGIN_S, ProcsHost, RefusedError
 from actors.procs.job import Job
+from actors.procs.registry import JobKind
 from actors.procs.terminal import InputRefusedError, Terminal
 from broker import protocol
 
@@ -25,8 +26,8 @@ def status(job: Job, msg_id: str) -> protocol.ProcStatus:
                                exit_code=e.exit_code, log_bytes=job.log_size())
 
 
-def _job(host: ProcsHost, session: str, proc_id: str, kind: str) -> Job:
-    job = host.jobs.get(proc_id)
+def _job(host: ProcsHost, session: str, proc_id: str, kind: JobKind) -> Job:
+    job = host.jobs.get(proc_id) or host.remember(session, kind, proc_id)
     if job is None or job.entry.session != session or job.entry.kind != kind:
         raise RefusedError(Code.NOT_FOUND, f"no {kind} {proc_id} in session {session}")
     return job
@@ -104,7 +105,7 @@ def _dispatch(host: ProcsHost, sender: str, message: protocol.Message) -> protoc
             return _output(host, job, message.msg_id, cursor=message.cursor,
                            max_bytes=message.max_bytes, event="proc_poll")
         case protocol.BashKill() | protocol.TerminalEnd():
-            kind = "command" if isinstance(message, protocol.BashKill) else "terminal"
+            kind: JobKind = "command" if isinstance(message, protocol.BashKill) else "terminal"
             job = _job(host, message.session, message.proc_id, kind)
             if job.running:
                 host.facts.record(job.entry.session, "proc_kill", f"{job.proc_id}:kill",
