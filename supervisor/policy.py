@@ -111,7 +111,12 @@ def decide(policy: Policy, history: Sequence[Exit], now_s: float, rand: float) -
 
 
 def trim(policy: Policy, history: Sequence[Exit], now_s: float, keep: int = 8) -> list[Exit]:
-    """The part of the history that can still matter (bounded memory)."""
+    """The part of the history that can still matter (bounded memory): the
+    last exit, and the newest counted exits of the window (requested exits
+    do not count, so a run of operator restarts must not push crashes out)."""
     start = now_s - policy.period_s
     recent = [e for e in history if e.at_s > start]
-    return recent[-max(keep, policy.max_restarts + 2):]
+    room = max(keep, policy.max_restarts + 2) - 1  # > max_restarts: enough to give up
+    counted = [i for i, e in enumerate(recent) if not e.requested][-room:]
+    chosen = set(counted) | ({len(recent) - 1} if recent else set())
+    return [e for i, e in enumerate(recent) if i in chosen]

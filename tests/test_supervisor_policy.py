@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from broker.errors import ConfigError
@@ -113,6 +113,11 @@ def test_decide_refuses_an_empty_history() -> None:
 
 
 @given(policies, st.lists(exits, min_size=1, max_size=40))
+@example(  # found by CI: operator restarts after the crashes pushed the crashes out
+    Policy(restart="permanent", max_restarts=3, period_s=1.0, base_s=0.0, cap_s=0.0, jitter=0.0),
+    [Exit(at_s=0.0, code=None, signal=None, requested=False)] * 4
+    + [Exit(at_s=0.0, code=None, signal=None, requested=True)] * 5,
+)
 def test_trim_keeps_what_the_decision_needs(policy: Policy, history: list[Exit]) -> None:
     history.sort(key=lambda e: e.at_s)
     now = history[-1].at_s
