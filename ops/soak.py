@@ -75,6 +75,8 @@ def write_config(root: Path, agents: int) -> Path:
     return path
 
 
+# typed into a terminal that does not echo it: the WAL may hold only its hash
+TERMINAL_SECRET = "soak-secret-7f3c9a"
 CHILD_FILE = "child/made.txt"
 CHILD_CONTENT = "made by a subagent\n"
 
@@ -82,7 +84,8 @@ CHILD_CONTENT = "made by a subagent\n"
 def write_task(root: Path, repeat: int) -> Path:
     """The soak task: every op the runtime has (files, memory, todos, an
     approval, a background command, a subagent whose change set is applied
-    once and refused the second time), with a loop of `repeat` passes."""
+    once and refused the second time, a terminal typed a secret into), with
+    a loop of `repeat` passes."""
     child = {
         "name": "soak-child",
         "steps": [
@@ -104,6 +107,11 @@ def write_task(root: Path, repeat: int) -> Path:
             {"op": "subagent_changes", "subagent_id": "latest"},
             {"op": "apply_subagent", "subagent_id": "latest"},
             {"op": "apply_subagent", "subagent_id": "latest"},  # refused: applied once only
+            {"op": "terminal_start", "command": "stty -echo; read -r line; echo got ${#line}"},
+            {"op": "terminal_input", "proc_id": "{last_terminal}",
+             "text": TERMINAL_SECRET + "\n"},
+            {"op": "terminal_read", "proc_id": "{last_terminal}"},
+            {"op": "terminal_end", "proc_id": "{last_terminal}"},
         ],
         "steps": [
             {"op": "edit_file", "path": "log.txt", "old": "end", "new": "pass {i}\nend"},
@@ -271,6 +279,7 @@ def violations(figures: dict[str, object]) -> list[str]:
         "workspace_mismatches",
         "double_applies",
         "commands_started_twice",
+        "secrets_in_wal",
     ):
         if figures.get(key):
             bad.append(f"{key}={figures[key]}")

@@ -14,12 +14,16 @@
   than once (two `proc_start` facts with the same command digest on
   `procs/<agent>`: every command of the soak task is distinct within an
   agent, so a call run again after a crash must find its job, not start
-  another)."""
+  another);
+- `secrets_in_wal`: records holding the text the soak task types into a
+  terminal (it must be sealed: hash and size only), other than the results
+  of `terminal_read`, which show what the terminal printed."""
 
 from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,16 +65,29 @@ def expected_workspace(repeat: int) -> dict[str, bytes]:
     return files
 
 
-def _agent_events(state_dir: StateDir) -> tuple[dict[str, list[Event]], dict[str, list[str]]]:
-    """Each agent's stream, and the command digests procs started for each session."""
-    events: dict[str, list[Event]] = defaultdict(list)
-    commands: dict[str, list[str]] = defaultdict(list)
+@dataclass
+class _WalView:
+    events: dict[str, list[Event]] = field(default_factory=lambda: defaultdict(list))
+    commands: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    secret_leaks: int = 0
+
+
+def _read_wal(state_dir: StateDir) -> _WalView:
+    """Each agent's stream, the command digests procs started for each
+    session, and the records that hold the soak's terminal secret."""
+    from ops.soak import TERMINAL_SECRET
+
+    view = _WalView()
+    events, commands = view.events, view.commands
+    secret = TERMINAL_SECRET.encode()
     for _, path in list_segments(state_dir.wal_dir):
         with open(path, "rb") as f:
             for line in f:
                 record = parse_record(line)
                 if record is None:
                     continue
+                if secret in line and not _shows_terminal_output(record.event, record.payload()):
+                    view.secret_leaks += 1
                 if record.stream.startswith("agent/"):
                     events[record.stream.removeprefix("agent/")].append(
                         (record.seq, record.event, record.payload())
@@ -81,7 +98,12 @@ def _agent_events(state_dir: StateDir) -> tuple[dict[str, list[Event]], dict[str
                         commands[record.stream.removeprefix("procs/")].append(
                             str(payload.get("command_sha256"))
                         )
-    return events, commands
+    return view
+
+
+def _shows_terminal_output(event: str, payload: object) -> bool:
+    return event == "tool_result" and isinstance(payload, dict) and (
+        payload.get("op") == "terminal_read")
 
 
 def _workspace_files(root: Path) -> dict[str, bytes]:
@@ -125,7 +147,8 @@ def check(
 ) -> dict[str, object]:
     """Agents in `tainted` (acknowledged facts of theirs were cut by the soak)
     are skipped: their files and answers are ahead of what their WAL says."""
-    all_events, commands = _agent_events(state_dir)
+    wal = _read_wal(state_dir)
+    all_events, commands = wal.events, wal.commands
     names = sorted(
         p.stem
         for p in (state_dir.config_dir / "agents").glob("*.json")
@@ -172,4 +195,5 @@ def check(
         "workspace_mismatch_examples": workspace_bad[:10],
         "double_applies": double,
         "commands_started_twice": commands_twice,
+        "secrets_in_wal": wal.secret_leaks,
     }

@@ -10,6 +10,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.agent.backends import NO_PROC, ScriptedModel
+from actors.agent.settings import Task
 from actors.agent.state import AgentState, fold
 
 cids = st.sampled_from(["1.0", "1.1", "2.0", "3.0", "4.0"])
@@ -79,3 +81,22 @@ def test_generation_plus_tail_equals_full_replay(events: list[tuple[int, str, An
     assert fold(on_disk, events[split:]) == full
     overlap = max(0, split - 3)  # a tail read from before the generation is harmless
     assert fold(on_disk, events[overlap:]) == full
+
+
+def test_scripted_placeholders_name_the_newest_proc_ids_of_the_recent_context() -> None:
+    task = Task(setup=[{"op": "terminal_input", "proc_id": "{last_terminal}", "text": "x"}],
+                steps=[{"op": "bash_poll", "proc_id": "{last_command}", "note": "pass {i}"}],
+                repeat=2)
+    model = ScriptedModel(task)
+    state = AgentState()
+    assert model.next_reply(state).actions[0]["proc_id"] == NO_PROC["{last_terminal}"]
+    state.recent = [
+        {"result": {"proc_id": "t-1111111111111111"}},
+        {"result": {"proc_id": "p-2222222222222222"}},
+        {"result": {"proc_id": "t-3333333333333333"}},
+        {"status": "aborted", "result": {"effect_applied": None}},
+    ]
+    assert model.next_reply(state).actions[0]["proc_id"] == "t-3333333333333333"
+    state.cursor = 2
+    [action] = model.next_reply(state).actions
+    assert action == {"op": "bash_poll", "proc_id": "p-2222222222222222", "note": "pass 1"}

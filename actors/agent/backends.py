@@ -3,7 +3,11 @@ reply (zero or more raw actions, optional text, token usage).
 
     scripted  the default: plays a task file's steps in order, `repeat` times,
               from the state's cursor (settled decisions), so a restarted agent
-              picks up exactly where the fold says it is; deterministic.
+              picks up exactly where the fold says it is; deterministic. In a
+              step's strings `{i}` is the pass number, and `{last_command}` /
+              `{last_terminal}` the proc id of the newest command / terminal a
+              result in the state's recent context names (a script cannot know
+              ids made at run time).
     replay    re-plays the replies (the `turn` events' actions) recorded in an
               earlier session's stream, one per model call.
     openai    an OpenAI-compatible chat-completions client (openai_backend.py).
@@ -58,13 +62,30 @@ def estimate_usage(state: AgentState, actions: list[Any]) -> Usage:
     return Usage(tokens_in, tokens_out, (tokens_in + tokens_out) / 1000)
 
 
-def _substitute(value: Any, iteration: int) -> Any:
+NO_PROC = {"{last_command}": "p-0000000000000000", "{last_terminal}": "t-0000000000000000"}
+
+
+def _last_procs(state: AgentState) -> dict[str, str]:
+    """The placeholders' values: the newest proc ids named by recent results."""
+    found = dict(NO_PROC)
+    prefixes = {"p-": "{last_command}", "t-": "{last_terminal}"}
+    for item in state.recent:
+        result = item.get("result")
+        proc_id = result.get("proc_id") if isinstance(result, dict) else None
+        if isinstance(proc_id, str) and proc_id[:2] in prefixes:
+            found[prefixes[proc_id[:2]]] = proc_id
+    return found
+
+
+def _substitute(value: Any, values: dict[str, str]) -> Any:
     if isinstance(value, str):
-        return value.replace("{i}", str(iteration))
+        for placeholder, text in values.items():
+            value = value.replace(placeholder, text)
+        return value
     if isinstance(value, list):
-        return [_substitute(v, iteration) for v in value]
+        return [_substitute(v, values) for v in value]
     if isinstance(value, dict):
-        return {k: _substitute(v, iteration) for k, v in value.items()}
+        return {k: _substitute(v, values) for k, v in value.items()}
     return value
 
 
@@ -81,11 +102,12 @@ class ScriptedModel:
         if pos >= self.total:
             actions: list[Any] = [{"op": "finish", "summary": "script complete"}]
         elif pos < len(self.setup):
-            actions = [self.setup[pos]]
+            actions = [_substitute(self.setup[pos], _last_procs(state))]
         else:
             pos -= len(self.setup)
             step = self.steps[pos % len(self.steps)]
-            actions = [_substitute(step, pos // len(self.steps))]
+            values = {"{i}": str(pos // len(self.steps)), **_last_procs(state)}
+            actions = [_substitute(step, values)]
         return Reply(actions=actions, usage=estimate_usage(state, actions))
 
 
