@@ -100,3 +100,17 @@ def signal_group(pid: int, sig: int) -> bool:
         except ProcessLookupError:
             return False
     return True
+
+
+def reap_exited() -> list[tuple[int, int]]:
+    """(pid, wait status) of every child that has exited since the last call;
+    never blocks. A subreaper gets adopted descendants here too."""
+    out: list[tuple[int, int]] = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return out
+        if pid == 0:
+            return out
+        out.append((pid, status))

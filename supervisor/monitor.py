@@ -16,6 +16,7 @@ from typing import Literal
 
 import psutil
 
+from broker import lifeline
 from supervisor.children import Child
 
 USS_PER_PASS = 25
@@ -31,13 +32,7 @@ class Reaped:
 def reap() -> list[Reaped]:
     """Every child that has exited since the last call (never blocks)."""
     out: list[Reaped] = []
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == 0:
-            break
+    for pid, status in lifeline.reap_exited():
         if os.WIFSIGNALED(status):
             out.append(Reaped(pid, None, os.WTERMSIG(status)))
         elif os.WIFEXITED(status):

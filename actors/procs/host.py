@@ -280,13 +280,7 @@ class ProcsHost:
 
     # --- the loop's chores -------------------------------------------------------
     def reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, status in lifeline.reap_exited():
             job = self._by_pid.pop(pid, None)
             if job is not None:
                 job.wait_status = status
@@ -314,8 +308,10 @@ class ProcsHost:
                 continue
             self.peer.send(item.sender, item.reply())
         self._deferred = still
+        saves = self.registry.saves
         self.registry.save()
-        self._forget_old()
+        if self.registry.saves != saves:  # only a save lets entries go
+            self._forget_old()
 
     def _forget_old(self) -> None:
         """Drop from memory the ended jobs the registry let go (it keeps the

@@ -44,7 +44,7 @@ from actors.subagents.children import ChildRecord, Children
 from actors.subagents.ops import task_path
 from actors.subagents.starter import ChildStarter
 from actors.writer_client import WriterClient
-from broker import protocol
+from broker import lifeline, protocol
 from broker.errors import ChangeSetRefusedError, CorralError
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
@@ -207,13 +207,7 @@ class SubagentsHost:
 
     # --- the loop's chores ------------------------------------------------------------
     def reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, status in lifeline.reap_exited():
             if self.starter.reaped(pid, status):
                 continue
             child = self._pids.pop(pid, None)
@@ -328,7 +322,7 @@ class SubagentsHost:
             launch.end_tree(pid, "-", signal.SIGTERM, sweep=False)
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         while waiting:
-            waiting -= self._reap_any()
+            waiting -= {pid for pid, _ in lifeline.reap_exited()}
             left_s = deadline - time.monotonic()
             if not waiting or left_s <= 0:
                 break
@@ -343,15 +337,3 @@ class SubagentsHost:
                 continue
         self._pids.clear()
         self.children.save()
-
-    def _reap_any(self) -> set[int]:
-        """Every pid reaped now, without waiting."""
-        reaped: set[int] = set()
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return reaped
-            if pid == 0:
-                return reaped
-            reaped.add(pid)
