@@ -19,6 +19,7 @@ import psutil
 
 MARKER_ENV = "CORRAL_TEST_ID"
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PDEATHSIG_GRACE_S = 5.0  # how long children may take to die with their killed parent
 
 
 def wait_for(
@@ -104,6 +105,12 @@ class ProcessTracker:
                     os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+        # a test that leaves a supervisor running ends with its SIGKILL above: its
+        # children then die of PDEATHSIG, which takes a moment on a busy machine;
+        # what is still alive after this grace period was not tied to its parent
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: not self.marked(), PDEATHSIG_GRACE_S, "orphans to go",
+                     interval_s=0.05)
         leaked = []
         for proc in self.marked():
             try:
