@@ -29,7 +29,7 @@ import yaml
 from actors.agent import generations
 from actors.agent.settings import AgentSettings, AgentSpec, write_spec
 from actors.agent.state import AgentState, fold
-from actors.wal import encode_record, segment_name
+from actors.writer.wal import encode_record, segment_name
 from broker.statedir import StateDir
 from ops.benchkit import percentile, start_writer, stop, temp_state_root, wait_writer_ready
 
@@ -198,7 +198,7 @@ def full_replay_ms(state_dir: StateDir, expected: AgentState) -> float:
     import zmq
 
     from actors.agent.rebuild import rebuild
-    from actors.writer_client import WriterClient
+    from actors.writer.client import WriterClient
 
     writer_proc = start_writer(state_dir.root)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

@@ -91,7 +91,7 @@ def sqlite_commits_per_s(directory: Path, writers: int, seconds: float) -> float
 def _appender(state_dir: str, index: int, start_at: float, stop_at: float, out: Connection) -> None:
     import zmq
 
-    from actors.writer_client import WriterClient, encode_payload
+    from actors.writer.client import WriterClient, encode_payload
     from broker.statedir import StateDir
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from actors.wal import encode_record, segment_name
+from actors.writer.wal import encode_record, segment_name
 from ops.benchkit import (
     child_env,
     percentile,
@@ -57,7 +57,7 @@ def write_wal(state_dir: Path, count: int) -> None:
 def append_tail(state_dir: Path, count: int) -> None:
     import zmq
 
-    from actors.writer_client import WriterClient
+    from actors.writer.client import WriterClient
     from broker.statedir import StateDir
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -95,7 +95,10 @@ def restart_ms(state_dir: Path, rounds: int) -> tuple[list[float], list[float]]:
 
 
 def import_ms(rounds: int) -> float:
-    code = "import zmq, structlog, pydantic, broker.protocol, broker.logconfig, actors.recovery"
+    code = (
+        "import zmq, structlog, pydantic, broker.protocol, broker.logconfig,"
+        " actors.writer.recovery"
+    )
     samples = []
     for _ in range(rounds):
         started = time.monotonic()

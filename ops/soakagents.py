@@ -30,7 +30,7 @@ from typing import Any
 from actors.agent import generations
 from actors.agent.settings import read_spec, workspace_for
 from actors.agent.state import AgentState, fold
-from actors.wal import list_segments, parse_record
+from actors.writer.wal import list_segments, parse_record
 from broker.statedir import StateDir
 
 Event = tuple[int, str, Any]

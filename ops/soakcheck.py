@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from actors.wal import list_segments, parse_record
+from actors.writer.wal import list_segments, parse_record
 from broker.statedir import StateDir
 from supervisor.walverify import verify
 

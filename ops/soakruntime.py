@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from actors.wal import list_segments, parse_record
+from actors.writer.wal import list_segments, parse_record
 from broker import protocol
 from broker.statedir import StateDir
 
@@ -77,7 +77,7 @@ class Approver:
     and rebuilds only the agents that have one pending."""
 
     def __init__(self, state_dir: StateDir, control: Control) -> None:
-        from actors.writer_client import WriterClient
+        from actors.writer.client import WriterClient
 
         self.state_dir = state_dir
         self._writer = WriterClient(control.ctx, state_dir, "operator", timeout_s=1, retries=3)

@@ -26,7 +26,7 @@ from broker.statedir import StateDir
 
 if TYPE_CHECKING:
     from actors.agent.state import AgentState
-    from actors.writer_client import WriterClient
+    from actors.writer.client import WriterClient
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -55,7 +55,7 @@ def _with_writer(state_dir: StateDir, agent: str, action: Any) -> int:
         return _fail(str(exc), EXIT_USAGE)
     if not client.running(state_dir):
         return _fail(f"no supervisor for {state_dir.root}", EXIT_NO_SUPERVISOR)
-    from actors.writer_client import WriterClient
+    from actors.writer.client import WriterClient
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     writer = WriterClient(ctx, state_dir, "operator", timeout_s=2.0, retries=2)

@@ -212,7 +212,7 @@ def _follow(proc: subprocess.Popen[bytes], config: config_mod.Config, state_dir:
             names: list[str], timeout_s: float) -> int:
     import zmq
 
-    from actors.writer_client import WriterClient
+    from actors.writer.client import WriterClient
 
     catalog.warm()
     deadline = time.monotonic() + timeout_s

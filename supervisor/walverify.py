@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from actors.wal import list_segments, parse_record
+from actors.writer.wal import list_segments, parse_record
 from broker.statedir import StateDir
 
 MAX_REPORTED = 100

@@ -13,7 +13,7 @@ import sys
 
 import zmq
 
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 
 

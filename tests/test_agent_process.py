@@ -19,7 +19,7 @@ import zmq
 
 from actors.agent.rebuild import rebuild
 from actors.agent.settings import Rule, write_spec
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval
 from tests.agentkit import spec, tree, write_task

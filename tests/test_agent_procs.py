@@ -15,7 +15,7 @@ import zmq
 
 from actors.agent.settings import AgentSpec, write_spec
 from actors.procs.host import new_proc_id
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer

@@ -22,7 +22,7 @@ from actors.changesets.build import build
 from actors.changesets.manifest import FileChange, Limits, Manifest
 from actors.changesets.paths import check_path
 from actors.changesets.snapshot import snapshot
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker.errors import ChangeSetRefusedError, RequestTimeoutError
 from broker.statedir import StateDir
 from tests.processes import ProcessTracker, wait_for

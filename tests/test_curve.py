@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from actors.writer import EXIT_CONFIG
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
+from actors.writer.process import EXIT_CONFIG
 from broker import curve
 from broker.errors import RequestTimeoutError
 from broker.statedir import StateDir

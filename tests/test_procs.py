@@ -22,7 +22,7 @@ import zmq
 
 from actors.procs.client import ProcsClient
 from actors.procs.launch import ENV_PROC_ID
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer

@@ -37,7 +37,7 @@ from actors.procs.launch import GATE_CLOSED_EXIT
 from actors.subagents import starter as starter_mod
 from actors.subagents.host import remaining
 from actors.subagents.ops import SpawnSubagentOp, spawn_subagent, task_path
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker import protocol
 from broker.errors import PathRefusedError, RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer

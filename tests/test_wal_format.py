@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors import checkpoint
-from actors.ledgers import Ledgers
-from actors.recovery import Recovered, recover
-from actors.wal import (
+from actors.writer import checkpoint
+from actors.writer.ledgers import Ledgers
+from actors.writer.recovery import Recovered, recover
+from actors.writer.wal import (
     TornTail,
     check_payload,
     encode_record,

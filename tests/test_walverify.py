@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from actors.wal import encode_record, segment_name
+from actors.writer.wal import encode_record, segment_name
 from broker.statedir import StateDir
 from supervisor.walverify import verify
 from tests.processes import REPO_ROOT

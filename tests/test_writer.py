@@ -17,10 +17,10 @@ import msgpack
 import pytest
 import zmq
 
-from actors.segments import FAULT_ENV_FAIL_SYNC_AT
-from actors.wal import TornTail, iter_segment, list_segments
-from actors.writer import EXIT_CORRUPT, EXIT_IO, EXIT_LOCKED
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
+from actors.writer.process import EXIT_CORRUPT, EXIT_IO, EXIT_LOCKED
+from actors.writer.segments import FAULT_ENV_FAIL_SYNC_AT
+from actors.writer.wal import TornTail, iter_segment, list_segments
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.statedir import StateDir

@@ -43,7 +43,7 @@ from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, model_for
 from actors.agent.settings import AgentSpec, load_task, workspace_for
 from actors.agent.state import AgentState, Call, Event, fold_into
 from actors.agent.vault import SealedInputMissingError, Vault
-from actors.writer_client import WriterClient, encode_payload
+from actors.writer.client import WriterClient, encode_payload
 from broker import protocol
 from broker.errors import PathRefusedError, WalError
 from broker.statedir import StateDir

@@ -32,7 +32,7 @@ import zmq
 from actors.agent.loop import AgentLoop, Step
 from actors.agent.settings import read_spec
 from actors.procs.client import end_session_quietly
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker import logconfig, protocol
 from broker.control import ENV_CONTROL, ControlReporter
 from broker.errors import ConfigError, CorralError

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from actors.agent import generations
 from actors.agent.state import AgentState, fold
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 
 

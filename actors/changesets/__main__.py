@@ -21,7 +21,7 @@ import zmq
 
 from actors.changesets.apply import Record, apply
 from actors.changesets.manifest import load, load_receipt
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker.errors import ChangeSetRefusedError
 from broker.statedir import StateDir
 

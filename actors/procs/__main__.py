@@ -18,7 +18,7 @@ import zmq
 from actors.procs.facts import Facts
 from actors.procs.host import ACTOR_NAME, HostOptions, ProcsHost
 from actors.procs.requests import handle
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker import logconfig
 from broker.control import ControlReporter
 from broker.errors import StateDirError

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 
 
 def sha256(data: bytes) -> str:

@@ -24,7 +24,7 @@ import zmq
 
 from actors.changesets.manifest import Limits
 from actors.subagents.host import ACTOR_NAME, SubagentsHost
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker import lifeline, logconfig, protocol
 from broker.control import ControlReporter
 from broker.errors import ChangeSetRefusedError, CorralError, StateDirError

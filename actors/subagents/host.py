@@ -43,7 +43,7 @@ from actors.procs.client import end_session_quietly
 from actors.subagents.children import ChildRecord, Children
 from actors.subagents.ops import task_path
 from actors.subagents.starter import ChildStarter
-from actors.writer_client import WriterClient
+from actors.writer.client import WriterClient
 from broker import lifeline, protocol
 from broker.errors import ChangeSetRefusedError, CorralError
 from broker.peer import BrokerPeer

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import structlog
 
-from actors.streamindex import StreamIndex
-from actors.wal import parse_record, segment_name
+from actors.writer.streamindex import StreamIndex
+from actors.writer.wal import parse_record, segment_name
 from broker import protocol
 
 MAX_OPEN_SEGMENTS = 16

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from actors.wal import segment_name
+from actors.writer.wal import segment_name
 from broker.durable import fsync_dir
 from broker.errors import DurabilityError
 

@@ -14,8 +14,8 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from actors.ledgers import Ledgers
-from actors.segments import ActiveSegment
+from actors.writer.ledgers import Ledgers
+from actors.writer.segments import ActiveSegment
 from broker.errors import DurabilityError
 
 RecordMeta = tuple[str, int, str, str, str | None]  # stream, seq, origin, key, ledger

@@ -12,11 +12,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors import checkpoint
-from actors.dedupe import DedupeWindows
-from actors.ledgers import Ledgers
-from actors.streamindex import StreamIndex
-from actors.wal import TornTail, WalRecord, iter_segment, list_segments, parse_record
+from actors.writer import checkpoint
+from actors.writer.dedupe import DedupeWindows
+from actors.writer.ledgers import Ledgers
+from actors.writer.streamindex import StreamIndex
+from actors.writer.wal import TornTail, WalRecord, iter_segment, list_segments, parse_record
 from broker.errors import WalCorruptionError, WalError
 from broker.statedir import StateDir
 

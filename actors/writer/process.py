@@ -25,14 +25,14 @@ import structlog
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from actors import checkpoint
-from actors.dedupe import DEFAULT_WINDOW
-from actors.groupcommit import Ack, Batch, SyncWorker
-from actors.ledgers import Ledgers
-from actors.recovery import Recovered, recover
-from actors.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
-from actors.streamreader import StreamReader
-from actors.wal import check_payload, encode_record, segment_name
+from actors.writer import checkpoint
+from actors.writer.dedupe import DEFAULT_WINDOW
+from actors.writer.groupcommit import Ack, Batch, SyncWorker
+from actors.writer.ledgers import Ledgers
+from actors.writer.recovery import Recovered, recover
+from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
+from actors.writer.streamreader import StreamReader
+from actors.writer.wal import check_payload, encode_record, segment_name
 from broker import curve, logconfig, protocol
 from broker.control import ControlReporter
 from broker.curve import check_endpoints

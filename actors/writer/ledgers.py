@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from actors.wal import parse_record
+from actors.writer.wal import parse_record
 from broker.errors import DurabilityError
 
 TAIL_READ_BYTES = 2 * 1024 * 1024

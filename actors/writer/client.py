@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from actors.wal import WalRecord, parse_record
+from actors.writer.wal import WalRecord, parse_record
 from broker import protocol
 from broker.curve import CurveClient
 from broker.errors import ProtocolError
