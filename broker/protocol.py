@@ -174,7 +174,8 @@ class ChildStatus(_Message):
     name: ActorName
     kind: Literal["writer", "broker", "procs", "subagents", "agent"]
     pid: int | None
-    state: Literal["starting", "running", "backoff", "exited", "fatal", "stopping"]
+    # stopped: by the operator (`supervisor stop NAME`); started again only by `start`
+    state: Literal["starting", "running", "backoff", "exited", "fatal", "stopping", "stopped"]
     uptime_s: float | None
     restarts: int
     last_exit: str | None  # "exit 3" or "signal SIGKILL"
@@ -215,16 +216,59 @@ class RestartRequest(_Message):
 
 
 class StopRequest(_Message):
+    """Stop the whole tree, or (with `target`) one child, which stays stopped."""
+
     kind: Literal["stop_request"] = "stop_request"
+    msg_id: MsgId
+    target: ActorName | None = None
+
+
+class StartRequest(_Message):
+    """Start a stopped, exited or fatal child again (a running one: nothing to do)."""
+
+    kind: Literal["start_request"] = "start_request"
+    msg_id: MsgId
+    target: ActorName
+
+
+class RemoveRequest(_Message):
+    """Stop an agent and drop it and its spec (its WAL history stays)."""
+
+    kind: Literal["remove_request"] = "remove_request"
+    msg_id: MsgId
+    target: ActorName
+
+
+class ReloadRequest(_Message):
+    """Re-read the configuration file the supervisor was started with."""
+
+    kind: Literal["reload_request"] = "reload_request"
     msg_id: MsgId
 
 
+class ReloadReply(_Message):
+    """What a reload changed: children started, stopped (dropped) and restarted."""
+
+    kind: Literal["reload_reply"] = "reload_reply"
+    msg_id: MsgId
+    config: Annotated[str, Field(max_length=4096)]
+    started: list[ActorName]
+    stopped: list[ActorName]
+    restarted: list[ActorName]
+    unchanged: Annotated[int, Field(ge=0)]
+
+
 class SpawnRequest(_Message):
-    """Add an agent to a running runtime (its spec file is already written)."""
+    """Add an agent to a running runtime; the supervisor writes its spec (with the
+    running configuration's agent settings) only when it accepts the request."""
 
     kind: Literal["spawn_request"] = "spawn_request"
     msg_id: MsgId
     name: ActorName
+    task: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    backend: Literal["scripted", "replay", "openai"] = "scripted"
+    model: Annotated[str, Field(max_length=256)] | None = None
+    replay_stream: StreamName | None = None
 
 
 class Ack(_Message):
@@ -444,6 +488,10 @@ Message = Annotated[
     | RestartRequest
     | StopRequest
     | SpawnRequest
+    | StartRequest
+    | RemoveRequest
+    | ReloadRequest
+    | ReloadReply
     | Ack
     | Bash
     | BashStart

@@ -69,7 +69,11 @@ class Requester:
         | protocol.StatusRequest
         | protocol.SignalRequest
         | protocol.RestartRequest
-        | protocol.StopRequest,
+        | protocol.StopRequest
+        | protocol.StartRequest
+        | protocol.RemoveRequest
+        | protocol.ReloadRequest
+        | protocol.SpawnRequest,
         *,
         timeout_s: float = 5.0,
         retries: int = 3,

@@ -408,6 +408,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     curve.add_arguments(parser)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
+    parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)
     return parser.parse_args(argv)
 
 
@@ -425,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     except LockHeldError as exc:
         print(f"broker: {exc}: another broker serves this state directory", file=sys.stderr)
         return EXIT_LOCKED
-    logconfig.configure("broker", state.log_path("broker"), level=args.log_level)
+    logconfig.configure("broker", state.log_path("broker"), level=args.log_level,
+                        max_bytes=args.log_max_bytes, backups=args.log_backups)
     rule = HeartbeatRule(args.heartbeat_interval_ms / 1000.0, args.heartbeat_misses)
     limits = protocol.Limits(max_frame_bytes=args.max_frame_bytes)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

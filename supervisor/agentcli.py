@@ -1,6 +1,6 @@
 """The operator's agent commands: `spawn`, `approve`, `deny`, `resume`.
 
-    supervisor spawn NAME --task FILE [--model M] [--config F]
+    supervisor spawn NAME --task FILE [--model M] [--json]
     supervisor approve AGENT REQUEST [--always] [--note TEXT]
     supervisor deny AGENT REQUEST [--note TEXT]
     supervisor resume AGENT --budget N [--cost-units C]
@@ -9,8 +9,9 @@ Answers and budget increases are facts of the agent's stream, appended through
 the writer (ledgers `approvals` and `budget`) by the origin "operator" under a
 key derived from the request, so a repeated command is written once. Each
 command first rebuilds the agent's state (snapshot generation + tail) to check
-that what it answers is pending. `spawn` writes the agent's spec and asks the
-supervisor to start it.
+that what it answers is pending. `spawn` checks the task file and asks the
+supervisor, which writes the agent's spec with its running configuration's
+settings (supervisor/requests.py) and starts it; a refused spawn writes nothing.
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.
@@ -139,40 +140,52 @@ def parse_model(text: str | None) -> dict[str, Any]:
     raise ValueError(f"unknown model {text!r}: use scripted, replay:STREAM, openai[:MODEL]")
 
 
-def spawn(state_dir: StateDir, name: str, task: str, model: str | None,
-          config_arg: str | None) -> int:
-    import zmq
+def spawn(state_dir: StateDir, name: str, task: str, model: str | None, *,
+          as_json: bool = False) -> int:
+    """Ask the running supervisor to add an agent. The supervisor writes the spec
+    from *its* configuration's `agent:` settings, and only when it accepts."""
+    import json
 
-    from actors.agent.settings import AgentSpec, load_task, write_spec
+    from actors.agent.settings import load_task
     from broker import protocol
     from broker.errors import CorralError, RemoteError, RequestTimeoutError
-    from broker.requester import Requester, new_msg_id
+    from broker.requester import new_msg_id
     from broker.statedir import check_actor_name
     from supervisor import client
-    from supervisor import config as config_mod
+
+    def done(code: int, line: str, **data: Any) -> int:
+        if as_json:
+            print(json.dumps({"ok": code == EXIT_OK, "command": "spawn", "target": name,
+                              **data}))
+        if code != EXIT_OK:
+            return _fail(line, code)
+        if not as_json:
+            print(f"supervisor: {line}")
+        return code
 
     try:
         check_actor_name(name)
-        load_task(task)
         chosen = parse_model(model)
-        config = config_mod.load(Path(config_arg) if config_arg else None)
     except (CorralError, ValueError) as exc:
-        return _fail(str(exc), EXIT_USAGE)
-    if not client.running(state_dir):
-        return _fail(f"no supervisor for {state_dir.root}", EXIT_NO_SUPERVISOR)
-    write_spec(state_dir, name, AgentSpec(task=str(Path(task).resolve()),
-                                          settings=config.agent, **chosen))
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    requester = Requester(ctx, state_dir.endpoint("supervisor"))
+        return done(EXIT_USAGE, str(exc), error="usage")
+    task_path = Path(task).resolve()
     try:
-        message: Any = protocol.SpawnRequest(msg_id=new_msg_id("sp"), name=name)
-        requester.request(message, timeout_s=5.0, retries=0)
+        load_task(task_path)  # the operator hears of a bad task file here, in one line
+    except CorralError as exc:
+        return done(EXIT_FAILED, str(exc).splitlines()[0], error="task")
+    message = protocol.SpawnRequest(msg_id=new_msg_id("sp"), name=name, task=str(task_path),
+                                    backend=chosen["backend"], model=chosen.get("model"),
+                                    replay_stream=chosen.get("replay_stream"))
+    try:
+        client.ask(state_dir, message, timeout_s=5.0)
+    except client.NoSupervisorError:
+        return done(EXIT_NO_SUPERVISOR, f"no supervisor for {state_dir.root}",
+                    error="no_supervisor")
     except RequestTimeoutError:
-        return _fail(f"no answer from the supervisor of {state_dir.root}", EXIT_NO_ANSWER)
+        return done(EXIT_NO_ANSWER, f"no answer from the supervisor of {state_dir.root}",
+                    error="no_answer")
     except RemoteError as exc:
-        return _fail(f"spawn refused: {exc.detail}")
-    finally:
-        requester.close()
-        ctx.destroy(linger=0)
-    print(f"supervisor: spawned {name} ({chosen['backend']}, task {Path(task).name})")
-    return EXIT_OK
+        return done(EXIT_FAILED, f"spawn refused: {exc.detail}", error=str(exc.code),
+                    detail=exc.detail)
+    return done(EXIT_OK, f"spawned {name} ({chosen['backend']}, task {task_path.name})",
+                affected=[name], backend=chosen["backend"], task=str(task_path))

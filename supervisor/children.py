@@ -6,7 +6,8 @@ decisions are made by supervisor/policy.py and acted on by the runtime.
 States: starting (spawned, or waiting for its turn; no `ready` yet), running
 (`ready` received), backoff (waiting to be restarted), stopping (SIGTERM sent),
 exited (left alone by its policy, or stopped), fatal (gave up: over its
-intensity or a fatal exit code).
+intensity or a fatal exit code), stopped (by the operator, `supervisor stop
+NAME`: no policy restarts it; `start NAME` or `restart NAME` does).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from broker.protocol import ChildStatus
 from supervisor.config import ChildSpec
 from supervisor.policy import Exit, Policy
 
-State = Literal["starting", "running", "backoff", "exited", "fatal", "stopping"]
+State = Literal["starting", "running", "backoff", "exited", "fatal", "stopping", "stopped"]
 
 
 def describe_exit(code: int | None, sig: int | None) -> str:
@@ -47,6 +48,9 @@ class Child:
     stop_deadline: float | None = None
     restart_requested: bool = False
     fork_pending: bool = False  # asked the zygote, no pid yet
+    held: bool = False  # stopped by the operator: stays down until `start`/`restart`
+    removing: bool = False  # `remove` or a reload dropped it: forgotten once it is down
+    spawned_by_operator: bool = False  # added by `spawn`, not by the configuration
     heartbeat_at: float | None = None
     values: dict[str, int | float] = field(default_factory=dict)
     exited_pid: int | None = None  # the pid of the process that exited last

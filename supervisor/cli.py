@@ -1,22 +1,30 @@
-"""`supervisor`: the operator's command line.
+"""`supervisor`: corral's operator command line.
 
     supervisor up [--state-dir D] [--config F] [--detach]
-    supervisor status [--json] [--watch]
-    supervisor kill NAME|all [--signal SIG]
-    supervisor restart NAME
-    supervisor stop [--timeout-s S]
+    supervisor status [NAME...] [--json] [--watch]
+    supervisor stop [NAME] [--timeout-s S] [--json]     the whole tree, or one child
+    supervisor start NAME [--json]
+    supervisor restart NAME [--json]
+    supervisor remove NAME [--json]                     an agent: stop it, drop its spec
+    supervisor reload [--json]                          re-read the configuration (SIGHUP)
+    supervisor kill NAME|all [--signal SIG] [--json]
     supervisor logs [-f] [--actor A] [--level L] [--since T] [--json]
     supervisor wal verify ...
-    supervisor run [CONFIG] [--agents N]          (supervisor/run.py)
-    supervisor spawn NAME --task FILE [--model M]  (supervisor/agentcli.py)
+    supervisor run [CONFIG] [--agents N]                (supervisor/run.py)
+    supervisor spawn NAME --task FILE [--model M] [--json]   (supervisor/agentcli.py)
     supervisor approve AGENT REQUEST [--always] | deny AGENT REQUEST
     supervisor resume AGENT --budget N
+    supervisor completion bash|zsh                      a shell completion script
+
+Exit codes: 0 done; 1 refused (an unknown name, a child that cannot do that)
+or failed; 2 usage (one line says which argument and why); 3 no supervisor for
+that state directory; 4 the supervisor did not answer (status shows the
+status file, marked stale). `up` has its own (supervisor/up.py). A closed
+standard output (`supervisor status | head`) ends the command quietly.
 
 Each subcommand imports only what it needs (`status` never imports structlog
-or PyYAML). Errors print one line; exit codes: 0 done, 1 refused or failed,
-2 usage, 3 no supervisor for that state directory, 4 the supervisor did not
-answer (status shows the status file, marked stale); `up` has its own codes
-(supervisor/up.py, docs/supervisor.md).
+or PyYAML). A new subcommand adds its parser in `_parser()` and its handler to
+`HANDLERS`.
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.
@@ -28,35 +36,114 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+EXIT_USAGE = 2
 EXIT_NO_SUPERVISOR = 3
 EXIT_NO_ANSWER = 4
 STATUS_TIMEOUT_S = 1.0
+PROG = "supervisor"
+
+
+def version() -> str:
+    """corral's version, from the installed distribution's metadata."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("corral")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Refusals in one line, in the CLI's words; `--help` names corral."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        if self.prog == PROG:
+            text = f"corral {version()}: the operator's command line of corral\n\n{text}"
+        return text
+
+
+class _Version(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(f"corral {version()} (the `{PROG}` command; Python {sys.version.split()[0]})")
+        parser.exit(EXIT_OK)
+
+
+def signal_number(text: str) -> int:
+    """`--signal`: a name (TERM, SIGTERM, kill) or a number 1..64."""
+    import signal
+
+    if text.isdigit():
+        number = int(text)
+        if 1 <= number <= 64:
+            return number
+        raise argparse.ArgumentTypeError(f"{text} is not a signal number (1..64)")
+    name = text.upper()
+    name = name if name.startswith("SIG") else f"SIG{name}"
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"unknown signal {text!r} (a name like TERM, KILL, HUP or a number 1..64)"
+        ) from None
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be more than 0")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--state-dir", default=os.environ.get("CORRAL_STATE_DIR"),
                         help="state directory (default ./.corral)")
-    parser = argparse.ArgumentParser(prog="supervisor", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    as_json = _Parser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser = _Parser(prog=PROG, description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action=_Version, nargs=0, help="print corral's version")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_Parser)
     up = sub.add_parser("up", parents=[common], help="start the runtime (foreground)")
-    up.add_argument("--config", help="configuration file (default config/default.yaml)")
+    up.add_argument("--config", help="configuration file (default: the packaged default.yaml)")
     up.add_argument("--detach", action="store_true", help="run in the background")
-    status = sub.add_parser("status", parents=[common], help="show every child")
-    status.add_argument("--json", action="store_true")
+    status = sub.add_parser("status", parents=[common, as_json],
+                            help="show every child, or the named ones")
+    status.add_argument("names", nargs="*", metavar="NAME")
     status.add_argument("--watch", action="store_true", help="refresh every second")
-    kill = sub.add_parser("kill", parents=[common], help="signal a child's process group")
+    kill = sub.add_parser("kill", parents=[common, as_json],
+                          help="signal a child's process group")
     kill.add_argument("target", metavar="NAME|all")
-    kill.add_argument("--signal", "-s", default="TERM", help="signal name or number")
-    restart = sub.add_parser("restart", parents=[common], help="restart one child")
-    restart.add_argument("target", metavar="NAME")
-    stop = sub.add_parser("stop", parents=[common], help="stop the whole tree")
-    stop.add_argument("--timeout-s", type=float, default=120.0)
+    kill.add_argument("--signal", "-s", default=15, type=signal_number,
+                      help="signal name or number (default TERM)")
+    for verb, text in (("restart", "restart one child"),
+                       ("start", "start a stopped, exited or fatal child"),
+                       ("remove", "stop an agent and drop its spec (its history stays)")):
+        one = sub.add_parser(verb, parents=[common, as_json], help=text)
+        one.add_argument("target", metavar="NAME")
+        if verb == "remove":
+            one.add_argument("--timeout-s", type=_positive, default=120.0)
+    stop = sub.add_parser("stop", parents=[common, as_json],
+                          help="stop one child (it stays stopped) or the whole tree")
+    stop.add_argument("target", nargs="?", default=None, metavar="NAME")
+    stop.add_argument("--timeout-s", type=_positive, default=120.0)
+    sub.add_parser("reload", parents=[common, as_json],
+                   help="re-read the configuration; restart only what changed")
     logs = sub.add_parser("logs", parents=[common], help="merged actor logs")
     logs.add_argument("-f", "--follow", action="store_true")
     logs.add_argument("--actor", action="append", default=[])
@@ -64,57 +151,25 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("--since", default=None, help="30s, 5m, 2h, 1d or an ISO time")
     logs.add_argument("--json", action="store_true")
     sub.add_parser("wal", help="`wal verify ...`: check the WAL (see wal verify --help)")
-    _agent_parsers(sub, common)
+    _agent_parsers(sub, common, as_json)
+    completion = sub.add_parser("completion", help="print a shell completion script")
+    completion.add_argument("shell", choices=["bash", "zsh"])
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["wal"]:
-        if argv[1:2] != ["verify"]:
-            print("supervisor: usage: supervisor wal verify ...", file=sys.stderr)
-            return 2
-        from supervisor.walverify import main as wal_verify  # type: ignore[import-not-found,unused-ignore]
-
-        result: int = wal_verify(argv[2:])
-        return result
-    args = _parser().parse_args(argv)
-    try:
-        return _dispatch(args)
-    except KeyboardInterrupt:
-        return EXIT_OK
-
-
-def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "up":
-        from supervisor import up
-
-        if args.detach:
-            return up.detach(args.state_dir, args.config)
-        return up.run(args.state_dir, args.config)
-    if args.command == "logs":
-        return _logs(args)
-    if args.command in ("run", "spawn", "approve", "deny", "resume"):
-        return _agent_command(args)
-    from broker.statedir import StateDir
-
-    state_dir = StateDir.at(args.state_dir)
-    if args.command == "status":
-        return _status(state_dir, args.json, args.watch)
-    return _control(state_dir, args)
-
-
-def _agent_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+def _agent_parsers(sub: Any, common: argparse.ArgumentParser,
+                   as_json: argparse.ArgumentParser) -> None:
     """`run`, `spawn`, `approve`, `deny`, `resume` (supervisor/run.py, supervisor/agentcli.py)."""
     run = sub.add_parser("run", parents=[common], help="run N agents on the demo tasks")
-    run.add_argument("config", nargs="?", help="configuration file (default config/default.yaml)")
+    run.add_argument("config", nargs="?",
+                     help="configuration file (default: the packaged default.yaml)")
     run.add_argument("--agents", type=int, default=None, help="number of agents (default 8)")
-    run.add_argument("--timeout-s", type=float, default=None)
-    spawn = sub.add_parser("spawn", parents=[common], help="add an agent to a running runtime")
+    run.add_argument("--timeout-s", type=_positive, default=None)
+    spawn = sub.add_parser("spawn", parents=[common, as_json],
+                           help="add an agent to the running runtime (its configuration)")
     spawn.add_argument("name")
     spawn.add_argument("--task", required=True, help="task file (YAML)")
     spawn.add_argument("--model", default=None, help="scripted | replay:STREAM | openai[:MODEL]")
-    spawn.add_argument("--config", default=None, help="agent settings from this configuration")
     for verb in ("approve", "deny"):
         answer = sub.add_parser(verb, parents=[common], help=f"{verb} an agent's request")
         answer.add_argument("agent")
@@ -129,6 +184,49 @@ def _agent_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     resume.add_argument("--cost-units", type=float, default=0.0, help="cost units to add")
 
 
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # the reader went away (`| head`): stop quietly, and keep the interpreter's
+        # final flush from raising again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["wal"]:
+        if argv[1:2] != ["verify"]:
+            print(f"{PROG}: usage: {PROG} wal verify ...", file=sys.stderr)
+            return EXIT_USAGE
+        from supervisor.walverify import main as wal_verify  # type: ignore[import-not-found,unused-ignore]
+
+        result: int = wal_verify(argv[2:])
+        return result
+    args = _parser().parse_args(argv)
+    return HANDLERS[args.command](args)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from supervisor import up
+
+    if args.detach:
+        return up.detach(args.state_dir, args.config)
+    return up.run(args.state_dir, args.config)
+
+
+def _completion(args: argparse.Namespace) -> int:
+    import shtab
+
+    sys.stdout.write(shtab.complete(_parser(), shell=args.shell))
+    sys.stdout.flush()
+    return EXIT_OK
+
+
 def _agent_command(args: argparse.Namespace) -> int:
     if args.command == "run":
         from supervisor import run
@@ -139,19 +237,22 @@ def _agent_command(args: argparse.Namespace) -> int:
 
     state_dir = StateDir.at(args.state_dir)
     if args.command == "spawn":
-        return agentcli.spawn(state_dir, args.name, args.task, args.model, args.config)
+        return agentcli.spawn(state_dir, args.name, args.task, args.model, as_json=args.json)
     if args.command == "resume":
         return agentcli.resume(state_dir, args.agent, args.budget, args.cost_units)
     return agentcli.approve(state_dir, args.agent, args.request, deny=args.command == "deny",
                             always=getattr(args, "always", False), note=args.note)
 
 
-def _status(state_dir: Any, as_json: bool, watch: bool) -> int:
+def _status(args: argparse.Namespace) -> int:
+    from broker.statedir import StateDir
     from supervisor import client, statusfile, statusview
 
+    state_dir = StateDir.at(args.state_dir)
+    names: list[str] = args.names
     while True:
         if not client.running(state_dir):
-            print(f"supervisor: no supervisor for {state_dir.root}", file=sys.stderr)
+            print(f"{PROG}: no supervisor for {state_dir.root}", file=sys.stderr)
             return EXIT_NO_SUPERVISOR
         from broker import protocol
         from broker.errors import CorralError
@@ -163,12 +264,12 @@ def _status(state_dir: Any, as_json: bool, watch: bool) -> int:
                                timeout_s=STATUS_TIMEOUT_S)
             data: dict[str, Any] | None = reply.model_dump(mode="json")
         except client.NoSupervisorError:
-            print(f"supervisor: no supervisor for {state_dir.root}", file=sys.stderr)
+            print(f"{PROG}: no supervisor for {state_dir.root}", file=sys.stderr)
             return EXIT_NO_SUPERVISOR
         except CorralError:
             data = statusfile.read(state_dir.status_path)
             if data is None:
-                print(f"supervisor: no answer from the supervisor of {state_dir.root} and "
+                print(f"{PROG}: no answer from the supervisor of {state_dir.root} and "
                       f"no status file", file=sys.stderr)
                 return EXIT_NO_ANSWER
             stale = max(0.0, time.time() - float(data.get("written_at", 0)))
@@ -176,78 +277,34 @@ def _status(state_dir: Any, as_json: bool, watch: bool) -> int:
             data["stale_age_s"] = round(stale, 3)
         assert data is not None
         data.pop("msg_id", None)
-        if as_json:
+        if names:
+            children = {c["name"]: c for c in data.get("children", [])}
+            unknown = [n for n in names if n not in children]
+            if unknown:
+                print(f"{PROG}: no child named {', '.join(unknown)} in {state_dir.root}",
+                      file=sys.stderr)
+                return EXIT_FAILED
+            data["children"] = [children[n] for n in names]
+        if args.json:
             import json
 
-            text = json.dumps(data, indent=None if watch else 2)
+            text = json.dumps(data, indent=None if args.watch else 2)
         else:
             text = statusview.render(data, stale)
-        if watch:
+        if args.watch:
             sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
             sys.stdout.flush()
             time.sleep(1.0)
             continue
         print(text)
+        sys.stdout.flush()
         return EXIT_NO_ANSWER if stale is not None else EXIT_OK
 
 
-def _signal_number(text: str) -> int:
-    import signal
+def _control(args: argparse.Namespace) -> int:
+    from supervisor import ctlcli
 
-    if text.isdigit():
-        return int(text)
-    name = text.upper()
-    name = name if name.startswith("SIG") else f"SIG{name}"
-    try:
-        return int(signal.Signals[name])
-    except KeyError:
-        raise ValueError(f"unknown signal {text!r}") from None
-
-
-def _control(state_dir: Any, args: argparse.Namespace) -> int:
-    from broker import pidlock, protocol
-    from broker.errors import RemoteError, RequestTimeoutError
-    from broker.requester import new_msg_id
-    from supervisor import client
-
-    message: protocol.SignalRequest | protocol.RestartRequest | protocol.StopRequest
-    try:
-        if args.command == "kill":
-            message = protocol.SignalRequest(msg_id=new_msg_id("k"), target=args.target,
-                                             signal=_signal_number(args.signal))
-        elif args.command == "restart":
-            message = protocol.RestartRequest(msg_id=new_msg_id("r"), target=args.target)
-        else:
-            message = protocol.StopRequest(msg_id=new_msg_id("s"))
-    except ValueError as exc:
-        first = str(exc).splitlines()[0]
-        print(f"supervisor: {first}", file=sys.stderr)
-        return 2
-    holder = pidlock.read_holder(state_dir.lock_path)
-    try:
-        reply = client.ask(state_dir, message, timeout_s=5.0)
-    except client.NoSupervisorError:
-        print(f"supervisor: no supervisor for {state_dir.root}", file=sys.stderr)
-        return EXIT_NO_SUPERVISOR
-    except RequestTimeoutError:
-        print(f"supervisor: no answer from the supervisor of {state_dir.root}", file=sys.stderr)
-        return EXIT_NO_ANSWER
-    except RemoteError as exc:
-        print(f"supervisor: {args.command} refused: {exc.detail}", file=sys.stderr)
-        return EXIT_FAILED
-    affected = getattr(reply, "affected", [])
-    if args.command != "stop":
-        print(f"supervisor: {args.command} {args.target}: {', '.join(affected) or 'none'}")
-        return EXIT_OK
-    deadline = time.monotonic() + args.timeout_s
-    while client.running(state_dir):
-        if time.monotonic() > deadline:
-            print(f"supervisor: pid {holder} still stopping after {args.timeout_s:g}s",
-                  file=sys.stderr)
-            return EXIT_FAILED
-        time.sleep(0.05)
-    print(f"supervisor: stopped (pid {holder})")
-    return EXIT_OK
+    return ctlcli.run(args)
 
 
 def _logs(args: argparse.Namespace) -> int:
@@ -262,20 +319,43 @@ def _logs(args: argparse.Namespace) -> int:
             since=logs.parse_since(args.since) if args.since else None,
         )
     except ValueError as exc:
-        print(f"supervisor: {exc}", file=sys.stderr)
-        return 2
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if not log_dir.is_dir():
-        print(f"supervisor: no log directory {log_dir}", file=sys.stderr)
+        print(f"{PROG}: no log directory {log_dir}", file=sys.stderr)
         return EXIT_FAILED
-    try:
-        for record in logs.merged(log_dir, flt):
-            sys.stdout.write(logs.render(record, args.json) + "\n")
-        sys.stdout.flush()
-        if args.follow:
-            logs.follow(log_dir, flt, args.json)
-    except BrokenPipeError:
-        return EXIT_OK
+    present = logs.actors_in(log_dir)
+    unknown = sorted(set(args.actor) - set(present))
+    if unknown:
+        known = ", ".join(present[:20]) + (", ..." if len(present) > 20 else "") or "none"
+        print(f"{PROG}: no log for {', '.join(unknown)} in {log_dir} (actors: {known})",
+              file=sys.stderr)
+        return EXIT_FAILED
+    for record in logs.merged(log_dir, flt):
+        sys.stdout.write(logs.render(record, args.json) + "\n")
+    sys.stdout.flush()
+    if args.follow:
+        logs.follow(log_dir, flt, args.json)
     return EXIT_OK
+
+
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "up": _up,
+    "status": _status,
+    "kill": _control,
+    "restart": _control,
+    "start": _control,
+    "stop": _control,
+    "remove": _control,
+    "reload": _control,
+    "logs": _logs,
+    "run": _agent_command,
+    "spawn": _agent_command,
+    "approve": _agent_command,
+    "deny": _agent_command,
+    "resume": _agent_command,
+    "completion": _completion,
+}
 
 
 if __name__ == "__main__":

@@ -15,7 +15,15 @@ from broker import pidlock
 from broker.statedir import StateDir
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     from broker import protocol
+
+    Request: TypeAlias = (
+        protocol.StatusRequest | protocol.SignalRequest | protocol.RestartRequest
+        | protocol.StopRequest | protocol.StartRequest | protocol.RemoveRequest
+        | protocol.ReloadRequest | protocol.SpawnRequest
+    )
 
 
 class NoSupervisorError(Exception):
@@ -26,9 +34,8 @@ def running(state_dir: StateDir) -> bool:
     return pidlock.is_held(state_dir.lock_path)
 
 
-def ask(state_dir: StateDir, message: protocol.StatusRequest | protocol.SignalRequest
-        | protocol.RestartRequest | protocol.StopRequest,
-        timeout_s: float = 2.0, retries: int = 0) -> protocol.Message:
+def ask(state_dir: StateDir, message: Request, timeout_s: float = 2.0,
+        retries: int = 0) -> protocol.Message:
     """Send one control request; raises NoSupervisorError, RequestTimeoutError, RemoteError."""
     import zmq
 

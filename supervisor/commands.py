@@ -1,4 +1,8 @@
-"""The command line each kind of child runs, from its spec and the config."""
+"""The command line each kind of child runs, from its spec and the config.
+
+Every kind gets the logging settings (`logging.level`, `max_bytes`, `backups`;
+the writer's level may be overridden by `writer.log_level`), so each actor's
+JSON log rotates the same way (`log_args`)."""
 
 from __future__ import annotations
 
@@ -23,31 +27,35 @@ def argv_for(spec: ChildSpec, config: Config, state_dir: StateDir) -> list[str]:
         return [a.replace("{python}", sys.executable).replace("{state_dir}", root)
                 for a in spec.command]
     argv = [sys.executable, "-m", _MODULES[spec.kind], "--state-dir", root]
-    log = config.logging
     if spec.kind == "writer":
-        argv += ["--log-level", config.writer.log_level or log.level,
-                 "--log-max-bytes", str(log.max_bytes), "--log-backups", str(log.backups)]
+        argv += log_args(config, config.writer.log_level)
     elif spec.kind == "broker":
-        argv += ["--log-level", log.level]
+        argv += log_args(config)
         if config.broker.heartbeat_interval_ms is not None:
             argv += ["--heartbeat-interval-ms", str(config.broker.heartbeat_interval_ms)]
         if config.broker.heartbeat_misses is not None:
             argv += ["--heartbeat-misses", str(config.broker.heartbeat_misses)]
     elif spec.kind == "agent":
-        argv += ["--name", spec.name, "--log-level", log.level,
+        argv += ["--name", spec.name, *log_args(config),
                  "--heartbeat-interval-ms", str(config.heartbeat.interval_ms)]
+    else:  # procs, subagents (the subagents host hands them on to its child agents)
+        argv += log_args(config)
     return argv
+
+
+def log_args(config: Config, level: str | None = None) -> list[str]:
+    """`--log-level L --log-max-bytes N --log-backups K`: accepted by every child."""
+    log = config.logging
+    return ["--log-level", level or log.level, "--log-max-bytes", str(log.max_bytes),
+            "--log-backups", str(log.backups)]
 
 
 def zygote_args(config: Config, state_dir: StateDir) -> list[str]:
     """Arguments for `python -m actors.zygote` after `--fd N`."""
-    log = config.logging
     return [
         "--state-dir", str(state_dir.root),
         "--heartbeat-interval-ms", str(config.heartbeat.interval_ms),
         "--broker-heartbeat-interval-ms", str(config.broker.heartbeat_interval_ms or 1000),
         "--broker-heartbeat-misses", str(config.broker.heartbeat_misses or 3),
-        "--log-level", log.level,
-        "--log-max-bytes", str(log.max_bytes),
-        "--log-backups", str(log.backups),
+        *log_args(config),
     ]

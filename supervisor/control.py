@@ -70,7 +70,7 @@ class ControlServer:
         return out
 
     def reply(self, identity: bytes, message: protocol.StatusReply | protocol.Ack
-              | protocol.Error) -> None:
+              | protocol.Error | protocol.ReloadReply) -> None:
         self.send(identity, protocol.encode(message))
 
     def send(self, identity: bytes, frame: bytes) -> None:

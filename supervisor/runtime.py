@@ -17,6 +17,7 @@ import random
 import signal
 import time
 from collections import deque
+from pathlib import Path
 from types import FrameType
 
 import structlog
@@ -26,7 +27,7 @@ from actors.zygote import Forked
 from broker import lifeline, protocol
 from broker.errors import SpawnError
 from broker.statedir import StateDir
-from supervisor import commands, monitor, spawner, statusfile
+from supervisor import commands, monitor, requests, spawner, statusfile
 from supervisor.children import Child, describe_exit
 from supervisor.config import CORE_KINDS, KIND_ORDER, Config
 from supervisor.control import ControlServer, Incoming
@@ -44,8 +45,10 @@ log = structlog.get_logger("supervisor")
 class Runtime:
     """The running supervisor of one state directory."""
 
-    def __init__(self, config: Config, state_dir: StateDir) -> None:
+    def __init__(self, config: Config, state_dir: StateDir,
+                 config_path: Path | None = None) -> None:
         self.config = config
+        self.config_path = config_path  # re-read by a reload (None: the default file)
         self.state_dir = state_dir
         self.children = {
             s.name: Child(spec=s, policy=s.policy()) for s in config.child_specs()
@@ -70,6 +73,8 @@ class Runtime:
         self.zygote_history: list[Exit] = []
         self.zygote_restart_at: float | None = None
         self.use_zygote = config.agents.zygote
+        self.zygote_stale = False  # a reload changed its arguments: replace it when idle
+        self.retired_zygotes: set[int] = set()
         self._signals: deque[int] = deque()
         self._wake_r, self._wake_w = os.pipe()
         self._next_status = 0.0
@@ -200,6 +205,8 @@ class Runtime:
         ready_at = self.early_ready.pop(pid, None)
         if ready_at is not None:
             self._ready(child, ready_at)
+        if child.held or child.removing or child.restart_requested:
+            self._terminate(child, now)  # stopped, removed or reloaded while being forked
         early = self.early_exits.pop(pid, None)
         if early is not None:
             reaped, reaped_at = early
@@ -209,6 +216,10 @@ class Runtime:
                 log.info("early_exit_discarded", child=child.name, pid=pid)
 
     def _flush_forks(self) -> None:
+        if self.zygote_stale:
+            if self.zygote is not None and self.in_flight > 0:
+                return  # no fork to the old zygote; replace it once its forks are answered
+            self._retire_zygote()
         if self.zygote is None:
             if not self.use_zygote:
                 while self.fork_queue:  # the zygote gave up: fresh interpreters
@@ -243,6 +254,19 @@ class Runtime:
         log.info("zygote_spawned", pid=pid)
         pending = [c for c in self.children.values() if c.fork_pending]
         self.fork_queue = deque(pending)
+
+    def _retire_zygote(self) -> None:
+        """Replace the zygote after a reload changed its arguments (or turned it off)."""
+        self.zygote_stale = False
+        old = self.zygote
+        if old is not None:
+            self.zygote = None
+            if old.pid is not None:
+                self.retired_zygotes.add(old.pid)
+                old.close()
+                spawner.signal_group(old.pid, signal.SIGTERM)
+        if self.use_zygote and not self.stopping:
+            self._start_zygote(time.monotonic())
 
     def _on_zygote_replies(self, now: float) -> None:
         assert self.zygote is not None
@@ -281,6 +305,9 @@ class Runtime:
         if self.zygote is not None and reaped.pid == self.zygote.pid:
             self._zygote_lost(reaped, now)
             return
+        if reaped.pid in self.retired_zygotes:
+            self.retired_zygotes.discard(reaped.pid)
+            return
         child = self.by_pid.pop(reaped.pid, None)
         if child is None or child.pid != reaped.pid:
             # maybe a fork not yet announced, maybe an orphan's: see _register
@@ -297,6 +324,13 @@ class Runtime:
         self._after_exit(child, record, now)
 
     def _after_exit(self, child: Child, record: Exit, now: float) -> None:
+        if child.removing:
+            requests.forget(self, child)
+            return
+        if child.held:
+            child.state = "stopped"
+            log.info("child_stopped", child=child.name, last_exit=child.last_exit)
+            return
         if self.stopping:
             child.state = "exited"
             return
@@ -385,6 +419,14 @@ class Runtime:
                     child.values = dict(values)
             case protocol.StatusRequest(msg_id=msg_id):
                 self.control.reply(incoming.identity, self._status(msg_id, now))
+            case protocol.StopRequest(msg_id=msg_id, target=str() as target):
+                self.control.reply(incoming.identity, requests.stop(self, msg_id, target, now))
+            case protocol.StartRequest(msg_id=msg_id, target=target):
+                self.control.reply(incoming.identity, requests.start(self, msg_id, target, now))
+            case protocol.RemoveRequest(msg_id=msg_id, target=target):
+                self.control.reply(incoming.identity, requests.remove(self, msg_id, target, now))
+            case protocol.ReloadRequest(msg_id=msg_id):
+                self.control.reply(incoming.identity, requests.reload(self, msg_id, now))
             case protocol.StopRequest(msg_id=msg_id):
                 self.control.reply(incoming.identity, protocol.Ack(
                     msg_id=msg_id, affected=list(self.children)))
@@ -394,8 +436,8 @@ class Runtime:
                 self.control.reply(incoming.identity, self._signal(msg_id, target, sig))
             case protocol.RestartRequest(msg_id=msg_id, target=target):
                 self.control.reply(incoming.identity, self._restart(msg_id, target, now))
-            case protocol.SpawnRequest(msg_id=msg_id, name=name):
-                self.control.reply(incoming.identity, self._spawn(msg_id, name, now))
+            case protocol.SpawnRequest():
+                self.control.reply(incoming.identity, requests.spawn(self, msg, now))
             case _:
                 ref: str | None = getattr(msg, "msg_id", None)
                 self.control.reply(incoming.identity, protocol.Error(
@@ -434,32 +476,6 @@ class Runtime:
         log.info("child_signalled", target=target, signal=sig, affected=len(affected))
         return protocol.Ack(msg_id=msg_id, affected=affected)
 
-    def _spawn(self, msg_id: str, name: str, now: float) -> protocol.Ack | protocol.Error:
-        """Add an agent child (`supervisor spawn`) with the agents group's policy, but
-        restart `transient`: it runs a session, and a finished one exits 0."""
-        from supervisor.config import ChildSpec  # noqa: PLC0415 - only this request needs it
-
-        if self.stopping:
-            return protocol.Error(msg_id=msg_id, code=protocol.ErrorCode.SHUTTING_DOWN,
-                                  detail="the supervisor is stopping")
-        child = self.children.get(name)
-        if child is not None and (child.pid is not None or child.fork_pending
-                                  or child.state not in ("exited", "fatal")):
-            return protocol.Error(msg_id=msg_id, code=protocol.ErrorCode.INVALID_MESSAGE,
-                                  detail=f"a child named {name!r} is {child.state}")
-        if child is None:
-            template = self.config.agents.model_dump(exclude={"count", "name_prefix", "zygote"})
-            template["restart"] = "transient"  # a session that finished (exit 0) stays down
-            spec = ChildSpec(name=name, kind="agent", **template)
-            child = self.children[name] = Child(spec=spec, policy=spec.policy())
-        child.history.clear()
-        if self.use_zygote and self.zygote is None and self.zygote_restart_at is None:
-            self._start_zygote(now)
-        log.info("spawn_requested", child=name)
-        if self.phase > KIND_ORDER.index("agent"):
-            self._start(child, now)  # otherwise the start phase starts it with the others
-        return protocol.Ack(msg_id=msg_id, affected=[name])
-
     def _restart(self, msg_id: str, target: str, now: float) -> protocol.Ack | protocol.Error:
         refused = self._refusal(msg_id, target) or (
             protocol.Error(msg_id=msg_id, code=protocol.ErrorCode.NOT_FOUND,
@@ -467,6 +483,7 @@ class Runtime:
         if refused is not None:
             return refused
         child = self.children[target]
+        child.held = False  # a restart also ends an operator's stop
         log.info("restart_requested", child=target, state=child.state)
         if child.pid is not None:
             child.restart_requested = True
@@ -506,6 +523,9 @@ class Runtime:
     def _handle_signals(self) -> None:
         while self._signals:
             sig = self._signals.popleft()
-            if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            if sig == signal.SIGHUP:  # like supervisord and systemd's ExecReload: reload
+                log.info("reload_signalled", signal="SIGHUP")
+                requests.reload(self, "sighup", time.monotonic())
+            elif sig in (signal.SIGTERM, signal.SIGINT):
                 log.info("stop_signalled", signal=signal.Signals(sig).name)
                 self._begin_stop(EXIT_OK)

@@ -59,7 +59,8 @@ def run(state_arg: str | None, config_arg: str | None) -> int:
         max_bytes=config.logging.max_bytes, backups=config.logging.backups,
     )
     try:
-        runtime = Runtime(config, state_dir)
+        path = Path(config_arg).resolve() if config_arg else config_mod.DEFAULT_CONFIG_PATH
+        runtime = Runtime(config, state_dir, path)
         code = runtime.run()
     except Exception as exc:
         log.exception("supervisor_crashed")

@@ -97,8 +97,20 @@ BUILDERS: dict[str, st.SearchStrategy[p._Message]] = {
         p.SignalRequest, msg_id=msg_ids, target=actors, signal=st.integers(1, 64)
     ),
     "restart_request": st.builds(p.RestartRequest, msg_id=msg_ids, target=actors),
-    "stop_request": st.builds(p.StopRequest, msg_id=msg_ids),
-    "spawn_request": st.builds(p.SpawnRequest, msg_id=msg_ids, name=actors),
+    "stop_request": st.builds(p.StopRequest, msg_id=msg_ids, target=st.none() | actors),
+    "spawn_request": st.builds(
+        p.SpawnRequest, msg_id=msg_ids, name=actors, task=st.none() | st.text(min_size=1),
+        backend=st.sampled_from(["scripted", "replay", "openai"]),
+        model=st.none() | st.text(max_size=20), replay_stream=st.none() | actors,
+    ),
+    "start_request": st.builds(p.StartRequest, msg_id=msg_ids, target=actors),
+    "remove_request": st.builds(p.RemoveRequest, msg_id=msg_ids, target=actors),
+    "reload_request": st.builds(p.ReloadRequest, msg_id=msg_ids),
+    "reload_reply": st.builds(
+        p.ReloadReply, msg_id=msg_ids, config=st.text(max_size=40),
+        started=st.lists(actors, max_size=3), stopped=st.lists(actors, max_size=3),
+        restarted=st.lists(actors, max_size=3), unchanged=st.integers(0, 1000),
+    ),
     "ack": st.builds(p.Ack, msg_id=msg_ids, affected=st.lists(actors, max_size=5)),
     **{  # procs: background commands and terminals
         "bash": st.builds(

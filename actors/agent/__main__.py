@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from actors.agent.process import AgentOptions, serve
+from broker import logconfig
 from broker.errors import StateDirError
 from broker.statedir import StateDir, check_actor_name
 
@@ -18,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", default=None)
     parser.add_argument("--heartbeat-interval-ms", type=int, default=1000)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
+    parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)
     parser.add_argument("--no-broker", action="store_true", help="do not join the broker")
     args = parser.parse_args(argv)
     try:
@@ -29,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     options = AgentOptions(
         heartbeat_interval_s=args.heartbeat_interval_ms / 1000.0,
         log_level=args.log_level,
+        log_max_bytes=args.log_max_bytes,
+        log_backups=args.log_backups,
         join_broker=not args.no_broker,
     )
     return serve(name, state, options)

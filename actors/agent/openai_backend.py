@@ -102,6 +102,9 @@ class OpenAIModel:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ModelError(f"invalid base_url {settings.base_url!r}")
         self.parts = parts
+        # named in every failure (without any user:password part of the URL)
+        self.url = f"{parts.scheme}://{parts.hostname}" + (
+            f":{parts.port}" if parts.port else "") + parts.path
         self.attempts = 0
 
     def next_reply(self, state: AgentState) -> Reply:
@@ -134,13 +137,15 @@ class OpenAIModel:
                     try:
                         parsed = json.loads(payload)
                     except ValueError as exc:
-                        raise ModelError("the model server sent invalid JSON") from exc
+                        raise ModelError(f"the model server {self.url} sent invalid JSON") \
+                            from exc
                     if not isinstance(parsed, dict):
-                        raise ModelError("the model server sent a non-object body")
+                        raise ModelError(f"the model server {self.url} sent a non-object body")
                     return parsed
                 last = f"HTTP {response.status}"
                 if response.status not in RETRY_STATUS:
-                    raise ModelError(f"the model server answered {last}: {payload[:200]!r}")
+                    raise ModelError(f"the model server {self.url} answered {last}: "
+                                     f"{payload[:200]!r}")
                 header = response.getheader("Retry-After")
                 if header and header.strip().isdigit():
                     retry_after = float(header)
@@ -155,5 +160,5 @@ class OpenAIModel:
                             retry_after if retry_after is not None
                             else self.settings.backoff_base_s * 2 ** attempt)
                 self.sleep(delay)
-        raise ModelError(f"model server failed after {self.settings.max_retries + 1} "
-                         f"attempts: {last}")
+        raise ModelError(f"model server {self.url} failed after "
+                         f"{self.settings.max_retries + 1} attempts: {last}")

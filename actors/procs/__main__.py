@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m actors.procs", description=__doc__)
     parser.add_argument("--state-dir", default=None)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
+    parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)
     parser.add_argument("--kill-grace-s", type=float, default=1.0)
     parser.add_argument("--command-cap-bytes", type=int, default=64 * 1024 * 1024)
     parser.add_argument("--terminal-cap-bytes", type=int, default=16 * 1024 * 1024)
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"procs: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     logconfig.configure(ACTOR_NAME, state.log_path(ACTOR_NAME), level=args.log_level,
-                        console=False)
+                        max_bytes=args.log_max_bytes, backups=args.log_backups, console=False)
     options = HostOptions(
         kill_grace_s=args.kill_grace_s,
         command_cap_bytes=args.command_cap_bytes,

@@ -109,7 +109,8 @@ class _Wakeup:
         os.close(self.write_fd)
 
 
-def serve(state: StateDir, limits: Limits, *, use_zygote: bool = True) -> int:
+def serve(state: StateDir, limits: Limits, *, use_zygote: bool = True,
+          log_args: list[str] | None = None) -> int:
     log = structlog.get_logger(ACTOR_NAME)
     wake = _Wakeup()
     if use_zygote:
@@ -123,7 +124,8 @@ def serve(state: StateDir, limits: Limits, *, use_zygote: bool = True) -> int:
     peer = BrokerPeer(ctx, state, reporter.actor if reporter else ACTOR_NAME)
     writer = WriterClient(ctx, state, origin=ACTOR_NAME)
     try:
-        host = SubagentsHost(state, peer, writer, limits, use_zygote=use_zygote)
+        host = SubagentsHost(state, peer, writer, limits, use_zygote=use_zygote,
+                             log_args=log_args)
         if reporter is not None:
             reporter.ready()
         log.info("subagents_started", children=len(host.children.records),
@@ -166,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m actors.subagents", description=__doc__)
     parser.add_argument("--state-dir", default=None)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
+    parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)
     parser.add_argument("--max-files", type=int, default=64)
     parser.add_argument("--max-input-bytes", type=int, default=256 * 1024)
     parser.add_argument("--max-patch-bytes", type=int, default=512 * 1024)
@@ -178,10 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"subagents: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     logconfig.configure(ACTOR_NAME, state.log_path(ACTOR_NAME), level=args.log_level,
-                        console=False)
+                        max_bytes=args.log_max_bytes, backups=args.log_backups, console=False)
     limits = Limits(max_files=args.max_files, max_input_bytes=args.max_input_bytes,
                     max_patch_bytes=args.max_patch_bytes)
-    return serve(state, limits, use_zygote=not args.no_zygote)
+    # child agents log like their host
+    log_args = ["--log-level", args.log_level, "--log-max-bytes", str(args.log_max_bytes),
+                "--log-backups", str(args.log_backups)]
+    return serve(state, limits, use_zygote=not args.no_zygote, log_args=log_args)
 
 
 if __name__ == "__main__":

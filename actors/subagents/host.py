@@ -90,13 +90,14 @@ class _Deferred:
 
 class SubagentsHost:
     def __init__(self, state: StateDir, peer: BrokerPeer, writer: WriterClient,
-                 limits: Limits, *, use_zygote: bool = True) -> None:
+                 limits: Limits, *, use_zygote: bool = True,
+                 log_args: list[str] | None = None) -> None:
         self.state = state
         self.peer = peer
         self.writer = writer
         self.limits = limits
         self.children = Children.load(state.root / "subagents" / "registry.json")
-        self.starter = ChildStarter(state, use_zygote=use_zygote)
+        self.starter = ChildStarter(state, use_zygote=use_zygote, log_args=log_args)
         self._pids: dict[int, ChildRecord] = {}
         self._deferred: list[_Deferred] = []
         self.counts = {"spawned": 0, "ended": 0, "failed": 0, "applied": 0, "refused": 0}

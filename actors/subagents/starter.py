@@ -80,11 +80,13 @@ class ChildStarter:
     """The host's zygote and its fallback."""
 
     def __init__(self, state: StateDir, *, use_zygote: bool = True,
-                 zygote_args: list[str] | None = None) -> None:
+                 zygote_args: list[str] | None = None,
+                 log_args: list[str] | None = None) -> None:
         self.state = state
         self.use_zygote = use_zygote
+        self._log_args = list(log_args or [])  # --log-level/--log-max-bytes/--log-backups
         self._zygote_args = zygote_args if zygote_args is not None else [
-            "--state-dir", str(state.root)]
+            "--state-dir", str(state.root), *self._log_args]
         self._env = {k: v for k, v in os.environ.items() if k not in (ENV_CONTROL, ENV_ACTOR)}
         self.zygote: ZygoteLink | None = None
         self.failures = 0  # zygote failures in a row
@@ -193,7 +195,7 @@ class ChildStarter:
     def _launch(self, name: str, directory: Path, output: Path) -> Started:
         out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         argv = [sys.executable, "-m", "actors.agent", "--name", name,
-                "--state-dir", str(self.state.root)]
+                "--state-dir", str(self.state.root), *self._log_args]
         try:
             spawned = launch.spawn(argv, self._env, str(directory), stdio_fd=out,
                                    die_with_parent=True)

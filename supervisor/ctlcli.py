@@ -1,0 +1,158 @@
+"""The control commands of the CLI: `kill`, `restart`, `start`, `stop [NAME]`,
+`remove`, `reload`. Each sends one request on the control socket and prints
+one line (or, with `--json`, one JSON object on stdout: `ok`, `command`,
+`target`, `affected` or the refusal's `error` and `detail`).
+
+`stop` (the tree) returns once the supervisor has let go of its lock; `stop
+NAME` once the child is down (`stopped`); `remove NAME` once it is gone from
+the status. Exit codes: 0 done (also when nothing had to be done: `start` of a
+running child, `stop` of a stopped one); 1 refused (the reason is printed);
+3 no supervisor; 4 no answer.
+"""
+
+# Imports inside functions are deliberate: each path loads only what it needs.
+# ruff: noqa: PLC0415
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from broker import pidlock, protocol
+from broker.errors import RemoteError, RequestTimeoutError
+from broker.requester import new_msg_id
+from broker.statedir import StateDir
+from supervisor import client
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_NO_SUPERVISOR = 3
+EXIT_NO_ANSWER = 4
+REQUEST_TIMEOUT_S = 5.0
+
+
+def _message(args: argparse.Namespace) -> client.Request:
+    target: str = getattr(args, "target", None) or ""
+    match args.command:
+        case "kill":
+            return protocol.SignalRequest(msg_id=new_msg_id("k"), target=target,
+                                          signal=args.signal)
+        case "restart":
+            return protocol.RestartRequest(msg_id=new_msg_id("r"), target=target)
+        case "start":
+            return protocol.StartRequest(msg_id=new_msg_id("sa"), target=target)
+        case "remove":
+            return protocol.RemoveRequest(msg_id=new_msg_id("rm"), target=target)
+        case "reload":
+            return protocol.ReloadRequest(msg_id=new_msg_id("rl"))
+        case _:
+            return protocol.StopRequest(msg_id=new_msg_id("s"), target=target or None)
+
+
+def _emit(args: argparse.Namespace, code: int, line: str, **data: Any) -> int:
+    if args.json:
+        body = {"ok": code == EXIT_OK, "command": args.command,
+                "target": getattr(args, "target", None), **data}
+        print(json.dumps(body))
+        if code != EXIT_OK:
+            print(f"supervisor: {line}", file=sys.stderr)
+    else:
+        print(f"supervisor: {line}", file=sys.stderr if code != EXIT_OK else sys.stdout)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    from broker.errors import CorralError
+    from broker.statedir import check_actor_name
+
+    state_dir = StateDir.at(args.state_dir)
+    target = getattr(args, "target", None)
+    if target is not None and target != "all":
+        try:
+            check_actor_name(target)
+        except CorralError as exc:
+            return _emit(args, 2, str(exc), error="usage")
+    try:
+        message = _message(args)
+    except ValueError as exc:  # a field the protocol refuses: say it in our words
+        return _emit(args, 2, f"{args.command}: invalid argument ({str(exc).splitlines()[0]})",
+                     error="usage")
+    holder = pidlock.read_holder(state_dir.lock_path)
+    try:
+        reply = client.ask(state_dir, message, timeout_s=REQUEST_TIMEOUT_S)
+    except client.NoSupervisorError:
+        return _emit(args, EXIT_NO_SUPERVISOR, f"no supervisor for {state_dir.root}",
+                     error="no_supervisor")
+    except RequestTimeoutError:
+        return _emit(args, EXIT_NO_ANSWER, f"no answer from the supervisor of {state_dir.root}",
+                     error="no_answer")
+    except RemoteError as exc:
+        return _emit(args, EXIT_FAILED, f"{args.command} refused: {exc.detail}",
+                     error=str(exc.code), detail=exc.detail)
+    if isinstance(reply, protocol.ReloadReply):
+        return _emit(args, EXIT_OK, _reload_line(reply), config=reply.config,
+                     started=reply.started, stopped=reply.stopped, restarted=reply.restarted,
+                     unchanged=reply.unchanged)
+    affected: list[str] = list(getattr(reply, "affected", []))
+    if args.command == "stop" and target is None:
+        return _wait_tree_down(args, state_dir, holder, affected)
+    if args.command in ("stop", "remove") and affected and target is not None:
+        return _wait_child(args, state_dir, target, affected)
+    return _emit(args, EXIT_OK, _done_line(args.command, target, affected), affected=affected)
+
+
+def _done_line(command: str, target: str | None, affected: list[str]) -> str:
+    if affected:
+        return f"{command} {target}: {', '.join(affected)}"
+    nothing = {"start": "already running", "stop": "already stopped"}
+    return f"{command} {target}: {nothing.get(command, 'none')}"
+
+
+def _reload_line(reply: protocol.ReloadReply) -> str:
+    parts = [f"{label} {', '.join(names)}" for label, names in
+             (("started", reply.started), ("stopped", reply.stopped),
+              ("restarted", reply.restarted)) if names]
+    return (f"reloaded {reply.config}: " + ("; ".join(parts) or "nothing changed")
+            + f" ({reply.unchanged} unchanged)")
+
+
+def _wait_tree_down(args: argparse.Namespace, state_dir: StateDir, holder: int | None,
+                    affected: list[str]) -> int:
+    deadline = time.monotonic() + args.timeout_s
+    while client.running(state_dir):
+        if time.monotonic() > deadline:
+            return _emit(args, EXIT_FAILED,
+                         f"pid {holder} still stopping after {args.timeout_s:g}s",
+                         error="timeout")
+        time.sleep(0.05)
+    return _emit(args, EXIT_OK, f"stopped (pid {holder})", affected=affected)
+
+
+def _wait_child(args: argparse.Namespace, state_dir: StateDir, target: str,
+                affected: list[str]) -> int:
+    """`stop NAME` returns when the child is down; `remove NAME` when it is gone."""
+    deadline = time.monotonic() + args.timeout_s
+    while True:
+        try:
+            reply = client.ask(state_dir, protocol.StatusRequest(msg_id=new_msg_id("w")),
+                               timeout_s=REQUEST_TIMEOUT_S)
+        except (client.NoSupervisorError, RequestTimeoutError, RemoteError):
+            return _emit(args, EXIT_FAILED, f"lost the supervisor while waiting for {target}",
+                         error="no_answer")
+        children = {c.name: c for c in getattr(reply, "children", [])}
+        child = children.get(target)
+        if args.command == "remove" and child is None:
+            return _emit(args, EXIT_OK, f"removed {target} (its history stays in the WAL)",
+                         affected=affected)
+        if args.command == "stop" and child is not None and child.pid is None \
+                and child.state in ("stopped", "exited", "fatal"):
+            return _emit(args, EXIT_OK, f"stopped {target}", affected=affected,
+                         state=child.state, last_exit=child.last_exit)
+        if time.monotonic() > deadline:
+            return _emit(args, EXIT_FAILED,
+                         f"{target} still {child.state if child else 'there'} after "
+                         f"{args.timeout_s:g}s", error="timeout")
+        time.sleep(0.05)

@@ -1,0 +1,83 @@
+"""What a reload changes: a pure comparison of the running children with the
+configuration just re-read (SIGHUP or `supervisor reload`).
+
+A child is known by its name. Its *launch* is everything that decides how it
+is started: its spec (policy, timeouts, command) and the command line the
+config gives it (logging level, size and backups, heartbeats; for agents the
+zygote's arguments too, since they are forked with those). Then:
+
+- a name in the new configuration and not running: start it;
+- a running name no longer in the configuration (or disabled): stop it and
+  drop it; agents added by `supervisor spawn` are not in any configuration and
+  are kept;
+- a name whose launch differs: restart it with the new spec;
+- anything else: left alone (its process is not touched).
+
+Settings read by the supervisor itself (heartbeat timeout, status interval)
+take effect at once. The `agent:` section reaches an agent through its spec,
+written when it was spawned: a reload does not rewrite specs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from broker.statedir import StateDir
+from supervisor import commands
+from supervisor.config import ChildSpec, Config
+
+
+@dataclass(frozen=True)
+class Running:
+    """What the plan needs to know of one running child."""
+
+    spec: ChildSpec
+    spawned_by_operator: bool = False
+
+
+@dataclass(frozen=True)
+class ReloadPlan:
+    start: list[ChildSpec] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    restart: list[ChildSpec] = field(default_factory=list)
+    unchanged: int = 0
+    zygote_changed: bool = False
+
+
+def launch(spec: ChildSpec, config: Config, state_dir: StateDir) -> tuple[object, ...]:
+    """Everything that decides how this child is started."""
+    argv = commands.argv_for(spec, config, state_dir)
+    zygote = commands.zygote_args(config, state_dir) if spec.kind == "agent" else []
+    return (spec.model_dump_json(), tuple(argv), tuple(zygote),
+            config.agents.zygote if spec.kind == "agent" else None)
+
+
+def plan(old: Config, new: Config, running: Mapping[str, Running],
+         state_dir: StateDir) -> ReloadPlan:
+    """Compare the running children (under `old`) with `new`. Raises ConfigError
+    when `new` cannot be expanded into children."""
+    wanted = {s.name: s for s in new.child_specs()}
+    start: list[ChildSpec] = []
+    restart: list[ChildSpec] = []
+    stop: list[str] = []
+    unchanged = 0
+    for name, spec in wanted.items():
+        current = running.get(name)
+        if current is None:
+            start.append(spec)
+        elif launch(current.spec, old, state_dir) != launch(spec, new, state_dir):
+            restart.append(spec)
+        else:
+            unchanged += 1
+    for name, current in running.items():
+        if name in wanted:
+            continue
+        if current.spawned_by_operator:
+            unchanged += 1
+        else:
+            stop.append(name)
+    zygote_changed = (commands.zygote_args(old, state_dir) != commands.zygote_args(new, state_dir)
+                      or old.agents.zygote != new.agents.zygote)
+    return ReloadPlan(start=start, stop=stop, restart=restart, unchanged=unchanged,
+                      zygote_changed=zygote_changed)

@@ -1,0 +1,239 @@
+"""The operator's per-child requests and the reload, carried out on a running
+supervisor (supervisor/runtime.py dispatches to these; each returns the reply).
+
+- `stop NAME`: the child is *held*: SIGTERM, deadline, SIGKILL like any stop,
+  then state `stopped`; no policy restarts it. Not persistent: a supervisor
+  started again starts what its configuration names (like `supervisorctl
+  stop`, or `systemctl stop` without `disable`); to keep an agent down for
+  good, `remove` it (or take it out of the configuration and reload).
+- `start NAME`: a stopped, exited or fatal child starts again with a clean
+  exit history; a running one is left alone (acknowledged, nothing affected).
+- `remove NAME` (agents only): stop it, delete its spec
+  (`.corral/config/agents/NAME.json`) and forget it once it is down. Its WAL
+  stream, snapshots and workspace stay.
+- `spawn NAME`: add an agent whose spec the supervisor writes from the
+  *running* configuration's `agent:` settings, and only once it has accepted
+  the request: a refused spawn changes nothing on disk.
+- `reload` (SIGHUP too): re-read the configuration file the supervisor was
+  started with; an invalid file is refused (file, key, reason) and the running
+  configuration kept; otherwise supervisor/reload.py's plan is applied.
+
+The writer and the broker cannot be stopped or removed alone (everything
+depends on them): `restart` them, or stop the whole tree.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+
+from broker import protocol
+from broker.errors import ConfigError
+from supervisor import reload as reload_plan
+from supervisor.children import Child
+from supervisor.config import CORE_KINDS, DEFAULT_CONFIG_PATH, KIND_ORDER
+from supervisor.config import load as load_config
+
+if TYPE_CHECKING:
+    from supervisor.runtime import Runtime
+
+log = structlog.get_logger("supervisor")
+Reply = protocol.Ack | protocol.Error
+
+
+def _error(msg_id: str, code: protocol.ErrorCode, detail: str) -> protocol.Error:
+    return protocol.Error(msg_id=msg_id, code=code, detail=detail)
+
+
+def _lookup(rt: Runtime, msg_id: str, target: str, verb: str) -> Child | protocol.Error:
+    if rt.stopping:
+        return _error(msg_id, protocol.ErrorCode.SHUTTING_DOWN, "the supervisor is stopping")
+    child = rt.children.get(target)
+    if child is None:
+        return _error(msg_id, protocol.ErrorCode.NOT_FOUND, f"no child named {target!r}")
+    if child.kind in CORE_KINDS and verb in ("stop", "remove"):
+        return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE,
+                      f"{target} is the {child.kind}: everything depends on it; use "
+                      f"`supervisor restart {target}` or stop the whole tree")
+    if verb == "remove" and child.kind != "agent":
+        return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE,
+                      f"{target} is a {child.kind} child: remove it from the configuration "
+                      f"and reload")
+    return child
+
+
+def _is_down(child: Child) -> bool:
+    return child.pid is None and not child.fork_pending
+
+
+def _take_down(rt: Runtime, child: Child, now: float) -> None:
+    """SIGTERM a held/removed child, or settle it at once when it has no process."""
+    child.restart_at = None
+    child.restart_requested = False
+    if child.pid is not None:
+        if child.state != "stopping":
+            rt._terminate(child, now)
+        return
+    if child.fork_pending and child in rt.fork_queue:
+        rt.fork_queue.remove(child)  # not asked of the zygote yet
+        child.fork_pending = False
+    if child.fork_pending:
+        child.state = "stopping"  # forked any moment: the runtime stops it on registration
+        return
+    if child.removing:
+        forget(rt, child)
+    else:
+        child.state = "stopped"
+
+
+def forget(rt: Runtime, child: Child) -> None:
+    rt.children.pop(child.name, None)
+    log.info("child_removed", child=child.name)
+
+
+def stop(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
+    child = _lookup(rt, msg_id, target, "stop")
+    if isinstance(child, protocol.Error):
+        return child
+    if child.held and _is_down(child):
+        return protocol.Ack(msg_id=msg_id, affected=[])  # already stopped
+    child.held = True
+    log.info("stop_child_requested", child=target, state=child.state)
+    _take_down(rt, child, now)
+    return protocol.Ack(msg_id=msg_id, affected=[target])
+
+
+def start(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
+    child = _lookup(rt, msg_id, target, "start")
+    if isinstance(child, protocol.Error):
+        return child
+    if child.removing:
+        return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE, f"{target} is being removed")
+    was_held, child.held = child.held, False
+    if not _is_down(child):
+        if was_held:  # still stopping: start it again once it is down
+            child.restart_requested = True
+            return protocol.Ack(msg_id=msg_id, affected=[target])
+        return protocol.Ack(msg_id=msg_id, affected=[])  # already running
+    if child.state in ("starting", "backoff") and not was_held:
+        return protocol.Ack(msg_id=msg_id, affected=[])  # on its way up already
+    log.info("start_child_requested", child=target, state=child.state)
+    child.history.clear()
+    child.restart_at = None
+    _begin(rt, child, now)
+    return protocol.Ack(msg_id=msg_id, affected=[target])
+
+
+def _begin(rt: Runtime, child: Child, now: float) -> None:
+    """Start now, or let the start phase start it with its kind."""
+    if rt.phase > KIND_ORDER.index(child.spec.kind):
+        if child.kind == "agent" and rt.use_zygote and rt.zygote is None \
+                and rt.zygote_restart_at is None:
+            rt._start_zygote(now)
+        rt._start(child, now)
+    else:
+        child.state = "starting"
+        child.requested_at = None
+
+
+def remove(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
+    from actors.agent.settings import spec_path  # noqa: PLC0415 - only this request needs it
+
+    child = _lookup(rt, msg_id, target, "remove")
+    if isinstance(child, protocol.Error):
+        return child
+    path = spec_path(rt.state_dir, target)
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        return _error(msg_id, protocol.ErrorCode.INTERNAL_ERROR,
+                      f"cannot delete {path}: {exc.strerror}")
+    log.info("remove_requested", child=target, state=child.state, spec=str(path))
+    child.held = child.removing = True
+    _take_down(rt, child, now)
+    return protocol.Ack(msg_id=msg_id, affected=[target])
+
+
+def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float) -> Reply:
+    """Add an agent child with the agents group's policy, but restart `transient`:
+    it runs a session, and a finished one exits 0."""
+    from actors.agent.settings import AgentSpec, load_task, write_spec  # noqa: PLC0415
+    from supervisor.config import ChildSpec  # noqa: PLC0415
+
+    msg_id, name = msg.msg_id, msg.name
+    if rt.stopping:
+        return _error(msg_id, protocol.ErrorCode.SHUTTING_DOWN, "the supervisor is stopping")
+    child = rt.children.get(name)
+    if child is not None and child.kind != "agent":
+        return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE,
+                      f"a child named {name!r} is the {child.kind}")
+    if child is not None and (not _is_down(child) or child.removing
+                              or child.state not in ("exited", "fatal", "stopped")):
+        return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE,
+                      f"a child named {name!r} is {child.state}")
+    if msg.task is None or not msg.task.startswith("/"):
+        return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE,
+                      "spawn needs the task file's absolute path")
+    try:
+        load_task(msg.task)
+        spec = AgentSpec(task=msg.task, backend=msg.backend, model=msg.model,
+                         replay_stream=msg.replay_stream, settings=rt.config.agent)
+        write_spec(rt.state_dir, name, spec)
+    except ConfigError as exc:
+        return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE, str(exc)[:1900])
+    except OSError as exc:
+        return _error(msg_id, protocol.ErrorCode.INTERNAL_ERROR,
+                      f"cannot write the spec of {name}: {exc.strerror}")
+    if child is None:
+        template = rt.config.agents.model_dump(exclude={"count", "name_prefix", "zygote"})
+        template["restart"] = "transient"  # a session that finished (exit 0) stays down
+        agent_spec = ChildSpec(name=name, kind="agent", **template)
+        child = rt.children[name] = Child(spec=agent_spec, policy=agent_spec.policy())
+        child.spawned_by_operator = True
+    child.held = False
+    child.history.clear()
+    log.info("spawn_requested", child=name, backend=msg.backend, task=msg.task)
+    _begin(rt, child, now)
+    return protocol.Ack(msg_id=msg_id, affected=[name])
+
+
+def reload(rt: Runtime, msg_id: str, now: float) -> protocol.ReloadReply | protocol.Error:
+    path = rt.config_path or DEFAULT_CONFIG_PATH
+    if rt.stopping:
+        return _error(msg_id, protocol.ErrorCode.SHUTTING_DOWN, "the supervisor is stopping")
+    running = {name: reload_plan.Running(c.spec, c.spawned_by_operator)
+               for name, c in rt.children.items() if not c.removing}
+    try:
+        new = load_config(path)
+        plan = reload_plan.plan(rt.config, new, running, rt.state_dir)
+    except ConfigError as exc:
+        log.error("config_reload_refused", config=str(path), error=str(exc),
+                  kept="the running configuration")
+        return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE,
+                      f"{exc} (the running configuration is kept)"[:1990])
+    rt.config = new
+    for name in plan.stop:
+        child = rt.children[name]
+        child.held = child.removing = True
+        _take_down(rt, child, now)
+    for spec in plan.restart:
+        child = rt.children[spec.name]
+        child.spec, child.policy = spec, spec.policy()
+        if not _is_down(child):
+            if child.state != "stopping" or not child.held:
+                child.restart_requested = True
+            if child.pid is not None and child.state != "stopping":
+                rt._terminate(child, now)
+    for spec in plan.start:
+        child = rt.children[spec.name] = Child(spec=spec, policy=spec.policy())
+        _begin(rt, child, now)
+    if plan.zygote_changed:
+        rt.use_zygote = new.agents.zygote
+        rt.zygote_stale = rt.zygote is not None
+    log.info("config_reloaded", config=str(path), started=[s.name for s in plan.start],
+             stopped=plan.stop, restarted=[s.name for s in plan.restart],
+             unchanged=plan.unchanged)
+    return protocol.ReloadReply(
+        msg_id=msg_id, config=str(path)[:4096], started=[s.name for s in plan.start],
+        stopped=plan.stop, restarted=[s.name for s in plan.restart], unchanged=plan.unchanged)

@@ -1,0 +1,210 @@
+"""Per-child control, spawn and reload on a real running supervisor, through the
+real CLI: `status NAME`, `stop NAME`, `start NAME`, `remove NAME`, `spawn` with
+the running configuration, `reload` and SIGHUP (supervisor/requests.py,
+supervisor/reload.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from broker.statedir import StateDir
+from tests.processes import REPO_ROOT, ProcessTracker, wait_for
+from tests.test_supervisor_process import FAST, all_running, children, cli, start, write_config
+
+pytestmark = pytest.mark.process
+TASK = REPO_ROOT / "config" / "tasks" / "notes.yaml"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_stop_start_remove_one_agent_and_status_of_one(
+    processes: ProcessTracker, state_dir: StateDir
+) -> None:
+    """`stop NAME` holds one child down (no policy restart), the others untouched;
+    `start` brings it back; `remove` drops it; unknown names and the writer are refused."""
+    start(processes, state_dir, write_config(state_dir, agents=2))
+    first = wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
+
+    done = cli(processes, state_dir, "stop", "agent-1", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"ok": True, "command": "stop", "target": "agent-1",
+                                       "affected": ["agent-1"], "state": "stopped",
+                                       "last_exit": "exit 0"}
+    assert not _pid_alive(first["agent-1"]["pid"])
+    one = cli(processes, state_dir, "status", "agent-1", "--json")
+    assert one.returncode == 0, one.stderr
+    shown = json.loads(one.stdout)["children"]
+    assert [(c["name"], c["state"], c["pid"]) for c in shown] == [("agent-1", "stopped", None)]
+    now = children(processes, state_dir)
+    assert {n: c["pid"] for n, c in now.items() if n != "agent-1"} == {
+        n: c["pid"] for n, c in first.items() if n != "agent-1"}
+    again = cli(processes, state_dir, "stop", "agent-1")
+    assert again.returncode == 0 and "already stopped" in again.stdout, again
+
+    done = cli(processes, state_dir, "start", "agent-1", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["affected"] == ["agent-1"]
+    back = wait_for(lambda: (c := children(processes, state_dir)["agent-1"])["state"]
+                    == "running" and c, 10, "agent-1 started again")
+    assert back["pid"] != first["agent-1"]["pid"]
+    done = cli(processes, state_dir, "start", "agent-1")
+    assert done.returncode == 0 and "already running" in done.stdout, done
+
+    done = cli(processes, state_dir, "remove", "agent-2", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["affected"] == ["agent-2"]
+    assert "agent-2" not in children(processes, state_dir)
+    assert not _pid_alive(first["agent-2"]["pid"])
+
+    for args, code, words in ((("stop", "nosuch"), 1, "no child named 'nosuch'"),
+                              (("start", "nosuch"), 1, "no child named 'nosuch'"),
+                              (("remove", "agent-2"), 1, "no child named 'agent-2'"),
+                              (("status", "nosuch"), 1, "no child named nosuch"),
+                              (("remove", "writer"), 1, "writer"),
+                              (("stop", "broker"), 1, "broker")):
+        done = cli(processes, state_dir, *args)
+        assert done.returncode == code, (args, done)
+        assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert children(processes, state_dir)["writer"]["pid"] == first["writer"]["pid"]
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port  # closed again: a connection to it is refused
+
+
+def test_spawn_uses_the_running_configuration_and_a_refusal_changes_nothing(
+    processes: ProcessTracker, state_dir: StateDir
+) -> None:
+    """After `up --config X`, `spawn --model openai` gets X's base URL and the agent's
+    failure names it; a refused spawn (name running) writes no spec."""
+    url = f"http://127.0.0.1:{_closed_port()}/v1"
+    config_path = write_config(state_dir, agents=1)
+    config = yaml.safe_load(config_path.read_text())
+    config["agent"] = {"openai": {"base_url": url, "max_retries": 0, "timeout_s": 2}}
+    config_path.write_text(yaml.safe_dump(config))
+    start(processes, state_dir, config_path)
+    wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
+    spec_dir = state_dir.config_dir / "agents"
+
+    done = cli(processes, state_dir, "spawn", "agent-1", "--task", str(TASK), "--json")
+    assert done.returncode == 1, done
+    assert "agent-1" in done.stderr and "running" in done.stderr
+    assert json.loads(done.stdout)["ok"] is False
+    assert not (spec_dir / "agent-1.json").exists()
+
+    done = cli(processes, state_dir, "spawn", "oa1", "--task", str(TASK), "--model", "openai")
+    assert done.returncode == 0, done.stderr
+    spec = json.loads((spec_dir / "oa1.json").read_text())
+    assert spec["backend"] == "openai"
+    assert spec["settings"]["openai"]["base_url"] == url
+    log = state_dir.log_path("oa1")
+    failure = wait_for(lambda: log.exists() and next(
+        (line for line in log.read_text().splitlines() if "agent_loop_failed" in line), None),
+        20, "the agent's model failure in its log")
+    assert url in json.loads(failure)["error"]
+
+
+def _pids(processes: ProcessTracker, state_dir: StateDir) -> dict[str, Any]:
+    return {n: c["pid"] for n, c in children(processes, state_dir).items()}
+
+
+def test_reload_restarts_only_what_changed_and_refuses_an_invalid_file(
+    processes: ProcessTracker, state_dir: StateDir
+) -> None:
+    procs = {"name": "procs", "kind": "procs", **FAST}
+    path = write_config(state_dir, agents=2, extra=[procs])
+    proc = start(processes, state_dir, path)
+    wait_for(lambda: all_running(processes, state_dir), 30, "every child running")
+    before = _pids(processes, state_dir)
+
+    config = yaml.safe_load(path.read_text())
+    config["children"][2]["shutdown_timeout_s"] = 4  # only procs' spec changes
+    config["agents"]["count"] = 3
+    path.write_text(yaml.safe_dump(config))
+    done = cli(processes, state_dir, "reload", "--json")
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout)
+    assert (reply["restarted"], reply["started"], reply["stopped"]) == (["procs"], ["agent-3"], [])
+    after = wait_for(lambda: all_running(processes, state_dir), 30, "procs and agent-3 running")
+    assert set(after) == {*before, "agent-3"}
+    assert after["procs"]["pid"] != before["procs"]
+    assert {n: after[n]["pid"] for n in before if n != "procs"} == {
+        n: p for n, p in before.items() if n != "procs"}
+
+    config["agents"]["count"] = 1
+    path.write_text(yaml.safe_dump(config))
+    os.kill(proc.pid, signal.SIGHUP)  # the same reload, by signal
+    wait_for(lambda: set(children(processes, state_dir)) == {"writer", "broker", "procs",
+                                                              "agent-1"}, 20,
+             "agent-2 and agent-3 stopped and dropped")
+    assert proc.poll() is None
+    kept = _pids(processes, state_dir)
+    assert kept["agent-1"] == before["agent-1"] and kept["writer"] == before["writer"]
+
+    config["agents"]["count"] = "many"
+    path.write_text(yaml.safe_dump(config))
+    done = cli(processes, state_dir, "reload")
+    assert done.returncode == 1, done
+    assert str(path) in done.stderr and "agents.count" in done.stderr
+    assert "integer" in done.stderr and "kept" in done.stderr
+    os.kill(proc.pid, signal.SIGHUP)
+    logged = wait_for(lambda: [json.loads(line) for line in
+                               state_dir.log_path("supervisor").read_text().splitlines()
+                               if "config_reload_refused" in line], 10, "refusals logged")
+    assert all(str(path) in r["error"] and "agents.count" in r["error"] for r in logged)
+    assert _pids(processes, state_dir) == kept
+    assert proc.poll() is None
+
+
+def test_every_child_gets_the_logging_settings(
+    processes: ProcessTracker, state_dir: StateDir
+) -> None:
+    """logging.max_bytes/backups reach every kind (writer, broker, procs, subagents, an
+    agent in its own interpreter): each child's log, filled to just under max_bytes
+    before the start, is rotated by that child's first lines, keeping 1 backup.
+    (Agents forked by the zygote: tests/test_supervisor_commands.py.)"""
+    max_bytes = 4096
+    extra = [{"name": "procs", "kind": "procs", **FAST},
+             {"name": "subagents", "kind": "subagents", **FAST}]
+    path = write_config(state_dir, agents=1, extra=extra)
+    config = yaml.safe_load(path.read_text())
+    config["logging"] = {"level": "info", "max_bytes": max_bytes, "backups": 1}
+    config["agents"]["zygote"] = False  # a fresh interpreter gets its settings by argv
+    path.write_text(yaml.safe_dump(config))
+    names = ["writer", "broker", "procs", "subagents", "agent-1"]
+    state_dir.logs_dir.mkdir(parents=True, exist_ok=True)
+    filler = json.dumps({"event": "filler", "level": "info", "pad": "x" * 100}) + "\n"
+    for name in names:
+        state_dir.log_path(name).write_text(filler * ((max_bytes - 50) // len(filler)))
+        state_dir.log_path(name).with_name(f"{name}.log.1").write_text(filler)
+
+    def unrotated() -> list[str]:  # .log.1 now holds the filler, not the single line
+        return [n for n in names
+                if state_dir.log_path(n).with_name(f"{n}.log.1").stat().st_size < max_bytes // 2]
+
+    start(processes, state_dir, path)
+    wait_for(lambda: all_running(processes, state_dir), 30, "every child running")
+    try:
+        wait_for(lambda: not unrotated(), 10, "every child's log rotated")
+    except TimeoutError:
+        pytest.fail(f"not rotated at max_bytes {max_bytes}: {unrotated()}")
+    for name in names:
+        assert state_dir.log_path(name).stat().st_size < max_bytes, name
+        assert not state_dir.log_path(name).with_name(f"{name}.log.2").exists()  # backups: 1
