@@ -1,1 +1,2 @@
-"""Default configuration and example task files (data, no logic)."""
+"""Default configuration and example task files (data, no logic). Installed as the
+package data `supervisor.defaults` (pyproject.toml); never imported as `config`."""

@@ -49,14 +49,9 @@ PROG = "supervisor"
 
 
 def version() -> str:
-    """corral's version, from the installed distribution's metadata."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
+    from supervisor.identity import version as corral_version
 
-    try:
-        return dist_version("corral")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    return corral_version()
 
 
 class _Parser(argparse.ArgumentParser):

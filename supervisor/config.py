@@ -9,6 +9,7 @@ one ChildSpec per agent, in start order.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -20,7 +21,19 @@ from broker.errors import ConfigError
 from supervisor.policy import Policy
 from supervisor.runconfig import RunSettings
 
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
+
+def _defaults_dir() -> Path:
+    """The default configuration and demo tasks: the repository's config/, installed
+    as the package data `supervisor.defaults` (a plain checkout: config/ itself)."""
+    spec = importlib.util.find_spec("supervisor.defaults")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / "default.yaml").is_file():
+            return Path(location).resolve()
+    return Path(__file__).resolve().parent.parent / "config"
+
+
+DEFAULTS_DIR = _defaults_dir()
+DEFAULT_CONFIG_PATH = DEFAULTS_DIR / "default.yaml"
 
 ChildKind = Literal["writer", "broker", "procs", "subagents", "agent"]
 # Start order; stop runs it backwards.

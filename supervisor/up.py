@@ -34,8 +34,12 @@ def run(state_arg: str | None, config_arg: str | None) -> int:
     from broker import logconfig
     from broker.pidlock import PidLock
     from supervisor import config as config_mod
+    from supervisor import identity
     from supervisor.runtime import Runtime
 
+    foreign = identity.foreign_supervisor()
+    if foreign is not None:
+        print(f"supervisor: warning: {foreign}", file=sys.stderr)
     try:
         config = config_mod.load(Path(config_arg) if config_arg else None)
         state_dir = StateDir.at(state_arg).ensure()
@@ -58,6 +62,9 @@ def run(state_arg: str | None, config_arg: str | None) -> int:
         "supervisor", state_dir.log_path("supervisor"), level=config.logging.level,
         max_bytes=config.logging.max_bytes, backups=config.logging.backups,
     )
+    log.info("corral_started", version=identity.version(), python=sys.version.split()[0])
+    if foreign is not None:
+        log.warning("supervisord_detected", detail=foreign)
     try:
         path = Path(config_arg).resolve() if config_arg else config_mod.DEFAULT_CONFIG_PATH
         runtime = Runtime(config, state_dir, path)

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import socket
-from pathlib import Path
 from typing import Any
 
 import psutil
