@@ -127,10 +127,10 @@ def start(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
 
 def _begin(rt: Runtime, child: Child, now: float) -> None:
     """Start now, or let the start phase start it with its kind."""
+    if child.kind == "agent" and rt.use_zygote and rt.zygote is None \
+            and rt.zygote_restart_at is None:
+        rt._start_zygote(now)  # it preloads meanwhile; agents wait in the fork queue
     if rt.phase > KIND_ORDER.index(child.spec.kind):
-        if child.kind == "agent" and rt.use_zygote and rt.zygote is None \
-                and rt.zygote_restart_at is None:
-            rt._start_zygote(now)
         rt._start(child, now)
     else:
         child.state = "starting"

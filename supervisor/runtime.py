@@ -483,6 +483,9 @@ class Runtime:
         if refused is not None:
             return refused
         child = self.children[target]
+        if child.removing:
+            return protocol.Error(msg_id=msg_id, code=protocol.ErrorCode.INVALID_MESSAGE,
+                                  detail=f"{target} is being removed")
         child.held = False  # a restart also ends an operator's stop
         log.info("restart_requested", child=target, state=child.state)
         if child.pid is not None:

@@ -59,8 +59,7 @@ def test_spawn_approve_and_deny_on_a_running_runtime(
     wait_for(lambda: up.poll() is None and cli(processes, state_dir, "status").returncode == 0,
              30, "the supervisor")
     task = REPO_ROOT / "config" / "tasks" / "release.yaml"
-    done = cli(processes, state_dir, "spawn", "extra", "--task", str(task),
-               "--config", str(config))
+    done = cli(processes, state_dir, "spawn", "extra", "--task", str(task))
     assert done.returncode == 0, done.stderr
 
     def answered(verb: str, request: str, *extra: str) -> bool:
@@ -94,8 +93,8 @@ def test_budget_pause_and_resume_through_the_cli(
     wait_for(lambda: up.poll() is None and cli(processes, state_dir, "status").returncode == 0,
              30, "the supervisor")
     task = REPO_ROOT / "config" / "tasks" / "notes.yaml"
-    assert cli(processes, state_dir, "spawn", "thrifty", "--task", str(task),
-               "--config", str(config)).returncode == 0
+    # the running configuration's budget (150 tokens) reaches the spawned agent
+    assert cli(processes, state_dir, "spawn", "thrifty", "--task", str(task)).returncode == 0
     early = cli(processes, state_dir, "resume", "thrifty", "--budget", "1")
     assert early.returncode == 1  # not paused (yet), or no session yet
     wait_for(lambda: cli(processes, state_dir, "resume", "thrifty", "--budget",
