@@ -7,6 +7,7 @@ directory, then used from outside the repository."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -21,9 +22,17 @@ OURS = {"broker", "actors", "supervisor"}
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built from a clean copy of the sources: setuptools would otherwise pack
+    whatever a previous build left in the checkout's build/."""
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO_ROOT / name, source / name)
+    for name in (*OURS, "config", "ops", "tests"):  # ops and tests must stay out
+        shutil.copytree(REPO_ROOT / name, source / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(out), str(REPO_ROOT)],
+                    "--no-build-isolation", "--wheel-dir", str(out), str(source)],
                    check=True, capture_output=True, timeout=120, cwd=out)
     (built,) = out.glob("corral-*.whl")
     return built
