@@ -15,57 +15,88 @@ import psutil
 import pytest
 import yaml
 
+from broker import protocol
 from broker.statedir import StateDir
+from supervisor import client
+from supervisor.cli import main
 from tests.processes import REPO_ROOT, ProcessTracker, wait_for
-from tests.test_supervisor_process import FAST, all_running, children, cli, start, write_config
+from tests.test_supervisor_process import FAST, start, write_config
 
 pytestmark = pytest.mark.process
 TASK = REPO_ROOT / "config" / "tasks" / "notes.yaml"
 
 
+class Cli:
+    """The real CLI (supervisor/cli.py main), run in this process against the real
+    supervisor: no interpreter start per command, so the test stays short."""
+
+    def __init__(self, state_dir: StateDir, capsys: pytest.CaptureFixture[str]) -> None:
+        self.state_dir = state_dir
+        self.capsys = capsys
+
+    def __call__(self, *args: str) -> tuple[int, str, str]:
+        self.capsys.readouterr()
+        code = main([*args, "--state-dir", str(self.state_dir.root)])
+        out, err = self.capsys.readouterr()
+        return code, out, err
+
+
+def children(_processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
+    reply = client.ask(state_dir, protocol.StatusRequest(msg_id="test-status"), timeout_s=5.0)
+    assert isinstance(reply, protocol.StatusReply)
+    return {c.name: c.model_dump(mode="json") for c in reply.children}
+
+
+def all_running(processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
+    found = children(processes, state_dir)
+    return found if all(c["state"] == "running" for c in found.values()) else {}
+
+
 def _pid_alive(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
 
 
+@pytest.mark.timeout(120)  # several process starts; slow on a loaded host
 def test_stop_start_remove_one_agent_and_status_of_one(
-    processes: ProcessTracker, state_dir: StateDir
+    processes: ProcessTracker, state_dir: StateDir, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`stop NAME` holds one child down (no policy restart), the others untouched;
     `start` brings it back; `remove` drops it; unknown names and the writer are refused."""
     start(processes, state_dir, write_config(state_dir, agents=2))
     first = wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
+    cli = Cli(state_dir, capsys)
 
-    done = cli(processes, state_dir, "stop", "agent-1", "--json")
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"ok": True, "command": "stop", "target": "agent-1",
+    code, out, err = cli("stop", "agent-1", "--json")
+    assert code == 0, err
+    assert json.loads(out) == {"ok": True, "command": "stop", "target": "agent-1",
                                        "affected": ["agent-1"], "state": "stopped",
                                        "last_exit": "exit 0"}
     assert not _pid_alive(first["agent-1"]["pid"])
-    one = cli(processes, state_dir, "status", "agent-1", "--json")
-    assert one.returncode == 0, one.stderr
-    shown = json.loads(one.stdout)["children"]
+    code, out, err = cli("status", "agent-1", "--json")
+    assert code == 0, err
+    shown = json.loads(out)["children"]
     assert [(c["name"], c["state"], c["pid"]) for c in shown] == [("agent-1", "stopped", None)]
     now = children(processes, state_dir)
     assert {n: c["pid"] for n, c in now.items() if n != "agent-1"} == {
         n: c["pid"] for n, c in first.items() if n != "agent-1"}
-    again = cli(processes, state_dir, "stop", "agent-1")
-    assert again.returncode == 0 and "already stopped" in again.stdout, again
+    code, out, err = cli("stop", "agent-1")
+    assert code == 0 and "already stopped" in out, (out, err)
 
-    done = cli(processes, state_dir, "start", "agent-1", "--json")
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["affected"] == ["agent-1"]
+    code, out, err = cli("start", "agent-1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["affected"] == ["agent-1"]
     back = wait_for(lambda: (c := children(processes, state_dir)["agent-1"])["state"]
                     == "running" and c, 10, "agent-1 started again")
     assert back["pid"] != first["agent-1"]["pid"]
-    done = cli(processes, state_dir, "start", "agent-1")
-    assert done.returncode == 0 and "already running" in done.stdout, done
+    code, out, err = cli("start", "agent-1")
+    assert code == 0 and "already running" in out, (out, err)
 
-    done = cli(processes, state_dir, "remove", "agent-2", "--json")
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["affected"] == ["agent-2"]
+    code, out, err = cli("remove", "agent-2", "--json")
+    assert code == 0, err
+    assert json.loads(out)["affected"] == ["agent-2"]
     assert "agent-2" not in children(processes, state_dir)
     assert not _pid_alive(first["agent-2"]["pid"])
 
@@ -75,9 +106,9 @@ def test_stop_start_remove_one_agent_and_status_of_one(
                               (("status", "nosuch"), 1, "no child named nosuch"),
                               (("remove", "writer"), 1, "writer"),
                               (("stop", "broker"), 1, "broker")):
-        done = cli(processes, state_dir, *args)
-        assert done.returncode == code, (args, done)
-        assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        returned, out, err = cli(*args)
+        assert returned == code, (args, out, err)
+        assert words in err and len(err.strip().splitlines()) == 1, err
     assert children(processes, state_dir)["writer"]["pid"] == first["writer"]["pid"]
 
 
@@ -88,8 +119,9 @@ def _closed_port() -> int:
     return port  # closed again: a connection to it is refused
 
 
+@pytest.mark.timeout(120)  # several process starts; slow on a loaded host
 def test_spawn_uses_the_running_configuration_and_a_refusal_changes_nothing(
-    processes: ProcessTracker, state_dir: StateDir
+    processes: ProcessTracker, state_dir: StateDir, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """After `up --config X`, `spawn --model openai` gets X's base URL and the agent's
     failure names it; a refused spawn (name running) writes no spec."""
@@ -101,15 +133,16 @@ def test_spawn_uses_the_running_configuration_and_a_refusal_changes_nothing(
     start(processes, state_dir, config_path)
     wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
     spec_dir = state_dir.config_dir / "agents"
+    cli = Cli(state_dir, capsys)
 
-    done = cli(processes, state_dir, "spawn", "agent-1", "--task", str(TASK), "--json")
-    assert done.returncode == 1, done
-    assert "agent-1" in done.stderr and "running" in done.stderr
-    assert json.loads(done.stdout)["ok"] is False
+    code, out, err = cli("spawn", "agent-1", "--task", str(TASK), "--json")
+    assert code == 1, (out, err)
+    assert "agent-1" in err and "running" in err
+    assert json.loads(out)["ok"] is False
     assert not (spec_dir / "agent-1.json").exists()
 
-    done = cli(processes, state_dir, "spawn", "oa1", "--task", str(TASK), "--model", "openai")
-    assert done.returncode == 0, done.stderr
+    code, out, err = cli("spawn", "oa1", "--task", str(TASK), "--model", "openai")
+    assert code == 0, err
     spec = json.loads((spec_dir / "oa1.json").read_text())
     assert spec["backend"] == "openai"
     assert spec["settings"]["openai"]["base_url"] == url
@@ -124,22 +157,24 @@ def _pids(processes: ProcessTracker, state_dir: StateDir) -> dict[str, Any]:
     return {n: c["pid"] for n, c in children(processes, state_dir).items()}
 
 
+@pytest.mark.timeout(120)  # several process starts; slow on a loaded host
 def test_reload_restarts_only_what_changed_and_refuses_an_invalid_file(
-    processes: ProcessTracker, state_dir: StateDir
+    processes: ProcessTracker, state_dir: StateDir, capsys: pytest.CaptureFixture[str]
 ) -> None:
     procs = {"name": "procs", "kind": "procs", **FAST}
     path = write_config(state_dir, agents=2, extra=[procs])
     proc = start(processes, state_dir, path)
     wait_for(lambda: all_running(processes, state_dir), 30, "every child running")
     before = _pids(processes, state_dir)
+    cli = Cli(state_dir, capsys)
 
     config = yaml.safe_load(path.read_text())
     config["children"][2]["shutdown_timeout_s"] = 4  # only procs' spec changes
     config["agents"]["count"] = 3
     path.write_text(yaml.safe_dump(config))
-    done = cli(processes, state_dir, "reload", "--json")
-    assert done.returncode == 0, done.stderr
-    reply = json.loads(done.stdout)
+    code, out, err = cli("reload", "--json")
+    assert code == 0, err
+    reply = json.loads(out)
     assert (reply["restarted"], reply["started"], reply["stopped"]) == (["procs"], ["agent-3"], [])
     after = wait_for(lambda: all_running(processes, state_dir), 30, "procs and agent-3 running")
     assert set(after) == {*before, "agent-3"}
@@ -159,10 +194,10 @@ def test_reload_restarts_only_what_changed_and_refuses_an_invalid_file(
 
     config["agents"]["count"] = "many"
     path.write_text(yaml.safe_dump(config))
-    done = cli(processes, state_dir, "reload")
-    assert done.returncode == 1, done
-    assert str(path) in done.stderr and "agents.count" in done.stderr
-    assert "integer" in done.stderr and "kept" in done.stderr
+    code, out, err = cli("reload")
+    assert code == 1, (out, err)
+    assert str(path) in err and "agents.count" in err
+    assert "integer" in err and "kept" in err
     os.kill(proc.pid, signal.SIGHUP)
     logged = wait_for(lambda: [json.loads(line) for line in
                                state_dir.log_path("supervisor").read_text().splitlines()
@@ -172,6 +207,7 @@ def test_reload_restarts_only_what_changed_and_refuses_an_invalid_file(
     assert proc.poll() is None
 
 
+@pytest.mark.timeout(120)  # several process starts; slow on a loaded host
 def test_every_child_gets_the_logging_settings(
     processes: ProcessTracker, state_dir: StateDir
 ) -> None:
