@@ -220,7 +220,10 @@ def reload(rt: Runtime, msg_id: str, now: float) -> protocol.ReloadReply | proto
     for spec in plan.restart:
         child = rt.children[spec.name]
         child.spec, child.policy = spec, spec.policy()
-        if not _is_down(child):
+        if _is_down(child) and child.state == "fatal" and not child.held:
+            child.history.clear()  # its spec changed: maybe the fix; try it again
+            _begin(rt, child, now)
+        elif not _is_down(child):
             if child.state != "stopping" or not child.held:
                 child.restart_requested = True
             if child.pid is not None and child.state != "stopping":

@@ -161,36 +161,47 @@ def _pids(processes: ProcessTracker, state_dir: StateDir) -> dict[str, Any]:
 def test_reload_restarts_only_what_changed_and_refuses_an_invalid_file(
     processes: ProcessTracker, state_dir: StateDir, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A reload restarts only the children whose spec changed (a fatal one is started
+    again), starts added ones, drops removed ones; an invalid file changes nothing."""
     procs = {"name": "procs", "kind": "procs", **FAST}
-    path = write_config(state_dir, agents=2, extra=[procs])
+    broken = {"name": "helper", "kind": "procs", "ready_timeout_s": None,
+              "intensity": {"max_restarts": 0, "period_s": 30},
+              "command": ["{python}", "-c", "raise SystemExit(3)"]}
+    path = write_config(state_dir, agents=2, extra=[procs, broken])
     proc = start(processes, state_dir, path)
-    wait_for(lambda: all_running(processes, state_dir), 30, "every child running")
+    wait_for(lambda: (found := children(processes, state_dir))["helper"]["state"] == "fatal"
+             and all(c["state"] == "running" for n, c in found.items() if n != "helper"),
+             30, "every child running, the helper fatal")
     before = _pids(processes, state_dir)
     cli = Cli(state_dir, capsys)
 
     config = yaml.safe_load(path.read_text())
-    config["children"][2]["shutdown_timeout_s"] = 4  # only procs' spec changes
+    config["children"][3]["command"] = ["{python}", "-c", "import time; time.sleep(600)"]
     config["agents"]["count"] = 3
     path.write_text(yaml.safe_dump(config))
     code, out, err = cli("reload", "--json")
     assert code == 0, err
     reply = json.loads(out)
-    assert (reply["restarted"], reply["started"], reply["stopped"]) == (["procs"], ["agent-3"], [])
-    after = wait_for(lambda: all_running(processes, state_dir), 30, "procs and agent-3 running")
+    assert (reply["restarted"], reply["started"], reply["stopped"]) == (["helper"],
+                                                                         ["agent-3"], [])
+    after = wait_for(lambda: all_running(processes, state_dir), 30, "helper and agent-3 running")
     assert set(after) == {*before, "agent-3"}
-    assert after["procs"]["pid"] != before["procs"]
-    assert {n: after[n]["pid"] for n in before if n != "procs"} == {
-        n: p for n, p in before.items() if n != "procs"}
+    assert {n: after[n]["pid"] for n in before if n != "helper"} == {
+        n: p for n, p in before.items() if n != "helper"}
 
+    config["children"][2]["shutdown_timeout_s"] = 4  # only procs' spec changes
     config["agents"]["count"] = 1
     path.write_text(yaml.safe_dump(config))
     os.kill(proc.pid, signal.SIGHUP)  # the same reload, by signal
     wait_for(lambda: set(children(processes, state_dir)) == {"writer", "broker", "procs",
-                                                              "agent-1"}, 20,
+                                                              "helper", "agent-1"}, 20,
              "agent-2 and agent-3 stopped and dropped")
-    assert proc.poll() is None
+    kept = wait_for(lambda: all_running(processes, state_dir), 30, "procs restarted")
+    assert kept["procs"]["pid"] != after["procs"]["pid"]
     kept = _pids(processes, state_dir)
-    assert kept["agent-1"] == before["agent-1"] and kept["writer"] == before["writer"]
+    assert {n: kept[n] for n in ("writer", "broker", "helper", "agent-1")} == {
+        n: after[n]["pid"] for n in ("writer", "broker", "helper", "agent-1")}
+    assert proc.poll() is None
 
     config["agents"]["count"] = "many"
     path.write_text(yaml.safe_dump(config))
@@ -199,9 +210,12 @@ def test_reload_restarts_only_what_changed_and_refuses_an_invalid_file(
     assert str(path) in err and "agents.count" in err
     assert "integer" in err and "kept" in err
     os.kill(proc.pid, signal.SIGHUP)
-    logged = wait_for(lambda: [json.loads(line) for line in
-                               state_dir.log_path("supervisor").read_text().splitlines()
-                               if "config_reload_refused" in line], 10, "refusals logged")
+    def refusals() -> list[dict[str, Any]]:
+        lines = state_dir.log_path("supervisor").read_text().splitlines()
+        return [json.loads(line) for line in lines if "config_reload_refused" in line]
+
+    logged = wait_for(lambda: len(found := refusals()) >= 2 and found, 10,
+                      "both refusals logged (reload, SIGHUP)")
     assert all(str(path) in r["error"] and "agents.count" in r["error"] for r in logged)
     assert _pids(processes, state_dir) == kept
     assert proc.poll() is None
