@@ -266,6 +266,7 @@ class Runtime:
                 old.close()
                 spawner.signal_group(old.pid, signal.SIGTERM)
         if self.use_zygote and not self.stopping:
+            self.zygote_restart_at = None  # one zygote, started now with the new arguments
             self._start_zygote(time.monotonic())
 
     def _on_zygote_replies(self, now: float) -> None:
