@@ -15,12 +15,10 @@ import psutil
 import pytest
 import yaml
 
-from broker import protocol
 from broker.statedir import StateDir
-from supervisor import client
 from supervisor.cli import main
 from tests.processes import REPO_ROOT, ProcessTracker, wait_for
-from tests.test_supervisor_process import FAST, start, write_config
+from tests.test_supervisor_process import FAST, all_running, children, start, write_config
 
 pytestmark = pytest.mark.process
 TASK = REPO_ROOT / "config" / "tasks" / "notes.yaml"
@@ -41,15 +39,6 @@ class Cli:
         return code, out, err
 
 
-def children(_processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
-    reply = client.ask(state_dir, protocol.StatusRequest(msg_id="test-status"), timeout_s=5.0)
-    assert isinstance(reply, protocol.StatusReply)
-    return {c.name: c.model_dump(mode="json") for c in reply.children}
-
-
-def all_running(processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
-    found = children(processes, state_dir)
-    return found if all(c["state"] == "running" for c in found.values()) else {}
 
 
 def _pid_alive(pid: int) -> bool:

@@ -59,8 +59,15 @@ def status(processes: ProcessTracker, state_dir: StateDir) -> dict[str, Any]:
     return data
 
 
-def children(processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in status(processes, state_dir)["children"]}
+def children(_processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
+    """Every child's status, asked in this process (the polls of a wait need no CLI
+    interpreter each; `status()` runs the real command)."""
+    from broker import protocol
+    from supervisor import client
+
+    reply = client.ask(state_dir, protocol.StatusRequest(msg_id="test-status"), timeout_s=5.0)
+    assert isinstance(reply, protocol.StatusReply)
+    return {c.name: c.model_dump(mode="json") for c in reply.children}
 
 
 def start(processes: ProcessTracker, state_dir: StateDir, config: Path,
