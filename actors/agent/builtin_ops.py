@@ -1,29 +1,42 @@
 """The ops of the agent issue: files, search, memory, todos, ask and finish.
 Each is one model and one handler, registered at import (actors/agent/ops.py
 explains the contract). Handlers read; writes are returned as `Write` and
-applied by the loop after it has recorded them."""
+applied by the loop after it has recorded them.
+
+Every path goes through actors/agent/workspace.py (normalised, then reached
+from a directory fd of the workspace without following links; the state
+directory is never entered). `search` and `list_dir` leave out what the
+permission rules would not let the op show (`OpContext.path_visible`)."""
 
 from __future__ import annotations
 
 import os
+import stat
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.agent import workspace
 from actors.agent.ops import Done, OpBase, OpContext, Outcome, Write, register
+from actors.changesets import confined
 
 MemoryKey = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 MAX_LIST_ENTRIES = 1000
 MAX_SEARCH_FILE_BYTES = 1024 * 1024
 
 
-def _protected(ctx: OpContext) -> list[Any]:
-    return [ctx.state_dir.state_dir, ctx.state_dir.config_dir]
+def _place(ctx: OpContext, raw: str) -> workspace.Place:
+    return workspace.place(ctx.workspace, raw, workspace.guard_for(ctx.state_dir))
 
 
-def _path(ctx: OpContext, rel: str, *, write: bool = False) -> Any:
-    return workspace.resolve(ctx.workspace, rel, write=write, protected=_protected(ctx))
+def _memory(ctx: OpContext, key: str) -> workspace.Place:
+    return workspace.Place(ctx.memory_dir, f"{key}.md", workspace.guard_for(ctx.state_dir))
+
+
+def _visible(ctx: OpContext, rel: str) -> bool:
+    """Whether the permission rules let this op show `rel` (search results,
+    directory entries): the loop passes the rules' verdict as a filter."""
+    return ctx.path_visible is None or ctx.path_visible(rel)
 
 
 def _clip(text: str, ctx: OpContext) -> tuple[str, bool]:
@@ -36,6 +49,18 @@ def _error(message: str) -> Done:
     return Done({"error": message}, ok=False)
 
 
+def _read_text(where: workspace.Place) -> str | Done:
+    try:
+        data = workspace.read_bytes(where)
+    except confined.UnsafeFileError as exc:
+        return _error("is a directory" if exc.kind == "is_a_directory" else exc.reason)
+    except NotADirectoryError:
+        return _error("no such file")
+    if data is None:
+        return _error("no such file")
+    return data.decode("utf-8", errors="replace")
+
+
 class ReadFile(OpBase):
     """Read a text file of the workspace."""
 
@@ -45,13 +70,9 @@ class ReadFile(OpBase):
 
 
 def read_file(op: ReadFile, ctx: OpContext) -> Outcome:
-    target = _path(ctx, op.path)
-    try:
-        text = target.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return _error("no such file")
-    except IsADirectoryError:
-        return _error("is a directory")
+    text = _read_text(_place(ctx, op.path))
+    if isinstance(text, Done):
+        return text
     content, truncated = _clip(text, ctx)
     return Done({"content": content, "chars": len(text), "truncated": truncated})
 
@@ -67,11 +88,12 @@ class WriteFile(OpBase):
 
 
 def write_file(op: WriteFile, ctx: OpContext) -> Outcome:
-    target = _path(ctx, op.path, write=True)
-    if target.is_dir():
+    where = _place(ctx, op.path)
+    if not where.parts:
         return _error("is a directory")
+    workspace.check(where, want_dir=False)
     data = op.content.encode()
-    return Write(target, op.path, data, {"bytes": len(data)})
+    return Write(where, op.path, data, {"bytes": len(data)})
 
 
 class EditFile(OpBase):
@@ -87,12 +109,18 @@ class EditFile(OpBase):
 
 
 def edit_file(op: EditFile, ctx: OpContext) -> Outcome:
-    target = _path(ctx, op.path, write=True)
+    where = _place(ctx, op.path)
     try:
-        text = target.read_text(encoding="utf-8")
-    except FileNotFoundError:
+        data = workspace.read_bytes(where)
+    except confined.UnsafeFileError as exc:
+        return _error("not a text file" if exc.kind == "is_a_directory" else exc.reason)
+    except NotADirectoryError:
+        data = None
+    if data is None:
         return _error("no such file")
-    except (IsADirectoryError, UnicodeDecodeError):
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
         return _error("not a text file")
     count = text.count(op.old)
     if count == 0:
@@ -101,7 +129,7 @@ def edit_file(op: EditFile, ctx: OpContext) -> Outcome:
         return _error(f"old text occurs {count} times; set replace_all")
     new_text = text.replace(op.old, op.new) if op.replace_all else text.replace(op.old, op.new, 1)
     replaced = count if op.replace_all else 1
-    return Write(target, op.path, new_text.encode(), {"replacements": replaced})
+    return Write(where, op.path, new_text.encode(), {"replacements": replaced})
 
 
 class ListDir(OpBase):
@@ -112,21 +140,30 @@ class ListDir(OpBase):
     path_field: ClassVar[str | None] = "path"
 
 
+def _kind(st: os.stat_result) -> str:
+    return "link" if stat.S_ISLNK(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode) else "file"
+
+
 def list_dir(op: ListDir, ctx: OpContext) -> Outcome:
-    target = ctx.workspace if op.path in ("", ".") else _path(ctx, op.path)
+    where = _place(ctx, op.path or ".")
+    prefix = "" if where.rel == "." else where.rel + "/"
     try:
-        names = sorted(os.listdir(target))
+        with confined.open_root(where.root) as root_fd, \
+                confined.walk(root_fd, where.parts, where.guard) as dir_fd:
+            entries = []
+            names = sorted(os.listdir(dir_fd))
+            for name in names[:MAX_LIST_ENTRIES]:
+                st = confined.lstat_at(dir_fd, name)
+                if st is None or name.endswith(confined.TMP_SUFFIX) or not _visible(
+                        ctx, prefix + name):
+                    continue
+                if stat.S_ISDIR(st.st_mode) and confined.identity(st) in where.guard.protected:
+                    continue  # the state directory is not shown, as it cannot be entered
+                entries.append({"name": name, "kind": _kind(st)})
     except FileNotFoundError:
         return _error("no such directory")
-    except NotADirectoryError:
-        return _error("not a directory")
-    entries = []
-    for name in names[:MAX_LIST_ENTRIES]:
-        if name.endswith(".corral-tmp"):
-            continue
-        full = target / name
-        kind = "link" if full.is_symlink() else "dir" if full.is_dir() else "file"
-        entries.append({"name": name, "kind": kind})
+    except confined.UnsafeFileError as exc:
+        return _error("not a directory" if exc.kind == "not_a_directory" else exc.reason)
     return Done({"entries": entries, "truncated": len(names) > MAX_LIST_ENTRIES})
 
 
@@ -140,27 +177,77 @@ class Search(OpBase):
     path_field: ClassVar[str | None] = "path"
 
 
+class _EnoughFoundError(Exception):
+    """Enough matches: stop walking."""
+
+
+def _search_file(fd: int, rel: str, op: Search, matches: list[dict[str, Any]]) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or st.st_size > MAX_SEARCH_FILE_BYTES:
+        return
+    try:
+        text = confined.read_all(fd, MAX_SEARCH_FILE_BYTES).decode("utf-8")
+    except UnicodeDecodeError:
+        return
+    for number, line in enumerate(text.splitlines(), 1):
+        if op.text in line:
+            matches.append({"path": rel, "line": number, "text": line.rstrip()[:200]})
+            if len(matches) >= op.max_results:
+                raise _EnoughFoundError
+
+
+def _search_dir(dir_fd: int, parts: list[str], op: Search, ctx: OpContext, *,
+                guard: confined.Guard, matches: list[dict[str, Any]]) -> None:
+    for name in sorted(os.listdir(dir_fd)):
+        child = [*parts, name]
+        rel = "/".join(child)
+        st = confined.lstat_at(dir_fd, name)
+        if st is None or stat.S_ISLNK(st.st_mode) or name.endswith(confined.TMP_SUFFIX):
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                sub = confined.open_dir(dir_fd, name, child, guard)
+            except (OSError, confined.UnsafeFileError):
+                continue  # a link swapped in, the state directory, gone: not searched
+            try:
+                _search_dir(sub, child, op, ctx, guard=guard, matches=matches)
+            finally:
+                os.close(sub)
+        elif stat.S_ISREG(st.st_mode) and _visible(ctx, rel):
+            try:
+                fd = confined.open_file(dir_fd, name, child, guard)
+            except (OSError, confined.UnsafeFileError):
+                continue
+            try:
+                _search_file(fd, rel, op, matches)
+            finally:
+                os.close(fd)
+
+
 def search(op: Search, ctx: OpContext) -> Outcome:
-    root = ctx.workspace if op.path in ("", ".") else _path(ctx, op.path)
-    real_root = os.path.realpath(ctx.workspace)
+    where = _place(ctx, op.path or ".")
     matches: list[dict[str, Any]] = []
-    files = [root] if root.is_file() else sorted(
-        os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs  # no symlinked dirs
-    )
-    for name in files:
-        real = os.path.realpath(name)
-        if not real.startswith(real_root + os.sep) or os.path.getsize(real) > MAX_SEARCH_FILE_BYTES:
-            continue
-        try:
-            with open(real, encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
-                    if op.text in line:
-                        rel = os.path.relpath(real, real_root)
-                        matches.append({"path": rel, "line": number, "text": line.rstrip()[:200]})
-                        if len(matches) >= op.max_results:
-                            return Done({"matches": matches, "truncated": True})
-        except (UnicodeDecodeError, OSError):
-            continue
+    try:
+        with confined.open_root(where.root) as root_fd:
+            if where.parts:
+                with confined.walk(root_fd, where.parts[:-1], where.guard) as dir_fd:
+                    st = confined.lstat_at(dir_fd, where.parts[-1])
+                    if st is None:
+                        return _error("no such file or directory")
+                    if not stat.S_ISDIR(st.st_mode):
+                        fd = confined.open_file(dir_fd, where.parts[-1], where.parts,
+                                                where.guard)
+                        try:
+                            _search_file(fd, where.rel, op, matches)
+                        finally:
+                            os.close(fd)
+                        return Done({"matches": matches, "truncated": False})
+            with confined.walk(root_fd, where.parts, where.guard) as dir_fd:
+                _search_dir(dir_fd, where.parts, op, ctx, guard=where.guard, matches=matches)
+    except _EnoughFoundError:
+        return Done({"matches": matches, "truncated": True})
+    except FileNotFoundError:
+        return _error("no such file or directory")
     return Done({"matches": matches, "truncated": False})
 
 
@@ -175,8 +262,7 @@ class MemoryWrite(OpBase):
 
 def memory_write(op: MemoryWrite, ctx: OpContext) -> Outcome:
     data = op.content.encode()
-    target = ctx.memory_dir / f"{op.key}.md"
-    return Write(target, f"memory:{op.key}", data, {"bytes": len(data)})
+    return Write(_memory(ctx, op.key), f"memory:{op.key}", data, {"bytes": len(data)})
 
 
 class MemoryRead(OpBase):
@@ -188,9 +274,11 @@ class MemoryRead(OpBase):
 
 def memory_read(op: MemoryRead, ctx: OpContext) -> Outcome:
     try:
-        text = (ctx.memory_dir / f"{op.key}.md").read_text(encoding="utf-8")
+        text = _read_text(_memory(ctx, op.key))
     except FileNotFoundError:
-        return _error("no such memory")
+        text = _error("no such file")
+    if isinstance(text, Done):
+        return _error("no such memory") if text.result.get("error") == "no such file" else text
     content, truncated = _clip(text, ctx)
     return Done({"content": content, "truncated": truncated})
 

@@ -1,24 +1,39 @@
 """The gate every op passes, whatever model backend chose it: pure decisions.
 
 Order: exclude (ops disabled by `agent.exclude`) -> confinement (the op's path
-must resolve inside the workspace; writes must not reach `state/` or
-`config/`) -> permission (rules, first match wins, else the default) ->
-dispatch (the loop). An `ask` verdict becomes an approval request unless an
-`--always` grant names exactly this op and this pattern; ops that need the
-operator (`ask`) always wait for an answer.
+is normalised to its workspace-relative form, actors/agent/workspace.py; a
+path that escapes the workspace, holds a control or format character, runs
+through a symlink, names a file with several links, or enters the state
+directory is refused here, before any rule) -> permission (rules, first
+match wins, else the default) -> dispatch (the loop). An `ask` verdict
+becomes an approval request unless an `--always` grant names exactly this op
+and this pattern; ops that need the operator (`ask`) always wait for an
+answer.
 
-The pattern of a request is the op's path (workspace-relative, as given) or
-its command; an op with neither has the pattern "*".
+Path rules match the normalised path. Command rules match the simple
+commands of the line (actors/agent/commands.py: quoting, wrappers such as
+`env`, path prefixes and separators undone): a deny or ask rule when any of
+them starts with the rule's words, an allow rule only when all of them do;
+an opaque line (`$(...)`, `$X` as a command) matches every deny and ask rule
+and no allow rule. A command rule on `bash`, `bash_start` or
+`terminal_start` holds for all three. What a program typed into a terminal
+(`terminal_input`) does is not read by the rules: its text is a secret, and
+what it means depends on the program reading it. Command rules are a
+convenience; the sandbox is the boundary.
+
+The pattern of a request is the op's normalised path or its command; an op
+with neither has the pattern "*".
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Literal
 
-from actors.agent import workspace
+from actors.agent import commands, workspace
 from actors.agent.ops import OpBase
 from actors.agent.settings import AgentSettings, Rule
 from broker.errors import PathRefusedError
@@ -35,30 +50,77 @@ class GateDecision:
     reason: str = ""
 
 
-def pattern_of(op: OpBase) -> str:
-    return op.gate_path() or op.gate_command() or "*"
+COMMAND_OPS = frozenset({"bash", "bash_start", "terminal_start"})
 
 
-def _matches(rule: Rule, op: OpBase) -> bool:
-    if rule.op not in ("*", op.op):
+def gate_path(op: OpBase, ws: Path) -> str | None:
+    """The op's path normalised (workspace.normalise); None when the op has
+    none. Raises PathRefusedError for a path that escapes or is malformed."""
+    raw = op.gate_path()
+    return None if raw is None else workspace.normalise(ws, raw or ".")
+
+
+def pattern_of(op: OpBase, ws: Path | None = None) -> str:
+    """The request pattern: the normalised path (the raw one without `ws`),
+    else the command, else "*"."""
+    path = op.gate_path()
+    if path is not None and ws is not None:
+        with contextlib.suppress(PathRefusedError):
+            path = workspace.normalise(ws, path or ".")
+    return path or op.gate_command() or "*"
+
+
+def _op_matches(rule: Rule, op: str) -> bool:
+    if rule.op in ("*", op):
+        return True
+    # a command rule on one command op holds for all of them
+    return rule.command is not None and rule.op in COMMAND_OPS and op in COMMAND_OPS
+
+
+def _command_matches(rule: Rule, command: str) -> bool:
+    """Deny and ask rules match when any simple command starts with the rule's
+    words (or the line is opaque); allow rules only when every one does."""
+    prefix = commands.rule_words(rule.command or "")
+    found = commands.simple_commands(command)
+    if found is None:
+        return rule.decision != "allow"
+    if rule.decision == "allow":
+        return bool(found) and all(commands.starts_with(words, prefix) for words in found)
+    return any(commands.starts_with(words, prefix) for words in found)
+
+
+def _matches(rule: Rule, op_name: str, path: str | None, command: str | None) -> bool:
+    if not _op_matches(rule, op_name):
         return False
-    if rule.path is not None:
-        path = op.gate_path()
-        if path is None or not fnmatchcase(path, rule.path):
-            return False
-    if rule.command is not None:
-        command = op.gate_command()
-        if command is None or not command.startswith(rule.command):
-            return False
-    return True
+    if rule.path is not None and (path is None or not fnmatchcase(path, rule.path)):
+        return False
+    return rule.command is None or (command is not None and _command_matches(rule, command))
 
 
-def permission(op: OpBase, settings: AgentSettings) -> tuple[str, str]:
-    """(decision, rule name) from the permission rules alone."""
+def permission_at(op_name: str, path: str | None, command: str | None,
+                  settings: AgentSettings) -> tuple[str, str]:
+    """(decision, rule name) for an op name with a normalised path / a command."""
     for index, rule in enumerate(settings.permissions.rules):
-        if _matches(rule, op):
+        if _matches(rule, op_name, path, command):
             return rule.decision, f"rules[{index}]"
     return settings.permissions.default, "default"
+
+
+def permission(op: OpBase, settings: AgentSettings, ws: Path | None = None) -> tuple[str, str]:
+    """(decision, rule name) from the permission rules alone (the path
+    normalised against `ws` when given)."""
+    path = op.gate_path()
+    if path is not None and ws is not None:
+        path = workspace.normalise(ws, path or ".")
+    return permission_at(op.op, path, op.gate_command(), settings)
+
+
+def visible(op_name: str, rel: str, settings: AgentSettings, rule: str | None) -> bool:
+    """Whether an op that was let through by `rule` may show `rel` (a search
+    result, a directory entry): not when a rule denies the op there, nor when
+    one asks there that is not the rule the op itself passed by."""
+    decision, at = permission_at(op_name, rel, None, settings)
+    return decision == "allow" or (decision == "ask" and at == rule)
 
 
 def decide(
@@ -69,17 +131,17 @@ def decide(
     state_dir: StateDir,
 ) -> GateDecision:
     """The gate's verdict for one validated op."""
-    pattern = pattern_of(op)
+    pattern = pattern_of(op, ws)
     if op.op in settings.exclude:
         return GateDecision("excluded", "exclude", pattern, "op disabled by configuration")
-    path = op.gate_path()
-    if path is not None and path not in ("", "."):
-        try:
-            workspace.resolve(ws, path, write=op.mutates,
-                              protected=(state_dir.state_dir, state_dir.config_dir))
-        except PathRefusedError as exc:
-            return GateDecision("refused", "confinement", pattern, exc.reason)
-    decision, rule = permission(op, settings)
+    try:
+        path = gate_path(op, ws)
+        if path is not None:
+            workspace.check(workspace.Place(ws, path, workspace.guard_for(state_dir)),
+                            want_dir=False if op.mutates else None)
+    except PathRefusedError as exc:
+        return GateDecision("refused", "confinement", pattern, exc.reason)
+    decision, rule = permission_at(op.op, path, op.gate_command(), settings)
     if decision == "deny":
         return GateDecision("deny", rule, pattern, "denied by rule")
     if op.needs_operator:

@@ -249,7 +249,7 @@ class AgentLoop:
             request = call.request or f"req-{cid}"
             approval = self.state.approvals.get(request)
             if approval is None:
-                self._request(call, op, gate.pattern_of(op))
+                self._request(call, op, gate.pattern_of(op, self.workspace))
                 return Step.PROGRESS
             if approval.status == "pending":
                 return Step.WAIT
@@ -271,16 +271,23 @@ class AgentLoop:
         }, key=f"c{call.call_id}:req", ledger="approvals")
         self.log.info("approval_requested", request=request, op=op.op)
 
-    def _context(self, answer: dict[str, Any] | None, call_id: str | None = None) -> OpContext:
+    def _context(self, answer: dict[str, Any] | None, call_id: str | None = None,
+                 call: Call | None = None) -> OpContext:
+        visible = None
+        if call is not None and call.op is not None:
+            op_name, rule, settings = call.op, call.rule, self.settings
+
+            def visible(rel: str) -> bool:
+                return gate.visible(op_name, rel, settings, rule)
         return OpContext(agent=self.name, workspace=self.workspace, memory_dir=self.memory_dir,
                          state_dir=self.state_dir,
                          max_result_chars=self.settings.max_result_chars, answer=answer,
-                         peer=self.peer, call_id=call_id)
+                         peer=self.peer, call_id=call_id, path_visible=visible)
 
     def _dispatch(self, call: Call, op: OpBase, answer: dict[str, Any] | None) -> None:
         cid = call.call_id
         try:
-            outcome = catalog.handler_for(op.op)(op, self._context(answer, cid))
+            outcome = catalog.handler_for(op.op)(op, self._context(answer, cid, call))
         except PathRefusedError as exc:
             outcome = Done({"error": exc.reason}, ok=False)
         except OSError as exc:
@@ -296,6 +303,8 @@ class AgentLoop:
             try:
                 workspace.apply_write(outcome.target, outcome.content)
                 outcome = Done(outcome.result)
+            except PathRefusedError as exc:  # the walk refused it at write time
+                outcome = Done({"error": exc.reason}, ok=False)
             except OSError as exc:
                 outcome = Done({"error": exc.strerror or type(exc).__name__}, ok=False)
         self.faults.hit("after_effect", cid)
@@ -327,11 +336,12 @@ class AgentLoop:
         self._append("tool_result", {"call_id": call.call_id, "op": op.op, "status": status,
                                      "result": result}, key=f"c{call.call_id}:result")
 
-    def _effect_target(self, label: str) -> Path | None:
+    def _effect_target(self, label: str) -> workspace.Place | None:
+        guard = workspace.guard_for(self.state_dir)
         if label.startswith("memory:"):
-            return self.memory_dir / f"{label.removeprefix('memory:')}.md"
+            return workspace.Place(self.memory_dir, f"{label.removeprefix('memory:')}.md", guard)
         try:
-            return workspace.resolve(self.workspace, label, write=True)
+            return workspace.place(self.workspace, label, guard)
         except PathRefusedError:
             return None
 

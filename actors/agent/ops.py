@@ -34,11 +34,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from broker.statedir import StateDir
+
+if TYPE_CHECKING:
+    from actors.agent.workspace import Place
 
 
 class OpBase(BaseModel):
@@ -74,6 +77,9 @@ class OpContext:
     answer: dict[str, Any] | None = None  # the operator's answer, for needs_operator ops
     peer: Any = None  # the agent's BrokerPeer: ops served by procs and subagents use it
     call_id: str | None = None  # the call being run: stable across a crash and redo
+    # whether the permission rules let this op show a workspace-relative path
+    # (search results, directory entries); None shows everything
+    path_visible: Callable[[str], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ class Done:
 class Write:
     """Replace `target` with `content` (None: delete); `label` names it in events."""
 
-    target: Path
+    target: Place
     label: str
     content: bytes | None
     result: dict[str, Any]

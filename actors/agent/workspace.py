@@ -1,83 +1,167 @@
-"""Workspace confinement and the write-gate: every path an op names is resolved
-here, and nowhere else.
+"""Workspace confinement and the gate over the state directory: every path an
+agent op names is normalised and reached here, and nowhere else.
 
-A path is refused when it is empty, absolute (or `~`), has a `..` component,
-or resolves (symlinks followed, at every level) outside the workspace. A write
-is also refused when its real target lies under the state directory's
-`state/` or `config/` (the recovery-core tier of seeds/state-layout.txt: only
-the writer and dedicated commands write there), whatever the workspace is.
+Normalising (`normalise`, before any rule sees the path): a path is refused
+when it is empty, starts with `~`, holds a control character or an invisible
+format character (Unicode category Cf: bidi overrides, zero-width
+characters), or escapes the workspace (an absolute path outside it, `..`
+above its root). Otherwise it becomes one workspace-relative form: `.` and
+empty components dropped, `..` applied, an absolute path into the workspace
+made relative. `./secrets/key`, `a/../secrets/key`, `secrets//key` and
+`<workspace>/secrets/key` are all `secrets/key`, and that is what the
+permission rules match.
 
-Writes are atomic: a temp file in the target's directory, fsync, rename.
+Reaching the file goes through actors/changesets/confined.py: from an fd of
+the workspace root, one component at a time, never following a link (a
+symlink anywhere is refused, even one pointing inside the workspace), files
+with more than one link refused, temp files made with O_EXCL | O_NOFOLLOW
+under random names, renamed with directory fds. The state directory (`.corral/`)
+and its tiers are never entered, for reading or writing, by any op: the
+guard compares each directory's (st_dev, st_ino) with theirs while walking,
+so it holds wherever the workspace is and whatever name reaches them.
+
+A `Place` is a normalised path under a root (the workspace, or the agent's
+memory directory for memory ops) with its guard; handlers return one in
+`Write`, and the loop applies it through the same walk.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
-from pathlib import Path, PurePosixPath
+from dataclasses import dataclass
+from pathlib import Path
 
+from actors.changesets import confined
+from actors.changesets.paths import has_format_char
 from broker.errors import PathRefusedError
+from broker.statedir import StateDir
+
+STATE_DIR_LABEL = "inside the state directory (.corral/): no op reads or writes it"
 
 
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
+def guard_for(state_dir: StateDir) -> confined.Guard:
+    """The guard of a state directory: its root and every tier in it."""
+    root = state_dir.root
+    tiers = [root, state_dir.state_dir, state_dir.config_dir, state_dir.run_dir,
+             state_dir.memory_dir, state_dir.logs_dir, state_dir.cache_dir, root / "agents",
+             root / "subagents"]
+    return confined.Guard(confined.identities(tiers), STATE_DIR_LABEL)
 
 
-def resolve(workspace: Path, rel: str, *, write: bool, protected: Sequence[Path] = ()) -> Path:
-    """The real path of `rel` inside `workspace`; raise PathRefusedError."""
-    if not rel or "\x00" in rel:
-        raise PathRefusedError(rel, "empty path")
-    pure = PurePosixPath(rel)
-    if pure.is_absolute() or rel.startswith("~") or os.path.isabs(rel):
-        raise PathRefusedError(rel, "absolute paths are refused; use a workspace-relative path")
-    if ".." in pure.parts:
-        raise PathRefusedError(rel, "'..' is refused")
-    root = Path(os.path.realpath(workspace))
-    real = Path(os.path.realpath(root / pure))
-    if not _inside(real, root):
-        raise PathRefusedError(rel, "resolves outside the workspace (symlink)")
-    if write:
-        for guarded in protected:
-            if _inside(real, Path(os.path.realpath(guarded))):
-                raise PathRefusedError(rel, f"write-gate: {guarded.name}/ is recovery-core")
-    return real
+def normalise(workspace: Path, raw: str) -> str:
+    """The workspace-relative form of `raw` ("." for the root); raise
+    PathRefusedError when it is malformed or escapes the workspace."""
+    if not raw:
+        raise PathRefusedError(raw, "empty path")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in raw):
+        raise PathRefusedError(raw, "control character in path")
+    if has_format_char(raw):
+        raise PathRefusedError(raw, "invisible format character in path (Unicode Cf, "
+                               "e.g. a bidi override)")
+    if raw.startswith("~"):
+        raise PathRefusedError(raw, "'~' paths are refused; use a workspace-relative path")
+    rel = raw
+    if raw.startswith("/"):
+        absolute = "/" + os.path.normpath(raw).lstrip("/")
+        for base in dict.fromkeys((os.path.abspath(workspace), os.path.realpath(workspace))):
+            if absolute == base:
+                return "."
+            if absolute.startswith(base.rstrip("/") + "/"):
+                rel = absolute[len(base.rstrip("/")) + 1:]
+                break
+        else:
+            raise PathRefusedError(raw, "absolute path outside the workspace")
+    out: list[str] = []
+    for part in rel.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not out:
+                raise PathRefusedError(raw, "escapes the workspace ('..' above its root)")
+            out.pop()
+            continue
+        out.append(part)
+    return "/".join(out) or "."
 
 
-def relative(workspace: Path, real: Path) -> str:
-    """`real` as a workspace-relative posix path ("." for the root)."""
-    return real.relative_to(os.path.realpath(workspace)).as_posix() or "."
+@dataclass(frozen=True)
+class Place:
+    """A normalised path `rel` below `root`, reached under `guard`."""
+
+    root: Path
+    rel: str
+    guard: confined.Guard = confined.NO_GUARD
+
+    @property
+    def parts(self) -> list[str]:
+        return [] if self.rel == "." else self.rel.split("/")
 
 
-def digest(path: Path) -> str | None:
-    """sha256 of a file's bytes, None when it does not exist."""
+def place(workspace: Path, raw: str, guard: confined.Guard = confined.NO_GUARD) -> Place:
+    return Place(workspace, normalise(workspace, raw), guard)
+
+
+def check(where: Place, *, want_dir: bool | None = None) -> None:
+    """Refuse now what the walk would refuse later (a link on the way, the
+    state directory, a multi-linked file); a missing path passes."""
+    parts = where.parts
+    if not parts:
+        return
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+        with confined.open_root(where.root) as root_fd, \
+                confined.walk(root_fd, parts[:-1], where.guard) as dir_fd:
+            st = confined.lstat_at(dir_fd, parts[-1])
+            if st is not None:
+                confined.check_leaf(st, parts, where.guard, allow_dir=want_dir is not False)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+
+
+def resolve(workspace: Path, raw: str, *, write: bool = False,
+            guard: confined.Guard = confined.NO_GUARD) -> Path:
+    """`workspace / normalise(raw)` after `check`: for callers that hand a
+    path to another process (a command's cwd, a child's task file)."""
+    where = place(workspace, raw, guard)
+    check(where, want_dir=None if not write else False)
+    return workspace / where.rel if where.parts else workspace
+
+
+def read_bytes(where: Place, limit: int | None = None) -> bytes | None:
+    """The file's bytes (at most about `limit`), None when it does not exist."""
+    if not where.parts:
+        raise confined.UnsafeFileError(".", "is_a_directory", "'.' is a directory")
+    try:
+        with confined.open_root(where.root) as root_fd:
+            found = confined.read(root_fd, where.parts, where.guard, limit)
+    except FileNotFoundError:  # no root yet (a memory directory before its first note)
         return None
-    except IsADirectoryError:
-        return "directory"
-    return hashlib.sha256(data).hexdigest()
+    return None if found is None else found[0]
+
+
+def digest(where: Place) -> str | None:
+    """sha256 of the file's bytes; None when absent, "directory" for a
+    directory, "refused" when the walk refuses it (a link, several links)."""
+    try:
+        data = read_bytes(where)
+    except confined.UnsafeFileError as exc:
+        return "directory" if exc.kind == "is_a_directory" else "refused"
+    except NotADirectoryError:
+        return None
+    return None if data is None else hashlib.sha256(data).hexdigest()
 
 
 def content_digest(content: bytes | None) -> str | None:
     return None if content is None else hashlib.sha256(content).hexdigest()
 
 
-def apply_write(target: Path, content: bytes | None) -> None:
-    """Replace `target` atomically (None: delete it)."""
-    if content is None:
-        target.unlink(missing_ok=True)
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.corral-tmp")
-    with open(tmp, "wb") as f:
-        f.write(content)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(target)
-    fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def apply_write(where: Place, content: bytes | None) -> None:
+    """Replace the file atomically (None: delete it), through the walk."""
+    if not where.parts:
+        raise confined.UnsafeFileError(".", "is_a_directory", "'.' is a directory")
+    where.root.mkdir(parents=True, exist_ok=True)
+    with confined.open_root(where.root) as root_fd:
+        if content is None:
+            confined.delete(root_fd, where.parts, where.guard)
+        else:
+            confined.write(root_fd, where.parts, content, where.guard)
