@@ -3,9 +3,13 @@ nothing, surviving a crash at any step.
 
 Steps (each a fault-injection point, see FAULT_ENV):
 
-    checked   the set is ready, its patch and blobs match the manifest, no
-              receipt exists, and every touched file still has its base hash
-              (stale-state check; refused with bound `stale` naming the path)
+    checked   the set is ready; its manifest, patch and blobs are the ones
+              built (with a seal: the digests the WAL recorded when the set
+              was built, else bound `tampered`; without one: the manifest's
+              own hashes, else `damaged`), each read once and written from
+              memory; no receipt exists, and every touched file still has its
+              base hash (stale-state check; refused with bound `stale` naming
+              the path)
     intent    apply.intent.json is durable: from here on the apply is
               rolled forward, never back
     file<N>   file N is replaced (temp + fsync + rename + fsync of its
@@ -33,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from actors.changesets.confined import NO_GUARD, Guard
 from actors.changesets.manifest import (
     BLOBS,
     INTENT,
@@ -42,11 +47,12 @@ from actors.changesets.manifest import (
     Manifest,
     Receipt,
     ReceiptFile,
-    load,
+    Seal,
     load_receipt,
+    load_sealed,
     write_once,
 )
-from actors.changesets.paths import delete_file, open_root, read_file, write_file
+from actors.changesets.paths import check_path, delete_file, open_root, read_file, write_file
 from broker.durable import fsync_dir
 from broker.errors import ChangeSetRefusedError
 
@@ -59,26 +65,34 @@ def _fault(step: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _hash(root_fd: int, path: str) -> str | None:
-    found = read_file(root_fd, path)
+def _hash(root_fd: int, path: str, guard: Guard = NO_GUARD) -> str | None:
+    found = read_file(root_fd, path, guard)
     return hashlib.sha256(found[0]).hexdigest() if found is not None else None
 
 
-def _verified(directory: Path, manifest: Manifest) -> dict[str, bytes]:
-    """The blobs, each checked against its hash; the patch checked too."""
+def _verified(directory: Path, manifest: Manifest, seal: Seal | None) -> dict[str, bytes]:
+    """The blobs, each read once and checked against its hash (and, with a
+    seal, against the digests the WAL recorded when the set was built); the
+    patch checked too. What is returned is what gets written."""
     if manifest.status != "ready" or manifest.patch_sha256 is None:
         raise ChangeSetRefusedError("not_ready", f"change set {manifest.changeset_id} is "
                                     f"{manifest.status}: only a ready set can be applied")
+    bound = "tampered" if seal is not None else "damaged"
+    if seal is not None and (seal.patch_sha256 != manifest.patch_sha256 or seal.blob_sha256
+                             != sorted({c.after_sha256 for c in manifest.files
+                                        if c.after_sha256 is not None})):
+        raise ChangeSetRefusedError("tampered", "the manifest's digests differ from the WAL's")
     patch = (directory / PATCH).read_bytes()
     if hashlib.sha256(patch).hexdigest() != manifest.patch_sha256:
-        raise ChangeSetRefusedError("damaged", f"{directory / PATCH} does not match its manifest")
+        raise ChangeSetRefusedError(bound, f"{directory / PATCH} does not match its manifest")
     blobs: dict[str, bytes] = {}
     for change in manifest.files:
+        check_path(change.path)  # a manifest is re-read from disk: its paths too
         if change.after_sha256 is not None and change.after_sha256 not in blobs:
             data = (directory / BLOBS / change.after_sha256).read_bytes()
             if hashlib.sha256(data).hexdigest() != change.after_sha256:
-                raise ChangeSetRefusedError("damaged", f"blob of {change.path!r} is damaged",
-                                            change.path)
+                raise ChangeSetRefusedError(bound, f"blob of {change.path!r} is not the one "
+                                            "that was built", change.path)
             blobs[change.after_sha256] = data
     return blobs
 
@@ -90,19 +104,24 @@ def workspace_digest(manifest: Manifest) -> str:
     return h.hexdigest()
 
 
-def apply(directory: Path, workspace: Path, record: Record | None = None) -> Receipt:
+def apply(directory: Path, workspace: Path, record: Record | None = None, *,
+          seal: Seal | None = None, guard: Guard = NO_GUARD) -> Receipt:
     """Apply the set in `directory` to `workspace`; return the receipt.
-    Raises ChangeSetRefusedError (stale, already_applied, not_ready, ...)."""
-    manifest = load(directory)
+    With `seal` (the digests the WAL recorded at build), a set whose manifest,
+    patch or blobs changed since is refused with bound `tampered` before
+    anything is written; `guard` names directories never to enter (the state
+    directory). Raises ChangeSetRefusedError (tampered, stale,
+    already_applied, not_ready, ...)."""
+    manifest = load_sealed(directory, seal)
     if (directory / INTENT).exists():
-        return _recover(directory, workspace, manifest, record)
+        return _recover(directory, workspace, manifest, record, seal=seal, guard=guard)
     if load_receipt(directory) is not None:
         raise ChangeSetRefusedError("already_applied",
                                     f"change set {manifest.changeset_id} was applied already")
-    blobs = _verified(directory, manifest)
+    blobs = _verified(directory, manifest, seal)
     with open_root(str(workspace)) as root_fd:
         for change in manifest.files:
-            current = _hash(root_fd, change.path)
+            current = _hash(root_fd, change.path, guard)
             if current != change.before_sha256:
                 raise ChangeSetRefusedError(
                     "stale", f"{change.path!r} changed since the snapshot "
@@ -112,15 +131,15 @@ def apply(directory: Path, workspace: Path, record: Record | None = None) -> Rec
                         or "", started_at=time.time())
         write_once(directory / INTENT, intent.model_dump_json().encode(), read_only=False)
         _fault("intent")
-        _write_files(root_fd, manifest, blobs, recovering=False)
+        _write_files(root_fd, manifest, blobs, recovering=False, guard=guard)
     return _finish(directory, manifest, record, recovered=False)
 
 
 def _write_files(root_fd: int, manifest: Manifest, blobs: dict[str, bytes], *,
-                 recovering: bool) -> None:
+                 recovering: bool, guard: Guard) -> None:
     for n, change in enumerate(manifest.files):
         if recovering:
-            current = _hash(root_fd, change.path)
+            current = _hash(root_fd, change.path, guard)
             if current == change.after_sha256:
                 _fault(f"file{n}")
                 continue
@@ -129,10 +148,10 @@ def _write_files(root_fd: int, manifest: Manifest, blobs: dict[str, bytes], *,
                     "conflict", f"{change.path!r} is neither before nor after during recovery; "
                     "the intent is kept for the operator", change.path)
         if change.after_sha256 is None:
-            delete_file(root_fd, change.path)
+            delete_file(root_fd, change.path, guard)
         else:
             write_file(root_fd, change.path, blobs[change.after_sha256],
-                       change.after_mode or 0o100644)
+                       change.after_mode or 0o100644, guard)
         _fault(f"file{n}")
     _fault("files")
 
@@ -162,16 +181,18 @@ def _finish(directory: Path, manifest: Manifest, record: Record | None, *,
 
 
 def _recover(directory: Path, workspace: Path, manifest: Manifest,
-             record: Record | None) -> Receipt:
+             record: Record | None, *, seal: Seal | None, guard: Guard) -> Receipt:
     if load_receipt(directory) is None:
-        blobs = _verified(directory, manifest)
+        blobs = _verified(directory, manifest, seal)
         with open_root(str(workspace)) as root_fd:
-            _write_files(root_fd, manifest, blobs, recovering=True)
+            _write_files(root_fd, manifest, blobs, recovering=True, guard=guard)
     return _finish(directory, manifest, record, recovered=True)
 
 
-def recover(directory: Path, workspace: Path, record: Record | None = None) -> Receipt | None:
+def recover(directory: Path, workspace: Path, record: Record | None = None, *,
+            seal: Seal | None = None, guard: Guard = NO_GUARD) -> Receipt | None:
     """Complete an interrupted apply (start-up); None when none was in progress."""
     if not (directory / INTENT).exists():
         return None
-    return _recover(directory, workspace, load(directory), record)
+    return _recover(directory, workspace, load_sealed(directory, seal), record, seal=seal,
+                    guard=guard)

@@ -25,6 +25,7 @@ from actors.changesets.manifest import (
     Limits,
     Manifest,
     Refusal,
+    encode,
     write_once,
 )
 from actors.changesets.paths import check_path
@@ -146,7 +147,7 @@ def build(
     write_once(out / PATCH, patch)
     manifest = Manifest(**common, status="ready", files=changes, input_bytes=input_bytes,
                         patch_bytes=len(patch), patch_sha256=hashlib.sha256(patch).hexdigest())
-    write_once(out / MANIFEST, manifest.model_dump_json(indent=1).encode())
+    write_once(out / MANIFEST, encode(manifest))
     return manifest
 
 
@@ -156,5 +157,5 @@ def _refused(out: Path, common: dict[str, object], refusal: Refusal,
         **common, "status": "refused", "files": changes or [], "input_bytes": input_bytes,
         "patch_bytes": 0, "patch_sha256": None, "refusal": refusal,
     })
-    write_once(out / MANIFEST, manifest.model_dump_json(indent=1).encode())
+    write_once(out / MANIFEST, encode(manifest))
     return manifest

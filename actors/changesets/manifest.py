@@ -12,7 +12,10 @@
 
 Every file is written to a temp name, fsynced, renamed and made read-only;
 the manifest is written last, so its presence means the set is complete.
-`load()` is the one reader (tests and tools share it).
+`load()` is the one reader (tests and tools share it). The files are not
+trusted after the build: the host records a `Seal` (the digests of the
+manifest and of every blob) in the WAL when the set is built, and apply
+refuses a set that no longer matches it (`load_sealed`, bound `tampered`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.durable import write_atomic
+from broker.errors import ChangeSetRefusedError
 
 VERSION = 1
 MANIFEST = "changeset.json"
@@ -78,6 +82,36 @@ class Manifest(_Model):
     refusal: Refusal | None = None
 
 
+class Seal(_Model):
+    """What the WAL records of a set when it is built (the `subagent_ended`
+    fact): apply refuses a set whose files no longer have these digests."""
+
+    manifest_sha256: str  # of changeset.json's bytes as built
+    patch_sha256: str | None
+    blob_sha256: list[str]  # every blob, sorted
+
+    @classmethod
+    def of(cls, manifest: Manifest, data: bytes | None = None) -> Seal:
+        """The seal of `manifest` (whose bytes are `data` when read from disk)."""
+        return cls(manifest_sha256=sha256(encode(manifest) if data is None else data),
+                   patch_sha256=manifest.patch_sha256,
+                   blob_sha256=sorted({c.after_sha256 for c in manifest.files
+                                       if c.after_sha256 is not None}))
+
+    def as_fact(self) -> dict[str, object]:
+        return {"manifest_sha256": self.manifest_sha256, "patch_sha256": self.patch_sha256,
+                "blob_sha256": self.blob_sha256}
+
+    @classmethod
+    def from_fact(cls, payload: dict[str, object]) -> Seal | None:
+        """The seal in a `subagent_ended` payload, None when it has none."""
+        try:
+            return cls.model_validate({k: payload[k] for k in
+                                       ("manifest_sha256", "patch_sha256", "blob_sha256")})
+        except (KeyError, ValueError):
+            return None
+
+
 class ReceiptFile(_Model):
     path: str
     after_sha256: str | None
@@ -110,8 +144,23 @@ def write_once(path: Path, data: bytes, *, read_only: bool = True) -> None:
     write_atomic(path, data, read_only=read_only)
 
 
+def encode(manifest: Manifest) -> bytes:
+    """The manifest's bytes on disk (what its seal's digest is over)."""
+    return manifest.model_dump_json(indent=1).encode()
+
+
 def load(directory: Path) -> Manifest:
     return Manifest.model_validate_json((directory / MANIFEST).read_bytes())
+
+
+def load_sealed(directory: Path, seal: Seal | None) -> Manifest:
+    """The manifest, read once; with a seal, refused with bound `tampered`
+    unless its bytes have the sealed digest."""
+    data = (directory / MANIFEST).read_bytes()
+    if seal is not None and sha256(data) != seal.manifest_sha256:
+        raise ChangeSetRefusedError("tampered", f"{directory / MANIFEST} is not the manifest "
+                                    "that was built (its digest differs from the WAL's)")
+    return Manifest.model_validate_json(data)
 
 
 def load_receipt(directory: Path) -> Receipt | None:

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from actors.agent.rebuild import rebuild
 from actors.agent.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
 from actors.agent.state import BudgetUse
+from actors.agent.workspace import guard_for
 from actors.changesets import manifest as mf
 from actors.changesets.apply import apply, recover
 from actors.changesets.build import build
@@ -117,7 +118,17 @@ class SubagentsHost:
             elif child.state == "exited":
                 self._build(child)
             if (directory / mf.INTENT).exists():
-                receipt = recover(directory, Path(child.workspace), self._recorder(child))
+                seal = self.seal(child)
+                if seal is None:
+                    log.warning("subagent_apply_unsealed", subagent_id=child.subagent_id)
+                    continue
+                try:
+                    receipt = recover(directory, Path(child.workspace), self._recorder(child),
+                                      seal=seal, guard=guard_for(self.state))
+                except ChangeSetRefusedError as exc:
+                    log.warning("subagent_apply_refused", subagent_id=child.subagent_id,
+                                bound=exc.bound)
+                    continue
                 if receipt is not None:
                     child.state = "applied"
         self.children.save()
@@ -228,22 +239,30 @@ class SubagentsHost:
         end_session_quietly(self.peer, child.name)
         usage = rebuild(self.writer, self.state, child.name).state.budget
         child.tokens_used, child.cost_used = usage.tokens_used, usage.cost_used
+        manifest: mf.Manifest | None = None
+        seal: mf.Seal | None = None
         if child.exit_code != 0:
             child.state = "failed"
             self.counts["failed"] += 1
         else:
             if not (directory / mf.MANIFEST).exists():
-                build(child.subagent_id, BaseIndex.load(directory / "base"), directory / "work",
-                      directory, limits=self.limits,
-                      task_sha256=hashlib.sha256(child.task.encode()).hexdigest())
+                # sealed from what was built in memory, not from the files
+                manifest = build(child.subagent_id, BaseIndex.load(directory / "base"),
+                                 directory / "work", directory, limits=self.limits,
+                                 task_sha256=hashlib.sha256(child.task.encode()).hexdigest())
+                seal = mf.Seal.of(manifest)
             child.state = "ended"
             self.counts["ended"] += 1
-        manifest = mf.load(directory) if (directory / mf.MANIFEST).exists() else None
+        if manifest is None and (directory / mf.MANIFEST).exists():
+            data = (directory / mf.MANIFEST).read_bytes()  # built before a host restart
+            manifest = mf.Manifest.model_validate_json(data)
+            seal = mf.Seal.of(manifest, data)
         self.record(child.parent, "subagent_ended", {
             "subagent_id": child.subagent_id, "exit_code": child.exit_code,
             "status": manifest.status if manifest else None,
             "files": len(manifest.files) if manifest else 0,
             "tokens_used": child.tokens_used, "cost_used": child.cost_used,
+            **(seal.as_fact() if seal is not None else {}),
         }, f"{child.subagent_id}:ended")
         self.children.save()
         log.info("subagent_ended", subagent_id=child.subagent_id, exit_code=child.exit_code,
@@ -286,11 +305,24 @@ class SubagentsHost:
             cost_used=child.cost_used,
         )
 
+    def seal(self, child: ChildRecord) -> mf.Seal | None:
+        """The digests the WAL recorded when `child`'s set was built."""
+        for record in self.writer.read_stream(f"subagents/{child.parent}"):
+            payload = record.payload() if record.event == "subagent_ended" else None
+            if isinstance(payload, dict) and payload.get("subagent_id") == child.subagent_id:
+                return mf.Seal.from_fact(payload)
+        return None
+
     def apply(self, msg_id: str, child: ChildRecord) -> protocol.SubagentReply:
         if child.state not in ("ended", "applied"):
             return self.reply(msg_id, child, f"not_ready: the child is {child.state}")
+        seal = self.seal(child)
+        if seal is None:
+            self.counts["refused"] += 1
+            return self.reply(msg_id, child, "unsealed: the WAL holds no digests of this set")
         try:
-            apply(Path(child.directory), Path(child.workspace), self._recorder(child))
+            apply(Path(child.directory), Path(child.workspace), self._recorder(child),
+                  seal=seal, guard=guard_for(self.state))
         except ChangeSetRefusedError as exc:
             self.counts["refused"] += 1
             return self.reply(msg_id, child, f"{exc.bound}: {exc.detail}")
