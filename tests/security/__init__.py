@@ -1,0 +1,1 @@
+"""Attacks on the gate, as a hostile agent makes them through documented ops."""
