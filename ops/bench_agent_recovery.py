@@ -106,7 +106,14 @@ def write_history(state_dir: StateDir, count: int) -> AgentState:
             state = fold(state, batch)
             batch.clear()
             if seq == generation_at:
-                generations.write(state_dir.agent_dir(AGENT), AGENT, state, key=key)
+                digest = generations.write(state_dir.agent_dir(AGENT), AGENT, state, key=key)
+                seq += 1  # the fact that vouches for it, as the agent appends it
+                saved, fact, fact_key = generations.saved_fact(seq - 1, digest)
+                line = encode_record(seq, 1.0, STREAM, saved, AGENT, fact_key, None,
+                                     json.dumps(fact, separators=(",", ":")).encode())
+                out.write(line)
+                size += len(line)
+                batch.append((seq, saved, fact))
         seq += 1
     assert out is not None
     out.close()

@@ -7,7 +7,12 @@ A generation is `{"version": 1, "agent": ..., "seq": N, "key": K, "state":
 {...}}`: the fold of every event of the stream up to seq N, whose record has
 the idempotency key K. Recovery uses a generation only if the WAL still holds
 that record (seq N, key K) in the stream: a generation ahead of the WAL (a
-head that went back) or from another history is skipped. Each is written to a temp file,
+head that went back) or from another history is skipped. And only if the
+WAL vouches for its content: when the agent writes a generation it appends
+`generation_saved {"seq": N, "sha256": D}` (D over the file's bytes) to its
+stream, and recovery trusts a generation only when a record of its tail is
+that fact with the generation's own digest; a file written by anyone else (a
+forged grant) is skipped like a damaged one. Each is written to a temp file,
 fsynced, renamed, and the directory fsynced. Both are derived: deleting them
 loses nothing (recovery then folds from the first event, only slower). A
 generation that does not parse is skipped for the next older one.
@@ -15,6 +20,7 @@ generation that does not parse is skipped for the next older one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -37,16 +43,32 @@ def generations_dir(agent_dir: Path) -> Path:
     return state_dir_of(agent_dir) / "generations"
 
 
+SAVED_EVENT = "generation_saved"
+
+
 @dataclass(frozen=True)
 class Generation:
     state: AgentState
     key: str | None  # the idempotency key of the record at state.last_seq
+    sha256: str = ""  # of the file's bytes: what a `generation_saved` fact must name
+
+
+def saved_fact(seq: int, sha256: str) -> tuple[str, dict[str, object], str]:
+    """(event, payload, idempotency key) of the fact that vouches for a generation."""
+    return SAVED_EVENT, {"seq": seq, "sha256": sha256}, f"g{seq}:saved"
+
+
+def vouched(gen: Generation, event: str, payload: object) -> bool:
+    """Whether a record (`event`, `payload`) is the fact naming `gen`'s content."""
+    return (event == SAVED_EVENT and isinstance(payload, dict)
+            and payload.get("seq") == gen.state.last_seq and payload.get("sha256") == gen.sha256)
 
 
 def write(agent_dir: Path, agent: str, state: AgentState, keep: int = 3,
-          key: str | None = None) -> Path:
+          key: str | None = None) -> str:
     """Write a generation at state.last_seq (whose record has `key`), refresh
-    snapshot.json, prune old ones."""
+    snapshot.json, prune old ones; return the sha256 of its bytes (for the
+    `generation_saved` fact the caller appends)."""
     gens = generations_dir(agent_dir)
     gens.mkdir(parents=True, exist_ok=True)
     body = json.dumps({"version": FORMAT_VERSION, "agent": agent, "seq": state.last_seq,
@@ -57,7 +79,7 @@ def write(agent_dir: Path, agent: str, state: AgentState, keep: int = 3,
     write_atomic(state_dir_of(agent_dir) / "snapshot.json", body)
     for old in list_generations(agent_dir)[:-keep]:
         old.unlink(missing_ok=True)
-    return path
+    return hashlib.sha256(body).hexdigest()
 
 
 def list_generations(agent_dir: Path) -> list[Path]:
@@ -72,7 +94,8 @@ def list_generations(agent_dir: Path) -> list[Path]:
 
 def read(path: Path) -> Generation | None:
     try:
-        data = json.loads(path.read_bytes())
+        raw = path.read_bytes()
+        data = json.loads(raw)
         if data.get("version") != FORMAT_VERSION:
             return None
         state = AgentState.model_validate(data["state"])
@@ -81,7 +104,7 @@ def read(path: Path) -> Generation | None:
         return None
     if state.last_seq != data.get("seq") or not (key is None or isinstance(key, str)):
         return None
-    return Generation(state, key)
+    return Generation(state, key, hashlib.sha256(raw).hexdigest())
 
 
 def candidates(agent_dir: Path) -> list[Generation]:

@@ -103,10 +103,14 @@ class AgentLoop:
     def _fold(self, events: list[Event], last_key: str) -> None:
         fold_into(self.state, events)  # the loop owns its state: no copy
         self._since_generation += len(events)
-        if self._since_generation >= self.settings.snapshot_every:
-            generations.write(self.agent_dir, self.name, self.state,
-                              keep=self.settings.generations_kept, key=last_key)
+        if (self._since_generation >= self.settings.snapshot_every
+                and events[-1][1] != generations.SAVED_EVENT):
+            seq = self.state.last_seq
+            digest = generations.write(self.agent_dir, self.name, self.state,
+                                       keep=self.settings.generations_kept, key=last_key)
             self._since_generation = 0
+            event, payload, key = generations.saved_fact(seq, digest)
+            self._append(event, payload, key)  # the WAL vouches for the file's content
 
     def _append(self, event: str, payload: dict[str, Any], key: str,
                 ledger: protocol.LedgerName | None = None) -> None:

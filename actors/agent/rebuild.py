@@ -39,14 +39,17 @@ def tail(writer: WriterClient, name: str, state: AgentState, page: int = 512) ->
 
 def _from_generation(writer: WriterClient, name: str, gen: generations.Generation
                      ) -> AgentState | None:
-    """gen's state plus the tail, if the WAL still holds gen's last record; else None."""
+    """gen's state plus the tail, if the WAL still holds gen's last record and a
+    `generation_saved` fact with gen's digest; else None."""
     records = writer.read_stream(stream_of(name), gen.state.last_seq)
     first = next(records, None)
     if first is None or first.seq != gen.state.last_seq or (
             gen.key is not None and first.key != gen.key):
         return None  # the WAL does not hold this generation's history
     events = [(r.seq, r.event, r.payload()) for r in records]
-    return fold(gen.state, events) if events else gen.state
+    if not any(generations.vouched(gen, event, payload) for _, event, payload in events):
+        return None  # the WAL does not vouch for this file's content (forged or unsaved)
+    return fold(gen.state, events)
 
 
 def rebuild(

@@ -18,9 +18,11 @@ def run_agent(state_dir: StateDir, ws: Path, steps: list[dict[str, Any]], *,
               rules: list[Rule] | None = None, default: Decision = "allow", name: str = "a1",
               limit: int = 100_000, **extra: Any) -> tuple[FakeWriter, AgentLoop]:
     """Run a scripted agent on `ws` to its end; its writer holds every fact."""
-    task = write_task(state_dir.root.parent / f"{name}-task.yaml", steps, **extra)
+    task = write_task(state_dir.root.parent / f"{name}-task.yaml", steps,
+                      **{k: v for k, v in extra.items() if k == "repeat"})
     settings = AgentSettings(permissions=Permissions(
-        default=default, rules=DEFAULT_RULES if rules is None else rules))
+        default=default, rules=DEFAULT_RULES if rules is None else rules),
+        **{k: v for k, v in extra.items() if k != "repeat"})
     spec = AgentSpec(task=str(task), workspace=str(ws), settings=settings)
     writer = FakeWriter()
     loop = AgentLoop(name, state_dir, spec, writer)  # type: ignore[arg-type]
