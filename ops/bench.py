@@ -20,6 +20,7 @@ SUITES = {
     "agent-recovery": "ops.bench_agent_recovery",
     "procs": "ops.bench_procs",
     "subagents": "ops.bench_subagents",
+    "fileops": "ops.bench_fileops",
 }
 
 

@@ -40,13 +40,25 @@ from broker.statedir import StateDir
 STATE_DIR_LABEL = "inside the state directory (.corral/): no op reads or writes it"
 
 
+_GUARDS: dict[Path, confined.Guard] = {}
+
+
 def guard_for(state_dir: StateDir) -> confined.Guard:
-    """The guard of a state directory: its root and every tier in it."""
+    """The guard of a state directory: its root and every tier in it, kept
+    for the process once the root exists. A walk reaches a tier only through
+    the root, which is always in it; the tiers (those that existed then)
+    guard against a second name for them, such as a bind mount."""
     root = state_dir.root
+    cached = _GUARDS.get(root)
+    if cached is not None:
+        return cached
     tiers = [root, state_dir.state_dir, state_dir.config_dir, state_dir.run_dir,
              state_dir.memory_dir, state_dir.logs_dir, state_dir.cache_dir, root / "agents",
              root / "subagents"]
-    return confined.Guard(confined.identities(tiers), STATE_DIR_LABEL)
+    guard = confined.Guard(confined.identities(tiers), STATE_DIR_LABEL)
+    if guard.protected and root.is_dir():
+        _GUARDS[root] = guard
+    return guard
 
 
 def normalise(workspace: Path, raw: str) -> str:

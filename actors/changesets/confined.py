@@ -249,10 +249,10 @@ def write(root_fd: int, parts: Sequence[str], data: bytes, guard: Guard = NO_GUA
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
-                if mode is not None:
-                    os.fchmod(fd, mode)
-                elif before is not None:
-                    os.fchmod(fd, stat.S_IMODE(before.st_mode))
+                want = mode if mode is not None else (
+                    stat.S_IMODE(before.st_mode) if before is not None else None)
+                if want is not None and stat.S_IMODE(os.fstat(fd).st_mode) != want:
+                    os.fchmod(fd, want)
                 os.fsync(fd)
             finally:
                 os.close(fd)
