@@ -148,7 +148,7 @@ class SubagentsHost:
         if not workspace.is_absolute() or not workspace.is_dir():
             raise ChangeSetRefusedError("invalid_workspace",
                                         f"{message.workspace!r} is not an absolute directory")
-        task = task_path(workspace, message.task)  # the op resolved it; so does the host
+        task = task_path(workspace, message.task, self.state)  # the op resolved it; so does this
         parent_spec = read_spec(self.state, message.parent)
         settings = parent_spec.settings if parent_spec is not None else AgentSettings()
         budget = self.remaining_budget(message.parent, settings.budget)

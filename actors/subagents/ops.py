@@ -27,9 +27,11 @@ from pydantic import Field
 
 from actors.agent import workspace
 from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
+from actors.changesets.confined import NO_GUARD
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.requester import new_msg_id
+from broker.statedir import StateDir
 
 SUBAGENTS = "subagents"
 SubagentIdField = Annotated[str, Field(pattern=r"^(s-[0-9a-f]{12}|latest)$")]  # latest: newest
@@ -105,13 +107,14 @@ class ApplySubagentOp(OpBase):
     subagent_id: SubagentIdField
 
 
-def task_path(ws: Path, task: str) -> str:
+def task_path(ws: Path, task: str, state_dir: StateDir | None = None) -> str:
     """The task file the child runs: an absolute path as given; a relative one
     inside the parent's workspace (PathRefusedError when it escapes: `..`, a
-    symlink out, `~`)."""
+    symlink, `~`, or the state directory when `state_dir` is given)."""
     if os.path.isabs(task):
         return str(Path(task).resolve())
-    return str(workspace.resolve(ws, task, write=False))
+    guard = workspace.guard_for(state_dir) if state_dir is not None else None
+    return str(workspace.resolve(ws, task, write=False, guard=guard or NO_GUARD))
 
 
 def spawn_subagent(op: SpawnSubagentOp, ctx: OpContext) -> Outcome:
@@ -119,7 +122,7 @@ def spawn_subagent(op: SpawnSubagentOp, ctx: OpContext) -> Outcome:
     is a spawn with the same key (the host answers with the existing child),
     so a host restarted meanwhile, or this agent redoing the call after a
     crash, finds the same child instead of starting another."""
-    task = task_path(ctx.workspace, op.task)
+    task = task_path(ctx.workspace, op.task, ctx.state_dir)
     key = f"{ctx.agent}.{ctx.call_id}" if ctx.call_id else None
     deadline = time.monotonic() + op.wait_s
     while True:
