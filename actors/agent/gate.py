@@ -21,8 +21,9 @@ and no allow rule. A command rule on `bash`, `bash_start` or
 what it means depends on the program reading it. Command rules are a
 convenience; the sandbox is the boundary.
 
-The pattern of a request is the op's normalised path or its command; an op
-with neither has the pattern "*".
+The pattern of a request (what an `--always` grant covers) is the command
+of an op that runs one, else its normalised path; an op with neither has the
+pattern "*".
 """
 
 from __future__ import annotations
@@ -61,13 +62,17 @@ def gate_path(op: OpBase, ws: Path) -> str | None:
 
 
 def pattern_of(op: OpBase, ws: Path | None = None) -> str:
-    """The request pattern: the normalised path (the raw one without `ws`),
-    else the command, else "*"."""
+    """The request pattern: the command of an op that runs one (its working
+    directory is not what is approved), else the normalised path (the raw one
+    without `ws`), else "*"."""
+    command = op.gate_command()
+    if command is not None:
+        return command
     path = op.gate_path()
     if path is not None and ws is not None:
         with contextlib.suppress(PathRefusedError):
             path = workspace.normalise(ws, path or ".")
-    return path or op.gate_command() or "*"
+    return path or "*"
 
 
 def _op_matches(rule: Rule, op: str) -> bool:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.agent import commands
-from actors.agent.settings import Rule
+from actors.agent import catalog, commands, gate
+from actors.agent.ops import OpBase
+from actors.agent.settings import AgentSettings, Permissions, Rule
 from broker.statedir import StateDir
 from tests.security.kit import decisions, results, run_agent
 
@@ -134,3 +135,22 @@ def test_simple_commands_reads_a_line_as_a_shell_would() -> None:
     for opaque in ("$(echo rm) x", "echo `id`", "eval rm", "$CMD x", "rm${IFS}x", "'unclosed",
                    "cat <(rm x)", ". ./script"):
         assert commands.simple_commands(opaque) is None, opaque
+
+
+def test_an_always_grant_on_a_command_covers_that_command_only(ws: Path,
+                                                              state_dir: StateDir) -> None:
+    """The pattern of a command op is its command, not its working directory
+    (before, `bash` asked with pattern "." and one `--always` covered every
+    command run there)."""
+    settings = AgentSettings(permissions=Permissions(rules=[
+        Rule(op="bash", decision="ask")]))
+    make = catalog.parse_action({"op": "bash", "command": "make test"})
+    other = catalog.parse_action({"op": "bash", "command": "rm -rf /"})
+    assert isinstance(make, OpBase) and isinstance(other, OpBase)
+    asked = gate.decide(make, settings, frozenset(), ws, state_dir)
+    assert (asked.verdict, asked.pattern) == ("ask", "make test")
+    grants = frozenset({("bash", asked.pattern)})
+    assert gate.decide(make, settings, grants, ws, state_dir).verdict == "allow"
+    assert gate.decide(other, settings, grants, ws, state_dir).verdict == "ask"
+    assert gate.decide(other, settings, frozenset({("bash", ".")}), ws,
+                       state_dir).verdict == "ask"
