@@ -16,7 +16,7 @@ import stat
 import time
 from pathlib import Path
 
-from actors.changesets import gitpatch
+from actors.changesets import confined, gitpatch
 from actors.changesets.manifest import (
     BLOBS,
     MANIFEST,
@@ -36,32 +36,65 @@ _Current = tuple[int, bytes, os.stat_result]  # (git mode, content or link targe
 
 
 def _scan(work: Path) -> dict[str, os.stat_result]:
-    """Every non-directory under `work` by relative path (links not followed)."""
+    """Every non-directory under `work` by relative path, walked through
+    directory fds without following a link (a directory swapped for a
+    symlink during the walk is refused with bound `symlink`)."""
     found: dict[str, os.stat_result] = {}
-    stack: list[tuple[str, Path]] = [("", work)]
-    while stack:
-        prefix, directory = stack.pop()
-        with os.scandir(directory) as it:
-            for item in it:
-                rel = f"{prefix}{item.name}"
-                st = item.stat(follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append((rel + "/", Path(item.path)))
-                else:
-                    found[rel] = st
+    stack: list[tuple[list[str], int]] = []
+    try:
+        stack.append(([], os.open(work, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)))
+        while stack:
+            parts, dir_fd = stack.pop()
+            try:
+                with os.scandir(dir_fd) as it:
+                    names = [item.name for item in it]
+                for name in names:
+                    st = confined.lstat_at(dir_fd, name)
+                    if st is None:
+                        continue
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append(([*parts, name], _open_dir(dir_fd, [*parts, name])))
+                    else:
+                        found["/".join([*parts, name])] = st
+            finally:
+                os.close(dir_fd)
+    finally:
+        for _, fd in stack:
+            os.close(fd)
     return found
 
 
-def _read(work: Path, rel: str, st: os.stat_result) -> bytes:
-    path = work / rel
-    if stat.S_ISLNK(st.st_mode):
-        return os.fsencode(os.readlink(path))
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _open_dir(dir_fd: int, parts: list[str]) -> int:
     try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return confined.open_dir(dir_fd, parts[-1], parts, confined.NO_GUARD)
+    except confined.UnsafeFileError as exc:
+        rel = "/".join(parts)
+        raise ChangeSetRefusedError("symlink", f"{rel!r}: {exc.reason}", rel) from exc
+
+
+def _read(work: Path, rel: str, st: os.stat_result) -> bytes:
+    """A changed file's bytes (a link's target), reached through directory fds."""
+    parts = rel.split("/")
+    try:
+        with confined.open_root(work) as root_fd, \
+                confined.walk(root_fd, parts[:-1]) as dir_fd:
+            return _read_leaf(dir_fd, parts[-1], rel, st)
+    except confined.UnsafeFileError as exc:
+        raise ChangeSetRefusedError("symlink", f"{rel!r}: {exc.reason}", rel) from exc
+
+
+def _read_leaf(dir_fd: int, leaf: str, rel: str, st: os.stat_result) -> bytes:
+    if stat.S_ISLNK(st.st_mode):
+        return os.fsencode(os.readlink(leaf, dir_fd=dir_fd))
+    try:
+        fd = os.open(leaf, confined.FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        raise ChangeSetRefusedError("symlink", f"{rel!r} changed while the set was built",
+                                    rel) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ChangeSetRefusedError("special_file", f"{rel!r} is not a regular file", rel)
+        return confined.read_all(fd)
     finally:
         os.close(fd)
 

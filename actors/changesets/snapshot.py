@@ -21,6 +21,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from actors.changesets import confined
 from actors.changesets.paths import is_git_name
 
 INDEX = "base.json"
@@ -94,57 +95,102 @@ def _skip(rel_parts: list[str], name: str) -> bool:
     return is_git_name(name) or (not rel_parts and name.lower() == ".corral")
 
 
-def snapshot(source: Path, base_dir: Path, work_dir: Path) -> BaseIndex:
-    """Copy `source` into `work_dir` and index it into `base_dir`."""
+def _copy_file(dir_fd: int, name: str) -> tuple[bytes, os.stat_result] | None:
+    """A regular file's bytes and stat, read through its directory fd (None:
+    gone, or no longer a regular file)."""
+    try:
+        fd = os.open(name, confined.FILE_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        return (confined.read_all(fd), st) if stat.S_ISREG(st.st_mode) else None
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Copy:
+    """One snapshot in progress: where copies and packed bytes go."""
+
+    work_dir: Path
+    pack: int
+    guard: confined.Guard
+    entries: dict[str, BaseEntry]
+    stack: list[tuple[list[str], int]]  # directories still to copy (open fds)
+    offset: int = 0
+
+
+def _copy_dir(copy: _Copy, dir_fd: int, rel_parts: list[str]) -> None:
+    """Copy one directory's entries; its subdirectories go on the stack as fds."""
+    work_dir, pack, guard, entries, stack = (copy.work_dir, copy.pack, copy.guard,
+                                             copy.entries, copy.stack)
+    offset = copy.offset
+    dst_dir = work_dir.joinpath(*rel_parts)
+    with os.scandir(dir_fd) as it:
+        names = sorted(item.name for item in it)
+    for name in names:
+        if _skip(rel_parts, name):
+            continue
+        rel = "/".join([*rel_parts, name])
+        dst = dst_dir / name
+        st = confined.lstat_at(dir_fd, name)
+        if st is None:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(name, dir_fd=dir_fd)
+            os.symlink(target, dst)
+            entries[rel] = BaseEntry(hashlib.sha256(os.fsencode(target)).hexdigest(),
+                                     0, 0o120000, -1, copy_key(os.lstat(dst)))
+        elif stat.S_ISDIR(st.st_mode):
+            try:
+                sub = confined.open_dir(dir_fd, name, [*rel_parts, name], guard)
+            except (OSError, confined.UnsafeFileError):
+                continue  # the state directory, or swapped for a link meanwhile: not copied
+            stack.append(([*rel_parts, name], sub))
+            dst.mkdir()
+        elif stat.S_ISREG(st.st_mode):
+            found = _copy_file(dir_fd, name)
+            if found is None:
+                continue
+            data, fst = found
+            mode = git_mode(fst.st_mode)
+            out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                          0o755 if mode == 0o100755 else 0o644)
+            try:
+                write_all(out, data)
+                key = copy_key(os.fstat(out))  # after the last write: final times
+            finally:
+                os.close(out)
+            write_all(pack, data)
+            entries[rel] = BaseEntry(hashlib.sha256(data).hexdigest(), len(data), mode,
+                                     offset, key)
+            offset += len(data)
+    copy.offset = offset
+
+
+def snapshot(source: Path, base_dir: Path, work_dir: Path,
+             guard: confined.Guard = confined.NO_GUARD) -> BaseIndex:
+    """Copy `source` into `work_dir` and index it into `base_dir`, walking
+    `source` through directory fds without following a link (a directory
+    swapped for a symlink meanwhile is not copied, nor one `guard` protects:
+    the state directory)."""
     base_dir.mkdir(parents=True, exist_ok=True)
     work_dir.mkdir(parents=True, exist_ok=False)
     entries: dict[str, BaseEntry] = {}
-    offset = 0
     pack = os.open(base_dir / PACK, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    copy = _Copy(work_dir, pack, guard, entries, [])
     try:
-        stack: list[list[str]] = [[]]
-        while stack:
-            rel_parts = stack.pop()
-            src_dir = source.joinpath(*rel_parts)
-            dst_dir = work_dir.joinpath(*rel_parts)
-            with os.scandir(src_dir) as it:
-                items = sorted(it, key=lambda e: e.name)
-            for item in items:
-                if _skip(rel_parts, item.name):
-                    continue
-                rel = "/".join([*rel_parts, item.name])
-                dst = dst_dir / item.name
-                if item.is_symlink():
-                    target = os.readlink(item.path)
-                    os.symlink(target, dst)
-                    entries[rel] = BaseEntry(hashlib.sha256(os.fsencode(target)).hexdigest(),
-                                             0, 0o120000, -1,
-                                             copy_key(os.lstat(dst)))
-                elif item.is_dir(follow_symlinks=False):
-                    dst.mkdir()
-                    stack.append([*rel_parts, item.name])
-                elif item.is_file(follow_symlinks=False):
-                    fd = os.open(item.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    try:
-                        st = os.fstat(fd)
-                        data = os.read(fd, st.st_size + 1) if st.st_size < (1 << 26) else b""
-                        if len(data) != st.st_size:
-                            data = Path(item.path).read_bytes()
-                    finally:
-                        os.close(fd)
-                    mode = git_mode(st.st_mode)
-                    out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                                  0o755 if mode == 0o100755 else 0o644)
-                    try:
-                        write_all(out, data)
-                        key = copy_key(os.fstat(out))  # after the last write: final times
-                    finally:
-                        os.close(out)
-                    write_all(pack, data)
-                    entries[rel] = BaseEntry(hashlib.sha256(data).hexdigest(), len(data), mode,
-                                             offset, key)
-                    offset += len(data)
+        copy.stack.append(([], os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)))
+        while copy.stack:
+            rel_parts, dir_fd = copy.stack.pop()
+            try:
+                _copy_dir(copy, dir_fd, rel_parts)
+            finally:
+                os.close(dir_fd)
     finally:
+        for _, fd in copy.stack:
+            os.close(fd)
         os.close(pack)
     index = BaseIndex(base_dir, entries)
     index.save()

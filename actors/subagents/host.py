@@ -162,7 +162,8 @@ class SubagentsHost:
             log.warning("subagent_snapshot_redone", subagent_id=subagent_id)
             shutil.rmtree(directory)
         started = time.monotonic()
-        index = snapshot(workspace, directory / "base", directory / "work")
+        index = snapshot(workspace, directory / "base", directory / "work",
+                         guard_for(self.state))
         log.info("subagent_snapshotted", subagent_id=subagent_id, files=len(index.entries),
                  elapsed_ms=round((time.monotonic() - started) * 1000, 1))
         name = f"{message.parent}.{subagent_id}"
