@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from actors.writer import checkpoint
 from actors.writer.ledgers import Ledgers
 from actors.writer.recovery import Recovered, recover
+from actors.writer.payload import check_payload
 from actors.writer.wal import (
     TornTail,
-    check_payload,
     encode_record,
     iter_segment,
     list_segments,
@@ -99,7 +99,7 @@ def _write_wal(state_dir: StateDir, count: int, ledger_every: int = 0) -> list[i
                     f"o{seq % 2}",
                     f"k{seq}",
                     ledger,
-                    json.dumps({"n": seq}).encode(),
+                    json.dumps({"n": seq}, separators=(",", ":")).encode(),
                 )
             )
     return offsets

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from broker.durable import write_atomic
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: ledger sizes and last seqs (an older one means a full scan)
 
 
 class Checkpoint(BaseModel):
@@ -30,6 +30,11 @@ class Checkpoint(BaseModel):
     last_record_offset: int  # start of the record holding head_seq (-1: none)
     dedupe: dict[str, list[tuple[str, int]]]
     index_counts: dict[str, int]
+    # Each ledger's size and last seq at this moment (all of it durable):
+    # start-up checks only the ledger lines written after, and completes a
+    # ledger from the WAL when the WAL holds later records of it.
+    ledger_sizes: dict[str, int] = {}
+    ledger_last_seq: dict[str, int] = {}
 
 
 def previous_path(path: Path) -> Path:

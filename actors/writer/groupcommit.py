@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from actors.writer.ledgers import Ledgers
 from actors.writer.segments import ActiveSegment
+from actors.writer.wal import seal
 from broker.errors import DurabilityError
 
 RecordMeta = tuple[str, int, str, str, str | None]  # stream, seq, origin, key, ledger
@@ -24,15 +25,24 @@ Ack = tuple[bytes, str, int, bool]  # client identity, msg_id, seq, duplicate
 
 @dataclass
 class Batch:
-    """Records in seq order and who waits for which seq."""
+    """Records in seq order and who waits for which seq. Records are staged as
+    bodies (`wal.frame_body`) with their CRC so far; `seal()` completes every
+    line once the batch is closed and its first and last seq are known."""
 
-    lines: list[bytes] = field(default_factory=list)
+    bodies: list[tuple[bytes, int]] = field(default_factory=list)  # body, crc32 of it
+    lines: list[bytes] = field(default_factory=list)  # filled by seal()
     meta: list[RecordMeta] = field(default_factory=list)
     keys: dict[tuple[str, str], int] = field(default_factory=dict)
     acks: list[Ack] = field(default_factory=list)
     # set by the worker once durable
     segment_first_seq: int = 0
     offset: int = -1
+
+    def seal(self, first_seq: int) -> None:
+        """Frame every staged body as its final line, naming the batch
+        [first_seq, first_seq + n - 1] in each (docs/wal.md, "Torn writes")."""
+        last_seq = first_seq + len(self.bodies) - 1
+        self.lines = [seal(body, crc, first_seq, last_seq) for body, crc in self.bodies]
 
 
 class SyncWorker:

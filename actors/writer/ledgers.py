@@ -2,17 +2,32 @@
 each line is the exact WAL record of a ledger append, so a ledger is a
 projection of the WAL that the writer can always complete from it. Only the
 writer writes them; a batch's ledger lines are fdatasynced before any append
-in the batch is acknowledged."""
+in the batch is acknowledged, and creating a ledger fsyncs its directory.
+
+A power loss can tear the last ledger write anywhere (zeros, then a later part
+of it): start-up checks every line written since the last checkpoint (`check`),
+cuts from the first bad one, and completes the ledger from the WAL."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from actors.writer.wal import parse_record
+from broker import durable
 from broker.errors import DurabilityError
 
-TAIL_READ_BYTES = 2 * 1024 * 1024
+
+@dataclass(frozen=True)
+class LedgerCheck:
+    """A ledger's lines from a known-good offset: the last good seq, and the
+    first bad line (to cut from) if any."""
+
+    last_seq: int
+    bad_offset: int | None
+    size: int
+    reason: str = ""
 
 
 class Ledgers:
@@ -25,8 +40,12 @@ class Ledgers:
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
         if fd is None:
-            fd = os.open(self.paths[name], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            path = self.paths[name]
+            existed = path.exists()
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             self._fds[name] = fd
+            if not existed:
+                durable.fsync_dir(path.parent)  # the new name is durable before any ack
         return fd
 
     def add(self, name: str, line: bytes) -> None:
@@ -35,8 +54,8 @@ class Ledgers:
     def commit(self) -> None:
         """Write and fdatasync every pending line; raise DurabilityError on failure."""
         for name, lines in self._pending.items():
-            fd = self._fd(name)
             try:
+                fd = self._fd(name)
                 view = memoryview(b"".join(lines))
                 while view:
                     view = view[os.write(fd, view) :]
@@ -46,62 +65,83 @@ class Ledgers:
             self.appended += len(lines)
         self._pending.clear()
 
-    def repair_and_last_seq(self, name: str) -> tuple[int, int | None]:
-        """Cut a torn last line; return (last seq in the ledger or 0, cut offset)."""
+    def check(self, name: str, start_offset: int = 0, start_last_seq: int = 0) -> LedgerCheck:
+        """Check every line from `start_offset` (a checkpointed size, where the
+        ledger's last seq was `start_last_seq`): each must be a whole record of
+        this ledger with a seq above the one before. Read-only."""
         path = self.paths[name]
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            return 0, None
-        if size == 0:
-            return 0, None
+            return LedgerCheck(0, None, 0)
+        if size < start_offset:  # shorter than when checkpointed: check it all
+            start_offset, start_last_seq = 0, 0
+        last_seq, offset = start_last_seq, start_offset
         with open(path, "rb") as f:
-            start = max(0, size - TAIL_READ_BYTES)
-            f.seek(start)
-            tail = f.read()
-        cut: int | None = None
-        end = len(tail)
-        if not tail.endswith(b"\n"):
-            end = tail.rfind(b"\n") + 1
-            cut = start + end
-        last_start = tail.rfind(b"\n", 0, max(0, end - 1)) + 1
-        last_seq = 0
-        if end > 0:
-            record = parse_record(tail[last_start:end])
-            if record is None:
-                # a damaged last line: cut it, the WAL still has the record
-                cut = start + last_start
-                prev_start = tail.rfind(b"\n", 0, max(0, last_start - 1)) + 1
-                prev = parse_record(tail[prev_start:last_start]) if last_start else None
-                last_seq = prev.seq if prev is not None else 0
-            else:
+            f.seek(start_offset)
+            for line in iter(f.readline, b""):
+                record = parse_record(line)
+                if record is None or record.ledger != name or record.seq <= last_seq:
+                    reason = (
+                        "torn or damaged line"
+                        if record is None
+                        else f"seq {record.seq} ({record.ledger}) after {last_seq}"
+                    )
+                    return LedgerCheck(last_seq, offset, size, reason)
                 last_seq = record.seq
-        if cut is not None:
-            with open(path, "r+b") as f:
-                f.truncate(cut)
-                os.fsync(f.fileno())
-        return last_seq, cut
+                offset += len(line)
+        return LedgerCheck(last_seq, None, size)
 
-    def cut_after(self, name: str, head_seq: int) -> int:
+    def cut(self, name: str, offset: int) -> None:
+        """Truncate a ledger at `offset` (a bad line) and make it durable."""
+        with open(self.paths[name], "r+b") as f:
+            f.truncate(offset)
+            os.fsync(f.fileno())
+
+    def sync_existing(self) -> None:
+        """fsync every ledger file: lines written before a crash of the writer
+        (not of the machine) may still be only in the page cache."""
+        for path in self.paths.values():
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def sizes(self) -> dict[str, int]:
+        """Each ledger's size now (for the checkpoint; call while no batch is
+        in flight, when every line written is durable)."""
+        out: dict[str, int] = {}
+        for name, path in self.paths.items():
+            try:
+                out[name] = path.stat().st_size
+            except FileNotFoundError:
+                out[name] = 0
+        return out
+
+    def cut_after(self, name: str, head_seq: int) -> tuple[int, int]:
         """Drop the ledger's lines with seq > head_seq (the WAL lost its tail
         past them, so the ledger must not keep facts the WAL does not have).
-        Returns how many lines were dropped."""
+        Returns how many lines were dropped and the last seq kept (0: none)."""
         path = self.paths[name]
         data = path.read_bytes()
         cut = len(data)
         dropped = 0
+        kept = 0
         while cut > 0:
             start = data.rfind(b"\n", 0, cut - 1) + 1
             record = parse_record(data[start:cut])
             if record is not None and record.seq <= head_seq:
+                kept = record.seq
                 break
             cut = start
             dropped += 1
         if dropped:
-            with open(path, "r+b") as f:
-                f.truncate(cut)
-                os.fsync(f.fileno())
-        return dropped
+            self.cut(name, cut)
+        return dropped, kept
 
     def close(self) -> None:
         for fd in self._fds.values():

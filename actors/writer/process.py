@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from types import FrameType
 
@@ -29,10 +30,11 @@ from actors.writer import checkpoint
 from actors.writer.dedupe import DEFAULT_WINDOW
 from actors.writer.groupcommit import Ack, Batch, SyncWorker
 from actors.writer.ledgers import Ledgers
+from actors.writer.payload import check_payload
 from actors.writer.recovery import Recovered, recover
 from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.writer.streamreader import StreamReader
-from actors.writer.wal import check_payload, encode_record, segment_name
+from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
 from broker import curve, logconfig, protocol
 from broker.control import ControlReporter
 from broker.curve import check_endpoints
@@ -121,6 +123,8 @@ class Writer:
         self.head_segment = rec.head_segment_first_seq
         self.head_end_offset = rec.head_end_offset
         self.last_record_offset = rec.last_record_offset
+        self.ledger_last_seq = dict(rec.ledger_last_seq)
+        self._index_failing = 0
         self.segment = ActiveSegment(
             self.state_dir.wal_dir, rec.segment_first_seq, self.options.segment_bytes
         )
@@ -129,8 +133,22 @@ class Writer:
                 "wal_tail_repaired",
                 file=str(rec.repaired.path),
                 offset=rec.repaired.offset,
+                bad_offset=rec.repaired.bad_offset,
                 cut_bytes=rec.repaired.size,
+                first_seq_cut=rec.repaired.first_seq,
+                reason=rec.repaired.reason,
             )
+        for repair in rec.ledger_repairs:
+            self.log.warning(
+                "ledger_repaired",
+                ledger=repair.ledger,
+                file=str(repair.path),
+                offset=repair.offset,
+                cut_bytes=repair.size,
+                reason=repair.reason,
+            )
+        if rec.index_problem:
+            self.log.error("stream_index_unusable", reason=rec.index_problem)
         if rec.full_scan:
             self.log.info("checkpoint_not_used", reason=rec.checkpoint_note)
         elif rec.checkpoint_note:
@@ -216,14 +234,14 @@ class Writer:
                     self._process(frames)
                 if self.inflight is None:  # the files are quiet: checkpoint if due
                     self._maybe_checkpoint()
-                    if self.staged.lines:
+                    if self.staged.bodies:
                         self._submit()
                 if reporter is not None:
                     reporter.tick(self.values)
             self.log.info("writer_stopping", head_seq=self.head)
             if self.inflight is not None:
                 self._finish(self.worker.collect())
-            if self.staged.lines:
+            if self.staged.bodies:
                 self._submit()
                 self._finish(self.worker.collect())
             self._checkpoint()
@@ -287,28 +305,30 @@ class Writer:
         except ProtocolError as exc:
             self._refuse(ident, exc, msg.msg_id)
             return
-        in_flight = len(inflight.lines) if inflight is not None else 0
-        seq = self.head + in_flight + len(self.staged.lines) + 1
-        line = encode_record(
+        in_flight = len(inflight.bodies) if inflight is not None else 0
+        seq = self.head + in_flight + len(self.staged.bodies) + 1
+        body = frame_body(
             seq, time.time(), msg.stream, msg.event, msg.origin, msg.key, msg.ledger, msg.payload
         )
-        if len(line) > self.max_record_bytes:
+        if len(body) + SEAL_MAX_BYTES > self.max_record_bytes:
             self._refuse(
                 ident,
                 ProtocolError(
-                    "invalid_payload", f"record of {len(line)} bytes > {self.max_record_bytes}"
+                    "invalid_payload",
+                    f"record of {len(body) + SEAL_MAX_BYTES} bytes > {self.max_record_bytes}",
                 ),
                 msg.msg_id,
             )
             return
         staged = self.staged
-        staged.lines.append(line)
+        staged.bodies.append((body, zlib.crc32(body)))
         staged.meta.append((msg.stream, seq, msg.origin, msg.key, msg.ledger))
         staged.keys[key] = seq
         staged.acks.append((ident, msg.msg_id, seq, False))
 
     def _submit(self) -> None:
         batch, self.staged = self.staged, Batch()
+        batch.seal(self.head + 1)  # the worker is idle: head is the last durable seq
         if len(batch.lines) == 1:  # a lone append: sync here, no hand-off to wait for
             self._finish(self.worker.run_inline(batch))
             return
@@ -320,9 +340,11 @@ class Writer:
         self.inflight = None
         self.fsyncs_total += 1
         first, offset = batch.segment_first_seq, batch.offset
-        for line, (stream, seq, origin, key, _) in zip(batch.lines, batch.meta, strict=True):
+        for line, (stream, seq, origin, key, ledger) in zip(batch.lines, batch.meta, strict=True):
             self.index.add(stream, seq, first, offset, len(line))
             self.dedupe.remember(origin, key, seq)
+            if ledger is not None:
+                self.ledger_last_seq[ledger] = seq
             self.last_record_offset = offset
             offset += len(line)
         count = len(batch.lines)
@@ -364,7 +386,24 @@ class Writer:
             self._checkpoint()
 
     def _checkpoint(self) -> None:
-        self.index.flush(fsync=True)
+        failures = self.index.flush(fsync=True)
+        if failures:
+            # A derived file could not be written: keep serving (the entries stay
+            # in memory) and do not checkpoint, so a restart rebuilds them.
+            self._checkpoint_at = time.monotonic()
+            if self._index_failing != len(failures):
+                self._index_failing = len(failures)
+                self.log.error(
+                    "stream_index_write_failed",
+                    streams=len(failures),
+                    file=str(failures[0].path),
+                    error=failures[0].error,
+                    checkpoint_skipped=True,
+                )
+            return
+        if self._index_failing:
+            self._index_failing = 0
+            self.log.info("stream_index_write_recovered")
         checkpoint.save(
             self.state_dir.checkpoint_path,
             checkpoint.Checkpoint(
@@ -374,6 +413,8 @@ class Writer:
                 last_record_offset=self.last_record_offset if self.head else -1,
                 dedupe=self.dedupe.dump(),
                 index_counts=self.index.counts(),
+                ledger_sizes=self.ledgers.sizes(),
+                ledger_last_seq=self.ledger_last_seq,
             ),
         )
         self._checkpoint_head = self.head

@@ -3,8 +3,15 @@ in-memory state (head seq, idempotency windows, stream index, ledgers).
 
 With a valid checkpoint only the records after it are scanned, so start-up time
 does not grow with the WAL's length; without one, everything is scanned and the
-derived index is rebuilt. A torn or checksum-failing final record is cut and
-reported; damage before the tail raises WalCorruptionError (file + offset)."""
+derived index is rebuilt. A torn, never-acknowledged final batch is cut and
+reported; damage to acknowledged records raises WalCorruptionError (file +
+offset) (`walscan`). The ledgers' lines written since the checkpoint are
+checked, a torn line is cut, and every ledger record the WAL holds and a ledger
+lacks is appended to it. Everything start-up accepts is fsynced before the
+writer answers anyone.
+
+`plan()` is the read-only half (which checkpoint, what the scan finds) that
+`supervisor wal verify` shares, so it reports what the writer will do."""
 
 from __future__ import annotations
 
@@ -14,11 +21,21 @@ from pathlib import Path
 
 from actors.writer import checkpoint
 from actors.writer.dedupe import DedupeWindows
-from actors.writer.ledgers import Ledgers
+from actors.writer.ledgers import LedgerCheck, Ledgers
 from actors.writer.streamindex import StreamIndex
-from actors.writer.wal import TornTail, WalRecord, iter_segment, list_segments, parse_record
+from actors.writer.wal import list_segments, parse_record
+from actors.writer.walscan import ScanStart, TornBatch, WalScan
 from broker.errors import WalCorruptionError, WalError
 from broker.statedir import StateDir
+
+
+@dataclass(frozen=True)
+class LedgerRepair:
+    ledger: str
+    path: Path
+    offset: int
+    size: int  # bytes cut
+    reason: str
 
 
 @dataclass
@@ -33,9 +50,12 @@ class Recovered:
     scanned_records: int
     full_scan: bool
     checkpoint_note: str | None
-    repaired: TornTail | None = None
+    repaired: TornBatch | None = None
     ledger_appends: dict[str, int] = field(default_factory=dict)
     ledger_dropped: dict[str, int] = field(default_factory=dict)
+    ledger_repairs: list[LedgerRepair] = field(default_factory=list)
+    ledger_last_seq: dict[str, int] = field(default_factory=dict)
+    index_problem: str | None = None
 
 
 def _checkpoint_matches(cp: checkpoint.Checkpoint, segments: dict[int, Path]) -> str | None:
@@ -55,22 +75,23 @@ def _checkpoint_matches(cp: checkpoint.Checkpoint, segments: dict[int, Path]) ->
     record = parse_record(line)
     if record is None or record.seq != cp.head_seq:
         return f"record at {path}:{cp.last_record_offset} is not seq {cp.head_seq}"
+    if record.batch_last != record.seq:
+        return f"record at {path}:{cp.last_record_offset} does not end its batch"
     return None
 
 
-def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
-    segments = list_segments(state_dir.wal_dir)
+def checkpoints(
+    state_dir: StateDir, segments: list[tuple[int, Path]]
+) -> list[tuple[checkpoint.Checkpoint | None, str | None]]:
+    """The newest and the previous checkpoint, each (checkpoint, None) when it
+    agrees with the WAL, else (None, why not). Raises WalError when one names
+    a head but the WAL holds no segment (the WAL is missing)."""
     by_first = dict(segments)
-    index = StreamIndex(state_dir.stream_index_dir)
-    head, last_off, start_first, start_off = 0, -1, 1, 0
-    head_seg, head_end = 1, 0
-    dedupe = DedupeWindows(window)
-    full_scan = True
-    notes: list[str] = []
+    out: list[tuple[checkpoint.Checkpoint | None, str | None]] = []
     for path in (state_dir.checkpoint_path, checkpoint.previous_path(state_dir.checkpoint_path)):
         cp, why = checkpoint.load(path)
         if cp is None:
-            notes.append(f"{path.name} {why}")
+            out.append((None, f"{path.name} {why}"))
             continue
         if not segments and cp.head_seq > 0:
             raise WalError(
@@ -78,72 +99,163 @@ def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
                 f"but {state_dir.wal_dir} holds no segment: the WAL is missing"
             )
         mismatch = _checkpoint_matches(cp, by_first) if segments else None
-        if mismatch is None and not index.restore(cp.index_counts):
-            mismatch = "stream index shorter than the checkpoint"
-        if mismatch is not None:
-            notes.append(f"{path.name} ignored: {mismatch}")
+        out.append((cp, None) if mismatch is None else (None, f"{path.name} ignored: {mismatch}"))
+    return out
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """What start-up will do, found without changing anything."""
+
+    checkpoint_head_seq: int | None  # None: a full scan
+    head_seq: int
+    torn: TornBatch | None
+
+
+def plan(state_dir: StateDir) -> StartPlan:
+    """Read-only: the checkpoint the writer would start from and what its scan
+    finds. Raises WalError / WalCorruptionError exactly when the writer would
+    refuse to start (exit 65)."""
+    segments = list_segments(state_dir.wal_dir)
+    start, cp_head = ScanStart(0, segments[0][0] if segments else 1, 0), None
+    for cp, _ in checkpoints(state_dir, segments):
+        if cp is not None:
+            start = ScanStart(cp.head_seq, cp.segment_first_seq, cp.offset)
+            cp_head = cp.head_seq
+            break
+    scan = WalScan(segments, start)
+    for _ in scan.records():
+        pass
+    return StartPlan(cp_head, scan.head_seq, scan.torn)
+
+
+def _wal_ledger_records(
+    segments: list[tuple[int, Path]], name: str, after_seq: int, upto_seq: int
+) -> list[bytes]:
+    """The lines of ledger `name` with after_seq < seq <= upto_seq, read from
+    the WAL's acknowledged part (a bad line there is damage: refused)."""
+    start = 0
+    for i, (first, _) in enumerate(segments):
+        if first <= after_seq + 1:
+            start = i
+    found: list[bytes] = []
+    for _, path in segments[start:]:
+        offset = 0
+        with open(path, "rb") as f:
+            for line in iter(f.readline, b""):
+                record = parse_record(line)
+                if record is None:
+                    raise WalCorruptionError(path, offset, "damaged record before the checkpoint")
+                if record.seq > upto_seq:
+                    return found
+                if record.seq > after_seq and record.ledger == name:
+                    found.append(line)
+                offset += len(line)
+    return found
+
+
+def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
+    segments = list_segments(state_dir.wal_dir)
+    index = StreamIndex(state_dir.stream_index_dir)
+    dedupe = DedupeWindows(window)
+    start = ScanStart(0, segments[0][0] if segments else 1, 0)
+    chosen: checkpoint.Checkpoint | None = None
+    notes: list[str] = []
+    for cp, why in checkpoints(state_dir, segments):
+        if cp is None:
+            notes.append(why or "")
             continue
-        head, last_off = cp.head_seq, cp.last_record_offset
-        head_seg, head_end = cp.segment_first_seq, cp.offset
-        start_first, start_off = cp.segment_first_seq, cp.offset
+        if not index.restore(cp.index_counts):
+            notes.append("stream index shorter than the checkpoint")
+            continue
+        chosen = cp
+        start = ScanStart(cp.head_seq, cp.segment_first_seq, cp.offset)
         dedupe = DedupeWindows.load(cp.dedupe, window)
-        full_scan = False
         break
     note = "; ".join(notes) or None
+    full_scan = chosen is None
+    index_problem = index.unusable
     if full_scan:
-        index.reset()
-        if segments:
-            start_first = segments[0][0]
+        stuck = index.reset()
+        if stuck:
+            index_problem = f"cannot delete {len(stuck)} index files, e.g. {stuck[0]}"
 
+    # The ledgers' lines since the checkpoint (all of them after a full scan).
+    checks: dict[str, LedgerCheck] = {}
+    for name in ledgers.paths:
+        if chosen is not None and name in chosen.ledger_sizes:
+            checks[name] = ledgers.check(
+                name, chosen.ledger_sizes[name], chosen.ledger_last_seq.get(name, 0)
+            )
+        else:
+            checks[name] = ledgers.check(name)
+    missing: dict[str, list[tuple[int, bytes]]] = {name: [] for name in ledgers.paths}
+
+    head, last_off = start.head_seq, chosen.last_record_offset if chosen is not None else -1
+    head_seg, head_end = start.segment_first_seq, start.offset
+    scan = WalScan(segments, start)
     scanned = 0
-    repaired: TornTail | None = None
-    ledger_tail: list[WalRecord] = []
-    active_first = start_first
-    todo = [(first, path) for first, path in segments if first >= start_first]
-    for pos, (first, path) in enumerate(todo):
-        offset = start_off if first == start_first else 0
-        if offset == 0 and first != head + 1 and os.path.getsize(path) > 0:
-            raise WalCorruptionError(path, 0, f"segment starts at seq {first}, expected {head + 1}")
-        active_first = first
-        for off, item in iter_segment(path, offset):
-            if isinstance(item, TornTail):
-                if pos != len(todo) - 1:
-                    raise WalCorruptionError(
-                        path, off, "damaged record at the end of a sealed segment"
-                    )
-                repaired = item
-                break
-            if item.seq != head + 1:
-                raise WalCorruptionError(path, off, f"seq {item.seq} follows {head}")
-            head, last_off = item.seq, off
-            head_seg, head_end = first, off + len(item.line)
-            dedupe.remember(item.origin, item.key, item.seq)
-            index.add(item.stream, item.seq, first, off, len(item.line))
-            if item.ledger is not None:
-                ledger_tail.append(item)
-            scanned += 1
+    for first, off, item in scan.records():
+        head, last_off = item.seq, off
+        head_seg, head_end = first, off + len(item.line)
+        dedupe.remember(item.origin, item.key, item.seq)
+        index.add(item.stream, item.seq, first, off, len(item.line))
+        if item.ledger in checks and item.seq > checks[item.ledger].last_seq:
+            missing[item.ledger].append((item.seq, item.line))
+        scanned += 1
 
+    repaired = scan.torn
     if repaired is not None:
         with open(repaired.path, "r+b") as f:
             f.truncate(repaired.offset)
             os.fsync(f.fileno())
+    if segments:
+        # What the scan accepted may be only in the page cache (the writer was
+        # killed, the machine was not): make it durable before anyone is
+        # answered from it, e.g. a retried key found in this tail.
+        fd = os.open(segments[-1][1], os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     appended: dict[str, int] = {}
     dropped: dict[str, int] = {}
-    for name in ledgers.paths:
-        last_seq, _ = ledgers.repair_and_last_seq(name)
-        if last_seq > head:
-            dropped[name] = ledgers.cut_after(name, head)
-            last_seq = head
-        missing = [r for r in ledger_tail if r.ledger == name and r.seq > last_seq]
-        for record in missing:
-            ledgers.add(name, record.line)
-        appended[name] = len(missing)
+    repairs: list[LedgerRepair] = []
+    ledger_last: dict[str, int] = {}
+    for name, check in checks.items():
+        last_seq = check.last_seq
+        if check.bad_offset is not None:
+            ledgers.cut(name, check.bad_offset)
+            repairs.append(
+                LedgerRepair(
+                    name, ledgers.paths[name], check.bad_offset, check.size - check.bad_offset,
+                    check.reason,
+                )
+            )
+        lines = [line for seq, line in missing[name]]
+        if last_seq > head:  # the WAL lost records the ledger has: follow the WAL
+            dropped[name], last_seq = ledgers.cut_after(name, head)
+            lines = _wal_ledger_records(segments, name, last_seq, head)
+        elif last_seq < start.head_seq and (
+            chosen is None or chosen.ledger_last_seq.get(name, -1) != last_seq
+        ):
+            # The ledger lacks records from before the checkpoint (a torn
+            # ledger write kept by an older writer, say): read them from the
+            # WAL's acknowledged part. Cheap to decide: the checkpoint says
+            # which ledger seq the WAL held last when it was written.
+            lines = _wal_ledger_records(segments, name, last_seq, start.head_seq) + lines
+        for line in lines:
+            ledgers.add(name, line)
+        appended[name] = len(lines)
+        last_record = parse_record(lines[-1]) if lines else None
+        ledger_last[name] = last_record.seq if last_record is not None else last_seq
     ledgers.commit()
+    ledgers.sync_existing()
 
     return Recovered(
         head_seq=head,
-        segment_first_seq=active_first if segments else head + 1,
+        segment_first_seq=scan.active_first_seq if segments else head + 1,
         head_segment_first_seq=head_seg,
         head_end_offset=head_end,
         last_record_offset=last_off,
@@ -155,4 +267,7 @@ def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
         repaired=repaired,
         ledger_appends=appended,
         ledger_dropped=dropped,
+        ledger_repairs=repairs,
+        ledger_last_seq=ledger_last,
+        index_problem=index_problem,
     )

@@ -1,24 +1,49 @@
-"""Per-stream index of the WAL (`cache/wal-index/<hex of stream>.idx`): fixed
-28-byte entries (seq, segment first seq, offset, length), so that one stream can
-be read from any seq without scanning the WAL. New entries are kept in memory
-and appended to the files at each checkpoint (fsynced before the checkpoint
-names their counts). The index is derived: a full scan rebuilds it."""
+"""Per-stream index of the WAL (`cache/wal-index/<name>.idx`, the name from
+`stream_filename`): fixed 28-byte entries (seq, segment first seq, offset,
+length), so that one stream can be read from any seq without scanning the WAL.
+New entries are kept in memory and appended to the files at each checkpoint
+(fsynced, and the directory fsynced when a file was created, before the
+checkpoint names their counts). The index is derived: a full scan rebuilds it.
+
+A file that cannot be written (a full disk, a broken cache directory) never
+stops the writer: `flush` keeps that stream's entries in memory and reports
+the failure; the writer logs it and does not checkpoint until the files hold
+everything again, so a restart rebuilds what is missing from the WAL."""
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import os
+import re
 import struct
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
+
+from broker import durable
 
 ENTRY = struct.Struct("<QQQL")
 MAX_OPEN_FILES = 64
 IndexEntry = tuple[int, int, int, int]  # seq, segment first seq, offset, length
+READABLE_PREFIX_CHARS = 48
+_NOT_FILENAME_SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
 def stream_filename(stream: str) -> str:
-    return stream.encode().hex() + ".idx"
+    """A bounded file name for any stream name: a readable prefix (at most 48
+    characters, `/` and `:` as `_`) and 32 hex digits of its SHA-256, so at
+    most 85 bytes whatever the name's length and two names never share one."""
+    readable = _NOT_FILENAME_SAFE.sub("_", stream[:READABLE_PREFIX_CHARS])
+    digest = hashlib.sha256(stream.encode()).hexdigest()[:32]
+    return f"{readable}.{digest}.idx"
+
+
+@dataclass(frozen=True)
+class FlushFailure:
+    stream: str
+    path: Path
+    error: str
 
 
 class StreamIndex:
@@ -26,7 +51,11 @@ class StreamIndex:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+        self.unusable: str | None = None  # why the directory cannot be used, if so
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.unusable = f"cannot create {directory}: {exc}"
         self._file_counts: dict[str, int] = {}
         self._pending: dict[str, list[IndexEntry]] = {}
         self._fds: OrderedDict[str, int] = OrderedDict()
@@ -34,37 +63,44 @@ class StreamIndex:
     # --- start-up -------------------------------------------------------------
     def restore(self, counts: dict[str, int]) -> bool:
         """Match the files to a checkpoint's counts: cut what is beyond them,
-        drop files the checkpoint does not know. False when a file is shorter
-        than its count (the index must then be rebuilt)."""
-        on_disk: set[str] = set()
-        for path in self.directory.glob("*.idx"):
-            try:
-                stream = bytes.fromhex(path.stem).decode()
-            except ValueError:
-                path.unlink(missing_ok=True)
-                continue
-            expected = counts.get(stream)
-            if expected is None:
-                path.unlink(missing_ok=True)
-                continue
-            size = path.stat().st_size
-            if size < expected * ENTRY.size:
-                return False
-            if size > expected * ENTRY.size:
-                os.truncate(path, expected * ENTRY.size)
-            on_disk.add(stream)
-        if set(counts) - on_disk:
+        drop files the checkpoint does not know. False when a file is missing
+        or shorter than its count, or cannot be read (the index must then be
+        rebuilt)."""
+        if self.unusable is not None:
+            return not counts
+        expected = {stream_filename(stream): stream for stream in counts}
+        try:
+            for path in self.directory.glob("*.idx"):
+                if path.name not in expected:
+                    path.unlink(missing_ok=True)  # another name scheme, or a dropped stream
+            for name, stream in expected.items():
+                path = self.directory / name
+                want = counts[stream] * ENTRY.size
+                size = path.stat().st_size
+                if size < want:
+                    return False
+                if size > want:
+                    os.truncate(path, want)
+        except OSError:
             return False
         self._file_counts = dict(counts)
         return True
 
-    def reset(self) -> None:
-        """Forget everything and delete the files (before a full rebuild)."""
+    def reset(self) -> list[str]:
+        """Forget everything and delete the files (before a full rebuild);
+        returns the files that could not be deleted (they are overwritten
+        from the start when their stream is next flushed)."""
         self.close()
-        for path in self.directory.glob("*.idx"):
-            path.unlink()
+        stuck: list[str] = []
+        if self.unusable is None:
+            for path in self.directory.glob("*.idx"):
+                try:
+                    path.unlink()
+                except OSError:
+                    stuck.append(str(path))
         self._file_counts.clear()
         self._pending.clear()
+        return stuck
 
     # --- writes ---------------------------------------------------------------
     def add(self, stream: str, seq: int, segment: int, offset: int, length: int) -> None:
@@ -73,18 +109,43 @@ class StreamIndex:
             entries = self._pending[stream] = []
         entries.append((seq, segment, offset, length))
 
-    def flush(self, fsync: bool = True) -> None:
-        """Append pending entries to their files (fsync them when asked)."""
-        for stream, entries in self._pending.items():
-            fd = self._fd(stream)
-            data = b"".join(ENTRY.pack(*entry) for entry in entries)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if fsync:
-                os.fsync(fd)
-            self._file_counts[stream] = self._file_counts.get(stream, 0) + len(entries)
-        self._pending.clear()
+    def flush(self, fsync: bool = True) -> list[FlushFailure]:
+        """Append pending entries to their files (fsync them when asked); a
+        stream whose file cannot be written keeps its entries in memory and is
+        returned as a failure (its file is cut back to what it held)."""
+        failures: list[FlushFailure] = []
+        created = False
+        for stream in list(self._pending):
+            entries = self._pending[stream]
+            count = self._file_counts.get(stream, 0)
+            if self.unusable is not None:
+                failures.append(FlushFailure(stream, self.directory, self.unusable))
+                continue
+            try:
+                fd, new = self._open(stream)
+                created = created or new
+                if os.fstat(fd).st_size != count * ENTRY.size:
+                    os.ftruncate(fd, count * ENTRY.size)  # a failed flush left a part
+                data = b"".join(ENTRY.pack(*entry) for entry in entries)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if fsync:
+                    os.fsync(fd)
+            except OSError as exc:
+                failures.append(
+                    FlushFailure(stream, self.directory / stream_filename(stream), str(exc))
+                )
+                self._forget_fd(stream)
+                continue
+            self._file_counts[stream] = count + len(entries)
+            del self._pending[stream]
+        if created and fsync:
+            try:
+                durable.fsync_dir(self.directory)
+            except OSError as exc:
+                failures.append(FlushFailure("", self.directory, f"directory fsync: {exc}"))
+        return failures
 
     def counts(self) -> dict[str, int]:
         """Entries per stream in the files (call after flush for the full picture)."""
@@ -122,17 +183,27 @@ class StreamIndex:
         return found
 
     def _fd(self, stream: str) -> int:
+        return self._open(stream)[0]
+
+    def _open(self, stream: str) -> tuple[int, bool]:
+        """The stream's file descriptor, and whether the file was just created."""
         fd = self._fds.get(stream)
         if fd is not None:
             self._fds.move_to_end(stream)
-            return fd
+            return fd, False
         if len(self._fds) >= MAX_OPEN_FILES:
             _, old = self._fds.popitem(last=False)
             os.close(old)
         path = self.directory / stream_filename(stream)
+        created = not path.exists()
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         self._fds[stream] = fd
-        return fd
+        return fd, created
+
+    def _forget_fd(self, stream: str) -> None:
+        fd = self._fds.pop(stream, None)
+        if fd is not None:
+            os.close(fd)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -28,6 +28,17 @@ class StreamReader:
     def page(self, msg: protocol.ReadStream, head_seq: int) -> protocol.Records | protocol.Error:
         """The page answering `msg` (only records the index holds: durable ones)."""
         self.reads_total += 1
+        try:
+            return self._page(msg, head_seq)
+        except OSError as exc:  # an index file or segment that cannot be read
+            self._log.error("wal_read_failed", stream=msg.stream, error=str(exc))
+            return protocol.Error(
+                msg_id=msg.msg_id,
+                code=protocol.ErrorCode.INTERNAL_ERROR,
+                detail=f"cannot read stream {msg.stream}: {exc}"[:2000],
+            )
+
+    def _page(self, msg: protocol.ReadStream, head_seq: int) -> protocol.Records | protocol.Error:
         entries = self.index.lookup(msg.stream, msg.from_seq, msg.max_records + 1)
         records: list[bytes] = []
         total = 0

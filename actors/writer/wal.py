@@ -4,12 +4,18 @@ verify` and the tests (docs/wal.md is the normative text).
 A record is one line of JSON with a fixed field order::
 
     {"seq":7,"ts":1764000000.123456,"stream":"agent/a","event":"turn",
-     "origin":"agent-a","key":"t7","ledger":null,"payload":{...},"crc":"1a2b3c4d"}
+     "origin":"agent-a","key":"t7","ledger":null,"payload":{...},
+     "batch":[6,9],"crc":"1a2b3c4d"}
 
-`crc` is CRC-32 (zlib) of every byte before `,"crc":"`, in lower-case hex.
-Names are restricted by the protocol so that they never need JSON escaping,
-which lets the writer frame a pre-encoded payload without re-encoding it.
-Segments are `state/wal/<first seq, 20 digits>.jsonl`.
+`batch` names the first and last seq of the group-commit batch the record was
+written in (one `write()`, one fdatasync): start-up uses it to tell a torn,
+never-acknowledged final batch from damage to acknowledged records
+(`actors/writer/walscan.py`). `crc` is CRC-32 (zlib) of every byte before
+`,"crc":"`, in lower-case hex. Names are restricted by the protocol so that
+they never need JSON escaping, which lets the writer frame a checked payload
+(`actors/writer/payload.py`) without re-encoding it. Records written before
+`batch` existed parse as batches of one. Segments are
+`state/wal/<first seq, 20 digits>.jsonl`.
 """
 
 from __future__ import annotations
@@ -21,13 +27,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.errors import ProtocolError, WalCorruptionError
-from broker.protocol import ErrorCode
+from broker.errors import WalCorruptionError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every record carries "batch":[first,last]
 SEGMENT_SUFFIX = ".jsonl"
 _CRC_MARK = b',"crc":"'
 _SUFFIX_LEN = len(_CRC_MARK) + 8 + 3  # mark, 8 hex digits, '"}\n'
+_BATCH_MARK = b',"batch":['
+_BATCH = re.compile(rb',"batch":\[(\d{1,20}),(\d{1,20})\]\Z')
+SEAL_MAX_BYTES = len(_BATCH_MARK) + 20 + 1 + 20 + 1 + _SUFFIX_LEN  # what seal() adds at most
 _HEADER = re.compile(
     rb'\{"seq":(\d+),"ts":([0-9.]+),"stream":"([^"]*)","event":"([^"]*)",'
     rb'"origin":"([^"]*)","key":"([^"]*)","ledger":(null|"[a-z]+"),"payload":'
@@ -46,31 +54,46 @@ class WalRecord:
     key: str
     ledger: str | None
     line: bytes
+    batch_first: int  # first and last seq of the batch the record was written in
+    batch_last: int
+    payload_start: int  # the payload's span in `line`
+    payload_end: int
 
     def payload_bytes(self) -> bytes:
         """The payload's JSON text, exactly as the client sent it."""
-        m = _HEADER.match(self.line)
-        assert m is not None  # a WalRecord only exists for a matching line
-        return self.line[m.end() : len(self.line) - _SUFFIX_LEN]
+        return self.line[self.payload_start : self.payload_end]
 
     def payload(self) -> object:
         return json.loads(self.payload_bytes())
 
 
-def _reject_constant(name: str) -> object:
-    raise ValueError(f"{name} is not JSON")
+def frame_body(  # noqa: PLR0917 - the record's fields, in their on-disk order
+    seq: int,
+    ts: float,
+    stream: str,
+    event: str,
+    origin: str,
+    key: str,
+    ledger: str | None,
+    payload: bytes,
+) -> bytes:
+    """A record up to and including its payload; `seal()` completes it once
+    the batch it belongs to is known. Names must already satisfy the
+    protocol's patterns (no quote, no backslash); the payload must have passed
+    `payload.check_payload`."""
+    ledger_text = "null" if ledger is None else f'"{ledger}"'
+    return (
+        f'{{"seq":{seq},"ts":{ts:.6f},"stream":"{stream}","event":"{event}",'
+        f'"origin":"{origin}","key":"{key}","ledger":{ledger_text},"payload":'
+    ).encode() + payload
 
 
-def check_payload(payload: bytes) -> None:
-    """Refuse anything that is not exactly one JSON value on one line."""
-    if b"\n" in payload:
-        raise ProtocolError(ErrorCode.INVALID_PAYLOAD, "payload contains a newline")
-    try:
-        json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(
-            ErrorCode.INVALID_PAYLOAD, f"payload is not one JSON value: {exc}"
-        ) from exc
+def seal(body: bytes, body_crc: int, batch_first: int, batch_last: int) -> bytes:
+    """The full line (newline included) of a framed body: its batch, then its
+    checksum. `body_crc` is `zlib.crc32(body)`, computed while the body was
+    staged, so sealing a batch costs only its few added bytes."""
+    batch = b'%s%d,%d]' % (_BATCH_MARK, batch_first, batch_last)
+    return b'%s%s%s%08x"}\n' % (body, batch, _CRC_MARK, zlib.crc32(batch, body_crc))
 
 
 def encode_record(  # noqa: PLR0917 - the record's fields, in their on-disk order
@@ -82,16 +105,13 @@ def encode_record(  # noqa: PLR0917 - the record's fields, in their on-disk orde
     key: str,
     ledger: str | None,
     payload: bytes,
+    batch: tuple[int, int] | None = None,
 ) -> bytes:
-    """Frame a checked payload as one WAL line (newline included).
-
-    Names must already satisfy the protocol's patterns (no quote, no backslash)."""
-    ledger_text = "null" if ledger is None else f'"{ledger}"'
-    body = (
-        f'{{"seq":{seq},"ts":{ts:.6f},"stream":"{stream}","event":"{event}",'
-        f'"origin":"{origin}","key":"{key}","ledger":{ledger_text},"payload":'
-    ).encode() + payload
-    return b'%s%s%08x"}\n' % (body, _CRC_MARK, zlib.crc32(body))
+    """Frame a checked payload as one WAL line (newline included); `batch`
+    (first, last seq) defaults to a batch of this record alone."""
+    body = frame_body(seq, ts, stream, event, origin, key, ledger, payload)
+    first, last = batch if batch is not None else (seq, seq)
+    return seal(body, zlib.crc32(body), first, last)
 
 
 def parse_record(line: bytes) -> WalRecord | None:
@@ -110,9 +130,18 @@ def parse_record(line: bytes) -> WalRecord | None:
     m = _HEADER.match(line)
     if m is None:
         return None
-    seq, ts, stream, event, origin, key, ledger = m.groups()
+    seq_text, ts, stream, event, origin, key, ledger = m.groups()
+    seq = int(seq_text)
+    first = last = seq
+    payload_end = cut
+    mark = line.rfind(_BATCH_MARK, m.end(), cut)
+    if mark >= 0:
+        b = _BATCH.match(line, mark, cut)
+        if b is not None:
+            first, last = int(b.group(1)), int(b.group(2))
+            payload_end = mark
     return WalRecord(
-        seq=int(seq),
+        seq=seq,
         ts=float(ts),
         stream=stream.decode(),
         event=event.decode(),
@@ -120,6 +149,10 @@ def parse_record(line: bytes) -> WalRecord | None:
         key=key.decode(),
         ledger=None if ledger == b"null" else ledger[1:-1].decode(),
         line=line,
+        batch_first=first,
+        batch_last=last,
+        payload_start=m.end(),
+        payload_end=payload_end,
     )
 
 
