@@ -1,7 +1,10 @@
 """`supervisor wal verify [--state-dir D] [--json]`: check a WAL offline,
 without the writer. Reads every segment to the end (it does not stop at the
 first problem), and reports records, head seq, gaps, checksum failures, a torn
-tail and ledger lines that do not match the WAL.
+final batch, ledger lines that do not match the WAL and ledger records the WAL
+holds but a ledger lacks. It also runs the writer's own start-up plan
+(`actors.writer.recovery.plan`, read-only) and says what the writer will do
+at its next start: start, cut a torn batch first, or refuse (and why).
 
 Exit 0 only when the WAL is sound; 1 when it is not (a torn tail included:
 the writer's next start cuts it); 2 when there is nothing to check."""
@@ -14,10 +17,15 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from actors.writer import checkpoint
+from actors.writer.recovery import plan
 from actors.writer.wal import list_segments, parse_record
+from actors.writer.walscan import TornBatch
+from broker.errors import WalCorruptionError, WalError
 from broker.statedir import StateDir
 
 MAX_REPORTED = 100
+LedgerLines = dict[int, tuple[str, bytes]]  # seq -> (ledger, the WAL line)
 
 
 @dataclass
@@ -40,16 +48,30 @@ class Report:
     torn_tail: Problem | None = None
     segment_name_mismatches: list[Problem] = field(default_factory=list)
     ledger_problems: list[Problem] = field(default_factory=list)
+    ledger_missing: dict[str, list[int]] = field(default_factory=dict)  # seqs, first 100
+    ledger_missing_total: dict[str, int] = field(default_factory=dict)
+    writer_start: str = ""  # what the writer does at its next start
+    writer_refuses: bool = False
     sound: bool = False
 
 
-def _verify_segments(report: Report, segments: list[tuple[int, Path]]) -> dict[int, bytes]:
-    """Scan every segment; return the ledger records' lines by seq."""
-    ledger_lines: dict[int, bytes] = {}
+def _verify_segments(
+    report: Report, segments: list[tuple[int, Path]], torn: TornBatch | None
+) -> LedgerLines:
+    """Scan every segment (up to a torn batch the writer will cut); return
+    the ledger records' lines by seq."""
+    ledger_lines: LedgerLines = {}
     previous: int | None = None
     for position, (first, path) in enumerate(segments):
         last_segment = position == len(segments) - 1
         data = path.read_bytes()
+        if torn is not None and path == torn.path:
+            report.torn_tail = Problem(
+                str(path), torn.bad_offset,
+                f"torn batch from seq {torn.first_seq} ({torn.reason}); the writer cuts "
+                f"{torn.size} bytes at byte {torn.offset}",
+            )
+            data = data[: torn.offset]
         report.bytes += len(data)
         offset = 0
         first_in_file = True
@@ -80,33 +102,69 @@ def _verify_segments(report: Report, segments: list[tuple[int, Path]]) -> dict[i
                 report.records += 1
                 report.head_seq = max(report.head_seq, record.seq)
                 if record.ledger is not None:
-                    ledger_lines[record.seq] = record.line
+                    ledger_lines[record.seq] = (record.ledger, record.line)
             offset += len(line)
     return ledger_lines
 
 
-def _verify_ledger(report: Report, name: str, path: Path, wal_lines: dict[int, bytes]) -> None:
-    if not path.exists():
-        return
+def _verify_ledger(report: Report, name: str, path: Path, wal_lines: LedgerLines) -> None:
+    present: set[int] = set()
     offset = 0
-    for line in path.read_bytes().splitlines(keepends=True):
+    data = path.read_bytes() if path.exists() else b""
+    for line in data.splitlines(keepends=True):
         record = parse_record(line)
         if record is None or record.ledger != name:
-            report.ledger_problems.append(Problem(str(path), offset, "not a record of this ledger"))
-        elif wal_lines.get(record.seq) != line:
-            report.ledger_problems.append(
-                Problem(str(path), offset, f"seq {record.seq} differs from the WAL or is absent")
-            )
+            if len(report.ledger_problems) < MAX_REPORTED:
+                report.ledger_problems.append(
+                    Problem(str(path), offset, "not a record of this ledger (torn or damaged)")
+                )
+        elif wal_lines.get(record.seq) != (name, line):
+            if len(report.ledger_problems) < MAX_REPORTED:
+                reason = f"seq {record.seq} differs from the WAL or is absent"
+                report.ledger_problems.append(Problem(str(path), offset, reason))
+        else:
+            present.add(record.seq)
         offset += len(line)
-        if len(report.ledger_problems) >= MAX_REPORTED:
-            return
+    missing = sorted(
+        seq for seq, (ledger, _) in wal_lines.items() if ledger == name and seq not in present
+    )
+    if missing:
+        report.ledger_missing[name] = missing[:MAX_REPORTED]
+        report.ledger_missing_total[name] = len(missing)
+
+
+def _writer_start(report: Report, state_dir: StateDir) -> TornBatch | None:
+    """Run the writer's read-only start-up plan; record its verdict."""
+    try:
+        found = plan(state_dir)
+    except WalCorruptionError as exc:
+        report.writer_refuses = True
+        report.writer_start = (
+            f"refuses to start (exit 65): {exc.path} byte {exc.offset}: {exc.reason}"
+        )
+        return None
+    except WalError as exc:
+        report.writer_refuses = True
+        report.writer_start = f"refuses to start (exit 65): {exc}"
+        return None
+    where = "from its checkpoint" if found.checkpoint_head_seq is not None else "after a full scan"
+    if found.torn is not None:
+        t = found.torn
+        report.writer_start = (
+            f"starts {where} at head seq {found.head_seq} after cutting a torn, never "
+            f"acknowledged batch: {t.path} byte {t.offset}, {t.size} bytes ({t.reason})"
+        )
+    else:
+        report.writer_start = f"starts {where} at head seq {found.head_seq}"
+    return found.torn
 
 
 def verify(state_dir: StateDir) -> Report:
     report = Report(state_dir=str(state_dir.root))
     segments = list_segments(state_dir.wal_dir)
     report.segments = len(segments)
-    wal_lines = _verify_segments(report, segments)
+    torn = _writer_start(report, state_dir)
+    wal_lines = _verify_segments(report, segments, torn)
     _verify_ledger(report, "budget", state_dir.budget_ledger_path, wal_lines)
     _verify_ledger(report, "approvals", state_dir.approvals_ledger_path, wal_lines)
     report.sound = not (
@@ -115,6 +173,8 @@ def verify(state_dir: StateDir) -> Report:
         or report.torn_tail
         or report.segment_name_mismatches
         or report.ledger_problems
+        or report.ledger_missing
+        or report.writer_refuses
     )
     return report
 
@@ -135,6 +195,14 @@ def _print_text(report: Report) -> None:
         print(f"  torn tail: {t.file} byte {t.offset} (the writer cuts it on its next start)")
     for p in report.segment_name_mismatches + report.ledger_problems:
         print(f"  {p.file} byte {p.offset}: {p.reason}")
+    for name, seqs in report.ledger_missing.items():
+        total = report.ledger_missing_total[name]
+        shown = ", ".join(str(s) for s in seqs[:10]) + (", ..." if total > 10 else "")
+        print(
+            f"  ledger {name}: {total} records of the WAL missing (seq {shown}); "
+            "the writer adds them at its next start"
+        )
+    print(f"  writer: {report.writer_start}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     state_dir = StateDir.at(args.state_dir)
     if not state_dir.wal_dir.is_dir():
-        print(f"supervisor: no WAL at {state_dir.wal_dir}", file=sys.stderr)
+        cp, _ = checkpoint.load(state_dir.checkpoint_path)
+        named = (
+            f", but {state_dir.checkpoint_path} names head seq {cp.head_seq}: the writer "
+            "refuses to start (exit 65) until the WAL is restored"
+            if cp is not None and cp.head_seq > 0
+            else ""
+        )
+        print(f"supervisor: no WAL at {state_dir.wal_dir}{named}", file=sys.stderr)
         return 2
     try:
         report = verify(state_dir)
