@@ -7,10 +7,9 @@ the disk), or past it (zeros beyond the data)."""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-
-from actors.writer.wal import encode_record
 
 SECTOR = 512
 
@@ -24,17 +23,20 @@ class Shape:
 
 def batch_lines(first_seq: int, count: int, *, stream: str = "agent/a", pad: int = 40,
                 ledger_every: int = 0, origin: str = "torn") -> list[bytes]:
-    """The lines the writer would write for one batch of `count` appends."""
+    """The lines the writer writes for one batch of `count` appends, built
+    here from docs/wal.md ("The record"), not by the writer's own code."""
     last = first_seq + count - 1
-    return [
-        encode_record(
-            seq, 1.0, stream, "turn", origin, f"t{seq}",
-            "budget" if ledger_every and seq % ledger_every == 0 else None,
-            b'{"pad":"' + b"p" * (pad + seq % 7) + b'"}',
-            batch=(first_seq, last),
-        )
-        for seq in range(first_seq, last + 1)
-    ]
+    lines = []
+    for seq in range(first_seq, last + 1):
+        ledger = '"budget"' if ledger_every and seq % ledger_every == 0 else "null"
+        payload = '{"pad":"' + "p" * (pad + seq % 7) + '"}'
+        body = (
+            f'{{"seq":{seq},"ts":1.000000,"stream":"{stream}","event":"turn",'
+            f'"origin":"{origin}","key":"t{seq}","ledger":{ledger},"payload":{payload},'
+            f'"batch":[{first_seq},{last}]'
+        ).encode()
+        lines.append(b'%s,"crc":"%08x"}\n' % (body, zlib.crc32(body)))
+    return lines
 
 
 def sectors_of(start: int, length: int) -> list[tuple[int, int]]:
