@@ -130,8 +130,7 @@ class StateDir:
                 self.config_dir,
                 self.memory_dir,
                 self.logs_dir,
-                self.stream_index_dir,
-            ):
+            ):  # cache/ is derived: whoever uses it creates it, and copes without it
                 d.mkdir(parents=True, exist_ok=True)
             old = os.umask(0o077)
             try:

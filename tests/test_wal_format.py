@@ -191,6 +191,8 @@ def _save_checkpoint_of(state_dir: StateDir, rec: Recovered) -> None:
             last_record_offset=rec.last_record_offset,
             dedupe=rec.dedupe.dump(),
             index_counts=rec.index.counts(),
+            ledger_sizes=_ledgers(state_dir).sizes(),
+            ledger_last_seq=rec.ledger_last_seq,
         ),
     )
     rec.index.close()
@@ -333,3 +335,36 @@ def test_ledger_ahead_of_a_wal_that_lost_its_tail_is_cut_back_to_it(state_dir: S
     assert rec.head_seq == 13
     assert rec.ledger_dropped == {"budget": 2}
     assert state_dir.budget_ledger_path.read_bytes() == wal_lines[4] + wal_lines[8] + wal_lines[12]
+
+
+def test_a_ledger_missing_records_from_before_the_checkpoint_is_completed_from_the_wal(
+    state_dir: StateDir,
+) -> None:
+    """Completion does not stop at the checkpoint: the checkpoint says which
+    ledger seq the WAL held last, and a ledger that ends earlier is completed
+    from the WAL's acknowledged part too."""
+    _write_wal(state_dir, 30, ledger_every=3)
+    _save_checkpoint_of(state_dir, recover(state_dir, 8, _ledgers(state_dir)))
+    complete = state_dir.budget_ledger_path.read_bytes()
+    lines = complete.splitlines(keepends=True)
+    assert len(lines) == 10
+    state_dir.budget_ledger_path.write_bytes(b"".join(lines[:3]))  # lost seqs 12..30
+    rec = recover(state_dir, 8, _ledgers(state_dir))
+    assert not rec.full_scan and rec.scanned_records == 0
+    assert rec.ledger_appends["budget"] == 7
+    assert state_dir.budget_ledger_path.read_bytes() == complete
+    assert rec.ledger_last_seq["budget"] == 30
+
+
+def test_a_ledger_in_step_with_the_checkpoint_is_checked_only_past_it(
+    state_dir: StateDir,
+) -> None:
+    """The start-up cost of the ledger check does not grow with the ledger:
+    lines before the checkpointed size are not read again."""
+    _write_wal(state_dir, 30, ledger_every=3)
+    _save_checkpoint_of(state_dir, recover(state_dir, 8, _ledgers(state_dir)))
+    data = bytearray(state_dir.budget_ledger_path.read_bytes())
+    data[10] ^= 0x01  # damage before the checkpointed size: wal verify's job, not start-up's
+    state_dir.budget_ledger_path.write_bytes(bytes(data))
+    rec = recover(state_dir, 8, _ledgers(state_dir))
+    assert rec.ledger_repairs == [] and rec.ledger_appends["budget"] == 0
