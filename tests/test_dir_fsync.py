@@ -42,7 +42,8 @@ def test_creating_a_ledger_fsyncs_its_directory_before_the_batch_is_durable(
     ledgers.add("budget", encode_record(2, 1.0, "a", "budget", "o", "k2", "budget", b"2"))
     ledgers.add("approvals", encode_record(3, 1.0, "a", "ok", "o", "k3", "approvals", b"3"))
     ledgers.commit()
-    assert dir_syncs == [state_dir.budget_ledger_path.parent, state_dir.approvals_ledger_path.parent]
+    parents = [state_dir.budget_ledger_path.parent, state_dir.approvals_ledger_path.parent]
+    assert dir_syncs == parents
     ledgers.close()
 
 

@@ -76,10 +76,12 @@ def test_any_bytes_are_accepted_only_as_a_line_jq_reads(payload: bytes) -> None:
     try:
         check_payload(payload)
     except ProtocolError as exc:
-        assert exc.code == protocol.ErrorCode.INVALID_PAYLOAD
+        code = exc.code
+    else:
+        assert b"\n" not in payload and b"\r" not in payload
+        json.loads(payload.decode("utf-8"), parse_constant=pytest.fail)
         return
-    assert b"\n" not in payload and b"\r" not in payload
-    json.loads(payload.decode("utf-8"), parse_constant=lambda c: pytest.fail(c))
+    assert code == protocol.ErrorCode.INVALID_PAYLOAD
 
 
 @pytest.fixture

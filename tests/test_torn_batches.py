@@ -18,6 +18,8 @@ from broker.errors import WalCorruptionError
 from broker.statedir import StateDir
 from tests.tornwrite import Shape, batch_lines, sectors_of, tear
 
+FIXTURE = HealthCheck.function_scoped_fixture  # state_dir is emptied by _fresh per example
+
 
 def _ledgers(state_dir: StateDir) -> Ledgers:
     return Ledgers(
@@ -34,10 +36,8 @@ def _acked(sizes: list[int], pad: int) -> list[list[bytes]]:
 
 
 def _fresh(state_dir: StateDir) -> None:
-    for path in list(state_dir.wal_dir.iterdir()) + [
-        state_dir.budget_ledger_path,
-        state_dir.checkpoint_path,
-    ]:
+    for path in [*state_dir.wal_dir.iterdir(), state_dir.budget_ledger_path,
+                 state_dir.checkpoint_path]:
         path.unlink(missing_ok=True)
 
 
@@ -52,7 +52,7 @@ def torn_cases(draw: st.DrawFn) -> tuple[list[int], int, int, Shape]:
 
 
 @given(case=torn_cases())
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[FIXTURE])
 def test_any_torn_final_batch_is_cut_and_every_acknowledged_record_kept(
     state_dir: StateDir, case: tuple[list[int], int, int, Shape]
 ) -> None:
@@ -96,7 +96,7 @@ def test_any_torn_final_batch_is_cut_and_every_acknowledged_record_kept(
     pad=st.integers(0, 300),
     sector=st.integers(0, 60),
 )
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[FIXTURE])
 def test_damage_inside_an_acknowledged_batch_is_refused_at_its_first_bad_line(
     state_dir: StateDir, sizes: list[int], pad: int, sector: int
 ) -> None:

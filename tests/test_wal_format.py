@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from actors.writer import checkpoint
 from actors.writer.ledgers import Ledgers
-from actors.writer.recovery import Recovered, recover
 from actors.writer.payload import check_payload
+from actors.writer.recovery import Recovered, recover
 from actors.writer.wal import (
     TornTail,
     encode_record,
