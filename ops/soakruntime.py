@@ -159,6 +159,10 @@ def _cut_tail(state_dir: StateDir, rng: random.Random) -> Cut | None:
     gone = [r for r in records[victim:] if r is not None]
     if not gone:
         return None
+    # start-up cuts a torn batch whole (docs/wal.md): the victim's batch-mates go too
+    lines = zip([0, *ends[:-1]], ends, strict=True)
+    in_window = (parse_record(tail[a:b]) for a, b in lines)
+    gone = [r for r in in_window if r is not None and r.seq >= gone[0].batch_first]
     start, end = bounds[victim]
     cut_at = size - window + rng.randrange(start, end)
     with open(path, "r+b") as f:
