@@ -34,7 +34,6 @@ SEGMENT_SUFFIX = ".jsonl"
 _CRC_MARK = b',"crc":"'
 _SUFFIX_LEN = len(_CRC_MARK) + 8 + 3  # mark, 8 hex digits, '"}\n'
 _BATCH_MARK = b',"batch":['
-_BATCH = re.compile(rb',"batch":\[(\d{1,20}),(\d{1,20})\]\Z')
 SEAL_MAX_BYTES = len(_BATCH_MARK) + 20 + 1 + 20 + 1 + _SUFFIX_LEN  # what seal() adds at most
 _HEADER = re.compile(
     rb'\{"seq":(\d+),"ts":([0-9.]+),"stream":"([^"]*)","event":"([^"]*)",'
@@ -134,11 +133,11 @@ def parse_record(line: bytes) -> WalRecord | None:
     seq = int(seq_text)
     first = last = seq
     payload_end = cut
-    mark = line.rfind(_BATCH_MARK, m.end(), cut)
-    if mark >= 0:
-        b = _BATCH.match(line, mark, cut)
-        if b is not None:
-            first, last = int(b.group(1)), int(b.group(2))
+    if line[cut - 1] == 0x5D:  # "]": the record ends with its batch (format 2)
+        mark = line.rfind(_BATCH_MARK, m.end(), cut)
+        numbers = line[mark + len(_BATCH_MARK) : cut - 1].split(b",")
+        if mark >= 0 and len(numbers) == 2 and numbers[0].isdigit() and numbers[1].isdigit():
+            first, last = int(numbers[0]), int(numbers[1])
             payload_end = mark
     return WalRecord(
         seq=seq,
