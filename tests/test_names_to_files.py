@@ -33,7 +33,7 @@ ACTOR = r"\A[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}\Z"  # ActorName: agents, sessions, 
 
 
 @given(st.from_regex(STREAM), st.from_regex(STREAM))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_every_stream_name_maps_to_a_short_distinct_file_name(a: str, b: str) -> None:
     for name in (a, b, a.ljust(128, "x")[:128]):
         file = stream_filename(name)
@@ -69,12 +69,10 @@ def _events(state_dir: StateDir, event: str) -> list[dict[str, object]]:
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("length", [126, 128])
 def test_a_long_stream_name_is_indexed_checkpointed_and_read_after_restarts(
-    processes: ProcessTracker, state_dir: StateDir, ctx: zmq.Context[zmq.Socket[bytes]],
-    length: int,
+    processes: ProcessTracker, state_dir: StateDir, ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
-    stream = ("agent/" + "n" * 200)[:length]
+    stream = ("agent/" + "n" * 200)[:128]  # 126 and up overflowed NAME_MAX as hex
     fast = ("--checkpoint-interval-s", "0.05")
     writer = start_writer(processes, state_dir, ctx, *fast)
     with WriterClient(ctx, state_dir, "agent-a") as client:

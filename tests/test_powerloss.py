@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
+from dataclasses import asdict
 
 import pytest
 import zmq
@@ -20,7 +20,8 @@ from actors.writer.client import WriterClient
 from actors.writer.process import EXIT_CORRUPT
 from actors.writer.wal import list_segments, parse_record
 from broker.statedir import StateDir
-from tests.processes import REPO_ROOT, ProcessTracker
+from supervisor.walverify import verify
+from tests.processes import ProcessTracker
 from tests.test_writer import kill_and_reap, start_writer, wal_records
 from tests.tornwrite import Shape, batch_lines, sectors_of, tear
 
@@ -49,13 +50,10 @@ def _append_acked(
 
 
 def _verify(state_dir: StateDir) -> dict[str, object]:
-    result = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "wal", "verify", "--state-dir",
-         str(state_dir.root), "--json"],
-        capture_output=True, text=True, cwd=REPO_ROOT, timeout=30, check=False,
-    )
-    report: dict[str, object] = json.loads(result.stdout)
-    report["exit"] = result.returncode
+    """`supervisor wal verify --json`, in this process (its CLI is exercised in
+    test_walverify.py and test_names_to_files.py)."""
+    report = asdict(verify(state_dir))
+    report["exit"] = 0 if report["sound"] else 1
     return report
 
 
