@@ -34,6 +34,7 @@ SEGMENT_SUFFIX = ".jsonl"
 _CRC_MARK = b',"crc":"'
 _SUFFIX_LEN = len(_CRC_MARK) + 8 + 3  # mark, 8 hex digits, '"}\n'
 _BATCH_MARK = b',"batch":['
+_BATCH_OPEN = len(_BATCH_MARK) - 1
 SEAL_MAX_BYTES = len(_BATCH_MARK) + 20 + 1 + 20 + 1 + _SUFFIX_LEN  # what seal() adds at most
 _HEADER = re.compile(
     rb'\{"seq":(\d+),"ts":([0-9.]+),"stream":"([^"]*)","event":"([^"]*)",'
@@ -55,12 +56,16 @@ class WalRecord:
     line: bytes
     batch_first: int  # first and last seq of the batch the record was written in
     batch_last: int
-    payload_start: int  # the payload's span in `line`
-    payload_end: int
 
     def payload_bytes(self) -> bytes:
         """The payload's JSON text, exactly as the client sent it."""
-        return self.line[self.payload_start : self.payload_end]
+        line = self.line
+        m = _HEADER.match(line)
+        assert m is not None  # a WalRecord only exists for a matching line
+        end = len(line) - _SUFFIX_LEN
+        if line[end - 1] == 0x5D:  # "]": ends with its batch (format 2)
+            end = line.rfind(_BATCH_MARK, m.end(), end)
+        return line[m.end() : end]
 
     def payload(self) -> object:
         return json.loads(self.payload_bytes())
@@ -132,13 +137,15 @@ def parse_record(line: bytes) -> WalRecord | None:
     seq_text, ts, stream, event, origin, key, ledger = m.groups()
     seq = int(seq_text)
     first = last = seq
-    payload_end = cut
     if line[cut - 1] == 0x5D:  # "]": the record ends with its batch (format 2)
-        mark = line.rfind(_BATCH_MARK, m.end(), cut)
-        numbers = line[mark + len(_BATCH_MARK) : cut - 1].split(b",")
-        if mark >= 0 and len(numbers) == 2 and numbers[0].isdigit() and numbers[1].isdigit():
-            first, last = int(numbers[0]), int(numbers[1])
-            payload_end = mark
+        bracket = line.rfind(b"[", m.end(), cut)
+        comma = line.find(b",", bracket, cut)
+        if line[bracket - _BATCH_OPEN : bracket + 1] != _BATCH_MARK or comma < 0:
+            return None
+        try:
+            first, last = int(line[bracket + 1 : comma]), int(line[comma + 1 : cut - 1])
+        except ValueError:
+            return None
     return WalRecord(
         seq=seq,
         ts=float(ts),
@@ -150,8 +157,6 @@ def parse_record(line: bytes) -> WalRecord | None:
         line=line,
         batch_first=first,
         batch_last=last,
-        payload_start=m.end(),
-        payload_end=payload_end,
     )
 
 
