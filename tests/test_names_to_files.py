@@ -115,9 +115,10 @@ def test_an_index_file_that_cannot_be_written_is_skipped_and_the_writer_serves_o
     with WriterClient(ctx, state_dir, "agent-a") as client:
         assert [r.seq for r in client.read_stream(blocked)] == [1, 3]
         obstacle.rmdir()  # the disk is fixed: the next checkpoint goes through
-        wait_for(lambda: _checkpointed(state_dir, 3), 10, "a checkpoint once the file works")
+        wait_for(lambda: _events(state_dir, "stream_index_write_recovered"), 10,
+                 "a checkpoint once the file works")  # logged after the checkpoint is saved
+        assert _checkpointed(state_dir, 3)
         assert [r.seq for r in client.read_stream(blocked)] == [1, 3]
-    assert _events(state_dir, "stream_index_write_recovered")
 
 
 @pytest.mark.process
@@ -155,3 +156,31 @@ def test_wal_verify_says_why_the_writer_refuses_to_start(
     )
     assert result.returncode == 1, result.stdout  # before the fix: "sound", exit 0
     assert "refuses to start" in result.stdout and "the WAL is missing" in result.stdout
+
+
+@pytest.mark.process
+def test_a_checkpoint_that_cannot_be_written_is_skipped_and_the_writer_serves_on(
+    processes: ProcessTracker, state_dir: StateDir, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    """The checkpoint is derived too: failing to write it (here its temp file
+    is a directory that cannot be removed) is logged once, never exit 74 on
+    every restart; a restart without it scans the WAL."""
+    obstacle = state_dir.checkpoint_path.with_name(f".{state_dir.checkpoint_path.name}.tmp")
+    (obstacle / "stuck").mkdir(parents=True)
+    fast = ("--checkpoint-interval-s", "0.05")
+    writer = start_writer(processes, state_dir, ctx, *fast)
+    with WriterClient(ctx, state_dir, "agent-a") as client:
+        client.append("agent/a", "turn", {}, key="k1")
+        wait_for(lambda: _events(state_dir, "checkpoint_write_failed"), 10, "the failure logged")
+        client.append("agent/a", "turn", {}, key="k2")
+        assert writer.poll() is None, processes.output("writer")  # before the fix: exit 74
+    kill_and_reap(writer)
+    writer = start_writer(processes, state_dir, ctx, *fast)
+    with WriterClient(ctx, state_dir, "agent-a") as client:
+        assert [r.seq for r in client.read_stream("agent/a")] == [1, 2]
+        (obstacle / "stuck").rmdir()
+        obstacle.rmdir()
+        wait_for(lambda: _events(state_dir, "checkpoint_write_recovered"), 10,
+                 "a checkpoint once it can be written")  # logged after the checkpoint is saved
+    assert _checkpointed(state_dir, 2)
+    assert len(_events(state_dir, "checkpoint_write_failed")) == 2  # once per writer run

@@ -124,7 +124,7 @@ class Writer:
         self.head_end_offset = rec.head_end_offset
         self.last_record_offset = rec.last_record_offset
         self.ledger_last_seq = dict(rec.ledger_last_seq)
-        self._index_failing = 0
+        self._derived_failing: tuple[object, ...] | None = None
         self.segment = ActiveSegment(
             self.state_dir.wal_dir, rec.segment_first_seq, self.options.segment_bytes
         )
@@ -386,39 +386,46 @@ class Writer:
             self._checkpoint()
 
     def _checkpoint(self) -> None:
-        failures = self.index.flush(fsync=True)
-        if failures:
-            # A derived file could not be written: keep serving (the entries stay
-            # in memory) and do not checkpoint, so a restart rebuilds them.
-            self._checkpoint_at = time.monotonic()
-            if self._index_failing != len(failures):
-                self._index_failing = len(failures)
-                self.log.error(
-                    "stream_index_write_failed",
-                    streams=len(failures),
-                    file=str(failures[0].path),
-                    error=failures[0].error,
-                    checkpoint_skipped=True,
-                )
-            return
-        if self._index_failing:
-            self._index_failing = 0
-            self.log.info("stream_index_write_recovered")
-        checkpoint.save(
-            self.state_dir.checkpoint_path,
-            checkpoint.Checkpoint(
-                head_seq=self.head,
-                segment_first_seq=self.head_segment if self.head else self.segment.first_seq,
-                offset=self.head_end_offset,
-                last_record_offset=self.last_record_offset if self.head else -1,
-                dedupe=self.dedupe.dump(),
-                index_counts=self.index.counts(),
-                ledger_sizes=self.ledgers.sizes(),
-                ledger_last_seq=self.ledger_last_seq,
-            ),
-        )
-        self._checkpoint_head = self.head
+        """Flush the stream index, then replace the checkpoint. Both are derived
+        files: when either cannot be written the writer logs it once and serves
+        on; no checkpoint names index entries that are not on disk, so a
+        restart rebuilds what is missing from the WAL (docs/wal.md)."""
         self._checkpoint_at = time.monotonic()
+        failures = self.index.flush(fsync=True)
+        if failures:  # the entries stay in memory
+            failed = failures[0]
+            self._derived_failed("stream_index_write", str(failed.path), failed.error,
+                                 streams=len(failures))
+            return
+        try:
+            checkpoint.save(
+                self.state_dir.checkpoint_path,
+                checkpoint.Checkpoint(
+                    head_seq=self.head,
+                    segment_first_seq=self.head_segment if self.head else self.segment.first_seq,
+                    offset=self.head_end_offset,
+                    last_record_offset=self.last_record_offset if self.head else -1,
+                    dedupe=self.dedupe.dump(),
+                    index_counts=self.index.counts(),
+                    ledger_sizes=self.ledgers.sizes(),
+                    ledger_last_seq=self.ledger_last_seq,
+                ),
+            )
+        except OSError as exc:
+            self._derived_failed("checkpoint_write", str(self.state_dir.checkpoint_path), str(exc))
+            return
+        if self._derived_failing is not None:
+            self.log.info(f"{self._derived_failing[0]}_recovered")
+            self._derived_failing = None
+        self._checkpoint_head = self.head
+
+    def _derived_failed(self, what: str, file: str, error: str, **extra: int) -> None:
+        """Log a derived file's failure once (again only when it changes)."""
+        key = (what, file, *extra.values())
+        if self._derived_failing != key:
+            self._derived_failing = key
+            self.log.error(f"{what}_failed", file=file, error=error, checkpoint_skipped=True,
+                           **extra)
 
     def statistics(self) -> WriterStatistics:
         now = time.monotonic()
