@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from actors.agent.settings import AgentSettings, AgentSpec, Permissions, Rule
+from actors.writer.payload import check_payload
 from broker import protocol
 
 
@@ -47,6 +48,7 @@ class FakeWriter:
             return protocol.AppendOk(msg_id="m", seq=known, duplicate=True)
         body = (payload if isinstance(payload, bytes)  # already encoded, as WriterClient takes
                 else json.dumps(payload, separators=(",", ":")).encode())
+        check_payload(body)  # the real writer's JSON policy: refused as it would be
         seq = len(self.records) + 1
         self.records.append(FakeRecord(seq, stream, event, body, ledger, key))
         self.keys[(self.origin, key)] = seq

@@ -17,6 +17,7 @@ import pytest
 from actors.agent import generations
 from actors.agent.loop import AgentLoop, Step
 from actors.agent.rebuild import rebuild
+from actors.agent.recordable import recordable_actions, recordable_text
 from actors.agent.settings import Budget, Rule
 from actors.agent.state import AgentState, fold
 from broker.statedir import StateDir
@@ -90,6 +91,45 @@ def test_malformed_actions_are_rejected_and_nothing_runs(state_dir: StateDir,
     assert len(events(writer, "tool_start")) == 1  # only finish ran
     assert tree(loop.workspace) == {}
     assert loop.state.counts.rejects == len(MALFORMED)
+
+
+def _nested(depth: int) -> Any:
+    value: Any = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+UNRECORDABLE = [
+    {"op": "write_file", "path": "deep.txt", "content": _nested(200)},  # past the depth limit
+    {"op": "write_file", "path": "nan.txt", "content": float("nan")},
+    {"op": "write_file", "path": "inf.txt", "content": [1, float("inf")]},
+]
+
+
+def test_actions_the_wal_would_refuse_are_rejected_not_fatal(state_dir: StateDir,
+                                                             tmp_path: Path) -> None:
+    """A model's action that breaks the WAL's JSON policy (deep nesting, NaN,
+    infinity) becomes a schema_reject; the append never fails, the agent
+    goes on, and nothing of it is written."""
+    writer = FakeWriter()  # refuses what the real writer refuses
+    loop = new_loop(state_dir, writer, write_task(tmp_path / "t.yaml", [*UNRECORDABLE,
+                                                                        {"op": "finish"}]))
+    assert drive(loop) is Step.DONE
+    rejects = events(writer, "schema_reject")
+    assert len(rejects) == len(UNRECORDABLE)
+    assert [r["op"] for r in rejects] == ["write_file"] * 3
+    assert tree(loop.workspace) == {}
+
+
+def test_lone_surrogates_from_a_model_server_are_made_recordable() -> None:
+    """Task files refuse lone surrogates; a model server's JSON can carry them."""
+    actions = recordable_actions([{"op": "write_file", "path": "a", "content": "x\ud800"},
+                                  {"op": "\udc00"}, {"op": "finish"}])
+    assert actions[0]["op"] == "write_file" and "unrecordable" in actions[0]
+    assert actions[1]["op"] is None and "unrecordable" in actions[1]
+    assert actions[2] == {"op": "finish"}
+    assert recordable_text("a\ud800b") == "a\ufffdb"
 
 
 ASK_RULES = [Rule(op="write_file", path="release/*", decision="ask"),

@@ -40,6 +40,7 @@ import structlog
 from actors.agent import catalog, effects, faults, gate, generations, rebuild, workspace
 from actors.agent.backends import Backend, make_backend
 from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, model_for
+from actors.agent.recordable import recordable_actions, recordable_text
 from actors.agent.settings import AgentSpec, load_task, workspace_for
 from actors.agent.state import AgentState, Call, Event, fold_into
 from actors.agent.vault import SealedInputMissingError, Vault
@@ -182,10 +183,11 @@ class AgentLoop:
             return Step.PROGRESS
         reply = self.backend.next_reply(s)
         turn = s.turn + 1
-        payload: dict[str, Any] = {"turn": turn, "actions": self.vault.seal(reply.actions),
+        actions = self.vault.seal(recordable_actions(reply.actions))
+        payload: dict[str, Any] = {"turn": turn, "actions": actions,
                                    "usage": reply.usage.as_dict(), "backend": self.backend.name}
         if reply.text:
-            payload["text"] = reply.text
+            payload["text"] = recordable_text(reply.text)
         self._append("turn", payload, key=f"t{turn}:turn", ledger="budget")
         return Step.PROGRESS
 

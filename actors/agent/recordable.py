@@ -1,0 +1,57 @@
+"""What the model says, made recordable before the turn is appended.
+
+The writer refuses a payload that breaks its JSON policy (actors/writer/payload.py:
+lone surrogates, non-finite numbers, nesting past its depth limit). A model's
+action is data from outside, so an action that would break the policy is
+replaced by a stand-in that names its op and why it cannot be recorded; the
+catalog rejects the stand-in (it has a field no op takes), the loop records a
+`schema_reject`, and the model hears of it like any other malformed action.
+Nothing the model says can make an append fail and stop the agent."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from actors.writer.client import encode_payload
+from actors.writer.payload import check_payload
+from broker.errors import ProtocolError
+
+MAX_OP_NAME_CHARS = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _why_unrecordable(value: Any) -> str | None:
+    try:
+        check_payload(encode_payload(value))
+    except (ValueError, UnicodeError, RecursionError) as exc:
+        return type(exc).__name__  # NaN/Infinity, a lone surrogate, runaway nesting
+    except ProtocolError as exc:
+        return exc.detail
+    return None
+
+
+def _op_name(action: Any) -> str | None:
+    op = action.get("op") if isinstance(action, dict) else None
+    if not isinstance(op, str) or len(op) > MAX_OP_NAME_CHARS:
+        return None
+    try:
+        op.encode("utf-8")
+    except UnicodeError:
+        return None
+    return op
+
+
+def recordable_actions(actions: list[Any]) -> list[Any]:
+    """`actions` with every one the WAL would refuse replaced by a stand-in."""
+    out: list[Any] = []
+    for action in actions:
+        reason = _why_unrecordable(action)
+        out.append(action if reason is None
+                   else {"op": _op_name(action), "unrecordable": str(reason)[:200]})
+    return out
+
+
+def recordable_text(text: str) -> str:
+    """The model's free text with lone surrogates replaced (U+FFFD)."""
+    return _SURROGATE.sub("\ufffd", text)
