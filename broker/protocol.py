@@ -160,6 +160,14 @@ class Ready(_Message):
     pid: int
 
 
+class Busy(_Message):
+    """What a child is busy with while it beats: one call (a tool call, a model
+    call, an append) and how long it has been in it (docs/supervisor.md)."""
+
+    op: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
+    since_s: Annotated[float, Field(ge=0)]
+
+
 class Heartbeat(_Message):
     """Liveness, both ways (child <-> supervisor, peer <-> broker); a child may
     attach its counters."""
@@ -168,6 +176,7 @@ class Heartbeat(_Message):
     actor: ActorName
     pid: int
     values: dict[str, int | float] = Field(default_factory=dict)
+    busy: Busy | None = None  # the call the child's main thread is in, if any
 
 
 class ChildStatus(_Message):
@@ -184,6 +193,7 @@ class ChildStatus(_Message):
     uss_bytes: int | None
     heartbeat_age_s: float | None
     values: dict[str, int | float] = Field(default_factory=dict)
+    busy: Busy | None = None  # as of now: since_s counts up to the status' time
 
 
 class StatusRequest(_Message):

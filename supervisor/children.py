@@ -16,7 +16,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Literal
 
-from broker.protocol import ChildStatus
+from broker.protocol import Busy, ChildStatus
 from supervisor.config import ChildSpec
 from supervisor.policy import Exit, Policy
 
@@ -53,6 +53,7 @@ class Child:
     spawned_by_operator: bool = False  # added by `spawn`, not by the configuration
     heartbeat_at: float | None = None
     values: dict[str, int | float] = field(default_factory=dict)
+    busy: Busy | None = None  # the call its last heartbeat said it was in
     exited_pid: int | None = None  # the pid of the process that exited last
     cpu_percent: float | None = None
     rss_bytes: int | None = None
@@ -72,6 +73,7 @@ class Child:
         self.started_at = now
         self.fork_pending = False
         self.heartbeat_at = None
+        self.busy = None
         self.ready_ms = None
         self.cpu_percent = self.rss_bytes = self.uss_bytes = None
         self.state = "starting" if self.spec.ready_timeout_s is not None else "running"
@@ -82,6 +84,7 @@ class Child:
         self.last_exit = describe_exit(code, sig)
         self.exited_pid = self.pid
         self.pid = None
+        self.busy = None
         self.started_at = None
         self.stop_deadline = None
         self.cpu_percent = self.rss_bytes = self.uss_bytes = None
@@ -106,4 +109,11 @@ class Child:
                 {**self.values, "ready_ms": self.ready_ms}
                 if self.ready_ms is not None else dict(self.values)
             ),
+            busy=self._busy_now(now),
         )
+
+    def _busy_now(self, now: float) -> Busy | None:
+        """The call the child is in, its age brought up to `now`."""
+        if self.busy is None or self.heartbeat_at is None:
+            return None
+        return Busy(op=self.busy.op, since_s=round(self.busy.since_s + now - self.heartbeat_at, 3))

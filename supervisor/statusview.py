@@ -26,6 +26,15 @@ def _mib(n: int | None) -> str:
 
 
 def _info(child: dict[str, Any]) -> str:
+    busy = child.get("busy")
+    text = _counters(child)
+    if isinstance(busy, dict):  # in a call: say which, and for how long
+        call = f"busy={busy.get('op')} {_duration(busy.get('since_s'))}"
+        return f"{call} {text}".rstrip()
+    return text
+
+
+def _counters(child: dict[str, Any]) -> str:
     values = child.get("values") or {}
     if child.get("kind") == "writer" and "head_seq" in values:
         return f"seq={values['head_seq']} {values.get('appends_per_s', 0)}/s"

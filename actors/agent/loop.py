@@ -31,6 +31,7 @@ their hash and size (actors/agent/vault.py).
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from actors.agent.state import AgentState, Call, Event, fold_into
 from actors.agent.vault import SealedInputMissingError, Vault
 from actors.writer.client import WriterClient, encode_payload
 from broker import protocol
+from broker.control import CallWatch
 from broker.errors import PathRefusedError, WalError
 from broker.statedir import StateDir
 
@@ -61,7 +63,7 @@ class Step(Enum):
 class AgentLoop:
     def __init__(
         self, name: str, state_dir: StateDir, spec: AgentSpec, writer: WriterClient,
-        *, fault_spec: str | None = None, peer: Any = None,
+        *, fault_spec: str | None = None, peer: Any = None, watch: CallWatch | None = None,
     ) -> None:
         self.name = name
         self.state_dir = state_dir
@@ -83,6 +85,16 @@ class AgentLoop:
         self._backend: Backend | None = None
         self.rebuild_ms = 0.0
         self.peer = peer  # BrokerPeer | None: for ops served by other actors
+        self.watch = watch
+
+    def _busy(self, op: str, deadline_s: float) -> AbstractContextManager[None]:
+        """Declare a blocking call (heartbeats go on while it runs)."""
+        return self.watch.busy(op, deadline_s) if self.watch is not None else nullcontext()
+
+    def _append_deadline_s(self) -> float:
+        """How long an append may wait: every attempt of the writer client."""
+        timeout = float(getattr(self.writer, "timeout_s", 0.0))
+        return timeout * (int(getattr(self.writer, "retries", 0)) + 1)
 
     # --- state ---------------------------------------------------------------
     def rebuild(self) -> rebuild.Rebuilt:
@@ -97,7 +109,8 @@ class AgentLoop:
 
     def sync(self) -> None:
         """Fold whatever the stream holds after our last seq."""
-        records = list(self.writer.read_stream(self.stream, self.state.last_seq + 1))
+        with self._busy("read", self._append_deadline_s()):
+            records = list(self.writer.read_stream(self.stream, self.state.last_seq + 1))
         if records:
             self._fold([(r.seq, r.event, r.payload()) for r in records], records[-1].key)
 
@@ -116,7 +129,8 @@ class AgentLoop:
     def _append(self, event: str, payload: dict[str, Any], key: str,
                 ledger: protocol.LedgerName | None = None) -> None:
         body = encode_payload(payload)
-        ok = self.writer.append(self.stream, event, body, key=key, ledger=ledger)
+        with self._busy("append", self._append_deadline_s()):
+            ok = self.writer.append(self.stream, event, body, key=key, ledger=ledger)
         if not ok.duplicate and ok.seq <= self.state.last_seq:
             # the WAL head went back under us (records we folded are gone): rebuild
             raise WalError(f"append {key} got seq {ok.seq} <= folded seq "
@@ -181,7 +195,8 @@ class AgentLoop:
         if not self.budget_left():
             self._exit("budget")
             return Step.PROGRESS
-        reply = self.backend.next_reply(s)
+        with self._busy("model", float(getattr(self.backend, "deadline_s", 0.0))):
+            reply = self.backend.next_reply(s)
         turn = s.turn + 1
         actions = self.vault.seal(recordable_actions(reply.actions))
         payload: dict[str, Any] = {"turn": turn, "actions": actions,
@@ -288,12 +303,15 @@ class AgentLoop:
         return OpContext(agent=self.name, workspace=self.workspace, memory_dir=self.memory_dir,
                          state_dir=self.state_dir,
                          max_result_chars=self.settings.max_result_chars, answer=answer,
-                         peer=self.peer, call_id=call_id, path_visible=visible)
+                         peer=self.peer, call_id=call_id, path_visible=visible,
+                         max_command_timeout_s=self.settings.max_command_timeout_s)
 
     def _dispatch(self, call: Call, op: OpBase, answer: dict[str, Any] | None) -> None:
         cid = call.call_id
+        ctx = self._context(answer, cid, call)
         try:
-            outcome = catalog.handler_for(op.op)(op, self._context(answer, cid, call))
+            with self._busy(op.op, op.deadline_s(ctx)):
+                outcome = catalog.handler_for(op.op)(op, ctx)
         except PathRefusedError as exc:
             outcome = Done({"error": exc.reason}, ok=False)
         except OSError as exc:
@@ -314,7 +332,8 @@ class AgentLoop:
             except OSError as exc:
                 outcome = Done({"error": exc.strerror or type(exc).__name__}, ok=False)
         self.faults.hit("after_effect", cid)
-        self._result(call, op, "ok" if outcome.ok else "error", outcome.result)
+        self._result(call, op, outcome.status or ("ok" if outcome.ok else "error"),
+                     outcome.result)
         self.faults.hit("after_tool_result", cid)
         for j, (event, payload) in enumerate(outcome.facts):
             self._append(event, payload, key=f"c{cid}:fact{j}")

@@ -12,8 +12,13 @@ action the loop rejects (`schema_reject`), never an exception.
 Timeouts per request (`timeout_s`); 429 and 5xx answers, timeouts and
 connection errors are retried `max_retries` times with exponential backoff
 (`backoff_base_s * 2**n`, capped, honouring a numeric Retry-After up to the
-cap); then ModelError. The key is read from the environment variable named by
-`api_key_env` and never logged.
+cap); then ModelError. The whole call has a deadline
+(`OpenAISettings.call_deadline_s()`):
+every attempt's timeout plus every backoff; a server that trickles its answer
+past it gets ModelTimeoutError (the body is read in chunks against the
+deadline, not only per socket read). The agent's heartbeats go on during the
+call up to that deadline (docs/agents.md, "Long calls"). The key is read from
+the environment variable named by `api_key_env` and never logged.
 """
 
 from __future__ import annotations
@@ -32,6 +37,13 @@ from actors.agent.state import AgentState
 from broker.errors import ModelError
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+READ_CHUNK_BYTES = 64 * 1024
+
+
+class ModelTimeoutError(ModelError):
+    """The model call passed its deadline (all attempts and backoffs)."""
+
+
 
 
 def build_messages(task: Task, state: AgentState, window: int) -> list[dict[str, Any]]:
@@ -106,6 +118,7 @@ class OpenAIModel:
         self.url = f"{parts.scheme}://{parts.hostname}" + (
             f":{parts.port}" if parts.port else "") + parts.path
         self.attempts = 0
+        self.deadline_s = settings.call_deadline_s()  # the loop declares it as the call's
 
     def next_reply(self, state: AgentState) -> Reply:
         body = {"model": self.model, "temperature": self.settings.temperature,
@@ -113,10 +126,21 @@ class OpenAIModel:
                 "tools": catalog.tool_schemas(), "tool_choice": "auto"}
         return parse_reply(self.post("/chat/completions", body))
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
         cls = (http.client.HTTPSConnection if self.parts.scheme == "https"
                else http.client.HTTPConnection)
-        return cls(self.parts.hostname or "", self.parts.port, timeout=self.settings.timeout_s)
+        return cls(self.parts.hostname or "", self.parts.port, timeout=timeout_s)
+
+    def _read(self, response: http.client.HTTPResponse, until: float) -> bytes:
+        """The body, in chunks, ending with ModelTimeoutError at `until` (monotonic)."""
+        chunks: list[bytes] = []
+        while True:
+            if time.monotonic() > until:
+                raise ModelTimeoutError(f"model call passed its deadline of {self.deadline_s:g}s")
+            chunk = response.read1(READ_CHUNK_BYTES)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps(body).encode()
@@ -125,14 +149,22 @@ class OpenAIModel:
         if key:
             headers["Authorization"] = f"Bearer {key}"
         last = "no attempt"
+        started = time.monotonic()
+        until = started + self.deadline_s
         for attempt in range(self.settings.max_retries + 1):
             self.attempts += 1
             retry_after: float | None = None
-            conn = self._connection()
+            attempt_until = min(until, time.monotonic() + self.settings.timeout_s)
+            conn = self._connection(max(0.001, attempt_until - time.monotonic()))
             try:
                 conn.request("POST", self.parts.path + path, body=data, headers=headers)
                 response = conn.getresponse()
-                payload = response.read()
+                try:
+                    payload = self._read(response, attempt_until)
+                except ModelTimeoutError:
+                    if time.monotonic() > until:
+                        raise
+                    raise TimeoutError from None  # this attempt's timeout: retried
                 if response.status == 200:
                     try:
                         parsed = json.loads(payload)
@@ -159,6 +191,10 @@ class OpenAIModel:
                 delay = min(self.settings.backoff_cap_s,
                             retry_after if retry_after is not None
                             else self.settings.backoff_base_s * 2 ** attempt)
-                self.sleep(delay)
+                self.sleep(max(0.0, min(delay, until - time.monotonic())))
+        if time.monotonic() > until:
+            raise ModelTimeoutError(f"model call to {self.url} passed its deadline of "
+                                    f"{self.deadline_s:g}s after "
+                                    f"{self.settings.max_retries + 1} attempts: {last}")
         raise ModelError(f"model server {self.url} failed after "
                          f"{self.settings.max_retries + 1} attempts: {last}")

@@ -23,6 +23,11 @@ Class variables tell the gate and the loop what an op touches:
     secret_fields   string arguments the WAL must never hold (a terminal's
                     input): the loop seals them into the agent's input vault
                     before the turn is recorded (actors/agent/vault.py)
+    call_deadline_s how long the handler may block (waiting on procs or
+                    subagents); 0 for ops that return at once. `deadline_s()`
+                    may refine it from the arguments (`bash`: its timeout). The
+                    agent's heartbeats go on while a call runs, up to its
+                    deadline (docs/agents.md, "Long calls")
 
 A handler returns an `Outcome`: `Done(result)` or, for a mutating op,
 `Write(target, content, result)`, which the loop applies atomically after
@@ -55,6 +60,11 @@ class OpBase(BaseModel):
     ends_session: ClassVar[bool] = False
     replay_safe: ClassVar[bool] = False
     secret_fields: ClassVar[tuple[str, ...]] = ()
+    call_deadline_s: ClassVar[float] = 0.0
+
+    def deadline_s(self, ctx: OpContext) -> float:
+        """The longest this call may take before it ends with a timeout."""
+        return self.call_deadline_s
 
     def gate_path(self) -> str | None:
         value = getattr(self, self.path_field) if self.path_field else None
@@ -80,6 +90,7 @@ class OpContext:
     # whether the permission rules let this op show a workspace-relative path
     # (search results, directory entries); None shows everything
     path_visible: Callable[[str], bool] | None = None
+    max_command_timeout_s: float = 600.0  # a command's timeout is clipped to this
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,7 @@ class Done:
     result: dict[str, Any]
     ok: bool = True
     facts: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # extra events
+    status: str | None = None  # the tool_result status when not ok/error (e.g. "timeout")
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,12 @@ answers `ping` with `pong`.
 With a spec (`.corral/config/agents/<name>.json`, written by `supervisor run`
 or `spawn`) it runs the agent loop (actors/agent/loop.py): it rebuilds its
 state (newest snapshot generation + the stream's tail) *before* `ready`, so
-`ready` means "rebuilt and serving", then steps the loop between heartbeats
-and pings. Without a spec it is an idle agent, as before.
+`ready` means "rebuilt and serving", then steps the loop, answering pings
+between steps. Heartbeats come from a pulse thread (broker/control.py) that
+goes on beating while a step waits in a tool call, a model call or an append
+(each declared with its deadline), so a slow command is never taken for a
+hang; a main thread stuck past a call's deadline stops the beats. Without a
+spec it is an idle agent, as before.
 
 Exit codes: 0 the session is over (finished, or closed at a bound) or an idle
 agent was stopped; 75 an agent with a session still open was stopped
@@ -34,7 +38,7 @@ from actors.agent.settings import read_spec
 from actors.procs.client import end_session_quietly
 from actors.writer.client import WriterClient
 from broker import logconfig, protocol
-from broker.control import ENV_CONTROL, ControlReporter
+from broker.control import ENV_CONTROL, ControlReporter, stall_from_env
 from broker.errors import ConfigError, CorralError
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
@@ -86,8 +90,9 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
     )
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     endpoint = os.environ.get(ENV_CONTROL)
-    reporter = (
-        ControlReporter(ctx, endpoint, name, interval_s=options.heartbeat_interval_s)
+    reporter = (  # a pulse: heartbeats go on while the loop waits in a call
+        ControlReporter(ctx, endpoint, name, interval_s=options.heartbeat_interval_s,
+                        pulse=True, stall_s=stall_from_env())
         if endpoint else None
     )
     peer = (
@@ -106,7 +111,7 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
             spec = read_spec(state_dir, name)
             if spec is not None:
                 writer = WriterClient(ctx, state_dir, name)
-                loop = AgentLoop(name, state_dir, spec, writer, peer=peer)
+                loop = AgentLoop(name, state_dir, spec, writer, peer=peer, watch=reporter)
                 loop.rebuild()
         except ConfigError as exc:
             log.error("agent_spec_invalid", error=str(exc))

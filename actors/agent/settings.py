@@ -66,11 +66,20 @@ class OpenAISettings(_Strict):
     base_url: str = "http://127.0.0.1:11434/v1"
     model: str = "llama3.1"
     api_key_env: str = "OPENAI_API_KEY"
+    # one model call may take timeout_s * (max_retries + 1) + the backoffs: 181.5 s
+    # by default, within agent.max_model_call_s (docs/agents.md, "Long calls")
     timeout_s: Annotated[float, Field(gt=0)] = 60.0
-    max_retries: Annotated[int, Field(ge=0)] = 4
+    max_retries: Annotated[int, Field(ge=0)] = 2
     backoff_base_s: Annotated[float, Field(ge=0)] = 0.5
     backoff_cap_s: Annotated[float, Field(ge=0)] = 8.0
     temperature: float = 0.0
+
+    def call_deadline_s(self) -> float:
+        """The longest one model call may take: every attempt's timeout plus
+        every backoff between them (a Retry-After is honoured up to the cap too)."""
+        backoffs = sum(min(self.backoff_cap_s, self.backoff_base_s * 2.0 ** n)
+                       for n in range(self.max_retries))
+        return float(self.timeout_s * (self.max_retries + 1) + backoffs)
 
 
 class AgentSettings(_Strict):
@@ -85,6 +94,10 @@ class AgentSettings(_Strict):
     context_window: Annotated[int, Field(ge=1)] = 20
     max_result_chars: Annotated[int, Field(ge=256)] = 8192
     approval_poll_ms: Annotated[int, Field(ge=5)] = 100
+    # a command op's timeout (the model's, default 120 s) is clipped to this
+    max_command_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 600.0
+    # the longest one model call may take, all retries included (checked against openai)
+    max_model_call_s: Annotated[float, Field(gt=0)] = 300.0
     openai: OpenAISettings = OpenAISettings()
 
 

@@ -45,13 +45,14 @@ class _Stop:
 def serve(state: StateDir, options: HostOptions, broker_heartbeat_s: float) -> int:
     stop = _Stop()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    reporter = ControlReporter.from_env(ctx, ACTOR_NAME)
+    # a pulse: heartbeats go on while the loop waits on the writer (docs/procs.md)
+    reporter = ControlReporter.from_env(ctx, ACTOR_NAME, pulse=True)
     name = reporter.actor if reporter is not None else ACTOR_NAME
     peer = BrokerPeer(ctx, state, name, heartbeat_interval_s=broker_heartbeat_s)
     writer = WriterClient(ctx, state, origin=ACTOR_NAME)
     log = structlog.get_logger(ACTOR_NAME)
     try:
-        host = ProcsHost(state, peer, Facts(writer), options, reporter)
+        host = ProcsHost(state, peer, Facts(writer, watch=reporter), options, reporter)
         if reporter is not None:
             reporter.ready()
         log.info("procs_started", jobs=len(host.jobs))

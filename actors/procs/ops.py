@@ -26,7 +26,7 @@ from pydantic import Field
 
 from actors.agent import workspace
 from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
-from actors.procs.client import ProcsClient
+from actors.procs.client import KILL_REPLY_MARGIN_S, ProcsClient
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
 
@@ -74,12 +74,16 @@ def _call(ctx: OpContext, body: Any) -> Outcome:
     except RemoteError as exc:
         return Done({"error": f"{exc.code}: {exc.detail}"[:500]}, ok=False)
     except RequestTimeoutError:
-        return Done({"error": "procs did not answer"}, ok=False)
+        # past the call's deadline: a typed timeout, and the agent goes on
+        return Done({"error": "procs did not answer within the call's deadline",
+                     "timeout": True}, ok=False, status="timeout")
     return Done(result, ok=result.get("state") != "lost")
 
 
 class _ProcsOp(OpBase):
     replay_safe: ClassVar[bool] = True
+    # a request to procs waits at most 4 attempts of KILL_REPLY_MARGIN_S (client.py)
+    call_deadline_s: ClassVar[float] = 4 * KILL_REPLY_MARGIN_S
 
 
 class BashOp(_ProcsOp):
@@ -91,6 +95,15 @@ class BashOp(_ProcsOp):
     timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
     command_field: ClassVar[str | None] = "command"
     path_field: ClassVar[str | None] = "cwd"
+
+    def deadline_s(self, ctx: OpContext) -> float:
+        # the client waits timeout + margin for the reply, and resends once
+        return 2 * (command_timeout_s(self, ctx) + KILL_REPLY_MARGIN_S)
+
+
+def command_timeout_s(op: BashOp, ctx: OpContext) -> float:
+    """The command's own timeout, bounded by `agent.max_command_timeout_s`."""
+    return min(op.timeout_s, ctx.max_command_timeout_s)
 
 
 class BashStartOp(_ProcsOp):
@@ -156,8 +169,14 @@ class TerminalEndOp(_ProcsOp):
 
 def bash(op: BashOp, ctx: OpContext) -> Outcome:
     cwd = _cwd(ctx, op.cwd)
-    return _call(ctx, lambda c: _out(ctx, c.bash(op.command, cwd, timeout_s=op.timeout_s,
+    timeout_s = command_timeout_s(op, ctx)
+    done = _call(ctx, lambda c: _out(ctx, c.bash(op.command, cwd, timeout_s=timeout_s,
                                                      msg_id=_msg_id(ctx, "b"))))
+    if isinstance(done, Done) and done.result.get("state") == "expired":
+        # procs ended the command at its timeout: the call's typed timeout
+        return Done({**done.result, "error": f"timed out after {timeout_s:g}s",
+                     "timeout": True}, ok=False, status="timeout")
+    return done
 
 
 def bash_start(op: BashStartOp, ctx: OpContext) -> Outcome:

@@ -120,12 +120,14 @@ def serve(state: StateDir, limits: Limits, *, use_zygote: bool = True,
             log.warning("subreaper_refused", error=str(exc), fallback="fresh interpreters")
             use_zygote = False
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    reporter = ControlReporter.from_env(ctx, ACTOR_NAME)
+    # a pulse: heartbeats go on while the loop waits on the writer or a build
+    reporter = ControlReporter.from_env(ctx, ACTOR_NAME, pulse=True)
     peer = BrokerPeer(ctx, state, reporter.actor if reporter else ACTOR_NAME)
     writer = WriterClient(ctx, state, origin=ACTOR_NAME)
     try:
         host = SubagentsHost(state, peer, writer, limits, use_zygote=use_zygote,
                              log_args=log_args)
+        host.watch = reporter
         if reporter is not None:
             reporter.ready()
         log.info("subagents_started", children=len(host.children.records),

@@ -23,6 +23,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from actors.subagents.ops import task_path
 from actors.subagents.starter import ChildStarter
 from actors.writer.client import WriterClient
 from broker import lifeline, protocol
+from broker.control import CallWatch
 from broker.errors import ChangeSetRefusedError, CorralError
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
@@ -102,12 +104,15 @@ class SubagentsHost:
         self._pids: dict[int, ChildRecord] = {}
         self._deferred: list[_Deferred] = []
         self.counts = {"spawned": 0, "ended": 0, "failed": 0, "applied": 0, "refused": 0}
+        self.watch: CallWatch | None = None  # the heartbeat, told about blocking appends
         self.starter.start_zygote()  # it preloads while the host recovers and waits
         self._recover()
 
     # --- facts ----------------------------------------------------------------------
     def record(self, parent: str, event: str, payload: dict[str, Any], key: str) -> None:
-        self.writer.append(f"subagents/{parent}", event, payload, key=key)
+        deadline_s = self.writer.timeout_s * (self.writer.retries + 1)
+        with self.watch.busy("append", deadline_s) if self.watch else nullcontext():
+            self.writer.append(f"subagents/{parent}", event, payload, key=key)
 
     # --- recovery ---------------------------------------------------------------------
     def _recover(self) -> None:

@@ -91,6 +91,10 @@ class SpawnSubagentOp(OpBase):
     command_field: ClassVar[str | None] = "task"
     replay_safe: ClassVar[bool] = True
 
+    def deadline_s(self, ctx: OpContext) -> float:
+        # the wait, then one last round riding out a host restart
+        return self.wait_s + (SPAWN_ROUND_S + REPLY_MARGIN_S) * (HOST_RESTART_RETRIES + 1)
+
 
 class SubagentChangesOp(OpBase):
     """Show a child's change set (manifest and patch)."""
@@ -98,6 +102,7 @@ class SubagentChangesOp(OpBase):
     op: Literal["subagent_changes"] = "subagent_changes"
     subagent_id: SubagentIdField
     replay_safe: ClassVar[bool] = True
+    call_deadline_s: ClassVar[float] = 10.0 * (HOST_RESTART_RETRIES + 1)
 
 
 class ApplySubagentOp(OpBase):
@@ -105,6 +110,7 @@ class ApplySubagentOp(OpBase):
 
     op: Literal["apply_subagent"] = "apply_subagent"
     subagent_id: SubagentIdField
+    call_deadline_s: ClassVar[float] = 30.0 * (HOST_RESTART_RETRIES + 1)
 
 
 def task_path(ws: Path, task: str, state_dir: StateDir | None = None) -> str:
