@@ -1,7 +1,9 @@
 """Watching children: exits (waitpid), liveness deadlines and resource samples.
 
 `reap()` collects every exited child of the supervisor (including the agents
-it adopted as a subreaper). `overdue()` is the pure liveness rule. The
+it adopted as a subreaper). `overdue()` is the pure liveness rule; the
+`GapDetector` notices when the supervisor itself could not listen (stopped,
+suspended), so that silence is not held against the children. The
 `Sampler` reads CPU and RSS for every child on each pass, and USS (which needs
 /proc/<pid>/smaps_rollup, the expensive part) for a bounded number of children
 per pass, round robin, so that 500 agents cost the supervisor little.
@@ -10,7 +12,8 @@ per pass, round robin, so that 500 agents cost the supervisor little.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -66,18 +69,52 @@ def early_exit_applies(reaped_at: float, now: float, alive: bool) -> bool:
 
 
 def overdue(
-    child: Child, now: float, heartbeat_timeout_s: float
+    child: Child, now: float, heartbeat_timeout_s: float, listening_since: float = 0.0
 ) -> Literal["ready", "heartbeat"] | None:
-    """Which liveness deadline a child has missed, if any."""
+    """Which liveness deadline a child has missed, if any. Silence is counted
+    from `listening_since` at the earliest: the supervisor's own resumption
+    after a gap (GapDetector), so time it could not listen is not the child's."""
     if child.pid is None or child.started_at is None:
         return None
     ready_s = child.spec.ready_timeout_s
-    if child.state == "starting" and ready_s is not None and now - child.started_at > ready_s:
+    started = max(child.started_at, listening_since)
+    if child.state == "starting" and ready_s is not None and now - started > ready_s:
         return "ready"
     beat = child.heartbeat_at
-    if child.state == "running" and beat is not None and now - beat > heartbeat_timeout_s:
+    if (child.state == "running" and beat is not None
+            and now - max(beat, listening_since) > heartbeat_timeout_s):
         return "heartbeat"
     return None
+
+
+def _boottime() -> float:
+    """CLOCK_BOOTTIME: like CLOCK_MONOTONIC, but it also runs while the machine sleeps."""
+    clock = getattr(time, "CLOCK_BOOTTIME", None)
+    return time.clock_gettime(clock) if clock is not None else time.monotonic()
+
+
+class GapDetector:
+    """Notices that the supervisor's own loop did not run for a while: the
+    process was stopped (SIGSTOP, a debugger) or the machine suspended. The
+    loop calls `gap()` once per turn; a turn normally takes at most its poll
+    timeout (100 ms) plus its work. CLOCK_MONOTONIC runs while a process is
+    stopped but, on Linux, not while the machine sleeps; CLOCK_BOOTTIME runs
+    in both cases; the larger of the two deltas is the gap."""
+
+    def __init__(self, heartbeat_timeout_s: float,
+                 boottime: Callable[[], float] = _boottime) -> None:
+        self.threshold_s = max(0.5, heartbeat_timeout_s / 4)
+        self._boottime = boottime
+        self._last: tuple[float, float] | None = None
+
+    def gap(self, now: float) -> float | None:
+        """The time since the last call when it exceeds the threshold, else None."""
+        boot = self._boottime()
+        last, self._last = self._last, (now, boot)
+        if last is None:
+            return None
+        delta = max(now - last[0], boot - last[1])
+        return delta if delta > self.threshold_s else None
 
 
 class Sampler:

@@ -25,6 +25,7 @@ import zmq
 
 from actors.zygote import Forked
 from broker import lifeline, protocol
+from broker.control import ENV_HEARTBEAT_TIMEOUT
 from broker.errors import SpawnError
 from broker.statedir import StateDir
 from supervisor import commands, monitor, requests, spawner, statusfile
@@ -67,6 +68,8 @@ class Runtime:
         self.control = ControlServer(self.ctx, state_dir)
         self.sampler = monitor.Sampler()
         self.base_env = dict(os.environ)
+        # the children's heartbeat pulse stops beating for a main thread stalled this long
+        self.base_env[ENV_HEARTBEAT_TIMEOUT] = repr(config.heartbeat.timeout_s)
         self.fork_queue: deque[Child] = deque()
         self.in_flight = 0
         self.zygote: spawner.ZygoteLink | None = None
@@ -78,6 +81,8 @@ class Runtime:
         self._signals: deque[int] = deque()
         self._wake_r, self._wake_w = os.pipe()
         self._next_status = 0.0
+        self.gaps = monitor.GapDetector(self.config.heartbeat.timeout_s)
+        self.listening_since = 0.0  # monotonic: silence before this is not counted
 
     # --- main loop ---------------------------------------------------------------
     def run(self) -> int:
@@ -94,6 +99,10 @@ class Runtime:
         try:
             while True:
                 now = time.monotonic()
+                gap_s = self.gaps.gap(now)
+                if gap_s is not None:  # stopped or suspended: we could not listen
+                    self.listening_since = now
+                    log.warning("supervisor_resumed_after_gap", gap_s=round(gap_s, 3))
                 self._advance(now)
                 if self.stopping and self._all_down():
                     break
@@ -146,7 +155,8 @@ class Runtime:
                             after_s=child.spec.shutdown_timeout_s)
                 spawner.signal_group(child.pid, signal.SIGKILL)
                 child.stop_deadline = None
-            missed = monitor.overdue(child, now, self.config.heartbeat.timeout_s)
+            missed = monitor.overdue(child, now, self.config.heartbeat.timeout_s,
+                                     self.listening_since)
             if missed is not None and child.pid is not None and not self.stopping:
                 log.warning("child_unresponsive", child=child.name, pid=child.pid, missed=missed)
                 spawner.signal_group(child.pid, signal.SIGKILL)
@@ -414,6 +424,7 @@ class Runtime:
                     self._ready(child, now)  # a heartbeat also proves it serves
                     child.heartbeat_at = now
                     child.values = dict(values)
+                    child.busy = msg.busy
                 elif child is not None and child.pid is None and child.exited_pid == pid:
                     # a final beat sent just before a clean exit, read after the reap:
                     # its counters are the last word (an agent's phase `finished`)
