@@ -102,9 +102,23 @@ class LoggingConfig(_Strict):
     backups: Annotated[int, Field(ge=0, le=100)] = 5
 
 
+# A child must be able to miss this many beats in a row before it counts as silent.
+MIN_BEATS_PER_TIMEOUT = 3
+
+
 class HeartbeatConfig(_Strict):
     interval_ms: Annotated[int, Field(ge=10)] = 1000  # agents' heartbeat period
     timeout_s: PositiveS = 10.0  # a child silent this long after a first beat is killed
+
+    @model_validator(mode="after")
+    def _check_timeout(self) -> HeartbeatConfig:
+        least_s = MIN_BEATS_PER_TIMEOUT * self.interval_ms / 1000
+        if self.timeout_s < least_s:
+            raise ValueError(
+                f"timeout_s {self.timeout_s:g} is shorter than {MIN_BEATS_PER_TIMEOUT} "
+                f"heartbeats of interval_ms {self.interval_ms}: a healthy child would be "
+                f"killed between beats; make it at least {least_s:g}")
+        return self
 
 
 class WriterOptions(_Strict):
@@ -126,6 +140,19 @@ class Config(_Strict):
     agents: AgentsGroup = AgentsGroup()
     agent: AgentSettings = AgentSettings()  # the agent loop: bounds, gate rules, backends
     run: RunSettings = RunSettings()  # `supervisor run`
+
+    @model_validator(mode="after")
+    def _check_calls(self) -> Config:
+        """A model call's own deadline must fit its configured bound (docs/agents.md)."""
+        openai, bound = self.agent.openai, self.agent.max_model_call_s
+        deadline = openai.call_deadline_s()
+        if deadline > bound:
+            raise ValueError(
+                f"agent.openai: timeout_s {openai.timeout_s:g} x (max_retries "
+                f"{openai.max_retries} + 1) + backoffs = {deadline:g}s, longer than "
+                f"agent.max_model_call_s {bound:g}: lower the timeout or the retries, "
+                f"or raise the bound")
+        return self
 
     @model_validator(mode="after")
     def _check_children(self) -> Config:
