@@ -41,7 +41,8 @@ READ_CHUNK_BYTES = 64 * 1024
 
 
 class ModelTimeoutError(ModelError):
-    """The model call passed its deadline (all attempts and backoffs)."""
+    """The model call ended at its deadline: its last attempt timed out, or the
+    whole call (attempts and backoffs) outlasted `call_deadline_s()`."""
 
 
 
@@ -136,7 +137,7 @@ class OpenAIModel:
         chunks: list[bytes] = []
         while True:
             if time.monotonic() > until:
-                raise ModelTimeoutError(f"model call passed its deadline of {self.deadline_s:g}s")
+                raise ModelTimeoutError(f"model call ended at its deadline of {self.deadline_s:g}s")
             chunk = response.read1(READ_CHUNK_BYTES)
             if not chunk:
                 return b"".join(chunks)
@@ -154,6 +155,7 @@ class OpenAIModel:
         for attempt in range(self.settings.max_retries + 1):
             self.attempts += 1
             retry_after: float | None = None
+            timed_out = False
             attempt_until = min(until, time.monotonic() + self.settings.timeout_s)
             conn = self._connection(max(0.001, attempt_until - time.monotonic()))
             try:
@@ -183,6 +185,7 @@ class OpenAIModel:
                     retry_after = float(header)
             except TimeoutError:
                 last = f"timeout after {self.settings.timeout_s:g}s"
+                timed_out = True
             except (ConnectionError, http.client.HTTPException, OSError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             finally:
@@ -192,8 +195,8 @@ class OpenAIModel:
                             retry_after if retry_after is not None
                             else self.settings.backoff_base_s * 2 ** attempt)
                 self.sleep(max(0.0, min(delay, until - time.monotonic())))
-        if time.monotonic() > until:
-            raise ModelTimeoutError(f"model call to {self.url} passed its deadline of "
+        if timed_out or time.monotonic() > until:
+            raise ModelTimeoutError(f"model call to {self.url} ended at its deadline of "
                                     f"{self.deadline_s:g}s after "
                                     f"{self.settings.max_retries + 1} attempts: {last}")
         raise ModelError(f"model server {self.url} failed after "
