@@ -17,6 +17,7 @@ SUITES = {
     "writer-restart": "ops.bench_writer_restart",
     "broker": "ops.bench_broker",
     "spawn": "ops.bench_spawn",
+    "spawn-busy": "ops.bench_spawn_busy",
     "agent-recovery": "ops.bench_agent_recovery",
     "procs": "ops.bench_procs",
     "subagents": "ops.bench_subagents",

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +83,18 @@ def fresh_interpreter_ready_ms(root: Path, runs: int) -> float:
 
 
 class Run:
-    """One `supervisor up` with `count` idle agents."""
+    """One `supervisor up` with `count` idle agents (or, given `prepare`, agents
+    whose specs it writes: it may change the configuration before the start)."""
 
-    def __init__(self, root: Path, count: int) -> None:
+    def __init__(self, root: Path, count: int,
+                 prepare: Callable[[StateDir, dict[str, Any]], None] | None = None) -> None:
         self.state = StateDir(root / f"n{count}" / ".corral").ensure()
         self.count = count
         config = yaml.safe_load((REPO / "config" / "default.yaml").read_text())
         config["agents"]["count"] = count
         config["logging"]["level"] = "warning"
+        if prepare is not None:
+            prepare(self.state, config)
         self.config_path = self.state.root.parent / "bench.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.out = (self.state.root.parent / "up.out").open("wb")
