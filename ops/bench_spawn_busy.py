@@ -18,6 +18,11 @@ Figures:
     busy_calls_total            tool calls the agents completed (heartbeat values)
     busy_seen_in_call_max       most agents `supervisor status` showed busy in a call
                                 at one sample; busy_since_max_s the longest such call
+    busy_heartbeats_withheld    beats the children's watchdogs held back (a main
+                                thread that showed no life): 0 in a healthy run
+    busy_supervisor_gaps        times the supervisor's loop stalled past its gap
+                                threshold (supervisor_resumed_after_gap), and the
+                                longest (busy_supervisor_gap_max_s)
     worst_frame_decode_ms       the slowest decode of the worst frames (median of 3);
                                 target <= 20. Per frame: decode_ms_<name>, and the
                                 baseline decode_ms_append_1mib (a 1 MiB append whose
@@ -129,21 +134,37 @@ def looping_on(command_s: float) -> Callable[[StateDir, dict[str, Any]], None]:
     return prepare
 
 
+def _events(path: Path, name: str) -> list[dict[str, Any]]:
+    """The log events called `name` in one JSON log file (rotated ones too)."""
+    found = []
+    for part in sorted(path.parent.glob(path.name + "*")):
+        for line in part.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("event") == name:
+                found.append(event)
+    return found
+
+
 def _unresponsive(run: Run) -> dict[str, int]:
     by_kind: dict[str, int] = {}
-    path = run.state.log_path("supervisor")
-    if not path.exists():
-        return by_kind
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == "child_unresponsive":
-            child = str(event.get("child", "?"))
-            kind = "agent" if child.startswith("agent-") else child
-            by_kind[kind] = by_kind.get(kind, 0) + 1
+    for event in _events(run.state.log_path("supervisor"), "child_unresponsive"):
+        child = str(event.get("child", "?"))
+        kind = "agent" if child.startswith("agent-") else child
+        by_kind[kind] = by_kind.get(kind, 0) + 1
     return by_kind
+
+
+def _log_figures(run: Run) -> dict[str, Any]:
+    gaps = _events(run.state.log_path("supervisor"), "supervisor_resumed_after_gap")
+    withheld = sum(len(_events(path, "heartbeat_withheld"))
+                   for path in run.state.logs_dir.glob("*.log"))
+    return {"busy_supervisor_gaps": len(gaps),
+            "busy_supervisor_gap_max_s": max((float(g.get("gap_s", 0)) for g in gaps),
+                                             default=0.0),
+            "busy_heartbeats_withheld": withheld}
 
 
 def busy_figures(root: Path, agents: int, duration_s: float, command_s: float) -> dict[str, Any]:
@@ -175,6 +196,7 @@ def busy_figures(root: Path, agents: int, duration_s: float, command_s: float) -
     kills = _unresponsive(bench)
     out["busy_heartbeat_kills"] = sum(kills.values())
     out["busy_heartbeat_kills_by_kind"] = kills
+    out.update(_log_figures(bench))
     return out
 
 
