@@ -18,6 +18,9 @@ Figures:
     busy_calls_total            tool calls the agents completed (heartbeat values)
     busy_seen_in_call_max       most agents `supervisor status` showed busy in a call
                                 at one sample; busy_since_max_s the longest such call
+    busy_ops_sampled            which calls status showed the agents in, summed over
+                                the samples (bash, append, model, read)
+    busy_core_cpu_percent_max   the busiest sample of the writer, broker and procs
     busy_heartbeats_withheld    beats the children's watchdogs held back (a main
                                 thread that showed no life): 0 in a healthy run
     busy_supervisor_gaps        times the supervisor's loop stalled past its gap
@@ -177,13 +180,23 @@ def busy_figures(root: Path, agents: int, duration_s: float, command_s: float) -
         out["busy_all_running_s"] = round(time.perf_counter() - t0, 1)
         out["busy_agents_started"] = len(running)
         seen_max, since_max = 0, 0.0
+        ops: dict[str, int] = {}
+        cpu: dict[str, float] = {}
         until = time.monotonic() + duration_s
         while time.monotonic() < until:
             children = bench.status()
             busy = [c for c in children if c.kind == "agent" and c.busy is not None]
             seen_max = max(seen_max, len(busy))
             since_max = max([since_max, *(c.busy.since_s for c in busy if c.busy)])
+            for c in busy:
+                if c.busy is not None:
+                    ops[c.busy.op] = ops.get(c.busy.op, 0) + 1
+            for c in children:
+                if c.kind != "agent" and c.cpu_percent is not None:
+                    cpu[c.name] = max(cpu.get(c.name, 0.0), c.cpu_percent)
             time.sleep(min(2.0, max(0.0, until - time.monotonic())))  # the sampling period
+        out["busy_ops_sampled"] = ops  # which calls the agents were seen in, summed
+        out["busy_core_cpu_percent_max"] = cpu  # writer, broker, procs: busiest sample
         children = bench.status()
         agents_now = [c for c in children if c.kind == "agent"]
         out["busy_agents_running"] = sum(1 for c in agents_now if c.state == "running")
