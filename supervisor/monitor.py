@@ -101,20 +101,23 @@ class GapDetector:
     stopped but, on Linux, not while the machine sleeps; CLOCK_BOOTTIME runs
     in both cases; the larger of the two deltas is the gap."""
 
-    def __init__(self, heartbeat_timeout_s: float,
-                 boottime: Callable[[], float] = _boottime) -> None:
-        self.threshold_s = max(0.5, heartbeat_timeout_s / 4)
+    def __init__(self, boottime: Callable[[], float] = _boottime) -> None:
         self._boottime = boottime
         self._last: tuple[float, float] | None = None
 
-    def gap(self, now: float) -> float | None:
+    @staticmethod
+    def threshold_s(heartbeat_timeout_s: float) -> float:
+        """A loop turn longer than this was not the loop's own work."""
+        return max(0.5, heartbeat_timeout_s / 4)
+
+    def gap(self, now: float, heartbeat_timeout_s: float) -> float | None:
         """The time since the last call when it exceeds the threshold, else None."""
         boot = self._boottime()
         last, self._last = self._last, (now, boot)
         if last is None:
             return None
         delta = max(now - last[0], boot - last[1])
-        return delta if delta > self.threshold_s else None
+        return delta if delta > self.threshold_s(heartbeat_timeout_s) else None
 
 
 class Sampler:

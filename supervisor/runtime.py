@@ -68,8 +68,6 @@ class Runtime:
         self.control = ControlServer(self.ctx, state_dir)
         self.sampler = monitor.Sampler()
         self.base_env = dict(os.environ)
-        # the children's heartbeat pulse stops beating for a main thread stalled this long
-        self.base_env[ENV_HEARTBEAT_TIMEOUT] = repr(config.heartbeat.timeout_s)
         self.fork_queue: deque[Child] = deque()
         self.in_flight = 0
         self.zygote: spawner.ZygoteLink | None = None
@@ -81,7 +79,7 @@ class Runtime:
         self._signals: deque[int] = deque()
         self._wake_r, self._wake_w = os.pipe()
         self._next_status = 0.0
-        self.gaps = monitor.GapDetector(self.config.heartbeat.timeout_s)
+        self.gaps = monitor.GapDetector()
         self.listening_since = 0.0  # monotonic: silence before this is not counted
 
     # --- main loop ---------------------------------------------------------------
@@ -99,7 +97,7 @@ class Runtime:
         try:
             while True:
                 now = time.monotonic()
-                gap_s = self.gaps.gap(now)
+                gap_s = self.gaps.gap(now, self.config.heartbeat.timeout_s)
                 if gap_s is not None:  # stopped or suspended: we could not listen
                     self.listening_since = now
                     log.warning("supervisor_resumed_after_gap", gap_s=round(gap_s, 3))
@@ -130,6 +128,11 @@ class Runtime:
             signal.set_wakeup_fd(-1)
             log.info("supervisor_stopped", exit_code=self.exit_code)
         return self.exit_code
+
+    def _child_base_env(self) -> dict[str, str]:
+        """The environment every child starts from: ours, plus the heartbeat timeout
+        (the children's pulse stops beating for a main thread stalled that long)."""
+        return {**self.base_env, ENV_HEARTBEAT_TIMEOUT: repr(self.config.heartbeat.timeout_s)}
 
     def _timeout_ms(self, now: float) -> int:
         wake = [self._next_status]
@@ -199,7 +202,7 @@ class Runtime:
             self._flush_forks()
             return
         argv = commands.argv_for(child.spec, self.config, self.state_dir)
-        env = spawner.child_env(self.base_env, self.control.endpoint, child.name)
+        env = spawner.child_env(self._child_base_env(), self.control.endpoint, child.name)
         try:
             pid = spawner.spawn_command(argv, env)
         except SpawnError as exc:
@@ -252,7 +255,8 @@ class Runtime:
 
     def _start_zygote(self, now: float) -> None:
         link = spawner.ZygoteLink(commands.zygote_args(self.config, self.state_dir),
-                                  spawner.child_env(self.base_env, self.control.endpoint, "zygote"))
+                                  spawner.child_env(self._child_base_env(),
+                                                    self.control.endpoint, "zygote"))
         try:
             pid = link.start()
         except SpawnError as exc:

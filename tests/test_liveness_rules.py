@@ -146,16 +146,18 @@ def test_a_final_beat_leaves_before_the_pulse_closes(
 # --- the supervisor's side ----------------------------------------------------------------
 def test_the_gap_detector_sees_a_stop_and_a_suspend() -> None:
     boot = [100.0]
-    gaps = GapDetector(heartbeat_timeout_s=2.0, boottime=lambda: boot[0])
-    assert gaps.gap(10.0) is None  # first turn
+    gaps = GapDetector(boottime=lambda: boot[0])
+    assert gaps.gap(10.0, 2.0) is None  # first turn
     boot[0] += 0.1
-    assert gaps.gap(10.1) is None  # an ordinary turn
+    assert gaps.gap(10.1, 2.0) is None  # an ordinary turn
     boot[0] += 3.0
-    assert gaps.gap(13.1) == pytest.approx(3.0)  # SIGSTOP: both clocks ran
+    assert gaps.gap(13.1, 2.0) == pytest.approx(3.0)  # SIGSTOP: both clocks ran
     boot[0] += 60.0  # suspend: CLOCK_MONOTONIC stood still, CLOCK_BOOTTIME did not
-    assert gaps.gap(13.15) == pytest.approx(60.0)
+    assert gaps.gap(13.15, 2.0) == pytest.approx(60.0)
     boot[0] += 0.1
-    assert gaps.gap(13.25) is None
+    assert gaps.gap(13.25, 2.0) is None
+    boot[0] += 2.0
+    assert gaps.gap(15.25, 10.0) is None  # under a 10 s timeout, 2 s is no gap (2.5 s is)
 
 
 def _child(state: str = "running") -> Child:
