@@ -252,6 +252,7 @@ def test_stale_workspace_is_refused_and_nothing_changes(tmp: Path) -> None:
 
 
 @pytest.mark.process
+@pytest.mark.timeout(180)  # about 20 interpreters in a row: 30 s quiet, 60+ s on a loaded host
 def test_sigkill_at_every_step_of_an_apply_applies_it_exactly_once(
     tmp: Path, processes: ProcessTracker, state_dir: StateDir,
 ) -> None:
