@@ -22,6 +22,7 @@ SUITES = {
     "procs": "ops.bench_procs",
     "subagents": "ops.bench_subagents",
     "fileops": "ops.bench_fileops",
+    "status": "ops.bench_status",
 }
 
 

@@ -240,8 +240,10 @@ def _agent_command(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    # The fast path (docs/supervisor.md): no pydantic, no broker.protocol; the
+    # reply is checked by supervisor/statusclient.py.
     from broker.statedir import StateDir
-    from supervisor import client, statusfile, statusview
+    from supervisor import client, statusclient, statusfile, statusview
 
     state_dir = StateDir.at(args.state_dir)
     names: list[str] = args.names
@@ -249,19 +251,16 @@ def _status(args: argparse.Namespace) -> int:
         if not client.running(state_dir):
             print(f"{PROG}: no supervisor for {state_dir.root}", file=sys.stderr)
             return EXIT_NO_SUPERVISOR
-        from broker import protocol
-        from broker.errors import CorralError
-        from broker.requester import new_msg_id
-
         stale: float | None = None
         try:
-            reply = client.ask(state_dir, protocol.StatusRequest(msg_id=new_msg_id("st")),
-                               timeout_s=STATUS_TIMEOUT_S)
-            data: dict[str, Any] | None = reply.model_dump(mode="json")
-        except client.NoSupervisorError:
-            print(f"{PROG}: no supervisor for {state_dir.root}", file=sys.stderr)
-            return EXIT_NO_SUPERVISOR
-        except CorralError:
+            data: dict[str, Any] | None = statusclient.ask_status(state_dir, STATUS_TIMEOUT_S)
+        except statusclient.RefusedError as exc:
+            print(f"{PROG}: status refused: {exc.detail}", file=sys.stderr)
+            return EXIT_FAILED
+        except statusclient.NoAnswerError:
+            if not client.running(state_dir):
+                print(f"{PROG}: no supervisor for {state_dir.root}", file=sys.stderr)
+                return EXIT_NO_SUPERVISOR
             data = statusfile.read(state_dir.status_path)
             if data is None:
                 print(f"{PROG}: no answer from the supervisor of {state_dir.root} and "

@@ -1,0 +1,105 @@
+"""`supervisor status`'s request on the control socket, without pydantic.
+
+`status` is the command operators run most (and in loops): its cost is almost
+all interpreter start and imports, so this path loads only ZeroMQ and msgpack.
+It sends the one `status_request` frame of docs/protocol.md and checks the
+reply by hand: a map with `v` 1, the request's `msg_id`, kind `status_reply`
+(or `error`), and the fields the status view reads, of the right types. A
+reply that is not that is treated like no reply (the caller falls back to
+run/status.json, marked stale). broker/protocol.py stays the normative
+definition; tests/test_statusclient.py checks both agree.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from broker.statedir import StateDir
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+
+class NoAnswerError(Exception):
+    """The supervisor did not answer in time (or answered garbage)."""
+
+
+class RefusedError(Exception):
+    """The supervisor answered with an `error` reply."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+_CHILD_FIELDS: dict[str, tuple[type, ...]] = {
+    "name": (str,), "kind": (str,), "state": (str,), "restarts": (int,),
+    "pid": (int, type(None)), "uptime_s": (int, float, type(None)),
+    "last_exit": (str, type(None)), "cpu_percent": (int, float, type(None)),
+    "rss_bytes": (int, type(None)), "uss_bytes": (int, type(None)),
+    "heartbeat_age_s": (int, float, type(None)), "values": (dict,),
+}
+
+
+def _valid(reply: dict[str, Any]) -> bool:
+    if not isinstance(reply.get("supervisor_pid"), int) \
+            or not isinstance(reply.get("state_dir"), str) \
+            or not isinstance(reply.get("started_at"), (int, float)):
+        return False
+    children = reply.get("children")
+    if not isinstance(children, list):
+        return False
+    for child in children:
+        if not isinstance(child, dict):
+            return False
+        for key, types in _CHILD_FIELDS.items():
+            if key in child and not isinstance(child[key], types):
+                return False
+        if not isinstance(child.get("name"), str) or not isinstance(child.get("state"), str):
+            return False
+    return True
+
+
+def ask_status(state_dir: StateDir, timeout_s: float) -> dict[str, Any]:
+    """The supervisor's `status_reply` as plain data (with `kind`, without `v`).
+
+    Raises NoAnswerError (no valid reply within `timeout_s`) or RefusedError."""
+    msg_id = f"st{os.getpid():x}.{time.monotonic_ns():x}"
+    frame = msgpack.packb({"kind": "status_request", "msg_id": msg_id, "v": PROTOCOL_VERSION},
+                          use_bin_type=True)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock.connect(state_dir.endpoint("supervisor"))
+        deadline = time.monotonic() + timeout_s
+        if not sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+            raise NoAnswerError("no connection to the control socket")
+        sock.send(frame, zmq.NOBLOCK)
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+                raise NoAnswerError(f"no status reply within {timeout_s}s")
+            try:
+                reply = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=True,
+                                        max_ext_len=0)
+            except (ValueError, TypeError, msgpack.UnpackException):
+                continue
+            if not isinstance(reply, dict) or reply.get("msg_id") != msg_id \
+                    or reply.pop("v", None) != PROTOCOL_VERSION:
+                continue
+            if reply.get("kind") == "error":
+                raise RefusedError(str(reply.get("code")), str(reply.get("detail")))
+            if reply.get("kind") == "status_reply" and _valid(reply):
+                return reply
+            raise NoAnswerError("the status reply is malformed")
+    finally:
+        sock.close(linger=0)
+        ctx.term()
