@@ -9,6 +9,7 @@
     supervisor reload [--json]                          re-read the configuration (SIGHUP)
     supervisor kill NAME|all [--signal SIG] [--json]
     supervisor logs [-f] [--actor A] [--level L] [--since T] [--json]
+    supervisor trace AGENT [-f] [--since SEQ] [--json]  an agent's session, readable (trace.py)
     supervisor wal verify ...
     supervisor run [CONFIG] [--agents N]                (supervisor/run.py)
     supervisor spawn NAME --task FILE [--model M] [--json]   (supervisor/agentcli.py)
@@ -103,6 +104,12 @@ def _positive(text: str) -> float:
     return value
 
 
+def _seq(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a WAL seq (a whole number >= 1)")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--state-dir", default=os.environ.get("CORRAL_STATE_DIR"),
@@ -145,6 +152,13 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("--level", default=None, choices=["debug", "info", "warning", "error"])
     logs.add_argument("--since", default=None, help="30s, 5m, 2h, 1d or an ISO time")
     logs.add_argument("--json", action="store_true")
+    trace = sub.add_parser("trace", parents=[common],
+                           help="an agent's session as a person reads it (from the WAL)")
+    trace.add_argument("agent", metavar="AGENT")
+    trace.add_argument("-f", "--follow", action="store_true", help="keep printing new records")
+    trace.add_argument("--since", type=_seq, default=1, metavar="SEQ",
+                       help="start at this WAL seq (default 1)")
+    trace.add_argument("--json", action="store_true", help="one JSON object per record")
     sub.add_parser("wal", help="`wal verify ...`: check the WAL (see wal verify --help)")
     _agent_parsers(sub, common, as_json)
     completion = sub.add_parser("completion", help="print a shell completion script")
@@ -333,6 +347,20 @@ def _logs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _trace(args: argparse.Namespace) -> int:
+    from broker.errors import CorralError
+    from broker.statedir import StateDir, check_actor_name
+    from supervisor import trace
+
+    try:
+        check_actor_name(args.agent)
+    except CorralError as exc:
+        print(f"{PROG}: trace: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return trace.run(StateDir.at(args.state_dir), args.agent, since=args.since,
+                     follow=args.follow, json_out=args.json)
+
+
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "up": _up,
     "status": _status,
@@ -343,6 +371,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "remove": _control,
     "reload": _control,
     "logs": _logs,
+    "trace": _trace,
     "run": _agent_command,
     "spawn": _agent_command,
     "approve": _agent_command,

@@ -241,7 +241,8 @@ class AgentLoop:
             if isinstance(parsed, Rejected):
                 self._append("schema_reject", {"call_id": cid, "op": parsed.op,
                                                "errors": parsed.errors}, key=f"c{cid}:reject")
-                self.log.info("action_rejected", call_id=cid, op=parsed.op)
+                self.log.info("action_rejected", call_id=cid, op=parsed.op,
+                              reason="; ".join(parsed.errors)[:500])
                 return Step.PROGRESS
             return self._gate_and_dispatch(call, parsed)
         return Step.PROGRESS  # every call settled: the fold has closed the turn
@@ -258,6 +259,9 @@ class AgentLoop:
             if verdict.verdict == "ask":
                 payload["request"] = f"req-{cid}"
             self._append("permission", payload, key=f"c{cid}:perm")
+            if verdict.verdict in ("deny", "excluded", "refused"):
+                self.log.info("action_refused", call_id=cid, op=op.op, decision=verdict.verdict,
+                              rule=verdict.rule, reason=verdict.reason or verdict.verdict)
             if verdict.verdict == "ask":
                 self._request(call, op, verdict.pattern)
             return Step.PROGRESS
@@ -290,7 +294,7 @@ class AgentLoop:
             "kind": "clarification" if op.needs_operator else "permission",
             "question": question, "agent": self.name,
         }, key=f"c{call.call_id}:req", ledger="approvals")
-        self.log.info("approval_requested", request=request, op=op.op)
+        self.log.info("approval_requested", request=request, op=op.op, pattern=pattern)
 
     def _context(self, answer: dict[str, Any] | None, call_id: str | None = None,
                  call: Call | None = None) -> OpContext:
@@ -387,7 +391,8 @@ class AgentLoop:
         turn = self.state.open_turn
         self._append("turn_aborted", {"turn": turn, "reason": "recovery", "calls": calls},
                      key=f"t{turn}:aborted")
-        self.log.warning("turn_aborted", turn=turn, calls=len(calls))
+        self.log.warning("turn_aborted", turn=turn, calls=len(calls),
+                         ops=[f"{c['call_id']} {c['op']}" for c in calls])
 
 
 def _replay_safe(call: Call) -> bool:

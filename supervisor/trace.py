@@ -1,0 +1,306 @@
+"""`supervisor trace AGENT [-f] [--since SEQ] [--json]`: an agent's session as a
+person reads it, from its WAL stream `agent/<name>`.
+
+Where the records come from: while the writer runs (its lock `run/writer.lock`
+is held), its `read_stream` pages (actors/writer/client.py), so only durable
+records are shown; when it does not run, or does not answer, the WAL segments
+are read directly, read-only (a torn final record is not shown; it is shown
+once complete). `-f` asks again from the next seq every `FOLLOW_INTERVAL_S`.
+
+What is printed: one line per fact, `#seq time` then what happened: session
+starts and exits (with the reason: finished, max_turns, budget), each turn's
+model text and its actions with their arguments, each call's verdict (rule,
+reason), approvals asked and answered, starts with their effect, results
+(bounded to `RESULT_CHARS`), schema rejects, aborted turns and what recovery
+found, subagent usage and change sets, budget resumes, todos. Strings are
+clipped to `ARG_CHARS`. Secrets stay sealed: the WAL holds terminal input only
+as `{sha256, bytes}` (actors/agent/vault.py), printed as `<sealed N bytes
+sha256:...>`. `--json` prints each record as one JSON object (seq, ts, event,
+origin, payload as stored: the same sealed values).
+
+Exit codes: 0 printed (or followed until Ctrl-C); 1 no such agent (no record
+of its stream and no agent directory; with `-f` it is waited for instead), or
+the WAL cannot be read; 2 usage.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime
+from typing import Any, TextIO
+
+import zmq
+
+from actors.writer.client import WriterClient
+from actors.writer.wal import TornTail, WalRecord, iter_segment, list_segments
+from broker.errors import CorralError
+from broker.pidlock import is_held
+from broker.statedir import StateDir
+
+FOLLOW_INTERVAL_S = 0.25
+ARG_CHARS = 120
+RESULT_CHARS = 400
+PAGE = 512
+
+
+class TraceError(Exception):
+    """The stream cannot be read (the reason is the message)."""
+
+
+# --- reading ------------------------------------------------------------------------
+class SegmentReader:
+    """The stream's records straight from the WAL segments, read-only. Remembers
+    where it stopped, so following rescans only what was appended since."""
+
+    def __init__(self, state_dir: StateDir, stream: str) -> None:
+        self.wal_dir = state_dir.wal_dir
+        self.stream = stream
+        self._segment: int | None = None  # first seq of the segment being read
+        self._offset = 0
+
+    def read(self, from_seq: int) -> list[WalRecord]:
+        segments = list_segments(self.wal_dir)
+        if self._segment is None or self._segment not in {s for s, _ in segments}:
+            # start in the last segment whose first seq is <= from_seq
+            start = [s for s, _ in segments if s <= from_seq]
+            self._segment = start[-1] if start else (segments[0][0] if segments else None)
+            self._offset = 0
+        out: list[WalRecord] = []
+        for first, path in segments:
+            if self._segment is None or first < self._segment:
+                continue
+            if first > self._segment:
+                self._segment, self._offset = first, 0
+            try:
+                for offset, record in iter_segment(path, self._offset):
+                    if isinstance(record, TornTail):
+                        return out  # incomplete: shown once the writer finishes it
+                    self._offset = offset + len(record.line)
+                    if record.stream == self.stream and record.seq >= from_seq:
+                        out.append(record)
+            except (OSError, CorralError) as exc:
+                raise TraceError(f"cannot read {path}: {exc}") from exc
+        return out
+
+
+class WriterReader:
+    """The stream's durable records through the writer's `read_stream` pages."""
+
+    def __init__(self, state_dir: StateDir, stream: str) -> None:
+        self.stream = stream
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._client = WriterClient(self._ctx, state_dir, "operator-trace", timeout_s=2.0,
+                                    retries=1)
+
+    def read(self, from_seq: int) -> list[WalRecord]:
+        return list(self._client.read_stream(self.stream, from_seq, PAGE))
+
+    def close(self) -> None:
+        self._client.close()
+        self._ctx.destroy(linger=0)
+
+
+class Source:
+    """The writer while it runs and answers, else the segments."""
+
+    def __init__(self, state_dir: StateDir, stream: str) -> None:
+        self.state_dir = state_dir
+        self.stream = stream
+        self.segments = SegmentReader(state_dir, stream)
+        self.writer: WriterReader | None = None
+        self.used = "segments"
+
+    def _writer_up(self) -> bool:
+        return is_held(self.state_dir.run_dir / "writer.lock")
+
+    def read(self, from_seq: int) -> list[WalRecord]:
+        if self._writer_up():
+            try:
+                if self.writer is None:
+                    self.writer = WriterReader(self.state_dir, self.stream)
+                records = self.writer.read(from_seq)
+            except CorralError:
+                self.close()  # no answer (restarting, or refusing us): the files
+            else:
+                self.used = "writer"
+                return records
+        self.used = "segments"
+        return self.segments.read(from_seq)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+# --- rendering ----------------------------------------------------------------------
+def _sealed(value: object) -> bool:
+    return isinstance(value, dict) and set(value) == {"sha256", "bytes"}
+
+
+def value_text(value: object, limit: int = ARG_CHARS) -> str:
+    """A payload value in one bounded line; sealed input stays sealed."""
+    if _sealed(value):
+        assert isinstance(value, dict)
+        return f"<sealed {value['bytes']} bytes sha256:{str(value['sha256'])[:12]}>"
+    if isinstance(value, str):
+        text = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, dict):
+        text = "{" + ", ".join(f"{k}: {value_text(v, limit)}" for k, v in value.items()) + "}"
+    elif isinstance(value, list):
+        text = "[" + ", ".join(value_text(v, limit) for v in value) + "]"
+    else:
+        text = json.dumps(value)
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} chars)"
+    return text
+
+
+def _action(action: object) -> str:
+    if not isinstance(action, dict):
+        return f"(not an object) {value_text(action)}"
+    op = action.get("op", "?")
+    args = ", ".join(f"{k}={value_text(v)}" for k, v in action.items() if k != "op")
+    return f"{op}({args})"
+
+
+def _effect(effect: object) -> str:
+    if not isinstance(effect, dict):
+        return ""
+    before = str(effect.get("before_sha") or "none")[:8]
+    after = str(effect.get("after_sha") or "none")[:8]
+    return f" writes {effect.get('path')} ({before} -> {after})"
+
+
+def _lines(event: str, p: dict[str, Any]) -> list[str]:
+    cid = p.get("call_id", "")
+    match event:
+        case "session_start":
+            how = "resumed" if p.get("resumed") else "started"
+            return [f"session {p.get('segment')} {how}: task {p.get('task')}, "
+                    f"backend {p.get('backend')}, max {p.get('max_turns')} turns"]
+        case "session_exit":
+            extra = " (resumable: `supervisor resume`)" if p.get("resumable") else ""
+            head = {"budget": "BUDGET STOP", "max_turns": "MAX TURNS"}.get(
+                str(p.get("reason")), str(p.get("reason")))
+            line = f"session exit: {head} at turn {p.get('turn')}{extra}"
+            if p.get("summary"):
+                line += f": {value_text(p['summary'], RESULT_CHARS)}"
+            return [line]
+        case "turn":
+            usage = p.get("usage") or {}
+            lines = [f"turn {p.get('turn')} ({p.get('backend')}, "
+                     f"{usage.get('tokens_in', 0)}+{usage.get('tokens_out', 0)} tokens)"]
+            if p.get("text"):
+                lines.append(f"  model: {value_text(p['text'], RESULT_CHARS)}")
+            actions = p.get("actions") or []
+            for index, action in enumerate(actions if isinstance(actions, list) else []):
+                lines.append(f"  action {p.get('turn')}.{index}: {_action(action)}")
+            return lines
+        case "tool_call":
+            return [f"  call {cid}: {p.get('op') or '(invalid action)'}"]
+        case "schema_reject":
+            return [f"  call {cid}: REJECTED {p.get('op')}: {value_text(p.get('errors'))}"]
+        case "permission":
+            line = f"  call {cid}: {p.get('op')} -> {str(p.get('decision')).upper()}"
+            line += f" (rule {p.get('rule')})"
+            if p.get("reason"):
+                line += f": {p['reason']}"
+            if p.get("request"):
+                line += f" [{p['request']}]"
+            return [line]
+        case "approval_requested":
+            what = (f"asks the operator: {value_text(p.get('question'))}"
+                    if p.get("kind") == "clarification"
+                    else f"asks approval for {p.get('op')} on {p.get('pattern')}")
+            return [f"  {p.get('request')}: {what}"]
+        case "approval_answer":
+            line = f"  {p.get('request')}: operator answered {str(p.get('decision')).upper()}"
+            if p.get("always"):
+                line += f" (always: {p.get('op')} on {p.get('pattern')})"
+            if p.get("note"):
+                line += f", note {value_text(p['note'])}"
+            return [line]
+        case "tool_start":
+            return [f"  call {cid}: start {p.get('op')}{_effect(p.get('effect'))}"]
+        case "tool_result":
+            return [f"  call {cid}: {p.get('op')} {str(p.get('status')).upper()}: "
+                    f"{value_text(p.get('result'), RESULT_CHARS)}"]
+        case "turn_aborted":
+            calls = p.get("calls") or []
+            applied: dict[object, str] = {True: "applied", False: "not applied"}
+            found = "; ".join(
+                f"{c.get('call_id')} {c.get('op')} effect "
+                f"{applied.get(c.get('effect_applied'), 'unknown')}"
+                for c in calls if isinstance(c, dict))
+            return [f"turn {p.get('turn')} ABORTED ({p.get('reason')}): {found or 'no calls'}"]
+        case "budget_resumed":
+            return [f"budget resumed by the operator: +{p.get('tokens')} tokens, "
+                    f"+{p.get('cost_units')} cost units"]
+        case "subagent_usage":
+            return [f"  subagent {p.get('subagent_id')} used {p.get('tokens')} tokens, "
+                    f"{p.get('cost_units')} cost units"]
+        case "todos":
+            items = p.get("items") or []
+            done = sum(1 for i in items if isinstance(i, dict) and i.get("done"))
+            return [f"  todos: {done}/{len(items)} done"]
+        case _:
+            return [f"  {event}: {value_text(p, RESULT_CHARS)}"]
+
+
+def render(record: WalRecord) -> str:
+    """The record as text: `#seq HH:MM:SS.mmm ` then its lines."""
+    try:
+        payload = record.payload()
+    except ValueError:
+        payload = None
+    when = datetime.fromtimestamp(record.ts).strftime("%H:%M:%S.%f")[:-3]
+    body = _lines(record.event, payload) if isinstance(payload, dict) else [
+        f"  {record.event}: (payload is not an object)"]
+    if record.origin not in ("", record.stream.removeprefix("agent/")) \
+            and record.event != "approval_answer":
+        body[0] += f"  [by {record.origin}]"
+    prefix = f"#{record.seq:<7} {when} "
+    return "\n".join([prefix + body[0], *(" " * len(prefix) + line for line in body[1:])])
+
+
+def as_json(record: WalRecord) -> str:
+    try:
+        payload: Any = record.payload()
+    except ValueError:
+        payload = None
+    return json.dumps({"seq": record.seq, "ts": record.ts, "stream": record.stream,
+                       "event": record.event, "origin": record.origin, "payload": payload},
+                      ensure_ascii=False)
+
+
+# --- the command --------------------------------------------------------------------
+def run(state_dir: StateDir, agent: str, *, since: int, follow: bool, json_out: bool,
+        out: TextIO = sys.stdout) -> int:
+    stream = f"agent/{agent}"
+    source = Source(state_dir, stream)
+    next_seq = since
+    try:
+        batch = source.read(next_seq)
+        if not batch and not state_dir.agent_dir(agent).exists():
+            if not follow:
+                print(f"supervisor: no agent {agent} in {state_dir.root} (no record of "
+                      f"{stream})", file=sys.stderr)
+                return 1
+            print(f"supervisor: no record of {stream} yet; waiting for it", file=sys.stderr)
+        while True:
+            for record in batch:
+                out.write((as_json(record) if json_out else render(record)) + "\n")
+                next_seq = record.seq + 1
+            out.flush()
+            if not follow:
+                return 0
+            time.sleep(FOLLOW_INTERVAL_S)  # polling the writer: nothing to wait on
+            batch = source.read(next_seq)
+    except TraceError as exc:
+        print(f"supervisor: trace {agent}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        source.close()
