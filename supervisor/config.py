@@ -130,6 +130,20 @@ class BrokerOptions(_Strict):
     heartbeat_misses: Annotated[int, Field(ge=1)] | None = None
 
 
+class MetricsConfig(_Strict):
+    # host:port of the Prometheus endpoint (loopback only; port 0: any free port,
+    # written to run/metrics.port); null: no endpoint (supervisor/metrics.py)
+    listen: str | None = None
+
+    @model_validator(mode="after")
+    def _loopback(self) -> MetricsConfig:
+        if self.listen is not None:
+            from supervisor.metrics import parse_listen  # noqa: PLC0415 - only when set
+
+            parse_listen(self.listen)
+        return self
+
+
 class Config(_Strict):
     logging: LoggingConfig = LoggingConfig()
     heartbeat: HeartbeatConfig = HeartbeatConfig()
@@ -140,6 +154,7 @@ class Config(_Strict):
     agents: AgentsGroup = AgentsGroup()
     agent: AgentSettings = AgentSettings()  # the agent loop: bounds, gate rules, backends
     run: RunSettings = RunSettings()  # `supervisor run`
+    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
     def _check_calls(self) -> Config:

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import structlog
 import zmq
@@ -39,6 +40,9 @@ EXIT_WAL_CORRUPT = 65  # the writer found the WAL corrupt: the operator must act
 EXIT_CORE_GAVE_UP = 69  # the writer or the broker gave up (EX_UNAVAILABLE)
 FORKS_IN_FLIGHT = 8  # forks asked of the zygote and not yet answered (flow control)
 ZYGOTE_POLICY = Policy(max_restarts=5, period_s=60.0, base_s=0.2, cap_s=5.0)
+
+if TYPE_CHECKING:
+    from supervisor.metrics import MetricsServer
 
 log = structlog.get_logger("supervisor")
 
@@ -81,11 +85,13 @@ class Runtime:
         self._next_status = 0.0
         self.gaps = monitor.GapDetector()
         self.listening_since = 0.0  # monotonic: silence before this is not counted
+        self.metrics: MetricsServer | None = None  # started by run() when configured
 
     # --- main loop ---------------------------------------------------------------
     def run(self) -> int:
         lifeline.become_subreaper()
         self._install_signals()
+        self._start_metrics()
         log.info("supervisor_started", state_dir=str(self.state_dir.root),
                  children=len(self.children), endpoint=self.control.endpoint)
         if self.use_zygote and any(c.kind == "agent" for c in self.children.values()):
@@ -123,6 +129,8 @@ class Runtime:
                     self._on_message(incoming, time.monotonic())
         finally:
             self._publish_status(time.monotonic())
+            if self.metrics is not None:
+                self.metrics.close()
             self.control.close()
             self.ctx.destroy(linger=0)
             signal.set_wakeup_fd(-1)
@@ -523,11 +531,30 @@ class Runtime:
         )
 
     def _publish_status(self, now: float) -> None:
+        status = self._status("status-file", now).model_dump(mode="json")
+        if self.metrics is not None:
+            self.metrics.update(status)
         try:
-            statusfile.write(self.state_dir.status_path,
-                             self._status("status-file", now).model_dump(mode="json"))
+            statusfile.write(self.state_dir.status_path, status)
         except OSError as exc:
             log.warning("status_write_failed", error=str(exc))
+
+    def _start_metrics(self) -> None:
+        """The Prometheus endpoint (`metrics.listen`); a port that cannot be bound is
+        logged and the runtime runs without it (metrics never stop the tree)."""
+        listen = self.config.metrics.listen
+        if listen is None:
+            return
+        from supervisor.metrics import MetricsServer  # noqa: PLC0415 - only when configured
+
+        server = MetricsServer(listen, self.state_dir.run_dir / "metrics.port")
+        try:
+            port = server.start()
+        except OSError as exc:
+            log.error("metrics_listen_failed", listen=listen, error=str(exc))
+            return
+        self.metrics = server
+        log.info("metrics_listening", host=server.host, port=port)
 
     # --- signals -----------------------------------------------------------------
     def _install_signals(self) -> None:

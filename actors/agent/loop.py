@@ -159,7 +159,9 @@ class AgentLoop:
             "turn": s.turn, "phase": PHASE_CODES[s.phase], "tool_calls": s.counts.tool_calls,
             "last_op": names.index(s.last_op) + 1 if s.last_op in names else 0,
             "waiting": len(s.pending_approvals()), "events": s.counts.events,
-            "rebuild_ms": self.rebuild_ms,
+            "rebuild_ms": self.rebuild_ms, "rejects": s.counts.rejects,
+            "aborts": s.counts.aborted, "tokens_used": s.budget.tokens_used,
+            "cost_used": round(s.budget.cost_used, 3),
         }
 
     # --- bounds ----------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from actors.writer.ledgers import Ledgers
@@ -37,6 +38,7 @@ class Batch:
     # set by the worker once durable
     segment_first_seq: int = 0
     offset: int = -1
+    sync_s: float = 0.0  # the fdatasync's duration (metrics: fsync latency histogram)
 
     def seal(self, first_seq: int) -> None:
         """Frame every staged body as its final line, naming the batch
@@ -115,7 +117,9 @@ class SyncWorker:
     def _make_durable(self, batch: Batch) -> None:
         batch.segment_first_seq = self.segment.first_seq
         batch.offset = self.segment.write(b"".join(batch.lines))
+        started = time.perf_counter()
         self.segment.sync()
+        batch.sync_s = time.perf_counter() - started
         for line, meta in zip(batch.lines, batch.meta, strict=True):
             if meta[4] is not None:
                 self.ledgers.add(meta[4], line)

@@ -26,7 +26,7 @@ import structlog
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from actors.writer import checkpoint
+from actors.writer import buckets, checkpoint
 from actors.writer.dedupe import DEFAULT_WINDOW
 from actors.writer.groupcommit import Ack, Batch, SyncWorker
 from actors.writer.ledgers import Ledgers
@@ -104,6 +104,7 @@ class Writer:
         # counters
         self.appends_total = self.duplicates_total = self.rejected_total = 0
         self.batches_total = self.fsyncs_total = self.max_batch_seen = 0
+        self.fsync_ms, self.batch_sizes = buckets.fsync_ms(), buckets.batch_records()
         self._rate_mark = (time.monotonic(), 0)
         self._rate = 0.0
 
@@ -354,6 +355,8 @@ class Writer:
         self.appends_total += count
         self.batches_total += 1
         self.max_batch_seen = max(self.max_batch_seen, count)
+        self.fsync_ms.observe(batch.sync_s * 1000)
+        self.batch_sizes.observe(count)
         self._send_acks(batch.acks)
         if self.segment.rotate_if_full(self.head + 1):
             self.log.info("wal_segment_rotated", segment=segment_name(self.segment.first_seq))
@@ -450,7 +453,8 @@ class Writer:
         )
 
     def values(self) -> dict[str, int | float]:
-        return dict(asdict(self.statistics()))
+        return {**asdict(self.statistics()), **self.fsync_ms.values(),
+                **self.batch_sizes.values()}
 
     def close(self) -> None:
         if self._auth is not None:
