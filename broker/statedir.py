@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from broker.errors import StateDirError
 
@@ -37,8 +37,7 @@ def check_actor_name(name: str) -> str:
     return name
 
 
-@dataclass(frozen=True)
-class StateDir:
+class StateDir(NamedTuple):  # not a dataclass: `supervisor status` skips importing inspect
     """Paths inside one state directory. Creating it is `ensure()`."""
 
     root: Path
