@@ -66,6 +66,20 @@ def _valid(reply: dict[str, Any]) -> bool:
     return True
 
 
+def _authenticate(sock: zmq.Socket[bytes], state_dir: StateDir) -> None:
+    """Present the operator's credential when the state directory has one
+    (`keys/operator.key`, written by the authenticated control socket's keyring:
+    lines magic, name, password, mint), without importing the auth module (it
+    loads zmq.auth and asyncio). No key file: a plain connection, as before."""
+    try:
+        lines = (state_dir.root / "keys" / "operator.key").read_bytes().split(b"\n")
+    except OSError:
+        return
+    if len(lines) >= 3 and lines[1] and lines[2]:
+        sock.setsockopt(zmq.PLAIN_USERNAME, lines[1])
+        sock.setsockopt(zmq.PLAIN_PASSWORD, lines[2])
+
+
 def ask_status(state_dir: StateDir, timeout_s: float) -> dict[str, Any]:
     """The supervisor's `status_reply` as plain data (with `kind`, without `v`).
 
@@ -78,6 +92,7 @@ def ask_status(state_dir: StateDir, timeout_s: float) -> dict[str, Any]:
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        _authenticate(sock, state_dir)
         sock.connect(state_dir.endpoint("supervisor"))
         deadline = time.monotonic() + timeout_s
         if not sock.poll(int(timeout_s * 1000), zmq.POLLOUT):

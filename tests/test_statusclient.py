@@ -125,3 +125,33 @@ def test_the_status_path_imports_no_pydantic(state_dir: StateDir,
     assert loaded.startswith("0 ")
     for module in ("pydantic", "yaml", "structlog", "broker.protocol"):
         assert f"'{module}" not in loaded, loaded
+
+
+def test_the_operator_credential_is_presented_when_there_is_one(state_dir: StateDir) -> None:
+    """A control socket that takes only authenticated connections (PLAIN + ZAP,
+    as the authenticated runtime's) answers the status client holding keys/operator.key."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    keys = state_dir.root / "keys"
+    keys.mkdir(mode=0o700)
+    (keys / "operator.key").write_bytes(b"corral-credential-1\noperator\ns3cret\n\n")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_plain(domain="*", passwords={"operator": "s3cret"})
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.PLAIN_SERVER, 1)
+    sock.bind(state_dir.endpoint("supervisor"))
+    try:
+        seen: list[protocol.Message] = []
+        thread = _serve(sock, lambda req: [protocol.encode(_reply(req.msg_id))], seen)
+        assert statusclient.ask_status(state_dir, timeout_s=10.0)["supervisor_pid"] == 99
+        thread.join(10)
+        (keys / "operator.key").write_bytes(b"corral-credential-1\noperator\nwrong\n\n")
+        with pytest.raises(statusclient.NoAnswerError):  # refused in the handshake
+            statusclient.ask_status(state_dir, timeout_s=1.0)
+    finally:
+        sock.close(linger=0)
+        auth.stop()
+        ctx.term()
