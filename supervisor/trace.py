@@ -226,8 +226,11 @@ def _lines(event: str, p: dict[str, Any]) -> list[str]:
         case "tool_start":
             return [f"  call {cid}: start {p.get('op')}{_effect(p.get('effect'))}"]
         case "tool_result":
+            result = p.get("result")
+            if isinstance(result, dict) and "subagent_id" in result:
+                return _subagent_result(cid, p, result)
             return [f"  call {cid}: {p.get('op')} {str(p.get('status')).upper()}: "
-                    f"{value_text(p.get('result'), RESULT_CHARS)}"]
+                    f"{value_text(result, RESULT_CHARS)}"]
         case "turn_aborted":
             calls = p.get("calls") or []
             applied: dict[object, str] = {True: "applied", False: "not applied"}
@@ -248,6 +251,29 @@ def _lines(event: str, p: dict[str, Any]) -> list[str]:
             return [f"  todos: {done}/{len(items)} done"]
         case _:
             return [f"  {event}: {value_text(p, RESULT_CHARS)}"]
+
+
+def _subagent_result(cid: object, p: dict[str, Any], r: dict[str, Any]) -> list[str]:
+    """A subagent op's result: its state and its change set (files, patch size)."""
+    head = (f"  call {cid}: {p.get('op')} {str(p.get('status')).upper()}: subagent "
+            f"{r.get('subagent_id')} {r.get('state')}")
+    if r.get("exit_code") is not None:
+        head += f" (exit {r['exit_code']})"
+    lines = [head]
+    files = r.get("files")
+    if isinstance(files, list):
+        names = ", ".join(f"{f.get('op')} {f.get('path')}" for f in files[:20]
+                          if isinstance(f, dict))
+        more = f" (+{len(files) - 20} more)" if len(files) > 20 else ""
+        lines.append(f"    change set {r.get('status')}: {len(files)} files, "
+                     f"{r.get('patch_bytes')} patch bytes: {names or 'none'}{more}")
+    if r.get("applied"):
+        lines.append("    applied to the workspace")
+    if r.get("error") or r.get("refusal"):
+        lines.append(f"    refused: {value_text(r.get('error') or r.get('refusal'))}")
+    if isinstance(r.get("patch"), str):
+        lines.append(f"    patch: {value_text(r['patch'], RESULT_CHARS)}")
+    return lines
 
 
 def render(record: WalRecord) -> str:

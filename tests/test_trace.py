@@ -143,3 +143,33 @@ def test_trace_of_a_real_agent_and_follow(processes: ProcessTracker, state_dir: 
     log = (state_dir.logs_dir / "traced.log").read_text()
     rejected = [json.loads(line) for line in log.splitlines() if "action_rejected" in line]
     assert rejected and rejected[0]["op"] == "write_file" and "content" in rejected[0]["reason"]
+
+
+def _record(event: str, payload: dict[str, Any], seq: int = 7) -> WalRecord:
+    line = encode_record(seq, 1.0, "agent/a1", event, "a1", f"k{seq}", None,
+                         json.dumps(payload).encode())
+    record = parse_record(line)
+    assert record is not None
+    return record
+
+
+def test_change_sets_aborts_and_budget_stops_read_plainly() -> None:
+    changes = trace.render(_record("tool_result", {
+        "call_id": "3.0", "op": "subagent_changes", "status": "ok", "result": {
+            "subagent_id": "sa-1", "state": "ended", "exit_code": 0, "status": "ready",
+            "files": [{"path": "src/a.py", "op": "modify"}, {"path": "b.md", "op": "add"}],
+            "patch_bytes": 321, "patch": "--- a/src/a.py\n+++ b/src/a.py\n" + "x" * 2000}}))
+    assert "subagent sa-1 ended (exit 0)" in changes
+    assert "change set ready: 2 files, 321 patch bytes: modify src/a.py, add b.md" in changes
+    assert "chars)" in changes and len(changes) < 1200  # the patch is bounded
+    aborted = trace.render(_record("turn_aborted", {"turn": 4, "reason": "recovery", "calls": [
+        {"call_id": "4.0", "op": "write_file", "effect_applied": True},
+        {"call_id": "4.1", "op": "edit_file", "effect_applied": None}]}))
+    assert ("turn 4 ABORTED (recovery): 4.0 write_file effect applied; "
+            "4.1 edit_file effect unknown") in aborted
+    budget = trace.render(_record("session_exit", {"reason": "budget", "resumable": True,
+                                                   "turn": 9, "summary": ""}))
+    assert "session exit: BUDGET STOP at turn 9 (resumable: `supervisor resume`)" in budget
+    resumed = trace.render(_record("budget_resumed", {"tokens": 500, "cost_units": 1.0,
+                                                      "segment": 1}))
+    assert "budget resumed by the operator: +500 tokens" in resumed
