@@ -19,7 +19,7 @@ from supervisor.cli import main
 from tests.processes import REPO_ROOT, ProcessTracker
 
 SUBCOMMANDS = ("up", "status", "stop", "start", "restart", "remove", "reload", "kill", "logs",
-               "run", "spawn", "approve", "deny", "resume", "completion")
+               "run", "spawn", "approve", "deny", "resume", "completion", "trace")
 
 
 def run_cli(state_dir: StateDir, *args: str, env: dict[str, str] | None = None,
@@ -87,6 +87,9 @@ def test_status_into_a_closed_pipe_ends_quietly(state_dir: StateDir) -> None:
     (("logs", "--since", "yesterday"), 2, "--since 'yesterday'"),
     (("status", "agent-1"), 3, "no supervisor for"),
     (("stop", "agent-1"), 3, "no supervisor for"),
+    (("trace", "bad/name"), 2, "bad/name"),
+    (("trace", "a1", "--since", "0"), 2, "'0' is not a WAL seq"),
+    (("trace", "nosuch"), 1, "no agent nosuch"),
 ])
 def test_every_refusal_is_one_line_with_its_exit_code(
     state_dir: StateDir, args: tuple[str, ...], code: int, words: str,
