@@ -136,6 +136,10 @@ class Source:
 
 
 # --- rendering ----------------------------------------------------------------------
+# what the model wrote reaches the operator's terminal: no escape sequences
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
 def _sealed(value: object) -> bool:
     return isinstance(value, dict) and set(value) == {"sha256", "bytes"}
 
@@ -289,6 +293,7 @@ def render(record: WalRecord) -> str:
             and record.event != "approval_answer":
         body[0] += f"  [by {record.origin}]"
     prefix = f"#{record.seq:<7} {when} "
+    body = [line.translate(_CONTROLS) for line in body]
     return "\n".join([prefix + body[0], *(" " * len(prefix) + line for line in body[1:])])
 
 
@@ -298,8 +303,7 @@ def as_json(record: WalRecord) -> str:
     except ValueError:
         payload = None
     return json.dumps({"seq": record.seq, "ts": record.ts, "stream": record.stream,
-                       "event": record.event, "origin": record.origin, "payload": payload},
-                      ensure_ascii=False)
+                       "event": record.event, "origin": record.origin, "payload": payload})
 
 
 # --- the command --------------------------------------------------------------------

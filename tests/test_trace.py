@@ -173,3 +173,14 @@ def test_change_sets_aborts_and_budget_stops_read_plainly() -> None:
     resumed = trace.render(_record("budget_resumed", {"tokens": 500, "cost_units": 1.0,
                                                       "segment": 1}))
     assert "budget resumed by the operator: +500 tokens" in resumed
+
+
+def test_the_model_cannot_reach_the_terminal_with_escape_sequences() -> None:
+    hostile = "\x1b]0;owned\x07\x1b[2J\x9b31m"
+    text = trace.render(_record("schema_reject", {"call_id": "1.0", "op": hostile,
+                                                  "errors": [hostile]}))
+    text += trace.render(_record("turn", {"turn": 1, "text": hostile, "usage": {},
+                                          "actions": [{"op": hostile, hostile: hostile}]}))
+    assert not any((ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0 for c in text)
+    assert "\\x1b" in text
+    assert all(ord(c) < 0x80 for c in trace.as_json(_record("turn", {"text": hostile})))
