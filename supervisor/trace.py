@@ -287,8 +287,13 @@ def render(record: WalRecord) -> str:
     except ValueError:
         payload = None
     when = datetime.fromtimestamp(record.ts).strftime("%H:%M:%S.%f")[:-3]
-    body = _lines(record.event, payload) if isinstance(payload, dict) else [
-        f"  {record.event}: (payload is not an object)"]
+    if not isinstance(payload, dict):
+        body = [f"  {record.event}: (payload is not an object)"]
+    else:
+        try:
+            body = _lines(record.event, payload)
+        except (AttributeError, TypeError, ValueError, KeyError):  # a field of another shape
+            body = [f"  {record.event}: {value_text(payload, RESULT_CHARS)}"]
     if record.origin not in ("", record.stream.removeprefix("agent/")) \
             and record.event != "approval_answer":
         body[0] += f"  [by {record.origin}]"

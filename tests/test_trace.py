@@ -184,3 +184,17 @@ def test_the_model_cannot_reach_the_terminal_with_escape_sequences() -> None:
     assert not any((ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0 for c in text)
     assert "\\x1b" in text
     assert all(ord(c) < 0x80 for c in trace.as_json(_record("turn", {"text": hostile})))
+
+
+@pytest.mark.parametrize(("event", "payload"), [
+    ("turn", {"turn": 1, "usage": [], "actions": "x"}),
+    ("todos", {"items": 5}),
+    ("turn_aborted", {"calls": 3}),
+    ("tool_result", {"result": {"subagent_id": 1, "files": [1, None]}}),
+    ("permission", {}),
+])
+def test_fields_of_another_shape_still_print(event: str, payload: dict[str, Any]) -> None:
+    """A record whose fields have unexpected types is printed, never a traceback."""
+    text = trace.render(_record(event, payload))
+    assert text.startswith("#7 ")
+    assert len(text.splitlines()) >= 1
