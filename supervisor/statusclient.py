@@ -63,6 +63,10 @@ def _valid(reply: dict[str, Any]) -> bool:
                 return False
         if not isinstance(child.get("name"), str) or not isinstance(child.get("state"), str):
             return False
+        busy = child.get("busy")
+        if busy is not None and not (isinstance(busy, dict) and isinstance(busy.get("op"), str)
+                                     and isinstance(busy.get("since_s"), (int, float))):
+            return False
     return True
 
 

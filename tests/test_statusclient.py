@@ -52,7 +52,8 @@ def _reply(msg_id: str) -> protocol.StatusReply:
     child = protocol.ChildStatus(
         name="agent-1", kind="agent", pid=123, state="running", uptime_s=1.5, restarts=2,
         last_exit="signal SIGKILL", cpu_percent=0.5, rss_bytes=1 << 20, uss_bytes=1 << 19,
-        heartbeat_age_s=0.2, values={"ready_ms": 12.5, "turns": 3})
+        heartbeat_age_s=0.2, values={"ready_ms": 12.5, "turns": 3},
+        busy=protocol.Busy(op="tool_call", since_s=2.5))
     return protocol.StatusReply(msg_id=msg_id, supervisor_pid=99, state_dir="/x",
                                 started_at=1.0, children=[child])
 
@@ -86,6 +87,8 @@ def test_an_error_reply_is_a_refusal(state_dir: StateDir, router: zmq.Socket[byt
      "children": [{"name": 5, "state": "running"}]},
     {"kind": "status_reply", "supervisor_pid": 1, "state_dir": "/x", "started_at": 1.0,
      "children": "all"},
+    {"kind": "status_reply", "supervisor_pid": 1, "state_dir": "/x", "started_at": 1.0,
+     "children": [{"name": "a", "state": "running", "busy": {"op": "x", "since_s": "1"}}]},
 ])
 def test_a_malformed_reply_is_no_answer(state_dir: StateDir, router: zmq.Socket[bytes],
                                         body: dict[str, object]) -> None:
