@@ -43,8 +43,10 @@ class Limits:
     max_bin_bytes: int = 1024 * 1024
     max_array_len: int = 10_000
     max_map_len: int = 1_000
-    # msgpack objects in one frame (every map, array, key and value, the top map
-    # included); bounds the work per frame, not only its size
+    # elements in one frame: every map or array counts 1 plus its entries (an
+    # array item 1, a map entry 2: key and value), the top map included. Counted
+    # as each container is completed by the unpacker, so an empty container
+    # costs 1 too: this bounds the work per frame, not only its size.
     max_elements: int = 65_536
 
 
@@ -573,9 +575,9 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 
 
 class _Counter:
-    """Counts msgpack objects as the C unpacker completes each container (its
-    list and map hooks), refusing the frame once `limit` is passed: the work
-    per frame stops there, whatever the frame holds."""
+    """Counts elements (Limits.max_elements) as the C unpacker completes each
+    container (its list and map hooks), refusing the frame once `limit` is
+    passed: the work per frame stops there, whatever the frame holds."""
 
     __slots__ = ("count", "limit")
 
@@ -583,12 +585,13 @@ class _Counter:
         self.count = 0
         self.limit = limit
 
+    def refusal(self) -> str:
+        return f"more than {self.limit} elements (msgpack objects) in the frame"
+
     def on_list(self, items: list[Any]) -> list[Any]:
         self.count += 1 + len(items)
         if self.count > self.limit:
-            raise ProtocolError(
-                ErrorCode.MALFORMED_FRAME, f"more than {self.limit} msgpack objects in the frame"
-            )
+            raise ProtocolError(ErrorCode.MALFORMED_FRAME, self.refusal())
         return items
 
     def on_map(self, items: dict[Any, Any]) -> dict[str, Any]:
@@ -597,9 +600,7 @@ class _Counter:
         # at least one byte of the frame, which the size limit bounds
         self.count += 1 + 2 * len(items)
         if self.count > self.limit:
-            raise ProtocolError(
-                ErrorCode.MALFORMED_FRAME, f"more than {self.limit} msgpack objects in the frame"
-            )
+            raise ProtocolError(ErrorCode.MALFORMED_FRAME, self.refusal())
         if not all(map(_STR_IS, map(type, items))):
             raise ProtocolError(ErrorCode.MALFORMED_FRAME, "map keys must be str")
         return items

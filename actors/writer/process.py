@@ -61,7 +61,7 @@ RECORD_OVERHEAD_BYTES = 4096  # so a page holding one maximal record still fits 
 # Replies queued for one client that does not read them; more are dropped
 # (counted in dropped_total, logged at a bounded rate). A client with a few
 # requests in flight never comes near it.
-SNDHWM = 128
+SNDHWM = 32
 RCVHWM = 1000  # requests queued from one client before ZeroMQ stops reading it
 
 
