@@ -21,6 +21,7 @@ SUITES = {
     "procs": "ops.bench_procs",
     "subagents": "ops.bench_subagents",
     "fileops": "ops.bench_fileops",
+    "decode": "ops.bench_decode",
 }
 
 

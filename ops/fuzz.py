@@ -21,7 +21,7 @@ Afterwards it checks that every process has the pid it had before, that
 that every WAL line parses as JSON on its own (with `jq` when installed, else
 Python's json). It prints frames sent, typed errors received, crashes and RSS
 before and after per process; exit 0 when everything held. tests/test_fuzz.py
-runs the same for about 20 s.
+runs the same for about 10 s.
 """
 
 from __future__ import annotations
