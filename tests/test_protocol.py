@@ -585,3 +585,26 @@ def test_peek_reads_kind_and_msg_id_cheaply_and_never_raises() -> None:
 def test_peek_never_raises_on_random_bytes(frame: bytes) -> None:
     peeked = p.peek(frame)
     assert peeked.kind is None or peeked.kind in p._KINDS
+
+
+def test_protocol_md_lists_every_optional_field_with_its_default() -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    documented = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^\| `([a-z_]+)` \| (`[a-z_]+` = .+) \|$", text, re.MULTILINE)
+    }
+    expected = {}
+    for kind, model in p._BY_KIND.items():
+        optional = [
+            f"`{name}` = " + ("nil" if (d := info.get_default(call_default_factory=True)) is None
+                              else json.dumps(d))
+            for name, info in model.model_fields.items()
+            if name != "kind" and not info.is_required()
+        ]
+        if optional:
+            expected[kind] = ", ".join(optional)
+    assert documented == expected
