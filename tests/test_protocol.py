@@ -381,7 +381,7 @@ def test_arbitrary_msgpack_values_decode_or_are_refused(value: object) -> None:
 
 @given(st.sampled_from(sorted(p._KINDS)), st.dictionaries(st.text(max_size=12), msgpack_values,
                                                           max_size=6), msgpack_values)
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=80, deadline=None)
 def test_arbitrary_fields_of_every_kind_decode_or_are_refused(
     kind: str, fields: dict[str, object], msg_id: object
 ) -> None:
@@ -427,7 +427,7 @@ def test_the_templates_cover_every_kind() -> None:
 
 
 @given(st.sampled_from(TEMPLATES), st.data())
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_a_valid_message_with_one_field_replaced_decodes_or_is_refused(
     template: p._Message, data: st.DataObject
 ) -> None:

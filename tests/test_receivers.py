@@ -82,7 +82,7 @@ def writer(state: StateDir, ctx: Context) -> Iterator[Writer]:
 
 
 @given(frames)
-@settings(max_examples=150, deadline=None, suppress_health_check=FIXTURES)
+@settings(max_examples=80, deadline=None, suppress_health_check=FIXTURES)
 def test_the_writer_handles_any_frame(writer: Writer, frame: bytes) -> None:
     writer._handle([b"fuzz", frame])
     writer._handle([b"fuzz", frame, frame])  # a wrong frame count, too
@@ -90,7 +90,7 @@ def test_the_writer_handles_any_frame(writer: Writer, frame: bytes) -> None:
 
 @given(frames, st.sampled_from([b"broker", b"nobody", b"bad name!", b"", b"\xff" * 70]),
        st.sampled_from([b"fuzz", b"\x00anon", b"broker"]))
-@settings(max_examples=150, deadline=None, suppress_health_check=FIXTURES)
+@settings(max_examples=80, deadline=None, suppress_health_check=FIXTURES)
 def test_the_broker_handles_any_frame(
     state: StateDir, ctx: Context, frame: bytes, to: bytes, sender: bytes
 ) -> None:
@@ -113,7 +113,7 @@ def _broker(state: StateDir, ctx: Context) -> Broker:
 
 
 @given(frames)
-@settings(max_examples=150, deadline=None, suppress_health_check=FIXTURES)
+@settings(max_examples=80, deadline=None, suppress_health_check=FIXTURES)
 def test_the_control_socket_handles_any_frame(state: StateDir, ctx: Context,
                                               frame: bytes) -> None:
     server = _control(state, ctx)
@@ -135,7 +135,7 @@ def _control(state: StateDir, ctx: Context) -> ControlServer:
 
 
 @given(st.lists(frames, min_size=1, max_size=5))
-@settings(max_examples=60, deadline=None, suppress_health_check=FIXTURES)
+@settings(max_examples=40, deadline=None, suppress_health_check=FIXTURES)
 def test_a_broker_peer_reads_any_frame_and_answers_no_reply(ctx: Context,
                                                             batch: list[bytes]) -> None:
     endpoint = f"inproc://peer-{next(_ENDPOINTS)}"

@@ -183,7 +183,7 @@ def test_a_client_that_never_reads_cannot_grow_the_writer(
         for i in range(12):  # a stream whose pages are ~700 KB
             client.append("big", "chunk", {"data": "x" * 60_000}, key=f"big-{i}")
         rss_before = psutil.Process(writer.pid).memory_info().rss
-        reads = 2000
+        reads = 1200
         for i in range(reads):
             deaf.send(protocol.encode(protocol.ReadStream(msg_id=f"r{i}", stream="big")))
             if i % 2 == 0:
