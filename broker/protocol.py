@@ -544,13 +544,25 @@ _KINDS = frozenset(_BY_KIND)
 
 # Kinds that answer or announce something: a receiver never answers them
 # (an unsolicited one is dropped), so no two receivers can trade errors forever.
+# Every kind is listed in exactly one of the two sets (tests/test_protocol.py
+# checks it): a new kind must be classified on purpose.
 REPLY_KINDS = frozenset(
     {
         "error", "pong", "append_ok", "records", "stats", "ready", "heartbeat",
         "status_reply", "ack", "proc_status", "proc_output", "subagent_reply",
+        "reload_reply",
     }
 )
-REQUEST_KINDS = _KINDS - REPLY_KINDS
+REQUEST_KINDS = frozenset(
+    {
+        "ping", "append", "read_stream", "stats_request", "status_request",
+        "signal_request", "restart_request", "stop_request", "start_request",
+        "remove_request", "reload_request", "spawn_request", "bash", "bash_start",
+        "bash_poll", "bash_kill", "terminal_start", "terminal_input", "terminal_read",
+        "terminal_end", "session_end", "spawn_subagent", "subagent_changes",
+        "apply_subagent",
+    }
+)
 
 
 def is_reply(message: _Message) -> bool:

@@ -58,7 +58,8 @@ AGENTS = 2
 TARGETS = ("writer", "supervisor", "broker", "procs", "subagents", "agent", "nobody")
 # Valid requests that would make the runtime act: the fuzzer never sends these valid.
 ACTING_KINDS = frozenset({
-    "stop_request", "signal_request", "restart_request", "spawn_request", "bash", "bash_start",
+    "stop_request", "signal_request", "restart_request", "spawn_request", "start_request",
+    "remove_request", "reload_request", "bash", "bash_start",
     "bash_kill", "terminal_start", "terminal_input", "terminal_end", "session_end",
     "spawn_subagent", "apply_subagent",
 })
