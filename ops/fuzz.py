@@ -27,7 +27,6 @@ runs the same for about 10 s.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import os
 import random
@@ -53,6 +52,7 @@ from actors.writer.wal import list_segments
 from broker import protocol
 from broker.errors import CorralError, ProtocolError
 from broker.statedir import StateDir
+from supervisor.config import DEFAULT_CONFIG_PATH
 
 AGENTS = 2
 TARGETS = ("writer", "supervisor", "broker", "procs", "subagents", "agent", "nobody")
@@ -233,8 +233,7 @@ def _templates() -> list[protocol.Message]:
 # --- the runtime ---------------------------------------------------------------------
 def write_config(state: StateDir) -> Path:
     """The default configuration (every child), two idle agents, quicker status."""
-    config = yaml.safe_load(
-        importlib.resources.files("config").joinpath("default.yaml").read_text())
+    config = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
     config["heartbeat"] = {"interval_ms": 500, "timeout_s": 20}
     config["status_interval_s"] = 0.5
     config["broker"] = {"heartbeat_interval_ms": 500, "heartbeat_misses": 10}
