@@ -150,13 +150,18 @@ class Zygote:
             try:
                 request = parse_request(data)
                 if request is None:
-                    continue
+                    continue  # not a request: never answered
                 try:
                     pid = self._fork(request, fds[0] if fds else None)
                     reply = f"forked {request.name} {pid}"
                 except OSError as exc:
                     reply = f"failed {request.name} {exc.strerror or exc}"
-                self.sock.send(reply.encode())
+                except Exception as exc:  # noqa: BLE001 - a bad request (a NUL in the path...)
+                    reply = f"failed {request.name} {type(exc).__name__}"
+                try:
+                    self.sock.send(reply.encode())
+                except OSError:
+                    return 0  # the parent is gone
             finally:
                 for fd in fds:
                     os.close(fd)

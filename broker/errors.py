@@ -27,12 +27,15 @@ class CorralError(Exception):
 
 
 class ProtocolError(CorralError):
-    """A frame failed a protocol check; `code` is one of protocol.ErrorCode."""
+    """A frame failed a protocol check; `code` is one of protocol.ErrorCode.
+    `msg_id` is the refused frame's msg_id when it could be read (for the
+    error reply), else None."""
 
-    def __init__(self, code: str, detail: str) -> None:
+    def __init__(self, code: str, detail: str, msg_id: str | None = None) -> None:
         super().__init__(f"{code}: {detail}")
         self.code = code
         self.detail = detail
+        self.msg_id = msg_id
 
 
 class ConfigError(CorralError):

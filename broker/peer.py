@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import structlog
 import zmq
 
-from broker import protocol
+from broker import protocol, ratelimit
 from broker.curve import CurveClient, apply_client
 from broker.errors import ProtocolError, RemoteError, RequestTimeoutError, StateDirError
 from broker.heartbeat import HeartbeatRule, Liveness
@@ -82,6 +82,7 @@ class BrokerPeer:
         self._received = 0
         self._rejected = 0
         self._retries = 0
+        self._limiter = ratelimit.LogLimiter(log.warning)
         self._beat_frame = protocol.encode(protocol.Heartbeat(actor=name, pid=self._pid))
         self._live = Liveness(self.rule, last_heard=time.monotonic())
         self._sock = self._open()
@@ -297,6 +298,12 @@ class BrokerPeer:
         except ProtocolError as exc:
             self._reject(sender, body, exc.detail, exc)
             return None
+        except Exception as exc:  # noqa: BLE001 - last line of defence: decode must not kill us
+            failure = ProtocolError(
+                protocol.ErrorCode.INTERNAL_ERROR, f"decode failed: {type(exc).__name__}"
+            )
+            self._reject(sender, body, failure.detail, failure)
+            return None
         if sender == _BROKER and isinstance(message, protocol.Heartbeat):
             return None
         msg_id = getattr(message, "msg_id", None)
@@ -313,18 +320,22 @@ class BrokerPeer:
         exc: ProtocolError | None = None,
     ) -> None:
         self._rejected += 1
-        msg_id = protocol.peek_msg_id(body) if body is not None else None
-        log.warning(
-            "frame_rejected",
-            peer=self.name,
-            sender=sender[:80].decode("ascii", "replace") if sender is not None else None,
-            code=exc.code if exc is not None else protocol.ErrorCode.MALFORMED_FRAME.value,
-            detail=detail,
-            msg_id=msg_id,
+        peeked = (
+            protocol.peek(body, self.limits) if body is not None else protocol.Peeked(None, None)
         )
-        if exc is None or sender is None or sender == _BROKER:
-            return  # never answer the broker's own frames with errors (no loops)
-        with contextlib.suppress(zmq.Again):  # the sender will time out instead
+        msg_id = (exc.msg_id if exc is not None else None) or peeked.msg_id
+        if self._limiter.allow():
+            log.warning(
+                "frame_rejected",
+                peer=self.name,
+                sender=sender[:80].decode("ascii", "replace") if sender is not None else None,
+                code=exc.code if exc is not None else protocol.ErrorCode.MALFORMED_FRAME.value,
+                detail=detail[:200],
+                msg_id=msg_id,
+            )
+        if exc is None or sender is None or sender == _BROKER or peeked.is_reply:
+            return  # never answer the broker, nor an error or any reply (no loops)
+        with contextlib.suppress(zmq.ZMQError):  # the sender will time out instead
             self._sock.send_multipart([sender, protocol.error_frame(exc, msg_id)], zmq.NOBLOCK)
 
     def statistics(self) -> PeerStats:

@@ -3,11 +3,24 @@ and the only `encode()` / `decode()` (the only place that imports msgpack).
 
 A frame is one msgpack map: ``{"v": 1, "kind": "<kind>", ...fields}``. `decode`
 returns one of the models below or raises `ProtocolError` with a code from
-`ErrorCode`; it never returns a dict. docs/protocol.md is the normative text.
+`ErrorCode` (and the frame's msg_id when it could be read); whatever the bytes,
+nothing else comes out of it. The work per frame is bounded by its size and by
+`Limits.max_elements`: msgpack objects are counted while they are unpacked
+(the unpacker's list and map hooks), so a frame full of tiny containers is
+refused after at most that many objects, not after building a million of
+them. docs/protocol.md is the normative text.
+
+Replies and notices (`REPLY_KINDS`) are never answered: a receiver that gets
+one it did not ask for drops it (`is_reply`), so two receivers can never
+answer each other's errors forever.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal, get_args
@@ -30,6 +43,11 @@ class Limits:
     max_bin_bytes: int = 1024 * 1024
     max_array_len: int = 10_000
     max_map_len: int = 1_000
+    # elements in one frame: every map or array counts 1 plus its entries (an
+    # array item 1, a map entry 2: key and value), the top map included. Counted
+    # as each container is completed by the unpacker, so an empty container
+    # costs 1 too: this bounds the work per frame, not only its size.
+    max_elements: int = 65_536
 
 
 DEFAULT_LIMITS = Limits()
@@ -59,14 +77,18 @@ ActorName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 StreamName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/\-]{0,127}$")]
 EventType = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
 IdemKey = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:/\-]{1,128}$")]
-Seq = Annotated[int, Field(ge=1)]
+Seq = Annotated[int, Field(ge=1, le=2**63 - 1)]
+Pid = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Offset = Annotated[int, Field(ge=0, le=2**53)]  # a byte position in a log (lseek-safe)
 LedgerName = Literal["budget", "approvals"]
 
 
 class _Message(BaseModel):
     # defer_build: a model's validator is built on first use, so a short-lived
     # CLI that decodes one kind does not pay for building all of them.
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, defer_build=True)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", strict=True, defer_build=True, allow_inf_nan=False
+    )
 
 
 # --- common -------------------------------------------------------------------
@@ -79,12 +101,12 @@ class Pong(_Message):
     kind: Literal["pong"] = "pong"
     msg_id: MsgId
     actor: ActorName
-    pid: int
+    pid: Pid
 
 
 class Error(_Message):
     kind: Literal["error"] = "error"
-    msg_id: MsgId | None
+    msg_id: MsgId | None = None  # nil when the refused frame's msg_id could not be read
     code: Annotated[ErrorCode, Field(strict=False)]  # msgpack carries the value as a str
     detail: Annotated[str, Field(max_length=2000)]
 
@@ -157,7 +179,8 @@ class Ready(_Message):
 
     kind: Literal["ready"] = "ready"
     actor: ActorName
-    pid: int
+    pid: Pid
+    msg_id: MsgId | None = None  # a notice, never answered; a msg_id is allowed, not needed
 
 
 class Busy(_Message):
@@ -174,9 +197,10 @@ class Heartbeat(_Message):
 
     kind: Literal["heartbeat"] = "heartbeat"
     actor: ActorName
-    pid: int
+    pid: Pid
     values: dict[str, int | float] = Field(default_factory=dict)
     busy: Busy | None = None  # the call the child's main thread is in, if any
+    msg_id: MsgId | None = None  # a notice, never answered; a msg_id is allowed, not needed
 
 
 class ChildStatus(_Message):
@@ -204,7 +228,7 @@ class StatusRequest(_Message):
 class StatusReply(_Message):
     kind: Literal["status_reply"] = "status_reply"
     msg_id: MsgId
-    supervisor_pid: int
+    supervisor_pid: Pid
     state_dir: str
     started_at: float
     children: list[ChildStatus]
@@ -331,7 +355,7 @@ class BashPoll(_Message):
     msg_id: MsgId
     session: SessionName
     proc_id: ProcId
-    cursor: Annotated[int, Field(ge=0)] = 0
+    cursor: Offset = 0
     max_bytes: ReadBytes = 64 * 1024
 
 
@@ -375,7 +399,7 @@ class TerminalRead(_Message):
     msg_id: MsgId
     session: SessionName
     proc_id: ProcId
-    cursor: Annotated[int, Field(ge=0)] = 0
+    cursor: Offset = 0
     max_bytes: ReadBytes = 64 * 1024
 
 
@@ -414,8 +438,8 @@ class ProcOutput(_Message):
     kind: Literal["proc_output"] = "proc_output"
     msg_id: MsgId
     proc_id: ProcId
-    cursor: Annotated[int, Field(ge=0)]
-    next_cursor: Annotated[int, Field(ge=0)]
+    cursor: Offset
+    next_cursor: Offset
     data: bytes
     state: ProcState
     exit_code: int | None = None
@@ -528,24 +552,141 @@ _BY_KIND: dict[str, type[_Message]] = {
 _KINDS = frozenset(_BY_KIND)
 
 
+# Kinds that answer or announce something: a receiver never answers them
+# (an unsolicited one is dropped), so no two receivers can trade errors forever.
+# Every kind is listed in exactly one of the two sets (tests/test_protocol.py
+# checks it): a new kind must be classified on purpose.
+REPLY_KINDS = frozenset(
+    {
+        "error", "pong", "append_ok", "records", "stats", "ready", "heartbeat",
+        "status_reply", "ack", "proc_status", "proc_output", "subagent_reply",
+        "reload_reply",
+    }
+)
+REQUEST_KINDS = frozenset(
+    {
+        "ping", "append", "read_stream", "stats_request", "status_request",
+        "signal_request", "restart_request", "stop_request", "start_request",
+        "remove_request", "reload_request", "spawn_request", "bash", "bash_start",
+        "bash_poll", "bash_kill", "terminal_start", "terminal_input", "terminal_read",
+        "terminal_end", "session_end", "spawn_subagent", "subagent_changes",
+        "apply_subagent",
+    }
+)
+
+
+def is_reply(message: _Message) -> bool:
+    """True for replies and notices: never answer these, not even with an error."""
+    return str(getattr(message, "kind", "")) in REPLY_KINDS
+
+
+# Fields where nil means "absent, use the default" (their default is not nil).
+_NIL_MEANS_DEFAULT: dict[str, frozenset[str]] = {
+    kind: frozenset(
+        name
+        for name, info in model.model_fields.items()
+        if name != "kind" and not info.is_required() and info.get_default(call_default_factory=True)
+        is not None
+    )
+    for kind, model in _BY_KIND.items()
+}
+
+
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"msgpack extension type {code} refused")
 
 
-def _depth(obj: object, max_depth: int) -> None:
-    """Raise TOO_DEEP when containers nest deeper than max_depth (iterative)."""
-    stack: list[tuple[object, int]] = [(obj, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
+class _Counter:
+    """Counts elements (Limits.max_elements) as the C unpacker completes each
+    container (its list and map hooks), refusing the frame once `limit` is
+    passed: the work per frame stops there, whatever the frame holds."""
+
+    __slots__ = ("count", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.count = 0
+        self.limit = limit
+
+    def refusal(self) -> str:
+        return f"more than {self.limit} elements (msgpack objects) in the frame"
+
+    def on_list(self, items: list[Any]) -> list[Any]:
+        self.count += 1 + len(items)
+        if self.count > self.limit:
+            raise ProtocolError(ErrorCode.MALFORMED_FRAME, self.refusal())
+        return items
+
+    def on_map(self, items: dict[Any, Any]) -> dict[str, Any]:
+        # a repeated key is not seen here (the last value stands), so the
+        # entries it hid are not counted: each still cost the unpacker
+        # at least one byte of the frame, which the size limit bounds
+        self.count += 1 + 2 * len(items)
+        if self.count > self.limit:
+            raise ProtocolError(ErrorCode.MALFORMED_FRAME, self.refusal())
+        for key in items:  # a plain loop: cheapest for the small maps that dominate
+            if type(key) is not str:
+                raise ProtocolError(ErrorCode.MALFORMED_FRAME, "map keys must be str")
+        return items
+
+
+_LIST_IS = functools.partial(operator.is_, list)
+_CONTAINERS = frozenset({list, dict})
+
+
+def _unpack(frame: bytes, limits: Limits) -> Any:
+    """msgpack -> Python objects within every limit (ProtocolError otherwise)."""
+    counter = _Counter(limits.max_elements)
+    try:
+        return msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            list_hook=counter.on_list,
+            object_hook=counter.on_map,
+            max_str_len=limits.max_str_bytes,
+            max_bin_len=limits.max_bin_bytes,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+            max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except RecursionError as exc:
+        raise ProtocolError(ErrorCode.TOO_DEEP, "nested too deep for the unpacker") from exc
+    except Exception as exc:  # any unpacker failure is a malformed frame
+        # StackError (too deep for the C unpacker) subclasses ValueError.
+        code = ErrorCode.TOO_DEEP if "stack" in type(exc).__name__.lower() else (
+            ErrorCode.MALFORMED_FRAME
+        )
+        raise ProtocolError(code, f"not a valid msgpack frame: {type(exc).__name__}: "
+                            f"{str(exc)[:200]}") from exc
+
+
+def _depth(root: object, max_depth: int) -> None:
+    """Raise TOO_DEEP when containers nest deeper than max_depth. The top map
+    is depth 1; each map or array inside a container adds one. Level by level,
+    with the scanning done by C iterators (no Python code per element)."""
+    if isinstance(root, dict) and _CONTAINERS.isdisjoint(map(type, root.values())):
+        return  # the common frame: a flat map
+    lists: list[list[Any]] = [root] if isinstance(root, list) else []
+    dicts: list[dict[Any, Any]] = [root] if isinstance(root, dict) else []
+    depth = 1
+    while lists or dicts:
         if depth > max_depth:
             raise ProtocolError(ErrorCode.TOO_DEEP, f"nesting deeper than {max_depth}")
-        stack.extend((child, depth + 1) for child in children)
+        children = list(
+            itertools.chain(
+                itertools.chain.from_iterable(lists),
+                itertools.chain.from_iterable(map(dict.values, dicts)),
+            )
+        )
+        is_container = map(_CONTAINERS.__contains__, map(type, children))
+        found = list(itertools.compress(children, is_container))
+        is_list = list(map(_LIST_IS, map(type, found)))
+        lists = list(itertools.compress(found, is_list))
+        dicts = list(itertools.compress(found, map(operator.not_, is_list)))
+        depth += 1
 
 
 _FLAT_FIELDS: dict[type[BaseModel], tuple[str, ...] | None] = {}
@@ -578,82 +719,147 @@ def encode(message: _Message) -> bytes:
 
 
 def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Parse and validate one frame; raise ProtocolError, never return a dict."""
+    """Parse and validate one frame; raise ProtocolError, never return a dict.
+
+    Whatever the bytes, only ProtocolError can come out. Its `msg_id` is the
+    frame's msg_id when one could be read (a str field `msg_id` of the top map
+    within the limits), so the error reply can carry it."""
     if len(frame) > limits.max_frame_bytes:
         raise ProtocolError(
-            ErrorCode.FRAME_TOO_LARGE, f"{len(frame)} bytes > limit {limits.max_frame_bytes}"
+            ErrorCode.FRAME_TOO_LARGE,
+            f"{len(frame)} bytes > limit {limits.max_frame_bytes}",
+            peek(frame, limits).msg_id,
         )
-    try:
-        obj = msgpack.unpackb(
-            frame,
-            raw=False,
-            strict_map_key=True,
-            ext_hook=_refuse_ext,
-            max_str_len=limits.max_str_bytes,
-            max_bin_len=limits.max_bin_bytes,
-            max_array_len=limits.max_array_len,
-            max_map_len=limits.max_map_len,
-            max_ext_len=0,
-        )
-    except ProtocolError:
-        raise
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        # StackError (too deep for the C unpacker) subclasses ValueError.
-        code = (
-            ErrorCode.TOO_DEEP
-            if "stack" in type(exc).__name__.lower()
-            else (ErrorCode.MALFORMED_FRAME)
-        )
-        raise ProtocolError(code, f"not a valid msgpack frame: {exc}") from exc
-    if not isinstance(obj, dict):
+    obj = _unpack(frame, limits)
+    if type(obj) is not dict:
         raise ProtocolError(
             ErrorCode.MALFORMED_FRAME, f"frame is a {type(obj).__name__}, not a map"
         )
+    try:
+        return _validate(obj, limits)
+    except ProtocolError as exc:
+        exc.msg_id = _echo(obj)
+        raise
+    except Exception as exc:  # the last line: nothing but ProtocolError leaves
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE, f"refused: {type(exc).__name__}", _echo(obj)
+        ) from exc
+
+
+def _echo(obj: dict[str, Any]) -> str | None:
+    msg_id = obj.get("msg_id")
+    return msg_id if type(msg_id) is str and _valid_msg_id(msg_id) else None
+
+
+def _validate(obj: dict[str, Any], limits: Limits) -> Message:
     _depth(obj, limits.max_depth)
     version = obj.pop("v", None)
-    if version != PROTOCOL_VERSION:
+    # strict: True == 1 and 1.0 == 1 in Python, but neither is the int 1
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
-            ErrorCode.UNSUPPORTED_VERSION, f"version {version!r}, expected {PROTOCOL_VERSION}"
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"version {_show(version)}, expected the int {PROTOCOL_VERSION}",
         )
     kind = obj.get("kind")
-    if kind not in _KINDS:
-        raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown kind {kind!r}")
+    if type(kind) is not str or kind not in _KINDS:
+        raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown kind {_show(kind)}")
+    for name in _NIL_MEANS_DEFAULT[kind]:
+        if name in obj and obj[name] is None:
+            del obj[name]  # nil for an optional field means "use the default"
     try:
         message: Message = _BY_KIND[kind].model_validate(obj)  # type: ignore[assignment]
     except ValidationError as exc:
-        first = exc.errors()[0]
+        first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "(frame)"
-        raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"{kind}: {where}: {first['msg']}") from exc
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE, f"{kind}: {where}: {first['msg']}"[:500]
+        ) from exc
     return message
 
 
-def peek_msg_id(frame: bytes) -> str | None:
-    """Best-effort msg_id of a refused frame, so the error reply can carry it."""
+def _show(value: object) -> str:
+    """A short, safe rendering of a refused value for an error's detail."""
+    if isinstance(value, str | int | float | bool | None):
+        return repr(value)[:80]
+    return f"of type {type(value).__name__}"
+
+
+PEEK_ELEMENTS = 1024  # how far peek() reads into a frame it has not decoded
+
+
+@dataclass(frozen=True)
+class Peeked:
+    """What could be read from a frame without decoding it: its `kind` and
+    `msg_id` (each None when absent, invalid, or not within reach)."""
+
+    kind: str | None
+    msg_id: str | None
+
+    @property
+    def is_reply(self) -> bool:
+        """A reply or notice (never to be answered, not even with an error)."""
+        return self.kind in REPLY_KINDS
+
+
+def peek(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Peeked:
+    """Read `kind` and `msg_id` from the top map of a frame that was not (or
+    could not be) decoded, entry by entry, within its first PEEK_ELEMENTS
+    msgpack objects (our encoder writes both first). Never raises; cheap on
+    any frame up to twice the size limit."""
+    counter = _Counter(PEEK_ELEMENTS)
+    kind: str | None = None
+    msg_id: str | None = None
     try:
-        obj = msgpack.unpackb(
-            frame[: DEFAULT_LIMITS.max_frame_bytes],
+        unpacker = msgpack.Unpacker(
             raw=False,
+            strict_map_key=True,
             ext_hook=_refuse_ext,
+            list_hook=counter.on_list,
+            object_hook=counter.on_map,
+            max_buffer_size=max(1, 2 * limits.max_frame_bytes),
+            max_str_len=limits.max_str_bytes,
+            max_bin_len=limits.max_bin_bytes,
+            max_array_len=min(limits.max_array_len, PEEK_ELEMENTS),
+            max_map_len=limits.max_map_len,
             max_ext_len=0,
         )
-    except Exception:  # noqa: BLE001 - any failure just means "no msg_id"
-        return None
-    if isinstance(obj, dict):
-        msg_id = obj.get("msg_id")
-        if isinstance(msg_id, str) and 0 < len(msg_id) <= 64:
-            return msg_id
-    return None
+        unpacker.feed(frame[: 2 * limits.max_frame_bytes])
+        entries = unpacker.read_map_header()
+        for _ in range(min(entries, PEEK_ELEMENTS // 2)):
+            counter.count += 2
+            key = unpacker.unpack()
+            value = unpacker.unpack()
+            if key == "kind" and type(value) is str and value in _KINDS:
+                kind = value
+            elif key == "msg_id" and type(value) is str and _valid_msg_id(value):
+                msg_id = value
+            if kind is not None and msg_id is not None:
+                break
+    except Exception:  # noqa: BLE001 - any failure just ends the peek
+        return Peeked(kind, msg_id)
+    return Peeked(kind, msg_id)
 
 
-def error_frame(exc: ProtocolError, msg_id: str | None) -> bytes:
-    """The `error` reply for a refused frame."""
+def peek_msg_id(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> str | None:
+    """Best-effort msg_id of a refused frame, so the error reply can carry it."""
+    return peek(frame, limits).msg_id
+
+
+def error_frame(exc: ProtocolError, msg_id: str | None = None) -> bytes:
+    """The `error` reply for a refused frame (its msg_id: `msg_id`, else the one
+    decode read into the exception, else nil)."""
+    if msg_id is None:
+        msg_id = getattr(exc, "msg_id", None)
     safe_id = msg_id if msg_id is not None and _valid_msg_id(msg_id) else None
-    return encode(Error(msg_id=safe_id, code=ErrorCode(exc.code), detail=exc.detail[:2000]))
+    try:
+        code = ErrorCode(exc.code)
+    except ValueError:
+        code = ErrorCode.INTERNAL_ERROR
+    return encode(Error(msg_id=safe_id, code=code, detail=exc.detail[:2000]))
+
+
+_MSG_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 
 
 def _valid_msg_id(msg_id: str) -> bool:
-    try:
-        Ping(msg_id=msg_id)
-    except ValidationError:
-        return False
-    return True
+    return _MSG_ID.fullmatch(msg_id) is not None

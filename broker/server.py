@@ -8,7 +8,9 @@ receives ``[from, to, body]`` and sends ``[to, from, body]``, so the recipient
 sees ``[from, body]``. Routed bodies are never decoded: the hot loop only moves
 bytes. ``to == b"broker"`` addresses the broker itself (heartbeat, ping,
 stats_request). Anything that cannot be routed is answered with an `error`
-frame from ``broker``; nothing a peer sends stops the loop. docs/broker.md is
+frame from ``broker``; nothing a peer sends stops the loop. Replies and
+notices (an `error` above all) are never answered, not even when they cannot
+be delivered, so no two actors can trade errors forever. docs/broker.md is
 the normative text.
 """
 
@@ -26,7 +28,7 @@ from types import FrameType
 import structlog
 import zmq
 
-from broker import curve, logconfig, protocol
+from broker import curve, logconfig, protocol, ratelimit
 from broker.control import ControlReporter
 from broker.curve import CurveServer, apply_server, check_endpoints
 from broker.durable import write_atomic
@@ -42,7 +44,11 @@ EXIT_CONFIG = 78  # the state directory is unusable
 BROKER_NAME = b"broker"
 DRAIN_BATCH = 256  # frames handled per wake-up before housekeeping gets a turn
 MAX_POLL_MS = 100  # bounds how long a stop signal waits to be noticed
-ERROR_LOGS_PER_S = 50  # rejected-frame log lines per second before they are counted only
+ERROR_LOGS_PER_S = 10  # rejected-frame log lines per second before they are counted only
+ERROR_LOGS_BURST = 50
+# Frames queued per peer before the broker refuses more with recipient_busy:
+# a peer that does not read holds at most this many (each <= max_frame_bytes).
+SNDHWM = 1000
 _NAME_CACHE_MAX = 4096
 _EVENTS = zmq.EVENTS
 _RCVMORE = zmq.RCVMORE
@@ -66,6 +72,8 @@ class BrokerStats:
     control_total: int  # frames addressed to the broker itself
     expired_total: int
     logs_suppressed_total: int
+    unanswered_total: int  # replies/errors not answered or not deliverable (dropped)
+    failures_total: int  # unexpected exceptions caught by the loop's last line of defence
 
     def values(self) -> dict[str, int | float]:
         return dict(asdict(self))
@@ -99,15 +107,21 @@ class Broker:
         self._busy = 0
         self._control = 0
         self._expired = 0
-        self._suppressed = 0
-        self._log_window = 0.0
-        self._log_budget = ERROR_LOGS_PER_S
-        self._suppressed_in_window = 0
+        self._unanswered = 0
+        self._failures = 0
+        self._limiter = ratelimit.LogLimiter(
+            log.warning, rate_per_s=ERROR_LOGS_PER_S, burst=ERROR_LOGS_BURST
+        )
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+        self._sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        self._sock.setsockopt(zmq.RCVHWM, SNDHWM)
+        # Frames up to twice the limit arrive and are refused with a typed
+        # frame_too_large; beyond that the transport drops the connection.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * limits.max_frame_bytes)
+        self._max_body = limits.max_frame_bytes
         if curve_server is not None:  # every connection then needs CURVE, ipc included
             apply_server(self._sock, curve_server)
         old = bind_umask()
@@ -131,7 +145,9 @@ class Broker:
             busy_total=self._busy,
             control_total=self._control,
             expired_total=self._expired,
-            logs_suppressed_total=self._suppressed,
+            logs_suppressed_total=self._limiter.suppressed_total,
+            unanswered_total=self._unanswered,
+            failures_total=self._failures,
         )
 
     def stop(self) -> None:
@@ -149,7 +165,12 @@ class Broker:
         while not self._stopping:
             timeout_ms = min(MAX_POLL_MS, max(0, int((next_beat - time.monotonic()) * 1000) + 1))
             if poll(poll_items, timeout_ms):
-                self._drain()
+                try:
+                    self._drain()
+                except Exception:  # the last line of defence: log, go on
+                    self._failures += 1
+                    if self._limiter.allow():
+                        log.exception("frame_handling_failed", failures_total=self._failures)
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + self.rule.interval_s
@@ -171,6 +192,7 @@ class Broker:
         getsockopt = sock.getsockopt
         names = self._names
         last_seen = self._peers.last_seen
+        max_body = self._max_body
         now = time.monotonic()
         routed = 0
         try:
@@ -192,7 +214,7 @@ class Broker:
                         frames.append(recv(_NOBLOCK))
                     self._slow(frames, now)
                     continue
-                if sender in names and to in names:
+                if sender in names and to in names and len(body) <= max_body:
                     if sender not in last_seen:
                         self._register(sender)
                     last_seen[sender] = now
@@ -215,7 +237,7 @@ class Broker:
         if len(frames) != 3:
             self._refuse(
                 sender,
-                None,
+                frames[-1] if len(frames) > 1 else b"",
                 protocol.ErrorCode.MALFORMED_FRAME,
                 f"expected 2 frames [to, body], got {len(frames) - 1}",
             )
@@ -224,19 +246,26 @@ class Broker:
         if not self._valid_sender(sender):
             self._refuse(
                 sender,
-                protocol.peek_msg_id(body),
+                body,
                 protocol.ErrorCode.MALFORMED_FRAME,
                 "sender identity is not an actor name (set ZMQ_IDENTITY to your name)",
             )
             return
         if self._peers.touch(sender, now):
             self._registered(sender)
-        if to == BROKER_NAME:
+        if len(body) > self._max_body:
+            self._refuse(
+                sender,
+                body,
+                protocol.ErrorCode.FRAME_TOO_LARGE,
+                f"{len(body)} bytes > limit {self._max_body}",
+            )
+        elif to == BROKER_NAME:
             self._control_frame(sender, body)
         elif not self._valid_name(to):
             self._refuse(
                 sender,
-                protocol.peek_msg_id(body),
+                body,
                 protocol.ErrorCode.MALFORMED_FRAME,
                 f"recipient {to[:80]!r} is not an actor name",
             )
@@ -285,56 +314,46 @@ class Broker:
         else:
             code = protocol.ErrorCode.INTERNAL_ERROR
             detail = f"routing to {to.decode('ascii', 'replace')!r} failed: {exc}"
-        msg_id = protocol.peek_msg_id(body)
-        if self._may_log():
+        peeked = protocol.peek(body, self.limits)
+        if self._limiter.allow():
             log.warning(
                 "route_failed",
                 sender=sender.decode("ascii", "replace"),
                 recipient=to.decode("ascii", "replace"),
                 code=code.value,
                 errno=exc.errno,
-                msg_id=msg_id,
+                msg_id=peeked.msg_id,
+                kind=peeked.kind,
             )
-        self._reply_error(sender, msg_id, code, detail)
+        self._reply_error(sender, peeked, code, detail)
 
-    def _refuse(
-        self, sender: bytes, msg_id: str | None, code: protocol.ErrorCode, detail: str
-    ) -> None:
+    def _refuse(self, sender: bytes, body: bytes, code: protocol.ErrorCode, detail: str) -> None:
         self._rejected += 1
-        if self._may_log():
+        peeked = protocol.peek(body, self.limits)
+        if self._limiter.allow():
             log.warning(
                 "frame_rejected",
                 sender=sender[:80].decode("ascii", "replace"),
                 code=code.value,
                 detail=detail,
-                msg_id=msg_id,
+                msg_id=peeked.msg_id,
+                kind=peeked.kind,
             )
-        self._reply_error(sender, msg_id, code, detail)
+        self._reply_error(sender, peeked, code, detail)
 
     def _reply_error(
-        self, sender: bytes, msg_id: str | None, code: protocol.ErrorCode, detail: str
+        self, sender: bytes, peeked: protocol.Peeked, code: protocol.ErrorCode, detail: str
     ) -> None:
-        frame = protocol.error_frame(ProtocolError(code.value, detail), msg_id)
+        if peeked.is_reply:
+            self._unanswered += 1  # never answer an error (or any reply) with an error
+            return
+        frame = protocol.error_frame(ProtocolError(code.value, detail), peeked.msg_id)
         self._errors += 1
-        # the sender may be gone or not reading: then nobody is left to tell
-        with contextlib.suppress(zmq.ZMQError):
+        try:
             self._sock.send_multipart([sender, BROKER_NAME, frame], zmq.NOBLOCK)
-
-    def _may_log(self) -> bool:
-        """Rate limit for per-frame warnings, so a flood cannot flood the log."""
-        now = time.monotonic()
-        if now - self._log_window >= 1.0:
-            if self._suppressed_in_window:
-                log.warning("frame_logs_suppressed", count=self._suppressed_in_window)
-            self._log_window = now
-            self._log_budget = ERROR_LOGS_PER_S
-            self._suppressed_in_window = 0
-        if self._log_budget > 0:
-            self._log_budget -= 1
-            return True
-        self._suppressed += 1
-        self._suppressed_in_window += 1
-        return False
+        except zmq.ZMQError:
+            # the sender is gone or not reading: nobody is left to tell
+            self._unanswered += 1
 
     # --- control messages addressed to the broker ----------------------------
     def _control_frame(self, sender: bytes, body: bytes) -> None:
@@ -342,8 +361,25 @@ class Broker:
         try:
             message = protocol.decode(body, self.limits)
         except ProtocolError as exc:
-            msg_id = protocol.peek_msg_id(body)
-            self._refuse(sender, msg_id, protocol.ErrorCode(exc.code), exc.detail)
+            self._rejected += 1
+            if self._limiter.allow():
+                log.warning(
+                    "frame_rejected",
+                    sender=sender[:80].decode("ascii", "replace"),
+                    code=exc.code,
+                    detail=exc.detail[:200],
+                    msg_id=exc.msg_id,
+                )
+            self._reply_error(
+                sender,
+                protocol.peek(body, self.limits) if exc.msg_id is None else
+                protocol.Peeked(None, exc.msg_id),
+                protocol.ErrorCode(exc.code),
+                exc.detail,
+            )
+            return
+        if protocol.is_reply(message) and not isinstance(message, protocol.Heartbeat):
+            self._unanswered += 1  # an unsolicited reply (an error above all): never answered
             return
         reply: protocol.Pong | protocol.Stats | None
         match message:
@@ -356,9 +392,18 @@ class Broker:
                     msg_id=msg_id, actor="broker", values=self.statistics().values()
                 )
             case _:
-                self._refuse(
+                self._rejected += 1
+                if self._limiter.allow():
+                    log.warning(
+                        "frame_rejected",
+                        sender=sender[:80].decode("ascii", "replace"),
+                        code=protocol.ErrorCode.UNEXPECTED_MESSAGE.value,
+                        detail=f"the broker does not serve {message.kind!r}",
+                        msg_id=getattr(message, "msg_id", None),
+                    )
+                self._reply_error(
                     sender,
-                    getattr(message, "msg_id", None),
+                    protocol.Peeked(message.kind, getattr(message, "msg_id", None)),
                     protocol.ErrorCode.UNEXPECTED_MESSAGE,
                     f"the broker does not serve {message.kind!r}",
                 )
@@ -382,6 +427,7 @@ class Broker:
                 log.info("peer_disconnected", peer=peer.decode("ascii", "replace"))
 
     def _housekeep(self, now: float) -> None:
+        self._limiter.tick()
         for peer, silent_s in self._peers.expire(now):
             self._expired += 1
             log.info(

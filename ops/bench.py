@@ -23,6 +23,7 @@ SUITES = {
     "subagents": "ops.bench_subagents",
     "fileops": "ops.bench_fileops",
     "status": "ops.bench_status",
+    "decode": "ops.bench_decode",
 }
 
 

@@ -3,7 +3,12 @@
 Children's ControlReporter DEALERs (identity = child name) send `ready` and
 `heartbeat`; the CLI sends status, signal, restart and stop requests through a
 Requester and gets `status_reply`, `ack` or `error`. A frame that does not
-decode is answered with an `error` and logged; it never stops the loop.
+decode is answered with an `error` (unless it is itself a reply: an error is
+never answered) and logged, at most a few lines a second; it never stops the
+loop. Replies and errors nobody asked for (anything but `ready` and
+`heartbeat` among the reply kinds) are dropped here, so the runtime only sees
+notices and requests. At most SNDHWM replies wait for a client that does not
+read; further ones are dropped (counted, logged at a bounded rate).
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ from dataclasses import dataclass
 import structlog
 import zmq
 
-from broker import protocol
+from broker import protocol, ratelimit
 from broker.errors import ProtocolError
 from broker.statedir import StateDir, bind_umask
 
 log = structlog.get_logger("supervisor.control")
 MAX_PER_TURN = 2000  # frames handled per loop turn, so timers still run under load
+SNDHWM = 16  # replies queued for one client (the CLI asks one thing at a time)
+RCVHWM = 1000  # frames queued from one peer (a child beats once a second)
+_NOTICES = frozenset({"ready", "heartbeat"})
 
 
 @dataclass(frozen=True)
@@ -37,15 +45,21 @@ class ControlServer:
             os.unlink(path)  # a stale socket of a dead supervisor (we hold the lock)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.DEFAULT_LIMITS.max_frame_bytes)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        # up to twice the limit a frame gets a typed frame_too_large reply; beyond
+        # that the transport drops the connection
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * protocol.DEFAULT_LIMITS.max_frame_bytes)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises: counted, dropped
+        self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
         old = bind_umask()
         try:
             self.sock.bind(self.endpoint)
         finally:
             os.umask(old)
         self.rejected_total = 0
+        self.dropped_total = 0  # replies not delivered, unsolicited replies not answered
+        self.failures_total = 0
+        self._limiter = ratelimit.LogLimiter(log.warning)
 
     def receive(self) -> list[Incoming]:
         """Every decodable message waiting now (bounded per call)."""
@@ -55,27 +69,72 @@ class ControlServer:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) != 2:
-                self.rejected_total += 1
-                log.warning("frame_rejected", frames=len(frames), reason="expected 2 frames")
-                continue
-            identity, frame = frames
             try:
-                out.append(Incoming(identity, protocol.decode(frame)))
-            except ProtocolError as exc:
-                self.rejected_total += 1
-                log.warning("frame_rejected", sender=identity[:64].hex(), code=exc.code,
-                            detail=exc.detail)
-                self.send(identity, protocol.error_frame(exc, protocol.peek_msg_id(frame)))
+                incoming = self._accept(frames)
+            except Exception:  # the last line of defence: log, go on
+                self.failures_total += 1
+                if self._limiter.allow():
+                    log.exception("frame_handling_failed", failures_total=self.failures_total)
+                continue
+            if incoming is not None:
+                out.append(incoming)
+        self._limiter.tick()
         return out
+
+    def _accept(self, frames: list[bytes]) -> Incoming | None:
+        if len(frames) != 2:
+            self._refuse(frames[0], frames[-1] if len(frames) > 1 else b"", ProtocolError(
+                protocol.ErrorCode.MALFORMED_FRAME, f"{len(frames) - 1} frames, expected 1"))
+            return None
+        identity, frame = frames
+        try:
+            message = protocol.decode(frame)
+        except ProtocolError as exc:
+            self._refuse(identity, frame, exc)
+            return None
+        if protocol.is_reply(message) and message.kind not in _NOTICES:
+            self.dropped_total += 1  # an unsolicited reply: never answered
+            if self._limiter.allow():
+                log.warning("reply_dropped", sender=identity[:64].hex(), kind=message.kind,
+                            msg_id=getattr(message, "msg_id", None))
+            return None
+        return Incoming(identity, message)
+
+    def _refuse(self, identity: bytes, frame: bytes, exc: ProtocolError) -> None:
+        self.rejected_total += 1
+        peeked = protocol.peek(frame)
+        msg_id = exc.msg_id or peeked.msg_id
+        if self._limiter.allow():
+            log.warning("frame_rejected", sender=identity[:64].hex(), code=exc.code,
+                        detail=exc.detail[:200], msg_id=msg_id)
+        if not peeked.is_reply:  # never answer an error (or any reply) with an error
+            self.send(identity, protocol.error_frame(exc, msg_id))
+
+    def handling_failed(self, incoming: Incoming) -> None:
+        """The runtime's handler raised on `incoming`: count it, log it (rate
+        limited, with the traceback), and answer a request with internal_error."""
+        self.failures_total += 1
+        message = incoming.message
+        if self._limiter.allow():
+            log.exception("message_handling_failed", kind=message.kind,
+                          failures_total=self.failures_total)
+        msg_id = getattr(message, "msg_id", None)
+        if not protocol.is_reply(message) and msg_id is not None:
+            self.reply(incoming.identity, protocol.Error(
+                msg_id=msg_id, code=protocol.ErrorCode.INTERNAL_ERROR,
+                detail=f"the supervisor failed to handle {message.kind}"))
 
     def reply(self, identity: bytes, message: protocol.StatusReply | protocol.Ack
               | protocol.Error | protocol.ReloadReply) -> None:
         self.send(identity, protocol.encode(message))
 
     def send(self, identity: bytes, frame: bytes) -> None:
-        with contextlib.suppress(zmq.Again, zmq.ZMQError):
+        try:
             self.sock.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # gone (EHOSTUNREACH) or not reading (EAGAIN)
+            self.dropped_total += 1
+            if self._limiter.allow():
+                log.warning("reply_dropped", peer=identity[:64].hex(), errno=exc.errno)
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -126,7 +126,10 @@ class Runtime:
                 if self.zygote is not None and zygote_fd in events:
                     self._on_zygote_replies(now)
                 for incoming in self.control.receive():
-                    self._on_message(incoming, time.monotonic())
+                    try:
+                        self._on_message(incoming, time.monotonic())
+                    except Exception:  # noqa: BLE001 - no message may stop the supervisor
+                        self.control.handling_failed(incoming)
         finally:
             self._publish_status(time.monotonic())
             if self.metrics is not None:

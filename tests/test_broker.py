@@ -285,8 +285,8 @@ def test_malformed_control_frames_get_typed_errors_and_broker_stays_up(
          protocol.ErrorCode.INVALID_MESSAGE, "x-1"),
         (msgpack.packb({"v": 9, "kind": "ping", "msg_id": "v-1"}),
          protocol.ErrorCode.UNSUPPORTED_VERSION, "v-1"),
-        (protocol.encode(protocol.Pong(msg_id="u-1", actor="m", pid=1)),
-         protocol.ErrorCode.UNEXPECTED_MESSAGE, "u-1"),
+        (protocol.encode(protocol.StatusRequest(msg_id="u-1")),
+         protocol.ErrorCode.UNEXPECTED_MESSAGE, "u-1"),  # a request it does not serve
     ]
     for body, code, msg_id in cases:
         sock.send_multipart([b"broker", body])

@@ -212,8 +212,8 @@ def _answer(peer: BrokerPeer, name: str, sender: str, message: protocol.Message)
         case protocol.Ping(msg_id=msg_id):
             peer.send(sender, protocol.Pong(msg_id=msg_id, actor=name, pid=os.getpid()), 1.0)
             return 1
-        case protocol.Pong() | protocol.Error() | protocol.Ack():
-            return 0
+        case _ if protocol.is_reply(message):
+            return 0  # never answer a reply, an error above all (no error loops)
         case _:
             ref: str | None = getattr(message, "msg_id", None)
             peer.send(sender, protocol.Error(

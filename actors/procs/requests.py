@@ -1,18 +1,25 @@
 """Request handlers: one function per procs message, dispatched by `handle`.
-Each answers through the host's peer at once or defers its reply."""
+Each answers through the host's peer at once or defers its reply. Replies and
+errors that reach procs unasked are dropped, never answered (no error loops);
+a handler that raises is answered with internal_error and logged at a
+bounded rate, and the loop goes on."""
 
 from __future__ import annotations
 
 import os
+
+import structlog
 
 from actors.procs.facts import sha256
 from actors.procs.host import SETTLE_MARGIN_S, ProcsHost, RefusedError
 from actors.procs.job import Job
 from actors.procs.registry import JobKind
 from actors.procs.terminal import InputRefusedError, Terminal
-from broker import protocol
+from broker import protocol, ratelimit
 
 Code = protocol.ErrorCode
+log = structlog.get_logger("procs")
+_limiter = ratelimit.LogLimiter(log.warning)
 Request = (
     protocol.Bash | protocol.BashStart | protocol.BashPoll | protocol.BashKill
     | protocol.TerminalStart | protocol.TerminalInput | protocol.TerminalRead
@@ -63,6 +70,12 @@ def _until_settled(host: ProcsHost, sender: str, msg_id: str, jobs: list[Job],
 
 
 def handle(host: ProcsHost, sender: str, message: protocol.Message) -> None:
+    if protocol.is_reply(message):
+        # an error (or any reply) nobody here asked for: never answer it
+        if _limiter.allow():
+            log.warning("reply_dropped", sender=sender, kind=message.kind,
+                        msg_id=getattr(message, "msg_id", None))
+        return
     host.counters.requests += 1
     try:
         reply = _dispatch(host, sender, message)
@@ -73,7 +86,15 @@ def handle(host: ProcsHost, sender: str, message: protocol.Message) -> None:
     except OSError as exc:
         host.counters.refused += 1
         reply = protocol.Error(msg_id=getattr(message, "msg_id", None),
-                               code=Code.INTERNAL_ERROR, detail=f"{type(exc).__name__}: {exc}")
+                               code=Code.INTERNAL_ERROR,
+                               detail=f"{type(exc).__name__}: {exc}"[:2000])
+    except Exception as exc:  # the last line of defence: no request stops procs
+        host.counters.refused += 1
+        if _limiter.allow():
+            log.exception("request_failed", kind=message.kind,
+                          msg_id=getattr(message, "msg_id", None))
+        reply = protocol.Error(msg_id=getattr(message, "msg_id", None),
+                               code=Code.INTERNAL_ERROR, detail=f"failed: {type(exc).__name__}")
     if reply is not None:
         host.peer.send(sender, reply)
 

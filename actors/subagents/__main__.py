@@ -25,7 +25,7 @@ import zmq
 from actors.changesets.manifest import Limits
 from actors.subagents.host import ACTOR_NAME, SubagentsHost
 from actors.writer.client import WriterClient
-from broker import lifeline, logconfig, protocol
+from broker import lifeline, logconfig, protocol, ratelimit
 from broker.control import ControlReporter
 from broker.errors import ChangeSetRefusedError, CorralError, StateDirError
 from broker.peer import BrokerPeer
@@ -35,9 +35,24 @@ EXIT_CONFIG = 78
 # The loop sleeps in one poll of the broker socket and the wakeup pipe; it
 # wakes at least this often to heartbeat the broker and the supervisor.
 TICK_S = 0.25
+_log = structlog.get_logger(ACTOR_NAME)
+_limiter = ratelimit.LogLimiter(_log.warning)
 
 
 def handle(host: SubagentsHost, sender: str, message: protocol.Message) -> None:
+    if protocol.is_reply(message):
+        return  # an error (or any reply) nobody here asked for: never answered
+    try:
+        _handle(host, sender, message)
+    except Exception:  # noqa: BLE001 - the last line of defence: logged (rate limited)
+        if _limiter.allow():
+            _log.exception("request_failed", kind=message.kind)
+        host.peer.send(sender, protocol.Error(
+            msg_id=getattr(message, "msg_id", None), code=protocol.ErrorCode.INTERNAL_ERROR,
+            detail=f"subagents failed to handle {message.kind}"))
+
+
+def _handle(host: SubagentsHost, sender: str, message: protocol.Message) -> None:
     reply: protocol.Message | None = None
     match message:
         case protocol.Ping(msg_id=msg_id):

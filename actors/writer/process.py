@@ -35,7 +35,7 @@ from actors.writer.recovery import Recovered, recover
 from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
-from broker import curve, logconfig, protocol
+from broker import curve, logconfig, protocol, ratelimit
 from broker.control import ControlReporter
 from broker.curve import check_endpoints
 from broker.durable import write_atomic
@@ -58,6 +58,11 @@ EXIT_LOCKED = 75
 EXIT_CONFIG = 78
 
 RECORD_OVERHEAD_BYTES = 4096  # so a page holding one maximal record still fits a frame
+# Replies queued for one client that does not read them; more are dropped
+# (counted in dropped_total, logged at a bounded rate). A client with a few
+# requests in flight never comes near it.
+SNDHWM = 32
+RCVHWM = 1000  # requests queued from one client before ZeroMQ stops reading it
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,8 @@ class WriterStatistics:
     segment_bytes: int
     streams: int
     checkpoint_head_seq: int
+    dropped_total: int  # replies not delivered (client gone or not reading), replies not answered
+    failures_total: int  # frames whose handling raised (answered with internal_error)
 
 
 class Writer:
@@ -105,6 +112,8 @@ class Writer:
         self.appends_total = self.duplicates_total = self.rejected_total = 0
         self.batches_total = self.fsyncs_total = self.max_batch_seen = 0
         self.fsync_ms, self.batch_sizes = buckets.fsync_ms(), buckets.batch_records()
+        self.dropped_total = self.failures_total = 0
+        self._limiter = ratelimit.LogLimiter(self.log.warning)
         self._rate_mark = (time.monotonic(), 0)
         self._rate = 0.0
 
@@ -181,8 +190,9 @@ class Writer:
         # The transport drops peers sending over twice the limit; frames between
         # the limit and that get a typed frame_too_large reply from decode().
         self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.options.max_frame_bytes)
-        self.sock.setsockopt(zmq.RCVHWM, 100_000)
-        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises: dropped, counted
         if self.options.curve:
             server = curve.load_server(curve.keys_dir(self.state_dir.root))
             self._auth = curve.start_authenticator(ctx, server)
@@ -239,6 +249,7 @@ class Writer:
                         self._submit()
                 if reporter is not None:
                     reporter.tick(self.values)
+                self._limiter.tick()
             self.log.info("writer_stopping", head_seq=self.head)
             if self.inflight is not None:
                 self._finish(self.worker.collect())
@@ -251,41 +262,59 @@ class Writer:
 
     def _process(self, frames: list[list[bytes]]) -> None:
         for parts in frames:
-            if len(parts) != 2:
-                self._refuse(
-                    parts[0],
-                    ProtocolError("malformed_frame", f"{len(parts) - 1} frames, expected 1"),
-                    None,
-                )
-                continue
-            ident, frame = parts
             try:
-                msg = protocol.decode(frame, self.limits)
-            except ProtocolError as exc:
-                self._refuse(ident, exc, protocol.peek_msg_id(frame))
-                continue
-            match msg:
-                case protocol.Append():
-                    self._stage(ident, msg)
-                case protocol.ReadStream():
-                    self._reply(ident, self.reader.page(msg, self.head))
-                case protocol.Ping():
-                    self._reply(
-                        ident, protocol.Pong(msg_id=msg.msg_id, actor="writer", pid=os.getpid())
-                    )
-                case protocol.StatsRequest():
-                    self._reply(
-                        ident,
-                        protocol.Stats(msg_id=msg.msg_id, actor="writer", values=self.values()),
-                    )
-                case _:
-                    self._refuse(
-                        ident,
-                        ProtocolError(
-                            "unexpected_message", f"the writer does not serve {msg.kind}"
-                        ),
-                        getattr(msg, "msg_id", None),
-                    )
+                self._handle(parts)
+            except (DurabilityError, WalError):
+                raise  # the files failed: exit and let recovery run (docs/wal.md)
+            except Exception as exc:  # the last line of defence: log, go on
+                self.failures_total += 1
+                if self._limiter.allow():
+                    self.log.exception("frame_handling_failed", failures_total=self.failures_total)
+                peeked = protocol.peek(parts[-1], self.limits)
+                if len(parts) == 2 and not peeked.is_reply:
+                    failure = ProtocolError("internal_error", f"failed: {type(exc).__name__}")
+                    self._send(parts[0], protocol.error_frame(failure, peeked.msg_id))
+
+    def _handle(self, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            self._refuse(
+                parts[0],
+                ProtocolError("malformed_frame", f"{len(parts) - 1} frames, expected 1"),
+                None,
+                parts[-1],
+            )
+            return
+        ident, frame = parts
+        try:
+            msg = protocol.decode(frame, self.limits)
+        except ProtocolError as exc:
+            self._refuse(ident, exc, exc.msg_id, frame)
+            return
+        if protocol.is_reply(msg):
+            self.dropped_total += 1  # an unsolicited reply or error: never answered
+            return
+        match msg:
+            case protocol.Append():
+                self._stage(ident, msg)
+            case protocol.ReadStream():
+                self._reply(ident, self.reader.page(msg, self.head))
+            case protocol.Ping():
+                self._reply(
+                    ident, protocol.Pong(msg_id=msg.msg_id, actor="writer", pid=os.getpid())
+                )
+            case protocol.StatsRequest():
+                self._reply(
+                    ident,
+                    protocol.Stats(msg_id=msg.msg_id, actor="writer", values=self.values()),
+                )
+            case _:
+                self._refuse(
+                    ident,
+                    ProtocolError(
+                        "unexpected_message", f"the writer does not serve {msg.kind}"
+                    ),
+                    getattr(msg, "msg_id", None),
+                )
 
     def _stage(self, ident: bytes, msg: protocol.Append) -> None:
         """Frame one append into the staged batch (or answer a retried key)."""
@@ -365,7 +394,11 @@ class Writer:
         send = self.sock.send_multipart
         ack = protocol.AppendOk.model_construct  # values are ours and known valid
         for ident, msg_id, seq, duplicate in acks:
-            send([ident, protocol.encode(ack(msg_id=msg_id, seq=seq, duplicate=duplicate))])
+            frame = protocol.encode(ack(msg_id=msg_id, seq=seq, duplicate=duplicate))
+            try:
+                send([ident, frame], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                self._dropped(ident, exc)
 
     # --- replies --------------------------------------------------------------
     def _reply(
@@ -373,12 +406,45 @@ class Writer:
         ident: bytes,
         message: protocol.Records | protocol.Error | protocol.Pong | protocol.Stats,
     ) -> None:
-        self.sock.send_multipart([ident, protocol.encode(message)])
+        self._send(ident, protocol.encode(message))
 
-    def _refuse(self, ident: bytes, exc: ProtocolError, msg_id: str | None) -> None:
+    def _refuse(
+        self, ident: bytes, exc: ProtocolError, msg_id: str | None, frame: bytes | None = None
+    ) -> None:
+        """Answer a refused frame with an `error`, unless the frame is itself a
+        reply (an error is never answered with an error)."""
         self.rejected_total += 1
-        self.log.warning("frame_rejected", code=exc.code, detail=exc.detail[:200], msg_id=msg_id)
-        self.sock.send_multipart([ident, protocol.error_frame(exc, msg_id)])
+        peeked = protocol.peek(frame, self.limits) if frame is not None else None
+        if msg_id is None and peeked is not None:
+            msg_id = peeked.msg_id
+        if self._limiter.allow():
+            self.log.warning(
+                "frame_rejected", code=exc.code, detail=exc.detail[:200], msg_id=msg_id
+            )
+        if peeked is not None and peeked.is_reply:
+            self.dropped_total += 1
+            return
+        self._send(ident, protocol.error_frame(exc, msg_id))
+
+    def _send(self, ident: bytes, frame: bytes) -> None:
+        try:
+            self.sock.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._dropped(ident, exc)
+
+    def _dropped(self, ident: bytes, exc: zmq.ZMQError) -> None:
+        """A reply could not be queued: the client is gone (EHOSTUNREACH) or does
+        not read (EAGAIN: SNDHWM replies wait already). It is dropped; the
+        client's retry (same msg_id, same key) gets it again."""
+        self.dropped_total += 1
+        if self._limiter.allow():
+            self.log.warning(
+                "reply_dropped",
+                peer=ident[:64].hex(),
+                errno=exc.errno,
+                reason="not_reading" if exc.errno == zmq.EAGAIN else "gone",
+                dropped_total=self.dropped_total,
+            )
 
     # --- checkpoints and counters --------------------------------------------
     def _maybe_checkpoint(self) -> None:
@@ -450,6 +516,8 @@ class Writer:
             segment_bytes=self.segment.size,
             streams=self.index.streams(),
             checkpoint_head_seq=self._checkpoint_head,
+            dropped_total=self.dropped_total,
+            failures_total=self.failures_total,
         )
 
     def values(self) -> dict[str, int | float]:
