@@ -35,6 +35,8 @@ def argv_for(spec: ChildSpec, config: Config, state_dir: StateDir) -> list[str]:
             argv += ["--heartbeat-interval-ms", str(config.broker.heartbeat_interval_ms)]
         if config.broker.heartbeat_misses is not None:
             argv += ["--heartbeat-misses", str(config.broker.heartbeat_misses)]
+    elif spec.kind == "procs":
+        argv += config.sandbox.procs_args()
     elif spec.kind == "agent":
         argv += ["--name", spec.name, *log_args(config),
                  "--heartbeat-interval-ms", str(config.heartbeat.interval_ms)]
