@@ -10,11 +10,10 @@ then writes the command's exit status to `.procs/<id>.exit` (temp + rename),
 which is how a re-attached command's status is known after a procs restart.
 
 The wrapper runs outside the sandbox (it writes the log and the exit file,
-which the command cannot reach); the command runs inside it: the sandbox's
-argv prefix (actors/procs/sandbox.py) comes after the wrapper's four
-arguments, and with a prefix the wrapper drops the job marker from what it
-starts (the sandbox is found by its hostname argument instead), so not even
-the sandbox's pid 1 carries a CORRAL_* variable.
+which the command cannot reach) with procs' environment and the job marker;
+the command runs inside it: the sandbox's argv prefix
+(actors/procs/sandbox.py: `env -i bwrap ...`, which replaces the whole
+environment) comes after the wrapper's four arguments.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from actors.procs.job import Job, state_for
 BASH = "/bin/bash"
 # $1 command, $2 log, $3 cap bytes, $4 exit file, $5... the sandbox's argv prefix
 WRAPPER = r"""
-[ "$#" -gt 4 ] && unset CORRAL_PROC_ID
 "${@:5}" /bin/bash -c "$1" </dev/null 2>&1 | stdbuf -o0 head -c "$3" >>"$2"
 s=${PIPESTATUS[0]}
 printf '%s' "$s" >"$4.tmp" && mv -f "$4.tmp" "$4"

@@ -266,10 +266,9 @@ class ProcsHost:
         lifetime = lifetime_s or self.options.command_lifetime_s
         log_path, exit_path = self._files(session, "command", proc_id)
         open(log_path, "ab").close()
-        env = sandbox.clean_env(os.environ)
-        prefix = sandbox.prefix(self.options.sandbox, confinement, cwd, env, proc_id)
+        prefix = self._prefix(confinement, cwd, sandbox.clean_env(os.environ), proc_id)
         spawned = launch.spawn(wrapper_argv(command, log_path, cap_bytes, exit_path, prefix),
-                               launch.job_env(env, proc_id), cwd)
+                               launch.job_env(os.environ, proc_id), cwd)
         entry = self._entry(proc_id, "command", session, spawned.pid, log_path=log_path,
                             exit_path=exit_path, cap_bytes=cap_bytes, lifetime_s=lifetime)
         job = Command(entry, ours=True, kill_grace_s=self.options.kill_grace_s)
@@ -289,15 +288,13 @@ class ProcsHost:
         cap_bytes = message.max_output_bytes or self.options.terminal_cap_bytes
         lifetime = message.lifetime_s or self.options.terminal_lifetime_s
         log_path, _ = self._files(message.session, "terminal", proc_id)
-        env = sandbox.clean_env(os.environ, term=TERMINAL_TERM)
-        prefix = sandbox.prefix(self.options.sandbox, confinement, message.cwd, env, proc_id)
-        # sandboxed, bwrap (and the sandbox's pid 1, whose environ a program can
-        # read) gets the clean environment only; it is found by its hostname
-        outer = env if prefix else launch.job_env(env, proc_id)
+        prefix = self._prefix(confinement, message.cwd,
+                              sandbox.clean_env(os.environ, term=TERMINAL_TERM), proc_id)
         master, slave = launch.open_pty(message.rows, message.cols)
         try:
-            spawned = launch.spawn([*prefix, *message.argv], outer, message.cwd, stdio_fd=slave,
-                                   controlling_tty=True, die_with_parent=True)
+            spawned = launch.spawn([*prefix, *message.argv], launch.job_env(os.environ, proc_id),
+                                   message.cwd, stdio_fd=slave, controlling_tty=True,
+                                   die_with_parent=True)
         finally:
             os.close(slave)  # only the child holds the slave: its close gives us EIO
         entry = self._entry(proc_id, "terminal", message.session, spawned.pid,
@@ -311,6 +308,15 @@ class ProcsHost:
                           argv_bytes=len(argv_bytes), cwd=message.cwd, cap_bytes=cap_bytes,
                           lifetime_s=lifetime)
         return job
+
+    def _prefix(self, confinement: sandbox.Confinement, cwd: str, env: dict[str, str],
+                proc_id: str) -> list[str]:
+        """The program's argv prefix. Sandboxed, its environment is exactly the
+        clean one (the sandbox is found by its hostname); unconfined, it keeps
+        the job marker, which is then how its escaped descendants are found."""
+        policy = self.options.sandbox
+        inner = env if policy.enabled else launch.job_env(env, proc_id)
+        return sandbox.prefix(policy, confinement, cwd, inner, proc_id)
 
     def _entry(self, proc_id: str, kind: JobKind, session: str, pid: int, *, log_path: str,
                exit_path: str | None, cap_bytes: int, lifetime_s: float) -> Entry:

@@ -11,7 +11,8 @@ registry does not name.
 A job's processes outside the sandbox carry `CORRAL_PROC_ID=<id>` in their
 environment (the command's wrapper; with the sandbox off, every process of
 the job), and a sandbox's bwrap and its pid 1 carry `--hostname corral-<id>`
-in their command line (actors/procs/sandbox.py); so `end_tree()` reaches,
+in their command line and nothing in their environment
+(actors/procs/sandbox.py); so `end_tree()` reaches,
 besides the process group, what left it: with the sandbox off, descendants
 that called `setsid` or double-forked (it scans /proc for the markers); with
 the sandbox on, its pid 1, whose end takes every process of the sandbox.
@@ -257,9 +258,10 @@ def tree_gone(pgid: int, proc_id: str, *, group: bool = True) -> bool:
     return not (group and group_alive(pgid)) and not marked_pids(proc_id)
 
 
-def job_env(clean: Mapping[str, str], proc_id: str) -> dict[str, str]:
-    """The environment of a job's processes outside a sandbox: the clean one
-    (actors/procs/sandbox.py) plus the marker."""
-    env = dict(clean)
+def job_env(base: Mapping[str, str], proc_id: str) -> dict[str, str]:
+    """`base` minus supervision, plus the marker: the environment of a job's
+    processes outside its sandbox (the command's wrapper), and with the
+    sandbox off, added to the program's clean one."""
+    env = {k: v for k, v in base.items() if k not in ("CORRAL_CONTROL", "CORRAL_ACTOR")}
     env[ENV_PROC_ID] = proc_id
     return env

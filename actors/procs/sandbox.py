@@ -44,6 +44,7 @@ SANDBOX_TMP = "/tmp"  # noqa: S108 - the sandbox's private tmpfs, not the host's
 ENV_ALLOW: tuple[str, ...] = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE",
                               "LC_MESSAGES", "LC_COLLATE", "LC_NUMERIC", "TZ")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+ENV_EXE = "/usr/bin/env"
 CHECK_TIMEOUT_S = 10.0
 
 
@@ -144,8 +145,10 @@ def check(policy: SandboxPolicy, state_root: str) -> None:
 
 def prefix(policy: SandboxPolicy, confinement: Confinement, cwd: str,
            env: Mapping[str, str], name: str) -> list[str]:
-    """The argv prefix that runs a program in the sandbox; empty when the
-    policy turns the sandbox off."""
+    """The argv prefix that runs a program in the sandbox with exactly `env`
+    (through `env -i`: not even bwrap, whose copy is the sandbox's pid 1 and
+    readable inside as /proc/1/environ, inherits anything); with the policy
+    off, only the environment is replaced."""
     if not policy.enabled:
-        return []
-    return bwrap_argv(policy, confinement, cwd, env, name)
+        return [ENV_EXE, "-i", *(f"{k}={v}" for k, v in env.items())]
+    return [ENV_EXE, "-i", *bwrap_argv(policy, confinement, cwd, env, name)]
