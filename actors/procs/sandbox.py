@@ -6,8 +6,8 @@ A job's program is started as `bwrap <confinement> -- argv`:
   `/proc` of its own pid namespace (so no other process, and no other
   process's environment, is visible), a private tmpfs on `/tmp`;
 - the state directory (`.corral/`: sockets, WAL, other agents) hidden under
-  an empty tmpfs, and so are the `hide` paths of the policy (default
-  `/run`: host daemons' sockets); the session's workspace is the one
+  an empty read-only tmpfs, and so are the `hide` paths of the policy
+  (default `/run`: host daemons' sockets); the session's workspace is the one
   writable bind. Mounts are made parents first, so the workspace may lie
   inside the state directory (a subagent child's copy) or contain it (the
   state directory stays hidden);
@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 HOSTNAME_PREFIX = "corral-"
-SANDBOX_TMP = "/tmp"  # noqa: S108 - the sandbox's private tmpfs, not the host's /tmp
+SANDBOX_TMP = "/tmp"  # noqa: S108 - the sandbox's private tmpfs, not the host's
 # Names copied from procs' environment into a program's, when set there.
 ENV_ALLOW: tuple[str, ...] = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE",
                               "LC_MESSAGES", "LC_COLLATE", "LC_NUMERIC", "TZ")
@@ -110,6 +110,8 @@ def bwrap_argv(policy: SandboxPolicy, confinement: Confinement, cwd: str,
     mounts.append(("--bind", confinement.workspace))
     for flag, path in sorted(mounts, key=lambda m: _depth(m[1])):
         argv += [flag, path] if flag == "--tmpfs" else [flag, path, path]
+    for path in confinement.hidden:  # empty and read-only (not recursive: a workspace inside stays)
+        argv += ["--remount-ro", path]
     argv += ["--chdir", cwd, "--clearenv"]
     for key, value in env.items():
         argv += ["--setenv", key, value]
