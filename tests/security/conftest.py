@@ -1,4 +1,4 @@
-"""Fixtures of the security tests (tests.security.stack.py)."""
+"""Fixtures of the security tests (tests/security/stack.py)."""
 
 from tests.security.stack import runtime, shared
 
