@@ -18,8 +18,8 @@ Figures:
                                 same cores, so capture_mb_per_s is bounded by the box)
     commands / terminals / total_mb
     sandbox_start_ms_p50        start of `bash -c 'printf x'` (exactly as procs starts a
-                                program: actors/procs/sandbox.py, env -i + bwrap) to its
-                                first output byte, in the sandbox
+                                program: actors/procs/sandbox.py, bwrap with an empty
+                                environment) to its first output byte, in the sandbox
     bare_start_ms_p50           the same program, same clean environment, no sandbox;
                                 measured alternately with the sandboxed one in the same
                                 run (target: sandbox <= bare + 15 ms)
@@ -78,7 +78,7 @@ def _expected_command(i: int, chunk: int, rounds: int) -> bytes:
 
 def _first_byte_ms(argv: list[str], cwd: str) -> float:
     started = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, env={},
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     first = proc.stdout.read(1)
@@ -94,7 +94,7 @@ def start_latency(state: StateDir, work: str, runs: int) -> dict[str, float]:
     """(sandbox, bare) start-to-first-byte p50, alternating so both see the same load."""
     program = ["/bin/bash", "-c", "printf x"]
     env = sandbox.clean_env(os.environ)
-    on = sandbox.SandboxPolicy()
+    on = sandbox.check(sandbox.SandboxPolicy(), str(state.root))
     confinement = sandbox.Confinement(
         workspace=work, hidden=tuple(p for p in (str(state.root), *on.hide) if os.path.isdir(p)))
     sandboxed = [*sandbox.prefix(on, confinement, work, env, "p-bench"), *program]

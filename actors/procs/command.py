@@ -12,8 +12,9 @@ which is how a re-attached command's status is known after a procs restart.
 The wrapper runs outside the sandbox (it writes the log and the exit file,
 which the command cannot reach) with procs' environment and the job marker;
 the command runs inside it: the sandbox's argv prefix
-(actors/procs/sandbox.py: `env -i bwrap ...`, which replaces the whole
-environment) comes after the wrapper's four arguments.
+(actors/procs/sandbox.py: `bwrap ... --`, or `env -i ...` with the sandbox
+off) comes after the wrapper's four arguments, and is exec'd with an empty
+environment (`exec -c`), so nothing of procs' reaches the sandbox.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from actors.procs.job import Job, state_for
 BASH = "/bin/bash"
 # $1 command, $2 log, $3 cap bytes, $4 exit file, $5... the sandbox's argv prefix
 WRAPPER = r"""
-"${@:5}" /bin/bash -c "$1" </dev/null 2>&1 | stdbuf -o0 head -c "$3" >>"$2"
+exec -c "${@:5}" /bin/bash -c "$1" </dev/null 2>&1 | stdbuf -o0 head -c "$3" >>"$2"
 s=${PIPESTATUS[0]}
 printf '%s' "$s" >"$4.tmp" && mv -f "$4.tmp" "$4"
 exit "$s"

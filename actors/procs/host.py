@@ -17,6 +17,7 @@ resends under the same msg_id finds the job it already started.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -140,7 +141,8 @@ class ProcsHost:
                         "(configuration sandbox.mode: off)")
             return
         try:
-            sandbox.check(policy, str(self.state.root))
+            self.options = dataclasses.replace(
+                self.options, sandbox=sandbox.check(policy, str(self.state.root)))
         except sandbox.SandboxUnavailableError as exc:
             self.sandbox_error = str(exc)
             log.error("sandbox_unavailable", error=self.sandbox_error)
@@ -290,11 +292,13 @@ class ProcsHost:
         log_path, _ = self._files(message.session, "terminal", proc_id)
         prefix = self._prefix(confinement, message.cwd,
                               sandbox.clean_env(os.environ, term=TERMINAL_TERM), proc_id)
+        # sandboxed, bwrap starts with nothing in its environment (found by its
+        # hostname); unconfined, `env -i` is the leader and carries the marker
+        outer = {} if self.options.sandbox.enabled else launch.job_env(os.environ, proc_id)
         master, slave = launch.open_pty(message.rows, message.cols)
         try:
-            spawned = launch.spawn([*prefix, *message.argv], launch.job_env(os.environ, proc_id),
-                                   message.cwd, stdio_fd=slave, controlling_tty=True,
-                                   die_with_parent=True)
+            spawned = launch.spawn([*prefix, *message.argv], outer, message.cwd, stdio_fd=slave,
+                                   controlling_tty=True, die_with_parent=True)
         finally:
             os.close(slave)  # only the child holds the slave: its close gives us EIO
         entry = self._entry(proc_id, "terminal", message.session, spawned.pid,

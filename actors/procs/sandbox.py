@@ -21,7 +21,11 @@ A job's program is started as `bwrap <confinement> -- argv`:
 - an environment built from an allow-list (`clean_env`): never the model's
   key, never `CORRAL_*`.
 
-`check()` runs the same confinement on `true` once when procs starts: if
+The prefix is exec'd with an empty environment (the command wrapper's
+`exec -c`, a terminal's spawn), since bwrap's copy is the sandbox's pid 1,
+whose environ a program can read.
+
+`check()` runs the same confinement on a probe once when procs starts: if
 bwrap is missing or cannot build the sandbox, every command request is
 refused with the reason (fail closed), unless the policy says `enabled:
 False` (configuration `sandbox: {mode: off}`), when programs run bare with
@@ -30,6 +34,7 @@ the clean environment and a warning is logged.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import shutil
@@ -96,8 +101,7 @@ def bwrap_argv(policy: SandboxPolicy, confinement: Confinement, cwd: str,
     """The bwrap prefix (ends with `--`) that confines a program to
     `confinement`; the sandbox's hostname is `corral-<name>` (procs finds a
     job's sandbox by it: actors/procs/launch.py)."""
-    argv = [shutil.which(policy.bwrap) or policy.bwrap,
-            "--unshare-user", "--disable-userns", "--unshare-pid", "--unshare-ipc",
+    argv = [policy.bwrap, "--unshare-user", "--disable-userns", "--unshare-pid", "--unshare-ipc",
             "--unshare-uts", "--hostname", f"{HOSTNAME_PREFIX}{name}", "--unshare-cgroup-try"]
     if not confinement.network:
         argv.append("--unshare-net")
@@ -119,22 +123,25 @@ def bwrap_argv(policy: SandboxPolicy, confinement: Confinement, cwd: str,
     return argv
 
 
-def check(policy: SandboxPolicy, state_root: str) -> None:
-    """Build a sandbox like a job's and run `true` in it; raise
-    SandboxUnavailableError naming what is missing or what failed."""
-    if shutil.which(policy.bwrap) is None:
+def check(policy: SandboxPolicy, state_root: str) -> SandboxPolicy:
+    """Build a sandbox like a job's and run a probe in it; return the policy
+    with bwrap's absolute path, or raise SandboxUnavailableError naming what
+    is missing or what failed."""
+    found = shutil.which(policy.bwrap)
+    if found is None:
         raise SandboxUnavailableError(
             f"the command sandbox needs bubblewrap: {policy.bwrap!r} was not found on PATH "
             "(Debian/Ubuntu: apt-get install bubblewrap); or set `sandbox: {mode: off}` in "
             "the configuration to run commands unconfined")
+    policy = dataclasses.replace(policy, bwrap=found)
     with tempfile.TemporaryDirectory(prefix="corral-sandbox-check-") as workspace:
         confinement = Confinement(workspace=workspace, hidden=(state_root, *policy.hide))
-        argv = [*bwrap_argv(policy, confinement, workspace, clean_env(os.environ), "check"),
+        argv = [*prefix(policy, confinement, workspace, clean_env(os.environ), "check"),
                 "/bin/sh",
                 "-c", "touch ./probe && ! touch /probe 2>/dev/null"]
         try:
             done = subprocess.run(argv, capture_output=True, timeout=CHECK_TIMEOUT_S,
-                                  check=False)
+                                  check=False, env={})
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise SandboxUnavailableError(f"bubblewrap self-check failed: {exc}") from exc
         if done.returncode != 0 or not os.path.exists(os.path.join(workspace, "probe")):
@@ -143,14 +150,15 @@ def check(policy: SandboxPolicy, state_root: str) -> None:
                 f"bubblewrap self-check failed (exit {done.returncode}): {detail or 'no output'}; "
                 "user and pid namespaces are needed (as root, or unprivileged user namespaces "
                 "enabled)")
+    return policy
 
 
 def prefix(policy: SandboxPolicy, confinement: Confinement, cwd: str,
            env: Mapping[str, str], name: str) -> list[str]:
-    """The argv prefix that runs a program in the sandbox with exactly `env`
-    (through `env -i`: not even bwrap, whose copy is the sandbox's pid 1 and
-    readable inside as /proc/1/environ, inherits anything); with the policy
-    off, only the environment is replaced."""
+    """The argv prefix that runs a program in the sandbox with exactly `env`.
+    It must be exec'd with an *empty* environment: bwrap's copy is the
+    sandbox's pid 1, whose environ a program reads as /proc/1/environ. With
+    the policy off, `env -i` replaces the environment and nothing else."""
     if not policy.enabled:
         return [ENV_EXE, "-i", *(f"{k}={v}" for k, v in env.items())]
-    return [ENV_EXE, "-i", *bwrap_argv(policy, confinement, cwd, env, name)]
+    return bwrap_argv(policy, confinement, cwd, env, name)
