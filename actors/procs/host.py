@@ -251,7 +251,8 @@ class ProcsHost:
             raise RefusedError(protocol.ErrorCode.INVALID_MESSAGE,
                                f"cwd {cwd!r} is not inside the workspace of session {session}")
         policy = self.options.sandbox
-        hidden = tuple(p for p in (str(self.state.root), *policy.hide) if os.path.isdir(p))
+        hidden = tuple(os.path.realpath(p) for p in (str(self.state.root), *policy.hide)
+                       if os.path.isdir(p))
         return sandbox.Confinement(workspace=workspace, hidden=hidden,
                                    network=policy.network_for(session))
 
