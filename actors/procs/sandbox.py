@@ -135,7 +135,9 @@ def check(policy: SandboxPolicy, state_root: str) -> SandboxPolicy:
             "the configuration to run commands unconfined")
     policy = dataclasses.replace(policy, bwrap=found)
     with tempfile.TemporaryDirectory(prefix="corral-sandbox-check-") as workspace:
-        confinement = Confinement(workspace=workspace, hidden=(state_root, *policy.hide))
+        hidden = tuple(os.path.realpath(p) for p in (state_root, *policy.hide)
+                       if os.path.isdir(p))
+        confinement = Confinement(workspace=workspace, hidden=hidden)
         argv = [*prefix(policy, confinement, workspace, clean_env(os.environ), "check"),
                 "/bin/sh",
                 "-c", "touch ./probe && ! touch /probe 2>/dev/null"]
