@@ -32,7 +32,7 @@ from actors.agent.settings import read_spec, workspace_for
 from actors.procs import launch, sandbox
 from actors.procs.command import Command, read_exit_file, wrapper_argv
 from actors.procs.facts import Facts, sha256
-from actors.procs.job import Job
+from actors.procs.job import SANDBOX_KEY, Job
 from actors.procs.registry import Entry, JobKind, Registry, read_end_file, write_end_file
 from actors.procs.terminal import Terminal
 from broker import lifeline, protocol
@@ -176,7 +176,8 @@ class ProcsHost:
             # sweep finds the descendants either way
             launch.end_tree(entry.pid, entry.proc_id, signal.SIGKILL,
                             group=launch.alive(entry.pid, entry.start_ticks)
-                            or launch.group_is_ours(entry.pid, entry.proc_id))
+                            or launch.group_is_ours(entry.pid, entry.proc_id, job.sandboxed),
+                            sandboxed=job.sandboxed)
             entry.state = "lost"
             self.facts.record(entry.session, "proc_lost", f"{entry.proc_id}:lost",
                               proc_id=entry.proc_id, kind=entry.kind,
@@ -329,7 +330,8 @@ class ProcsHost:
         ticks = launch.start_ticks(pid) or 0
         return Entry(proc_id=proc_id, kind=kind, session=session, pid=pid, start_ticks=ticks,
                      log_path=log_path, exit_path=exit_path, cap_bytes=cap_bytes,
-                     deadline_wall=time.time() + lifetime_s)
+                     deadline_wall=time.time() + lifetime_s,
+                     extra={SANDBOX_KEY: "on" if self.options.sandbox.enabled else "off"})
 
     def _launch(self, job: Job, spawned: launch.Spawned) -> None:
         """Registry first (durable), then the gate: no unnamed process can run."""

@@ -167,18 +167,20 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def group_is_ours(pgid: int, proc_id: str) -> bool:
+def group_is_ours(pgid: int, proc_id: str, sandboxed: bool | None = None) -> bool:
     """A marked process of the job still lives in the process group `pgid`."""
-    for pid in marked_pids(proc_id):
+    for pid in marked_pids(proc_id, sandboxed):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if os.getpgid(pid) == pgid:
                 return True
     return False
 
 
-def marked_pids(proc_id: str) -> list[int]:
+def marked_pids(proc_id: str, sandboxed: bool | None = None) -> list[int]:
     """Live processes whose environment carries CORRAL_PROC_ID=<proc_id>, or
-    whose command line is a sandbox's named `corral-<proc_id>`."""
+    whose command line is a sandbox's named `corral-<proc_id>`. A sandboxed
+    job is found by the second alone (its sandbox is what outlives a group
+    kill), an unconfined one by the first; None (unknown) looks for both."""
     needle = f"{ENV_PROC_ID}={proc_id}".encode()
     host_arg = f"\0--hostname\0{HOSTNAME_PREFIX}{proc_id}\0".encode()
     me = os.getpid()
@@ -187,15 +189,17 @@ def marked_pids(proc_id: str) -> list[int]:
         if not entry.isdigit() or int(entry) == me:
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-            if needle not in environ.split(b"\0"):
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if host_arg not in b"\0" + f.read():
+            if sandboxed is not True:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
                         continue
+            if sandboxed is not False:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if host_arg in b"\0" + f.read():
+                        found.append(int(entry))
         except OSError:
             continue
-        found.append(int(entry))
     return found
 
 
@@ -232,13 +236,13 @@ def sandbox_members(proc_id: str) -> list[int] | None:
 
 
 def end_tree(pgid: int, proc_id: str, sig: int, *, sweep: bool = True,
-             group: bool = True) -> None:
+             group: bool = True, sandboxed: bool | None = None) -> None:
     """Signal the process group (with `group`) and every marked process (`sweep`).
 
     A sandboxed job is asked to end (any signal but SIGKILL) by signalling the
     programs inside its sandbox only: bwrap does not pass signals on, and its
     death would SIGKILL the sandbox at once, leaving no grace period."""
-    if sweep and sig != signal.SIGKILL:
+    if sweep and sig != signal.SIGKILL and sandboxed is not False:
         inside = sandbox_members(proc_id)
         if inside is not None:
             for pid in inside:
@@ -249,13 +253,14 @@ def end_tree(pgid: int, proc_id: str, sig: int, *, sweep: bool = True,
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, sig)
     if sweep:
-        for pid in marked_pids(proc_id):
+        for pid in marked_pids(proc_id, sandboxed):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
 
-def tree_gone(pgid: int, proc_id: str, *, group: bool = True) -> bool:
-    return not (group and group_alive(pgid)) and not marked_pids(proc_id)
+def tree_gone(pgid: int, proc_id: str, *, group: bool = True,
+              sandboxed: bool | None = None) -> bool:
+    return not (group and group_alive(pgid)) and not marked_pids(proc_id, sandboxed)
 
 
 def job_env(base: Mapping[str, str], proc_id: str) -> dict[str, str]:
