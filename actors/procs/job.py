@@ -96,8 +96,9 @@ class Job:
             self.entry.kill_reason = reason
         if self.kill_deadline is None:
             self.kill_deadline = time.monotonic() + self.kill_grace_s
-            launch.end_tree(self.entry.pid, self.proc_id, signal.SIGTERM, group=self.group_known,
-                            sandboxed=self.sandboxed)
+            if self.running or self.sandboxed is not True:  # an ended sandbox left nothing
+                launch.end_tree(self.entry.pid, self.proc_id, signal.SIGTERM,
+                                group=self.group_known, sandboxed=self.sandboxed)
 
     def escalate(self) -> None:
         """SIGKILL the tree once the grace period is over."""
