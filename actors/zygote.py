@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from broker.lifeline import die_with_parent
+from broker.statedir import private_umask
 
 EXIT_SOFTWARE = 70
 EXIT_GATE_CLOSED = 125  # the start gate closed without "go" (as actors/procs/launch.py)
@@ -256,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-max-bytes", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--log-backups", type=int, default=5)
     args = parser.parse_args(argv)
+    private_umask()  # the agents it forks inherit it
     sock = socket.socket(fileno=args.fd)
     _preload()
     return Zygote(sock, args).serve()

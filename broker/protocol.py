@@ -69,6 +69,7 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"
     SHUTTING_DOWN = "shutting_down"
     INTERNAL_ERROR = "internal_error"
+    SANDBOX_UNAVAILABLE = "sandbox_unavailable"  # procs: commands cannot be confined (fail closed)
 
 
 # --- field types ------------------------------------------------------------

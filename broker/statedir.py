@@ -120,7 +120,10 @@ class StateDir(NamedTuple):  # not a dataclass: `supervisor status` skips import
 
     # --- creation ----------------------------------------------------------
     def ensure(self) -> StateDir:
-        """Create the directory tree; run/ is 0700 whatever the umask was."""
+        """Create the directory tree, private: this process's umask becomes
+        077 (every file it creates from now on is 0600, every directory 0700)
+        and the state directory itself is 0700 whatever it was."""
+        private_umask()
         try:
             for d in (
                 self.root,
@@ -137,9 +140,20 @@ class StateDir(NamedTuple):  # not a dataclass: `supervisor status` skips import
             finally:
                 os.umask(old)
             os.chmod(self.run_dir, 0o700)
+            os.chmod(self.root, 0o700)
         except OSError as exc:
             raise StateDirError(f"cannot create state directory {self.root}: {exc}") from exc
         return self
+
+
+PRIVATE_UMASK = 0o077
+
+
+def private_umask() -> None:
+    """Every process of corral creates its files 0600 and directories 0700
+    (logs, specs, workspaces, change sets, everything under the state
+    directory): called by each main, through `StateDir.ensure()` or directly."""
+    os.umask(PRIVATE_UMASK)
 
 
 def bind_umask() -> int:

@@ -17,10 +17,17 @@ Figures:
                                 producers themselves - yes, head, tr, bash - share the
                                 same cores, so capture_mb_per_s is bounded by the box)
     commands / terminals / total_mb
+    sandbox_start_ms_p50        start of `bash -c 'printf x'` (exactly as procs starts a
+                                program: actors/procs/sandbox.py, bwrap with an empty
+                                environment) to its first output byte, in the sandbox
+    bare_start_ms_p50           the same program, same clean environment, no sandbox;
+                                measured alternately with the sandboxed one in the same
+                                run (target: sandbox <= bare + 15 ms)
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -28,6 +35,8 @@ import time
 import psutil
 import zmq
 
+from actors.agent.settings import AgentSpec, write_spec
+from actors.procs import sandbox
 from actors.procs.client import ProcsClient
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
@@ -67,6 +76,37 @@ def _expected_command(i: int, chunk: int, rounds: int) -> bytes:
     return one * rounds
 
 
+def _first_byte_ms(argv: list[str], cwd: str) -> float:
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, env={},
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    first = proc.stdout.read(1)
+    elapsed = (time.perf_counter() - started) * 1000
+    proc.stdout.close()
+    proc.wait()
+    if first != b"x":
+        raise RuntimeError(f"{argv[:3]}...: no output byte (exit {proc.returncode})")
+    return elapsed
+
+
+def start_latency(state: StateDir, work: str, runs: int) -> dict[str, float]:
+    """(sandbox, bare) start-to-first-byte p50, alternating so both see the same load."""
+    program = ["/bin/bash", "-c", "printf x"]
+    env = sandbox.clean_env(os.environ)
+    on = sandbox.check(sandbox.SandboxPolicy(), str(state.root))
+    confinement = sandbox.Confinement(
+        workspace=work, hidden=tuple(p for p in (str(state.root), *on.hide) if os.path.isdir(p)))
+    sandboxed = [*sandbox.prefix(on, confinement, work, env, "p-bench"), *program]
+    bare = [*sandbox.prefix(sandbox.SandboxPolicy(enabled=False), confinement, work, env,
+                            "p-bench"), *program]
+    times: dict[str, list[float]] = {"sandbox": [], "bare": []}
+    for _ in range(runs):
+        times["sandbox"].append(_first_byte_ms(sandboxed, work))
+        times["bare"].append(_first_byte_ms(bare, work))
+    return {name: round(percentile(values, 50), 2) for name, values in times.items()}
+
+
 def run(quick: bool = False) -> dict[str, object]:
     n_cmd, n_term = (20, 4) if quick else (100, 20)
     cmd_bytes = 1_000_000 if not quick else 200_000
@@ -77,6 +117,8 @@ def run(quick: bool = False) -> dict[str, object]:
         state = StateDir(root / ".corral").ensure()
         work = root / "work"
         work.mkdir()
+        write_spec(state, SESSION, AgentSpec(task="bench.yaml", workspace=str(work)))
+        latency = start_latency(state, str(work.resolve()), 20 if quick else 100)
         procs_list: list[subprocess.Popen[bytes]] = []
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         peer: BrokerPeer | None = None
@@ -155,6 +197,9 @@ def run(quick: bool = False) -> dict[str, object]:
         "elapsed_s": round(elapsed, 2),
         "procs_cpu_s": round(procs_cpu_s, 2),
         "expected_mb": round(expected_total / 1e6, 1),
+        "sandbox_start_ms_p50": latency["sandbox"],
+        "bare_start_ms_p50": latency["bare"],
+        "sandbox_overhead_ms_p50": round(latency["sandbox"] - latency["bare"], 2),
     }
 
 

@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from broker.statedir import private_umask
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -194,6 +196,7 @@ def _agent_parsers(sub: Any, common: argparse.ArgumentParser,
 
 
 def main(argv: list[str] | None = None) -> int:
+    private_umask()  # whatever it writes under the state directory is private
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _main(argv)

@@ -35,10 +35,12 @@ def argv_for(spec: ChildSpec, config: Config, state_dir: StateDir) -> list[str]:
             argv += ["--heartbeat-interval-ms", str(config.broker.heartbeat_interval_ms)]
         if config.broker.heartbeat_misses is not None:
             argv += ["--heartbeat-misses", str(config.broker.heartbeat_misses)]
+    elif spec.kind == "procs":
+        argv += [*log_args(config), *config.sandbox.procs_args()]
     elif spec.kind == "agent":
         argv += ["--name", spec.name, *log_args(config),
                  "--heartbeat-interval-ms", str(config.heartbeat.interval_ms)]
-    else:  # procs, subagents (the subagents host hands them on to its child agents)
+    else:  # subagents (the host hands them on to its child agents)
         argv += log_args(config)
     return argv
 

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from actors.agent.settings import AgentSettings
 from broker.errors import ConfigError
@@ -144,6 +151,30 @@ class MetricsConfig(_Strict):
         return self
 
 
+class SandboxConfig(_Strict):
+    """procs' command sandbox (actors/procs/sandbox.py, docs/security.md).
+    YAML reads `on`/`off` as booleans: both spellings are taken."""
+
+    mode: Literal["on", "off"] | bool = "on"
+    network: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
+        default_factory=list)  # sessions (fnmatch) whose commands get the network
+    hide: list[Annotated[str, Field(pattern=r"^/.+")]] = Field(
+        default_factory=lambda: ["/run"])  # host paths hidden besides the state directory
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode in ("on", True)
+
+    def procs_args(self) -> list[str]:
+        """procs' command-line options for this policy."""
+        args = ["--sandbox", "on" if self.enabled else "off"]
+        for pattern in self.network:
+            args += ["--sandbox-network", pattern]
+        for path in self.hide:
+            args += ["--sandbox-hide", path]
+        return args
+
+
 class Config(_Strict):
     logging: LoggingConfig = LoggingConfig()
     heartbeat: HeartbeatConfig = HeartbeatConfig()
@@ -155,6 +186,13 @@ class Config(_Strict):
     agent: AgentSettings = AgentSettings()  # the agent loop: bounds, gate rules, backends
     run: RunSettings = RunSettings()  # `supervisor run`
     metrics: MetricsConfig = MetricsConfig()
+    sandbox: SandboxConfig = SandboxConfig()  # procs' command sandbox
+
+    @field_validator("sandbox", mode="before")
+    @classmethod
+    def _sandbox_switch(cls, value: object) -> object:
+        """`sandbox: off` (or `on`) alone is the mode."""
+        return {"mode": value} if isinstance(value, bool | str) else value
 
     @model_validator(mode="after")
     def _check_calls(self) -> Config:

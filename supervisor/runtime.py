@@ -213,7 +213,9 @@ class Runtime:
             self._flush_forks()
             return
         argv = commands.argv_for(child.spec, self.config, self.state_dir)
-        env = spawner.child_env(self._child_base_env(), self.control.endpoint, child.name)
+        env = spawner.child_env(self._child_base_env(), self.control.endpoint, child.name,
+                                drop=spawner.model_key_names(
+                                    child.kind, self.config.agent.openai.api_key_env))
         try:
             pid = spawner.spawn_command(argv, env)
         except SpawnError as exc:

@@ -6,7 +6,9 @@ kill reaches its descendants), with PDEATHSIG tied to the supervisor's main
 thread and a getppid() check after setting it. The environment carries
 CORRAL_CONTROL (the supervisor's control endpoint) and CORRAL_ACTOR (the
 child's name); the rest of the supervisor's environment is inherited (tests
-rely on that to find leaked processes).
+rely on that to find leaked processes), except the model's API key: only
+the children that call the model (agents, through the zygote, and the
+subagents host, whose child agents do) get it (`model_key_names`).
 
 The supervisor reaps every child itself with waitpid(-1): nothing here waits
 for a process. The spawning and the zygote's link live below the supervisor
@@ -17,7 +19,7 @@ supervisor.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from actors.zygotelink import ZygoteLink
 from broker.control import ENV_ACTOR, ENV_CONTROL
@@ -26,8 +28,19 @@ from broker.lifeline import signal_group, spawn_command
 __all__ = ["ZygoteLink", "child_env", "signal_group", "spawn_command"]
 
 
-def child_env(base: Mapping[str, str], control_endpoint: str, name: str) -> dict[str, str]:
-    env = dict(base)
+MODEL_KEY_KINDS = frozenset({"agent", "subagents", "zygote"})  # they call the model
+
+
+def model_key_names(kind: str, key_env: str) -> tuple[str, ...]:
+    """The environment names to withhold from a child of `kind`: the model's
+    key (`agent.openai.api_key_env`) unless the child calls the model."""
+    return () if kind in MODEL_KEY_KINDS else tuple({key_env, "OPENAI_API_KEY"})
+
+
+def child_env(base: Mapping[str, str], control_endpoint: str, name: str,
+              drop: Iterable[str] = ()) -> dict[str, str]:
+    dropped = set(drop)
+    env = {k: v for k, v in base.items() if k not in dropped}
     env[ENV_CONTROL] = control_endpoint
     env[ENV_ACTOR] = name
     return env

@@ -20,6 +20,7 @@ import psutil
 import pytest
 import zmq
 
+from actors.agent.settings import AgentSpec, write_spec
 from actors.procs.client import ProcsClient
 from actors.procs.launch import ENV_PROC_ID
 from actors.writer.client import WriterClient
@@ -75,15 +76,23 @@ class Stack:
 
 
 def marked(proc_id: str) -> list[psutil.Process]:
-    found = []
+    """The live processes of a job: those carrying its marker (the wrapper;
+    the sandbox's bwrap and pid 1, named by their hostname argument) and all
+    their descendants (inside the sandbox nothing carries a CORRAL_ variable)."""
+    host_arg = f"corral-{proc_id}"
+    found: dict[int, psutil.Process] = {}
     for proc in psutil.process_iter(["status"]):
         try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and \
-                    proc.environ().get(ENV_PROC_ID) == proc_id:
-                found.append(proc)
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(ENV_PROC_ID) == proc_id or host_arg in proc.cmdline():
+                found[proc.pid] = proc
+                for child in proc.children(recursive=True):
+                    if child.status() != psutil.STATUS_ZOMBIE:
+                        found[child.pid] = child
         except psutil.Error:
             continue
-    return found
+    return list(found.values())
 
 
 @pytest.fixture
@@ -96,6 +105,9 @@ def stack(processes: ProcessTracker, state_dir: StateDir) -> Iterator[Stack]:
     writer = WriterClient(ctx, state_dir, "test")
     workdir = state_dir.root.parent / "work"
     workdir.mkdir()
+    # the session's workspace (procs reads it from the agent's spec): the only
+    # place its commands may write, and where their cwd must lie
+    write_spec(state_dir, SESSION, AgentSpec(task="unused.yaml", workspace=str(workdir)))
     s = Stack(state_dir, processes, ctx, peer, ProcsClient(peer, SESSION), writer,
               processes.started[0], workdir)
     try:

@@ -175,6 +175,8 @@ class AgentLoop:
     # --- the step --------------------------------------------------------------
     def step(self) -> Step:
         s = self.state
+        if s.open_turn is None or s.phase != "running":
+            self.vault.clear()  # it keeps texts only for an open turn of a running session
         if s.phase in ("finished", "closed"):
             return Step.DONE
         if s.phase == "paused":

@@ -7,8 +7,11 @@ input only as a hash and a size. So before a turn is appended, every secret
 field of its actions (`OpBase.secret_fields`) is sealed: the text goes to
 `<agent dir>/vault/<sha256>` (0600, fsynced) and the action carries
 `{"sha256": ..., "bytes": ...}` in its place. A call opens it again just
-before it is parsed and run. The vault holds only the open turn's texts: a
-new turn clears it. A sealed field whose text is gone (the vault was
+before it is parsed and run. The vault holds only the open turn's texts,
+and only while the session runs: a new turn clears it, and so does the loop
+whenever no turn is open or the session is over (finished, closed at a
+bound, paused on its budget; checked again by an agent restarted after the
+end). A sealed field whose text is gone (the vault was
 removed, or a replay of another agent's turns) is refused as the call's
 error, never guessed.
 """
@@ -52,6 +55,7 @@ def is_sealed(value: object) -> bool:
 class Vault:
     def __init__(self, agent_dir: Path) -> None:
         self.dir = agent_dir / "vault"
+        self._empty = False  # known empty (cleared by this process, nothing sealed since)
 
     def seal(self, actions: list[Any]) -> list[Any]:
         """Clear the vault, keep every secret text of `actions` in it (durably)
@@ -68,6 +72,7 @@ class Vault:
                 data = str(action[name]).encode("utf-8", "surrogatepass")
                 digest = hashlib.sha256(data).hexdigest()
                 self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._empty = False
                 write_atomic(self.dir / digest, data, sync_dir=False)
                 sealed[name] = {"sha256": digest, "bytes": len(data)}
             fsync_dir(self.dir)
@@ -95,11 +100,18 @@ class Vault:
         return opened
 
     def clear(self) -> None:
-        """Forget every kept text (no open turn refers to them any more)."""
+        """Forget every kept text (no open turn refers to them any more),
+        durably: the directory is fsynced after the unlinks."""
+        if self._empty:
+            return
         try:
             names = os.listdir(self.dir)
         except FileNotFoundError:
+            self._empty = True
             return
         for name in names:
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
+        if names:
+            fsync_dir(self.dir)
+        self._empty = True

@@ -98,7 +98,7 @@ def write_file(root_fd: int, path: str, data: bytes, mode: int,
     name made with O_EXCL | O_NOFOLLOW, fsync, rename, fsync of the directory)."""
     try:
         confined.write(root_fd, check_path(path).split("/"), data, guard,
-                       mode=0o755 if mode & 0o111 else 0o644)
+                       mode=0o700 if mode & 0o111 else 0o600)  # private, like all corral writes
     except confined.UnsafeFileError as exc:
         raise _mapped(path, exc) from exc
 

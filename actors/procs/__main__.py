@@ -18,6 +18,7 @@ import zmq
 from actors.procs.facts import Facts
 from actors.procs.host import ACTOR_NAME, HostOptions, ProcsHost
 from actors.procs.requests import handle
+from actors.procs.sandbox import SandboxPolicy
 from actors.writer.client import WriterClient
 from broker import logconfig
 from broker.control import ControlReporter
@@ -97,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--command-lifetime-s", type=float, default=3600.0)
     parser.add_argument("--terminal-lifetime-s", type=float, default=1800.0)
     parser.add_argument("--broker-heartbeat-interval-ms", type=int, default=1000)
+    parser.add_argument("--sandbox", choices=("on", "off"), default="on",
+                        help="off: run commands unconfined (a warning is logged)")
+    parser.add_argument("--sandbox-network", action="append", default=[], metavar="PATTERN",
+                        help="sessions (fnmatch) whose commands may use the network")
+    parser.add_argument("--sandbox-hide", action="append", default=None, metavar="PATH",
+                        help="host paths hidden from commands (default: /run)")
+    parser.add_argument("--bwrap", default="bwrap", help="the bubblewrap executable")
     args = parser.parse_args(argv)
     try:
         state = StateDir.at(args.state_dir).ensure()
@@ -111,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         terminal_cap_bytes=args.terminal_cap_bytes,
         command_lifetime_s=args.command_lifetime_s,
         terminal_lifetime_s=args.terminal_lifetime_s,
+        sandbox=SandboxPolicy(
+            enabled=args.sandbox == "on", network=tuple(args.sandbox_network),
+            hide=tuple(args.sandbox_hide) if args.sandbox_hide is not None
+            else SandboxPolicy.hide, bwrap=args.bwrap),
     )
     return serve(state, options, args.broker_heartbeat_interval_ms / 1000.0)
 

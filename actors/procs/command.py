@@ -8,26 +8,36 @@ if procs dies, and procs' memory does not grow with the output), the cap is
 exact, and a command that keeps writing past it gets SIGPIPE. The wrapper
 then writes the command's exit status to `.procs/<id>.exit` (temp + rename),
 which is how a re-attached command's status is known after a procs restart.
+
+The wrapper runs outside the sandbox (it writes the log and the exit file,
+which the command cannot reach) with procs' environment and the job marker;
+the command runs inside it: the sandbox's argv prefix
+(actors/procs/sandbox.py: `bwrap ... --`, or `env -i ...` with the sandbox
+off) comes after the wrapper's four arguments, and is exec'd with an empty
+environment (`exec -c`), so nothing of procs' reaches the sandbox.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from actors.procs.job import Job, state_for
 
 BASH = "/bin/bash"
-# $1 command, $2 log, $3 cap bytes, $4 exit file
+# $1 command, $2 log, $3 cap bytes, $4 exit file, $5... the sandbox's argv prefix
 WRAPPER = r"""
-bash -c "$1" </dev/null 2>&1 | stdbuf -o0 head -c "$3" >>"$2"
+exec -c "${@:5}" /bin/bash -c "$1" </dev/null 2>&1 | stdbuf -o0 head -c "$3" >>"$2"
 s=${PIPESTATUS[0]}
 printf '%s' "$s" >"$4.tmp" && mv -f "$4.tmp" "$4"
 exit "$s"
 """
 
 
-def wrapper_argv(command: str, log_path: str, cap_bytes: int, exit_path: str) -> list[str]:
-    return [BASH, "-c", WRAPPER, "corral-proc", command, log_path, str(cap_bytes), exit_path]
+def wrapper_argv(command: str, log_path: str, cap_bytes: int, exit_path: str,
+                 sandbox_prefix: Sequence[str] = ()) -> list[str]:
+    return [BASH, "-c", WRAPPER, "corral-proc", command, log_path, str(cap_bytes), exit_path,
+            *sandbox_prefix]
 
 
 def read_exit_file(path: str | None) -> int | None:

@@ -2,6 +2,13 @@
 terminals, reap, enforce caps and lifetimes, settle deferred replies, keep the
 registry durable, report statistics in heartbeats.
 
+Every program runs in the sandbox (actors/procs/sandbox.py): the session's
+workspace, from its agent spec (`config/agents/<session>.json`, else
+`.corral/agents/<session>/workspace/`), is its only writable place, and its
+`cwd` must lie inside it. If the sandbox cannot be built (bwrap missing or
+failing the self-check at start), starts are refused with
+`sandbox_unavailable`, unless the policy turned the sandbox off.
+
 Replies that must wait (a foreground `bash`, a kill, `terminal_end`,
 `session_end`) are deferred: the loop never blocks on a program. Jobs are
 named deterministically from (session, msg_id), so a request the agent
@@ -10,6 +17,7 @@ resends under the same msg_id finds the job it already started.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -20,20 +28,23 @@ from dataclasses import dataclass, field
 import structlog
 from pydantic import BaseModel, ConfigDict
 
-from actors.procs import launch
+from actors.agent.settings import read_spec, workspace_for
+from actors.procs import launch, sandbox
 from actors.procs.command import Command, read_exit_file, wrapper_argv
 from actors.procs.facts import Facts, sha256
-from actors.procs.job import Job
+from actors.procs.job import SANDBOX_KEY, Job
 from actors.procs.registry import Entry, JobKind, Registry, read_end_file, write_end_file
 from actors.procs.terminal import Terminal
 from broker import lifeline, protocol
 from broker.control import ControlReporter
+from broker.errors import ConfigError
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
 
 log = structlog.get_logger("actors.procs")
 ACTOR_NAME = "procs"
 SETTLE_MARGIN_S = 5.0  # after the grace period, how long a kill reply may wait
+TERMINAL_TERM = "xterm"
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class HostOptions:
     terminal_lifetime_s: float = 1800.0
     tick_s: float = 0.02
     heartbeat_interval_s: float = 1.0
+    sandbox: sandbox.SandboxPolicy = field(default_factory=sandbox.SandboxPolicy)
 
 
 class ProcsStats(BaseModel):
@@ -117,8 +129,23 @@ class ProcsHost:
         self._by_pid: dict[int, Job] = {}
         self._deferred: list[_Deferred] = []
         self.counters = Counters()
+        self.sandbox_error: str | None = None
+        self._check_sandbox()
         lifeline.become_subreaper()
         self._recover()
+
+    def _check_sandbox(self) -> None:
+        policy = self.options.sandbox
+        if not policy.enabled:
+            log.warning("sandbox_off", detail="commands and terminals run unconfined "
+                        "(configuration sandbox.mode: off)")
+            return
+        try:
+            self.options = dataclasses.replace(
+                self.options, sandbox=sandbox.check(policy, str(self.state.root)))
+        except sandbox.SandboxUnavailableError as exc:
+            self.sandbox_error = str(exc)
+            log.error("sandbox_unavailable", error=self.sandbox_error)
 
     # --- recovery after a crash of procs ------------------------------------------
     def _recover(self) -> None:
@@ -149,7 +176,8 @@ class ProcsHost:
             # sweep finds the descendants either way
             launch.end_tree(entry.pid, entry.proc_id, signal.SIGKILL,
                             group=launch.alive(entry.pid, entry.start_ticks)
-                            or launch.group_is_ours(entry.pid, entry.proc_id))
+                            or launch.group_is_ours(entry.pid, entry.proc_id, job.sandboxed),
+                            sandboxed=job.sandboxed)
             entry.state = "lost"
             self.facts.record(entry.session, "proc_lost", f"{entry.proc_id}:lost",
                               proc_id=entry.proc_id, kind=entry.kind,
@@ -201,6 +229,34 @@ class ProcsHost:
             raise RefusedError(protocol.ErrorCode.INVALID_MESSAGE,
                                f"cwd {cwd!r} is not an absolute path to a directory")
 
+    def workspace_of(self, session: str) -> str:
+        """The session's workspace (real path): its spec's, or the default."""
+        try:
+            spec = read_spec(self.state, session)
+        except ConfigError as exc:
+            raise RefusedError(protocol.ErrorCode.INVALID_MESSAGE, str(exc)) from exc
+        path = (workspace_for(self.state, session, spec) if spec is not None
+                else self.state.agent_dir(session) / "workspace")
+        return os.path.realpath(path)
+
+    def confinement(self, session: str, cwd: str) -> sandbox.Confinement:
+        """Where a job of `session` may write; refuses a cwd outside it (and a
+        missing sandbox, unless the policy turned it off)."""
+        if self.sandbox_error is not None:
+            raise RefusedError(protocol.ErrorCode.SANDBOX_UNAVAILABLE, self.sandbox_error)
+        self._check_cwd(cwd)
+        workspace = self.workspace_of(session)
+        real = os.path.realpath(cwd)
+        if workspace == "/" or not os.path.isdir(workspace) or (
+                real != workspace and not real.startswith(workspace + "/")):
+            raise RefusedError(protocol.ErrorCode.INVALID_MESSAGE,
+                               f"cwd {cwd!r} is not inside the workspace of session {session}")
+        policy = self.options.sandbox
+        hidden = tuple(os.path.realpath(p) for p in (str(self.state.root), *policy.hide)
+                       if os.path.isdir(p))
+        return sandbox.Confinement(workspace=workspace, hidden=hidden,
+                                   network=policy.network_for(session))
+
     def start_command(
         self, session: str, msg_id: str, command: str, *, cwd: str, cap: int | None,
         lifetime_s: float | None, foreground: bool,
@@ -209,12 +265,13 @@ class ProcsHost:
         known = self.jobs.get(proc_id) or self.remember(session, "command", proc_id)
         if known is not None:
             return known
-        self._check_cwd(cwd)
+        confinement = self.confinement(session, cwd)
         cap_bytes = cap or self.options.command_cap_bytes
         lifetime = lifetime_s or self.options.command_lifetime_s
         log_path, exit_path = self._files(session, "command", proc_id)
         open(log_path, "ab").close()
-        spawned = launch.spawn(wrapper_argv(command, log_path, cap_bytes, exit_path),
+        prefix = self._prefix(confinement, cwd, sandbox.clean_env(os.environ), proc_id)
+        spawned = launch.spawn(wrapper_argv(command, log_path, cap_bytes, exit_path, prefix),
                                launch.job_env(os.environ, proc_id), cwd)
         entry = self._entry(proc_id, "command", session, spawned.pid, log_path=log_path,
                             exit_path=exit_path, cap_bytes=cap_bytes, lifetime_s=lifetime)
@@ -231,15 +288,18 @@ class ProcsHost:
         known = self.jobs.get(proc_id) or self.remember(message.session, "terminal", proc_id)
         if known is not None:
             return known
-        self._check_cwd(message.cwd)
+        confinement = self.confinement(message.session, message.cwd)
         cap_bytes = message.max_output_bytes or self.options.terminal_cap_bytes
         lifetime = message.lifetime_s or self.options.terminal_lifetime_s
         log_path, _ = self._files(message.session, "terminal", proc_id)
+        prefix = self._prefix(confinement, message.cwd,
+                              sandbox.clean_env(os.environ, term=TERMINAL_TERM), proc_id)
+        # sandboxed, bwrap starts with nothing in its environment (found by its
+        # hostname); unconfined, `env -i` is the leader and carries the marker
+        outer = {} if self.options.sandbox.enabled else launch.job_env(os.environ, proc_id)
         master, slave = launch.open_pty(message.rows, message.cols)
-        env = launch.job_env(os.environ, proc_id)
-        env.setdefault("TERM", "xterm")
         try:
-            spawned = launch.spawn(message.argv, env, message.cwd, stdio_fd=slave,
+            spawned = launch.spawn([*prefix, *message.argv], outer, message.cwd, stdio_fd=slave,
                                    controlling_tty=True, die_with_parent=True)
         finally:
             os.close(slave)  # only the child holds the slave: its close gives us EIO
@@ -255,13 +315,23 @@ class ProcsHost:
                           lifetime_s=lifetime)
         return job
 
+    def _prefix(self, confinement: sandbox.Confinement, cwd: str, env: dict[str, str],
+                proc_id: str) -> list[str]:
+        """The program's argv prefix. Sandboxed, its environment is exactly the
+        clean one (the sandbox is found by its hostname); unconfined, it keeps
+        the job marker, which is then how its escaped descendants are found."""
+        policy = self.options.sandbox
+        inner = env if policy.enabled else launch.job_env(env, proc_id)
+        return sandbox.prefix(policy, confinement, cwd, inner, proc_id)
+
     def _entry(self, proc_id: str, kind: JobKind, session: str, pid: int, *, log_path: str,
                exit_path: str | None, cap_bytes: int, lifetime_s: float) -> Entry:
         # the child is parked at its start gate, so its start time is readable
         ticks = launch.start_ticks(pid) or 0
         return Entry(proc_id=proc_id, kind=kind, session=session, pid=pid, start_ticks=ticks,
                      log_path=log_path, exit_path=exit_path, cap_bytes=cap_bytes,
-                     deadline_wall=time.time() + lifetime_s)
+                     deadline_wall=time.time() + lifetime_s,
+                     extra={SANDBOX_KEY: "on" if self.options.sandbox.enabled else "off"})
 
     def _launch(self, job: Job, spawned: launch.Spawned) -> None:
         """Registry first (durable), then the gate: no unnamed process can run."""

@@ -16,6 +16,8 @@ import time
 from actors.procs import launch
 from actors.procs.registry import Entry, JobState
 
+SANDBOX_KEY = "sandbox"  # Entry.extra: "on" | "off", how the job was started
+
 _STATE_BY_REASON: dict[str, JobState] = {
     "request": "killed",
     "session_end": "killed",
@@ -65,6 +67,12 @@ class Job:
         return self.entry.proc_id
 
     @property
+    def sandboxed(self) -> bool | None:
+        """Whether it runs in a sandbox (None: not known, an entry of before)."""
+        mark = self.entry.extra.get(SANDBOX_KEY)
+        return None if mark is None else mark == "on"
+
+    @property
     def running(self) -> bool:
         return self.entry.state == "running"
 
@@ -88,7 +96,9 @@ class Job:
             self.entry.kill_reason = reason
         if self.kill_deadline is None:
             self.kill_deadline = time.monotonic() + self.kill_grace_s
-            launch.end_tree(self.entry.pid, self.proc_id, signal.SIGTERM, group=self.group_known)
+            if self.running or self.sandboxed is not True:  # an ended sandbox left nothing
+                launch.end_tree(self.entry.pid, self.proc_id, signal.SIGTERM,
+                                group=self.group_known, sandboxed=self.sandboxed)
 
     def escalate(self) -> None:
         """SIGKILL the tree once the grace period is over."""
@@ -96,12 +106,14 @@ class Job:
             return
         if time.monotonic() >= self.kill_deadline:
             self.killed_hard = True
-            launch.end_tree(self.entry.pid, self.proc_id, signal.SIGKILL, group=self.group_known)
+            launch.end_tree(self.entry.pid, self.proc_id, signal.SIGKILL, group=self.group_known,
+                            sandboxed=self.sandboxed)
 
     def settled(self) -> bool:
         """Ended, and nothing of its tree is left (checked after kills)."""
         return not self.running and launch.tree_gone(self.entry.pid, self.proc_id,
-                                                     group=self.group_known)
+                                                     group=self.group_known,
+                                                     sandboxed=self.sandboxed)
 
     def refresh(self) -> bool:
         """Advance the job; True when it just reached an end state."""

@@ -8,9 +8,15 @@ then opens the gate. If procs dies in between, the gate reads EOF and the
 child exits 125 without running anything: no process exists that the
 registry does not name.
 
-Every process of a job carries `CORRAL_PROC_ID=<id>` in its environment, so
-`end_tree()` reaches, besides the process group, descendants that left it
-(`setsid`, a daemon's double fork): it scans /proc for the marker.
+A job's processes outside the sandbox carry `CORRAL_PROC_ID=<id>` in their
+environment (the command's wrapper; with the sandbox off, every process of
+the job), and a sandbox's bwrap and its pid 1 carry `--hostname corral-<id>`
+in their command line and nothing in their environment
+(actors/procs/sandbox.py); so `end_tree()` reaches,
+besides the process group, what left it: with the sandbox off, descendants
+that called `setsid` or double-forked (it scans /proc for the markers); with
+the sandbox on, its pid 1, whose end takes every process of the sandbox.
+The child closes every inherited descriptor above 2 before it execs.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import termios
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from actors.procs.sandbox import HOSTNAME_PREFIX
 from broker import lifeline
 
 ENV_PROC_ID = "CORRAL_PROC_ID"
 GATE_CLOSED_EXIT = 125  # the start gate closed without "go": procs died first
 _EXEC_FAILED = 127
+_MAX_FD = 1 << 20
 
 
 @dataclass
@@ -47,15 +55,18 @@ def spawn(
     stdio_fd: int | None = None,
     controlling_tty: bool = False,
     die_with_parent: bool = False,
+    pass_fds: Sequence[int] = (),
 ) -> Spawned:
     """Fork `argv` in a new session, held at the start gate until `open_gate()`.
 
-    `stdio_fd` becomes fds 0-2 (a PTY slave); None means /dev/null."""
+    `stdio_fd` becomes fds 0-2 (a PTY slave); None means /dev/null. Every
+    other descriptor is closed, except `pass_fds`."""
     parent = os.getpid()
     gate_r, gate_w = os.pipe()
     err_r, err_w = os.pipe()  # close-on-exec: EOF means exec worked
     args = [os.fsencode(a) for a in argv]
     envb = {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
+    keep = sorted({err_w, *pass_fds})
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child side runs only until exec
         try:
@@ -76,6 +87,12 @@ def spawn(
                 os.close(fd)
             if controlling_tty:
                 fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            low = 3  # nothing of procs' reaches the program (sockets, logs, PTY masters)
+            for fd_kept in keep:
+                if fd_kept >= low:
+                    os.closerange(low, fd_kept)
+                    low = fd_kept + 1
+            os.closerange(low, _MAX_FD)
             os.chdir(cwd)
             os.execvpe(args[0], args, envb)  # noqa: S606 - argv from the caller, no shell here
         except OSError as exc:
@@ -150,51 +167,106 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def group_is_ours(pgid: int, proc_id: str) -> bool:
+def group_is_ours(pgid: int, proc_id: str, sandboxed: bool | None = None) -> bool:
     """A marked process of the job still lives in the process group `pgid`."""
-    for pid in marked_pids(proc_id):
+    for pid in marked_pids(proc_id, sandboxed):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if os.getpgid(pid) == pgid:
                 return True
     return False
 
 
-def marked_pids(proc_id: str) -> list[int]:
-    """Live processes whose environment carries CORRAL_PROC_ID=<proc_id>."""
+def marked_pids(proc_id: str, sandboxed: bool | None = None) -> list[int]:
+    """Live processes whose environment carries CORRAL_PROC_ID=<proc_id>, or
+    whose command line is a sandbox's named `corral-<proc_id>`. A sandboxed
+    job is found by the second alone (its sandbox is what outlives a group
+    kill), an unconfined one by the first; None (unknown) looks for both."""
     needle = f"{ENV_PROC_ID}={proc_id}".encode()
+    host_arg = f"\0--hostname\0{HOSTNAME_PREFIX}{proc_id}\0".encode()
     me = os.getpid()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
+            if sandboxed is not True:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
+                        continue
+            if sandboxed is not False:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if host_arg in b"\0" + f.read():
+                        found.append(int(entry))
         except OSError:
             continue
-        if needle in environ.split(b"\0"):
-            found.append(int(entry))
     return found
 
 
+def sandbox_members(proc_id: str) -> list[int] | None:
+    """The processes inside the job's sandbox (descendants of its bwrap, not
+    bwrap itself nor the sandbox's pid 1); None when the job has no sandbox."""
+    host_arg = f"\0--hostname\0{HOSTNAME_PREFIX}{proc_id}\0".encode()
+    children: dict[int, list[int]] = {}
+    roots: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if host_arg in b"\0" + f.read():
+                    roots.add(pid)
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(pid)
+    if not roots:
+        return None
+    members: list[int] = []
+    todo = [c for r in roots for c in children.get(r, [])]
+    while todo:
+        pid = todo.pop()
+        if pid not in roots:
+            members.append(pid)
+        todo.extend(children.get(pid, []))
+    return members
+
+
 def end_tree(pgid: int, proc_id: str, sig: int, *, sweep: bool = True,
-             group: bool = True) -> None:
-    """Signal the process group (with `group`) and every marked process (`sweep`)."""
+             group: bool = True, sandboxed: bool | None = None) -> None:
+    """Signal the process group (with `group`) and every marked process (`sweep`).
+
+    A sandboxed job is asked to end (any signal but SIGKILL) by signalling the
+    programs inside its sandbox only: bwrap does not pass signals on, and its
+    death would SIGKILL the sandbox at once, leaving no grace period."""
+    if sweep and sig != signal.SIGKILL and sandboxed is not False:
+        inside = sandbox_members(proc_id)
+        if inside is not None:
+            for pid in inside:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            return
     if group and pgid > 1:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, sig)
     if sweep:
-        for pid in marked_pids(proc_id):
+        for pid in marked_pids(proc_id, sandboxed):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
 
-def tree_gone(pgid: int, proc_id: str, *, group: bool = True) -> bool:
-    return not (group and group_alive(pgid)) and not marked_pids(proc_id)
+def tree_gone(pgid: int, proc_id: str, *, group: bool = True,
+              sandboxed: bool | None = None) -> bool:
+    return not (group and group_alive(pgid)) and not marked_pids(proc_id, sandboxed)
 
 
 def job_env(base: Mapping[str, str], proc_id: str) -> dict[str, str]:
-    """The environment of a job: procs' own, minus supervision, plus the marker."""
+    """`base` minus supervision, plus the marker: the environment of a job's
+    processes outside its sandbox (the command's wrapper), and with the
+    sandbox off, added to the program's clean one."""
     env = {k: v for k, v in base.items() if k not in ("CORRAL_CONTROL", "CORRAL_ACTOR")}
     env[ENV_PROC_ID] = proc_id
     return env

@@ -11,6 +11,10 @@ Output written before the program exits is never lost: the terminal ends
 only when the program has been reaped *and* the master reads EIO (on Linux:
 every byte the slave side wrote has been read).
 
+What was typed is redacted from the output before the log is written
+(actors/procs/redact.py): a password typed into an echoing program never
+reaches the log, a `terminal_read`, the WAL or the model.
+
 Input is typed once per request: the msg_ids of the last INPUT_IDS_KEPT
 inputs are remembered, so a resent `terminal_input` (a retry after a lost
 reply, or an agent running the same call again after a crash) is answered
@@ -26,6 +30,7 @@ import time
 from collections import OrderedDict
 
 from actors.procs.job import Job, state_for
+from actors.procs.redact import Redactor
 from actors.procs.registry import Entry
 
 READ_CHUNK = 64 * 1024
@@ -49,6 +54,7 @@ class Terminal(Job):
         self.reaped_at: float | None = None
         self._pending = bytearray()
         self._inputs: OrderedDict[str, None] = OrderedDict()
+        self.redactor = Redactor()
         if master_fd is not None:
             self.log_fd = os.open(
                 entry.log_path,
@@ -58,7 +64,8 @@ class Terminal(Job):
             self.written = os.fstat(self.log_fd).st_size
 
     def pump(self) -> int:
-        """Move what the program wrote into the log; returns bytes read."""
+        """Move what the program wrote into the log (typed text redacted);
+        returns bytes read."""
         total = 0
         while self.master_fd is not None and not self.eof and total < PUMP_BUDGET_BYTES:
             try:
@@ -71,17 +78,26 @@ class Terminal(Job):
                 data = b""  # Linux: EIO once the slave is closed and drained
             if not data:
                 self.eof = True
+                self._keep(self.redactor.flush())
                 break
             total += len(data)
-            room = self.entry.cap_bytes - self.written
-            if room > 0 and self.log_fd is not None:
-                kept = data[:room]
-                os.write(self.log_fd, kept)
-                self.written += len(kept)
-            if len(data) > room and self.running:
-                self.kill("cap")
+            self._keep(self.redactor.feed(data))
+        if not total:
+            self._keep(self.redactor.due())  # held back, and nothing followed
         self._flush_input()
         return total
+
+    def _keep(self, data: bytes) -> None:
+        """Append to the log up to the cap; past it, end the tree."""
+        if not data:
+            return
+        room = self.entry.cap_bytes - self.written
+        if room > 0 and self.log_fd is not None:
+            kept = data[:room]
+            os.write(self.log_fd, kept)
+            self.written += len(kept)
+        if len(data) > room and self.running:
+            self.kill("cap")
 
     def typed(self, input_id: str) -> bool:
         """Whether the input sent under `input_id` was already taken."""
@@ -96,6 +112,7 @@ class Terminal(Job):
             raise InputRefusedError(f"terminal {self.proc_id} is {self.entry.state}")
         if len(self._pending) + len(data) > MAX_PENDING_INPUT:
             raise InputRefusedError(f"terminal {self.proc_id}: input queue full")
+        self.redactor.add(data)  # before the PTY can echo it
         self._pending += data
         self._inputs[input_id] = None
         if len(self._inputs) > INPUT_IDS_KEPT:
@@ -135,6 +152,8 @@ class Terminal(Job):
         return True
 
     def close_fds(self) -> None:
+        if self.log_fd is not None:
+            self._keep(self.redactor.flush())
         for fd in (self.master_fd, self.log_fd):
             if fd is not None:
                 with contextlib.suppress(OSError):

@@ -1,0 +1,166 @@
+"""The sandbox every command and terminal of procs runs in (bubblewrap).
+
+A job's program is started as `bwrap <confinement> -- argv`:
+
+- the whole filesystem read-only (`--ro-bind / /`), a fresh `/dev` and a
+  `/proc` of its own pid namespace (so no other process, and no other
+  process's environment, is visible), a private tmpfs on `/tmp`;
+- the state directory (`.corral/`: sockets, WAL, other agents) hidden under
+  an empty read-only tmpfs, and so are the `hide` paths of the policy
+  (default `/run`: host daemons' sockets); the session's workspace is the one
+  writable bind. Mounts are made parents first, so the workspace may lie
+  inside the state directory (a subagent child's copy) or contain it (the
+  state directory stays hidden);
+- new user, pid, ipc, uts, cgroup and (unless the policy lets the session
+  use it) network namespaces; every capability dropped and no further user
+  namespaces (`--disable-userns`), so the program cannot remount or unmount
+  its way out;
+- `--die-with-parent` and the pid namespace: when the program's init (pid 1
+  of the namespace, bwrap's reaper) ends, the kernel kills every process
+  left in it; `setsid`, `env -i`, double forks do not leave the namespace;
+- an environment built from an allow-list (`clean_env`): never the model's
+  key, never `CORRAL_*`.
+
+The prefix is exec'd with an empty environment (the command wrapper's
+`exec -c`, a terminal's spawn), since bwrap's copy is the sandbox's pid 1,
+whose environ a program can read.
+
+`check()` runs the same confinement on a probe once when procs starts: if
+bwrap is missing or cannot build the sandbox, every command request is
+refused with the reason (fail closed), unless the policy says `enabled:
+False` (configuration `sandbox: {mode: off}`), when programs run bare with
+the clean environment and a warning is logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+HOSTNAME_PREFIX = "corral-"
+SANDBOX_TMP = "/tmp"  # noqa: S108 - the sandbox's private tmpfs, not the host's
+# Names copied from procs' environment into a program's, when set there.
+ENV_ALLOW: tuple[str, ...] = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE",
+                              "LC_MESSAGES", "LC_COLLATE", "LC_NUMERIC", "TZ")
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+ENV_EXE = "/usr/bin/env"
+CHECK_TIMEOUT_S = 10.0
+
+
+class SandboxUnavailableError(Exception):
+    """The sandbox cannot be built (bwrap missing or failing its self-check)."""
+
+
+@dataclass(frozen=True)
+class SandboxPolicy:
+    """What configuration decides (`sandbox:` in config/default.yaml)."""
+
+    enabled: bool = True  # False only by explicit `mode: off`
+    network: tuple[str, ...] = ()  # fnmatch patterns of sessions whose programs get the network
+    hide: tuple[str, ...] = ("/run",)  # host paths hidden under an empty tmpfs
+    bwrap: str = "bwrap"  # the executable (looked up on PATH)
+
+    def network_for(self, session: str) -> bool:
+        return any(fnmatch.fnmatchcase(session, pattern) for pattern in self.network)
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """One job's view: its workspace (the only writable place besides /tmp),
+    what is hidden, and whether it has the network."""
+
+    workspace: str
+    hidden: tuple[str, ...]
+    network: bool = False
+
+
+def clean_env(base: Mapping[str, str], *, term: str | None = None) -> dict[str, str]:
+    """A program's environment: the allow-listed names of `base`, HOME and
+    TMPDIR on the private /tmp, TERM for terminals. Nothing else."""
+    env = {name: base[name] for name in ENV_ALLOW if name in base}
+    env.setdefault("PATH", DEFAULT_PATH)
+    env["HOME"] = SANDBOX_TMP
+    env["TMPDIR"] = SANDBOX_TMP
+    if term is not None:
+        env["TERM"] = term
+    return env
+
+
+def _depth(path: str) -> int:
+    return len([p for p in path.split("/") if p])
+
+
+def bwrap_argv(policy: SandboxPolicy, confinement: Confinement, cwd: str,
+               env: Mapping[str, str], name: str) -> list[str]:
+    """The bwrap prefix (ends with `--`) that confines a program to
+    `confinement`; the sandbox's hostname is `corral-<name>` (procs finds a
+    job's sandbox by it: actors/procs/launch.py)."""
+    argv = [policy.bwrap, "--unshare-user", "--disable-userns", "--unshare-pid", "--unshare-ipc",
+            "--unshare-uts", "--hostname", f"{HOSTNAME_PREFIX}{name}", "--unshare-cgroup-try"]
+    if not confinement.network:
+        argv.append("--unshare-net")
+    argv += ["--die-with-parent", "--cap-drop", "ALL",
+             "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    # parents before children: a bind inside a hidden directory must come after
+    # its tmpfs, a directory hidden inside the workspace after the workspace
+    mounts: list[tuple[str, str]] = [("--tmpfs", SANDBOX_TMP)]
+    mounts += [("--tmpfs", path) for path in confinement.hidden]
+    mounts.append(("--bind", confinement.workspace))
+    for flag, path in sorted(mounts, key=lambda m: _depth(m[1])):
+        argv += [flag, path] if flag == "--tmpfs" else [flag, path, path]
+    for path in confinement.hidden:  # empty and read-only (not recursive: a workspace inside stays)
+        argv += ["--remount-ro", path]
+    argv += ["--chdir", cwd, "--clearenv"]
+    for key, value in env.items():
+        argv += ["--setenv", key, value]
+    argv.append("--")
+    return argv
+
+
+def check(policy: SandboxPolicy, state_root: str) -> SandboxPolicy:
+    """Build a sandbox like a job's and run a probe in it; return the policy
+    with bwrap's absolute path, or raise SandboxUnavailableError naming what
+    is missing or what failed."""
+    found = shutil.which(policy.bwrap)
+    if found is None:
+        raise SandboxUnavailableError(
+            f"the command sandbox needs bubblewrap: {policy.bwrap!r} was not found on PATH "
+            "(Debian/Ubuntu: apt-get install bubblewrap); or set `sandbox: {mode: off}` in "
+            "the configuration to run commands unconfined")
+    policy = dataclasses.replace(policy, bwrap=found)
+    with tempfile.TemporaryDirectory(prefix="corral-sandbox-check-") as workspace:
+        hidden = tuple(os.path.realpath(p) for p in (state_root, *policy.hide)
+                       if os.path.isdir(p))
+        confinement = Confinement(workspace=workspace, hidden=hidden)
+        argv = [*prefix(policy, confinement, workspace, clean_env(os.environ), "check"),
+                "/bin/sh",
+                "-c", "touch ./probe && ! touch /probe 2>/dev/null"]
+        try:
+            done = subprocess.run(argv, capture_output=True, timeout=CHECK_TIMEOUT_S,
+                                  check=False, env={})
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SandboxUnavailableError(f"bubblewrap self-check failed: {exc}") from exc
+        if done.returncode != 0 or not os.path.exists(os.path.join(workspace, "probe")):
+            detail = done.stderr.decode("utf-8", "replace").strip()[:300]
+            raise SandboxUnavailableError(
+                f"bubblewrap self-check failed (exit {done.returncode}): {detail or 'no output'}; "
+                "user and pid namespaces are needed (as root, or unprivileged user namespaces "
+                "enabled)")
+    return policy
+
+
+def prefix(policy: SandboxPolicy, confinement: Confinement, cwd: str,
+           env: Mapping[str, str], name: str) -> list[str]:
+    """The argv prefix that runs a program in the sandbox with exactly `env`.
+    It must be exec'd with an *empty* environment: bwrap's copy is the
+    sandbox's pid 1, whose environ a program reads as /proc/1/environ. With
+    the policy off, `env -i` replaces the environment and nothing else."""
+    if not policy.enabled:
+        return [ENV_EXE, "-i", *(f"{k}={v}" for k, v in env.items())]
+    return bwrap_argv(policy, confinement, cwd, env, name)
