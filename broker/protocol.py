@@ -51,6 +51,7 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"
     SHUTTING_DOWN = "shutting_down"
     INTERNAL_ERROR = "internal_error"
+    FORBIDDEN = "forbidden"  # authenticated, but this actor may not do that (broker/auth.py)
 
 
 # --- field types ------------------------------------------------------------

@@ -26,7 +26,7 @@ from types import FrameType
 import structlog
 import zmq
 
-from broker import curve, logconfig, protocol
+from broker import auth, curve, logconfig, protocol
 from broker.control import ControlReporter
 from broker.curve import CurveServer, apply_server, check_endpoints
 from broker.durable import write_atomic
@@ -49,6 +49,8 @@ _RCVMORE = zmq.RCVMORE
 _POLLIN = zmq.POLLIN
 _NOBLOCK = zmq.NOBLOCK
 _SNDMORE_NOBLOCK = zmq.SNDMORE | zmq.NOBLOCK
+_USER_ID = auth.USER_ID
+_OPERATOR = auth.OPERATOR
 
 log = structlog.get_logger("broker")
 
@@ -83,8 +85,12 @@ class Broker:
         *,
         curve_server: CurveServer | None = None,
         tcp_endpoints: tuple[str, ...] = (),
+        zap: auth.ZapHandler | None = None,
     ) -> None:
+        """With `zap` (broker/auth.py) every connection authenticates and a peer
+        may use only its own name; without it, names are not checked."""
         check_endpoints(tcp_endpoints, curve_server is not None)
+        self._zap = zap
         self.endpoint = endpoint
         self.rule = rule
         self.limits = limits
@@ -110,6 +116,8 @@ class Broker:
         self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
         if curve_server is not None:  # every connection then needs CURVE, ipc included
             apply_server(self._sock, curve_server)
+        elif zap is not None:
+            auth.apply_server(self._sock)
         old = bind_umask()
         try:
             self._sock.bind(endpoint)
@@ -142,6 +150,9 @@ class Broker:
     def run(self, reporter: ControlReporter | None = None) -> None:
         """Route until stop(); housekeeping (heartbeats, expiry) between batches."""
         poll_items = [(self._sock, zmq.POLLIN)]
+        zap = self._zap
+        if zap is not None:
+            poll_items.append((zap.socket, zmq.POLLIN))
         poll = zmq.zmq_poll  # half the cost of Socket.poll, which builds a Poller per call
         next_beat = time.monotonic() + self.rule.interval_s
         next_report = 0.0
@@ -149,6 +160,8 @@ class Broker:
         while not self._stopping:
             timeout_ms = min(MAX_POLL_MS, max(0, int((next_beat - time.monotonic()) * 1000) + 1))
             if poll(poll_items, timeout_ms):
+                if zap is not None:
+                    zap.handle()
                 self._drain()
             now = time.monotonic()
             if now >= next_beat:
@@ -171,28 +184,35 @@ class Broker:
         getsockopt = sock.getsockopt
         names = self._names
         last_seen = self._peers.last_seen
+        check = self._zap is not None
         now = time.monotonic()
         routed = 0
+        user: str | None = None
         try:
             for _ in range(DRAIN_BATCH):
                 if not getsockopt(_EVENTS) & _POLLIN:  # type: ignore[arg-type,operator]
                     break
-                sender = recv(_NOBLOCK)
+                head = recv(_NOBLOCK, copy=False)
+                sender = head.bytes
+                if check:  # the name this connection authenticated as
+                    user = str(head.get(_USER_ID))
                 if not getsockopt(_RCVMORE):
-                    self._slow([sender], now)
+                    self._slow([sender], now, user)
                     continue
                 to = recv(_NOBLOCK)
                 if not getsockopt(_RCVMORE):
-                    self._slow([sender, to], now)
+                    self._slow([sender, to], now, user)
                     continue
                 body = recv(_NOBLOCK)
                 if getsockopt(_RCVMORE):
                     frames = [sender, to, body, recv(_NOBLOCK)]
                     while getsockopt(_RCVMORE):
                         frames.append(recv(_NOBLOCK))
-                    self._slow(frames, now)
+                    self._slow(frames, now, user)
                     continue
-                if sender in names and to in names:
+                if sender in names and to in names and (
+                    user is None or user == _OPERATOR or user.encode() == sender
+                ):
                     if sender not in last_seen:
                         self._register(sender)
                     last_seen[sender] = now
@@ -205,12 +225,12 @@ class Broker:
                     send(body, _NOBLOCK)
                     routed += 1
                 else:
-                    self._slow([sender, to, body], now)
+                    self._slow([sender, to, body], now, user)
         finally:
             self._routed += routed
 
     # --- everything that is not a plain route --------------------------------
-    def _slow(self, frames: list[bytes], now: float) -> None:
+    def _slow(self, frames: list[bytes], now: float, user: str | None = None) -> None:
         sender = frames[0]
         if len(frames) != 3:
             self._refuse(
@@ -228,6 +248,9 @@ class Broker:
                 protocol.ErrorCode.MALFORMED_FRAME,
                 "sender identity is not an actor name (set ZMQ_IDENTITY to your name)",
             )
+            return
+        if user is not None and (refusal := auth.name_refusal(user, sender.decode())):
+            self._refuse(sender, protocol.peek_msg_id(body), protocol.ErrorCode.FORBIDDEN, refusal)
             return
         if self._peers.touch(sender, now):
             self._registered(sender)
@@ -432,18 +455,19 @@ def main(argv: list[str] | None = None) -> int:
     rule = HeartbeatRule(args.heartbeat_interval_ms / 1000.0, args.heartbeat_misses)
     limits = protocol.Limits(max_frame_bytes=args.max_frame_bytes)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    auth = None
+    zap = None
     try:
         server = curve.load_server(curve.keys_dir(state.root)) if args.curve else None
-        if server is not None:
-            auth = curve.start_authenticator(ctx, server)
+        zap = auth.ZapHandler(ctx, auth.ensure_keys(state),
+                              server.authorized_dir if server is not None else None)
         broker = Broker(
-            ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp)
+            ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp),
+            zap=zap,
         )
-    except ConfigError as exc:
+    except (ConfigError, auth.AuthError) as exc:
         print(f"broker: {exc}", file=sys.stderr)
-        if auth is not None:
-            auth.stop()
+        if zap is not None:
+            zap.close()
         ctx.destroy(linger=0)
         lock.release()
         return EXIT_CONFIG
@@ -471,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         broker.close()
         if reporter is not None:
             reporter.close()
-        if auth is not None:
-            auth.stop()
+        if zap is not None:
+            zap.close()
         ctx.term()
         log.info("broker_stopped", **stats.values())
         lock.release()

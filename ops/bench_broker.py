@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import zmq
 
-from broker import protocol
+from broker import auth, protocol
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
@@ -117,6 +117,7 @@ def _echo_main(args: argparse.Namespace) -> int:
     else:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, args.name.encode())
+        auth.authenticate(sock, auth.state_dir_of(args.endpoint))
         sock.connect(args.endpoint)
     sock.setsockopt(zmq.LINGER, 0)
     if args.mode == "connect":  # announce ourselves, so the broker can route to us
@@ -263,6 +264,7 @@ def run(quick: bool) -> dict[str, object]:
 
         via_broker = ctx.socket(zmq.DEALER)
         via_broker.setsockopt(zmq.IDENTITY, b"bench-a")
+        auth.authenticate(via_broker, state)
         via_broker.connect(broker_ep)
         direct = ctx.socket(zmq.DEALER)
         direct.setsockopt(zmq.IDENTITY, b"bench-d")
