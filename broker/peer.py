@@ -78,6 +78,8 @@ class BrokerPeer:
         self._curve = curve
         if curve is None and credential is None:
             credential = auth.default_credential(self.endpoint)
+        if credential is not None and credential.name not in (name, auth.OPERATOR):
+            raise auth.AuthError(f"the credential of {credential.name} cannot be {name}")
         self._credential = credential
         self._identity = name.encode()
         self._pid = os.getpid()
@@ -96,13 +98,18 @@ class BrokerPeer:
     def _open(self) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, self._identity)
+        if self._credential is None or self._credential.name == auth.OPERATOR:
+            sock.setsockopt(zmq.IDENTITY, self._identity)
+        # else the broker names us by our credential and picks the routing id itself,
+        # so nobody can take over our routing id (ZMQ_ROUTER_HANDOVER)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
         if self._curve is not None:
             apply_client(sock, self._curve)
         elif self._credential is not None:
             auth.apply_client(sock, self._credential)
         sock.connect(self.endpoint)
+        with contextlib.suppress(zmq.Again):  # register at once: routable from now on
+            sock.send_multipart([_BROKER, self._beat_frame], zmq.NOBLOCK)
         return sock
 
     @property

@@ -3,13 +3,15 @@
     python -m broker.server --state-dir D [--heartbeat-interval-ms 1000]
         [--heartbeat-misses 3] [--max-frame-bytes N] [--log-level info]
 
-A peer (DEALER, identity = its actor name) sends ``[to, body]``; the broker
-receives ``[from, to, body]`` and sends ``[to, from, body]``, so the recipient
-sees ``[from, body]``. Routed bodies are never decoded: the hot loop only moves
-bytes. ``to == b"broker"`` addresses the broker itself (heartbeat, ping,
-stats_request). Anything that cannot be routed is answered with an `error`
-frame from ``broker``; nothing a peer sends stops the loop. docs/broker.md is
-the normative text.
+A peer (DEALER) sends ``[to, body]``; the broker receives ``[rid, to, body]``
+and sends ``[rid of to, from, body]``, so the recipient sees ``[from, body]``.
+A peer's name is the name it authenticated as (broker/auth.py), learned with
+its routing id from its first message (a heartbeat on connect); only the
+operator's connections are named by their ZMQ identity. Routed bodies are
+never decoded: the hot loop only moves bytes. ``to == b"broker"`` addresses
+the broker itself (heartbeat, ping, stats_request). Anything that cannot be
+routed is answered with an `error` frame from ``broker``; nothing a peer sends
+stops the loop. docs/broker.md is the normative text.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class Broker:
         self._pid = os.getpid()
         self._peers = PeerTable(rule)
         self._names: set[bytes] = set()  # validated actor names (cache for the hot path)
+        self._route: dict[bytes, bytes] = {}  # actor name -> routing id of its connection
         self._stopping = False
         self._routed = 0
         self._errors = 0
@@ -185,6 +188,7 @@ class Broker:
         names = self._names
         last_seen = self._peers.last_seen
         check = self._zap is not None
+        route_get = self._route.get
         now = time.monotonic()
         routed = 0
         user: str | None = None
@@ -193,81 +197,98 @@ class Broker:
                 if not getsockopt(_EVENTS) & _POLLIN:  # type: ignore[arg-type,operator]
                     break
                 head = recv(_NOBLOCK, copy=False)
-                sender = head.bytes
+                rid = head.bytes  # the connection's routing id
+                sender = rid
                 if check:  # the name this connection authenticated as
                     user = str(head.get(_USER_ID))
+                    if user != _OPERATOR:
+                        sender = user.encode()
                 if not getsockopt(_RCVMORE):
-                    self._slow([sender], now, user)
+                    self._slow([rid], now, user)
                     continue
                 to = recv(_NOBLOCK)
                 if not getsockopt(_RCVMORE):
-                    self._slow([sender, to], now, user)
+                    self._slow([rid, to], now, user)
                     continue
                 body = recv(_NOBLOCK)
                 if getsockopt(_RCVMORE):
-                    frames = [sender, to, body, recv(_NOBLOCK)]
+                    frames = [rid, to, body, recv(_NOBLOCK)]
                     while getsockopt(_RCVMORE):
                         frames.append(recv(_NOBLOCK))
                     self._slow(frames, now, user)
                     continue
-                if sender in names and to in names and (
-                    user is None or user == _OPERATOR or user.encode() == sender
-                ):
+                dest = route_get(to)
+                if dest is not None and route_get(sender) == rid and to in names:
                     if sender not in last_seen:
                         self._register(sender)
                     last_seen[sender] = now
                     try:
-                        send(to, _SNDMORE_NOBLOCK)  # ROUTER_MANDATORY fails here, if at all
+                        send(dest, _SNDMORE_NOBLOCK)  # ROUTER_MANDATORY fails here, if at all
                     except zmq.ZMQError as exc:
-                        self._route_failed(sender, to, body, exc)
+                        self._route_failed(sender, to, body, exc, rid)
                         continue
                     send(sender, _SNDMORE_NOBLOCK)
                     send(body, _NOBLOCK)
                     routed += 1
                 else:
-                    self._slow([sender, to, body], now, user)
+                    self._slow([rid, to, body], now, user)
         finally:
             self._routed += routed
 
     # --- everything that is not a plain route --------------------------------
     def _slow(self, frames: list[bytes], now: float, user: str | None = None) -> None:
-        sender = frames[0]
+        """Validate, register (name -> routing id) and route one message. A peer's
+        name is the name it authenticated as (its routing id is then the
+        broker's own choice); the operator's connections, and every connection
+        of a broker without authentication, are named by their routing id."""
+        rid = frames[0]
         if len(frames) != 3:
             self._refuse(
-                sender,
+                rid,
                 None,
                 protocol.ErrorCode.MALFORMED_FRAME,
                 f"expected 2 frames [to, body], got {len(frames) - 1}",
             )
             return
         _, to, body = frames
+        sender = rid if user is None or user == _OPERATOR else user.encode()
+        if sender != rid and rid[:1] != b"\0":  # an identity of its own, not its name
+            self._refuse(rid, protocol.peek_msg_id(body), protocol.ErrorCode.FORBIDDEN,
+                         f"authenticated as {sender.decode()}, not {rid[:80]!r}: "
+                         "leave ZMQ_IDENTITY unset (the broker names you)")
+            return
         if not self._valid_sender(sender):
             self._refuse(
-                sender,
+                rid,
                 protocol.peek_msg_id(body),
                 protocol.ErrorCode.MALFORMED_FRAME,
                 "sender identity is not an actor name (set ZMQ_IDENTITY to your name)",
             )
             return
-        if user is not None and (refusal := auth.name_refusal(user, sender.decode())):
-            self._refuse(sender, protocol.peek_msg_id(body), protocol.ErrorCode.FORBIDDEN, refusal)
-            return
+        if self._route.get(sender) != rid:
+            if len(self._route) >= _NAME_CACHE_MAX and sender not in self._route:
+                self._route.clear()
+            self._route[sender] = rid
         if self._peers.touch(sender, now):
             self._registered(sender)
         if to == BROKER_NAME:
-            self._control_frame(sender, body)
+            self._control_frame(sender, body, rid)
         elif not self._valid_name(to):
             self._refuse(
-                sender,
+                rid,
                 protocol.peek_msg_id(body),
                 protocol.ErrorCode.MALFORMED_FRAME,
                 f"recipient {to[:80]!r} is not an actor name",
             )
         else:
+            dest = self._route.get(to)
+            if dest is None:  # never registered: as unreachable as a gone peer
+                self._route_failed(sender, to, body, zmq.ZMQError(zmq.EHOSTUNREACH), rid)
+                return
             try:
-                self._sock.send_multipart([to, sender, body], zmq.NOBLOCK)
+                self._sock.send_multipart([dest, sender, body], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
-                self._route_failed(sender, to, body, exc)
+                self._route_failed(sender, to, body, exc, rid)
             else:
                 self._routed += 1
 
@@ -296,7 +317,8 @@ class Broker:
         log.info("peer_registered", peer=sender.decode("ascii", "replace"), peers=len(self._peers))
         self._send_heartbeat(sender, self._heartbeat_frame())
 
-    def _route_failed(self, sender: bytes, to: bytes, body: bytes, exc: zmq.ZMQError) -> None:
+    def _route_failed(self, sender: bytes, to: bytes, body: bytes, exc: zmq.ZMQError,
+                      rid: bytes) -> None:
         if exc.errno == zmq.EHOSTUNREACH:
             self._unknown += 1
             code = protocol.ErrorCode.UNKNOWN_RECIPIENT
@@ -318,7 +340,7 @@ class Broker:
                 errno=exc.errno,
                 msg_id=msg_id,
             )
-        self._reply_error(sender, msg_id, code, detail)
+        self._reply_error(rid, msg_id, code, detail)
 
     def _refuse(
         self, sender: bytes, msg_id: str | None, code: protocol.ErrorCode, detail: str
@@ -360,13 +382,13 @@ class Broker:
         return False
 
     # --- control messages addressed to the broker ----------------------------
-    def _control_frame(self, sender: bytes, body: bytes) -> None:
+    def _control_frame(self, sender: bytes, body: bytes, rid: bytes) -> None:
         self._control += 1
         try:
             message = protocol.decode(body, self.limits)
         except ProtocolError as exc:
             msg_id = protocol.peek_msg_id(body)
-            self._refuse(sender, msg_id, protocol.ErrorCode(exc.code), exc.detail)
+            self._refuse(rid, msg_id, protocol.ErrorCode(exc.code), exc.detail)
             return
         reply: protocol.Pong | protocol.Stats | None
         match message:
@@ -380,7 +402,7 @@ class Broker:
                 )
             case _:
                 self._refuse(
-                    sender,
+                    rid,
                     getattr(message, "msg_id", None),
                     protocol.ErrorCode.UNEXPECTED_MESSAGE,
                     f"the broker does not serve {message.kind!r}",
@@ -389,7 +411,7 @@ class Broker:
         if reply is not None:
             frame = protocol.encode(reply)
             with contextlib.suppress(zmq.ZMQError):  # gone or not reading: it will ask again
-                self._sock.send_multipart([sender, BROKER_NAME, frame], zmq.NOBLOCK)
+                self._sock.send_multipart([rid, BROKER_NAME, frame], zmq.NOBLOCK)
 
     # --- heartbeats and expiry -------------------------------------------------
     def _heartbeat_frame(self) -> bytes:
@@ -399,7 +421,8 @@ class Broker:
 
     def _send_heartbeat(self, peer: bytes, frame: bytes) -> None:
         try:
-            self._sock.send_multipart([peer, BROKER_NAME, frame], zmq.NOBLOCK)
+            self._sock.send_multipart([self._route.get(peer, peer), BROKER_NAME, frame],
+                                      zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH and self._peers.forget(peer):
                 log.info("peer_disconnected", peer=peer.decode("ascii", "replace"))
