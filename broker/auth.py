@@ -269,7 +269,7 @@ def child_credential(state_dir: StateDir, name: str) -> Credential:
     own = process_credential(state_dir)
     if own.mint is not None:
         return own.child(name)
-    if own.name == OPERATOR and "." in name:
+    if own.name == OPERATOR:
         return ensure_keys(state_dir).credential(name)
     raise AuthError(f"{own.name} may not start the child {name!r}")
 

@@ -182,8 +182,8 @@ class ChildStarter:
             else:
                 log.warning("zygote_not_ready", age_s=age_s)
             return None
+        cred_r = self._credential_pipe(name)
         gate_r, gate_w = os.pipe()
-        cred_r = auth.credential_pipe(auth.child_credential(self.state, name))
         try:
             reply = self.zygote.fork(name, ZYGOTE_FORK_TIMEOUT_S, output=output, gate_fd=gate_r,
                                      credential_fd=cred_r)
@@ -201,12 +201,18 @@ class ChildStarter:
             self._failed("zygote_fork_failed", child=name, reason=reply.reason)
         return None
 
+    def _credential_pipe(self, name: str) -> int:
+        try:
+            return auth.credential_pipe(auth.child_credential(self.state, name))
+        except auth.AuthError as exc:
+            raise SpawnError(f"no credential for {name}: {exc}") from exc
+
     def _launch(self, name: str, directory: Path, output: Path) -> Started:
         out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         argv = [sys.executable, "-m", "actors.agent", "--name", name,
                 "--state-dir", str(self.state.root), *self._log_args]
         # the credential pipe is inheritable for this one spawn (this host is one thread)
-        cred_r = auth.credential_pipe(auth.child_credential(self.state, name))
+        cred_r = self._credential_pipe(name)
         try:
             spawned = launch.spawn(argv, {**self._env, **auth.child_env_entry(cred_r)},
                                    str(directory), stdio_fd=out, die_with_parent=True)

@@ -187,7 +187,7 @@ def ask(name, message):
     s.connect(f"ipc://{run}/{name}.sock")
     try:
         s.send(protocol.encode(message), zmq.NOBLOCK)
-        print(name, message.kind, "answered" if s.poll(1000) else "no-answer", flush=True)
+        print(name, message.kind, "answered" if s.poll(500) else "no-answer", flush=True)
     except zmq.ZMQError as exc:
         print(name, message.kind, "refused", exc, flush=True)
     s.close()
@@ -268,6 +268,7 @@ def test_a_scripted_agents_bash_cannot_forge_answers_or_kill_and_the_operator_ca
         assert done.returncode == 0, done.stderr
         [request] = wait_for(pending, 30, "agent-2's approval request")
         assert request.request == "req-1.0"
+        _no_secret_in_argv_or_env(state_dir)
         victim_pid = _children(processes, state_dir)["agent-2"]["pid"]
         done = _cli(processes, state_dir, "spawn", "agent-1", "--task", str(attacker),
                     "--config", str(config))
@@ -293,7 +294,6 @@ def test_a_scripted_agents_bash_cannot_forge_answers_or_kill_and_the_operator_ca
         assert done.returncode == 0, done.stderr
         notes = state_dir.agent_dir("agent-2") / "workspace" / "release" / "notes.md"
         wait_for(notes.exists, 30, "agent-2 to write after the answer")
-        _no_secret_in_argv_or_env(state_dir)
         # a mutating control command with agent-1's credential: refused, nobody dies
         reply = raw_ask(ctx, state_dir.endpoint("supervisor"), protocol.SignalRequest(
             msg_id="k2", target="procs", signal=9),
@@ -321,7 +321,7 @@ def _no_secret_in_argv_or_env(state_dir: StateDir) -> None:
                                               "agent-2", "operator")]
     status = json.loads(state_dir.status_path.read_text())
     pids = [c["pid"] for c in status["children"] if c.get("pid")]
-    assert len(pids) >= 5
+    assert len(pids) >= 4  # writer, broker, procs, agent-2
     for pid in pids:
         for name in ("cmdline", "environ"):
             data = Path(f"/proc/{pid}/{name}").read_bytes()
