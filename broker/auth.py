@@ -213,9 +213,7 @@ def operator_credential(state_dir: StateDir) -> Credential:
     path = keys_dir(state_dir) / "operator.key"
     try:
         data = _read_private(path)
-    except FileNotFoundError as exc:
-        if not state_dir.root.is_dir():
-            raise AuthError(f"no operator credential: {state_dir.root} does not exist") from exc
+    except FileNotFoundError:
         ensure_keys(state_dir)
         data = _read_private(path)
     except OSError as exc:
