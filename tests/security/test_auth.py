@@ -263,15 +263,13 @@ def test_a_scripted_agents_bash_cannot_forge_answers_or_kill_and_the_operator_ca
         return rebuild(operator, state_dir, "agent-2").state.pending_approvals()
 
     try:
-        done = _cli(processes, state_dir, "spawn", "agent-2", "--task", str(victim),
-                    "--config", str(config))
+        done = _cli(processes, state_dir, "spawn", "agent-2", "--task", str(victim))
         assert done.returncode == 0, done.stderr
         [request] = wait_for(pending, 30, "agent-2's approval request")
         assert request.request == "req-1.0"
         _no_secret_in_argv_or_env(state_dir)
         victim_pid = _children(processes, state_dir)["agent-2"]["pid"]
-        done = _cli(processes, state_dir, "spawn", "agent-1", "--task", str(attacker),
-                    "--config", str(config))
+        done = _cli(processes, state_dir, "spawn", "agent-1", "--task", str(attacker))
         assert done.returncode == 0, done.stderr
 
         def finished() -> bool:
