@@ -239,6 +239,20 @@ def _wait_pong(peer: BrokerPeer, to: str) -> None:
             return
 
 
+def _wait_echo(sock: zmq.Socket[bytes], head: list[bytes], timeout_s: float = 30.0) -> None:
+    """Send an echo until one comes back (an `unknown_recipient` error means the
+    echo has not registered with the broker yet)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sock.send_multipart([*head, b"E"])
+        while sock.poll(200, zmq.POLLIN):
+            if sock.recv_multipart()[-1][:1] == b"E":
+                while sock.poll(50, zmq.POLLIN):  # late echoes of earlier tries
+                    sock.recv_multipart()
+                return
+    raise TimeoutError("echo never answered")
+
+
 def run(quick: bool) -> dict[str, object]:
     n_rtt = 2_000 if quick else 20_000
     n_stream = 20_000 if quick else 200_000
@@ -272,7 +286,8 @@ def run(quick: bool) -> dict[str, object]:
         modes = {"broker": (via_broker, [b"bench-b"]), "direct": (direct, [])}
         for sock, head in modes.values():
             sock.setsockopt(zmq.LINGER, 0)
-            _rtts(sock, head, 200)  # warm-up; also proves both echoes are up
+            _wait_echo(sock, head)  # bench-b is routable once the broker has heard from it
+            _rtts(sock, head, 200)  # warm-up
 
         broker_proc = psutil.Process(procs[0].pid)
         cpu0 = sum(broker_proc.cpu_times()[:2])
