@@ -100,6 +100,9 @@ class Broker:
         self._peers = PeerTable(rule)
         self._names: set[bytes] = set()  # validated actor names (cache for the hot path)
         self._route: dict[bytes, bytes] = {}  # actor name -> routing id of its connection
+        # routing ids the broker generated (a zero byte, then 4 bytes never reused on
+        # this socket) -> the name their connection authenticated as
+        self._known: dict[bytes, bytes] = {}
         self._stopping = False
         self._routed = 0
         self._errors = 0
@@ -189,33 +192,37 @@ class Broker:
         last_seen = self._peers.last_seen
         check = self._zap is not None
         route_get = self._route.get
+        known_get = self._known.get
         now = time.monotonic()
         routed = 0
-        user: str | None = None
         try:
             for _ in range(DRAIN_BATCH):
                 if not getsockopt(_EVENTS) & _POLLIN:  # type: ignore[arg-type,operator]
                     break
-                head = recv(_NOBLOCK, copy=False)
-                rid = head.bytes  # the connection's routing id
-                sender = rid
-                if check:  # the name this connection authenticated as
-                    user = str(head.get(_USER_ID))
-                    if user != _OPERATOR:
-                        sender = user.encode()
+                rid = recv(_NOBLOCK)  # the connection's routing id
                 if not getsockopt(_RCVMORE):
-                    self._slow([rid], now, user)
+                    self._slow([rid], now)
                     continue
                 to = recv(_NOBLOCK)
                 if not getsockopt(_RCVMORE):
-                    self._slow([rid, to], now, user)
+                    self._slow([rid, to], now)
                     continue
-                body = recv(_NOBLOCK)
+                # the sender's name: the one its connection authenticated as, read from
+                # the message's User-Id (on every frame) unless this routing id is known
+                user = None
+                sender = known_get(rid) if check else rid
+                if sender is None:
+                    last = recv(_NOBLOCK, copy=False)
+                    body = last.bytes
+                    user = str(last.get(_USER_ID))
+                    sender = rid if user == _OPERATOR else user.encode()
+                else:
+                    body = recv(_NOBLOCK)
                 if getsockopt(_RCVMORE):
                     frames = [rid, to, body, recv(_NOBLOCK)]
                     while getsockopt(_RCVMORE):
                         frames.append(recv(_NOBLOCK))
-                    self._slow(frames, now, user)
+                    self._slow(frames, now)
                     continue
                 dest = route_get(to)
                 if dest is not None and route_get(sender) == rid and to in names:
@@ -231,7 +238,8 @@ class Broker:
                     send(body, _NOBLOCK)
                     routed += 1
                 else:
-                    self._slow([rid, to, body], now, user)
+                    self._slow([rid, to, body], now,
+                               user if user is not None or not check else sender.decode())
         finally:
             self._routed += routed
 
@@ -269,6 +277,10 @@ class Broker:
             if len(self._route) >= _NAME_CACHE_MAX and sender not in self._route:
                 self._route.clear()
             self._route[sender] = rid
+        if user is not None and user != _OPERATOR and len(rid) == 5 and rid[:1] == b"\0":
+            if len(self._known) >= _NAME_CACHE_MAX:
+                self._known.clear()
+            self._known[rid] = sender
         if self._peers.touch(sender, now):
             self._registered(sender)
         if to == BROKER_NAME:
@@ -420,12 +432,14 @@ class Broker:
         )
 
     def _send_heartbeat(self, peer: bytes, frame: bytes) -> None:
+        rid = self._route.get(peer, peer)
         try:
-            self._sock.send_multipart([self._route.get(peer, peer), BROKER_NAME, frame],
-                                      zmq.NOBLOCK)
+            self._sock.send_multipart([rid, BROKER_NAME, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH and self._peers.forget(peer):
-                log.info("peer_disconnected", peer=peer.decode("ascii", "replace"))
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._known.pop(rid, None)  # that connection is gone: never trust its id again
+                if self._peers.forget(peer):
+                    log.info("peer_disconnected", peer=peer.decode("ascii", "replace"))
 
     def _housekeep(self, now: float) -> None:
         for peer, silent_s in self._peers.expire(now):
