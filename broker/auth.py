@@ -273,9 +273,12 @@ def child_credential(state_dir: StateDir, name: str) -> Credential:
 
 
 def default_credential(endpoint: str) -> Credential | None:
-    """This process's credential for a local (ipc://) endpoint; None for others
-    (a tcp:// endpoint needs CURVE keys, broker/curve.py)."""
+    """This process's credential for an endpoint of a state directory
+    (`ipc://<dir>/run/<name>.sock`); None for others (a tcp:// endpoint needs
+    CURVE keys, broker/curve.py; an ipc socket elsewhere is no runtime's)."""
     if not endpoint.startswith("ipc://"):
+        return None
+    if Path(endpoint.removeprefix("ipc://")).parent.name != "run":
         return None
     return process_credential(state_dir_of(endpoint))
 
