@@ -318,9 +318,12 @@ def _no_secret_in_argv_or_env(state_dir: StateDir) -> None:
     keyring = auth.ensure_keys(state_dir)
     secrets = [keyring.password(n) for n in ("writer", "broker", "procs", "agent-1",
                                               "agent-2", "operator")]
-    status = json.loads(state_dir.status_path.read_text())
-    pids = [c["pid"] for c in status["children"] if c.get("pid")]
-    assert len(pids) >= 4  # writer, broker, procs, agent-2
+    def running() -> list[int] | None:
+        status = json.loads(state_dir.status_path.read_text())
+        pids = [c["pid"] for c in status["children"] if c.get("pid")]
+        return pids if len(pids) >= 4 else None  # writer, broker, procs, agent-2
+
+    pids: list[int] = wait_for(running, 10, "the status file to list every child")
     for pid in pids:
         for name in ("cmdline", "environ"):
             data = Path(f"/proc/{pid}/{name}").read_bytes()
