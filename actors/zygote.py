@@ -31,6 +31,10 @@ The format on the socketpair (this module owns it):
         and runs only on b"g"; on EOF (the requester closed the write end: it
         gave up, or died) it exits 125 without running anything. The subagents
         host records the agent's pid durably before it opens the gate.
+        Either form may end with b"\0c": then the first file descriptor is a
+        pipe holding the agent's credential (broker/auth.py), read by the
+        agent after the fork (the zygote never reads it), and the gate, if
+        any, is the second.
     reply
         b"forked <name> <pid>"   or   b"failed <name> <reason>"
 """
@@ -81,20 +85,29 @@ class ForkFailed:
 class ForkRequest:
     name: str
     output: bytes | None = None  # a path (bytes: any file name the OS accepts)
+    credential: bool = False  # the first fd is the agent's credential pipe
 
 
-def fork_request(name: str, output: str | os.PathLike[str] | None = None) -> bytes:
+_CREDENTIAL_MARK = b"\0c"
+
+
+def fork_request(name: str, output: str | os.PathLike[str] | None = None, *,
+                 credential: bool = False) -> bytes:
     data = f"fork {name}".encode()
-    return data if output is None else data + b" " + os.fsencode(output)
+    data = data if output is None else data + b" " + os.fsencode(output)
+    return data + _CREDENTIAL_MARK if credential else data
 
 
 def parse_request(data: bytes) -> ForkRequest | None:
     """Parse one request datagram; None when it is not one."""
+    credential = data.endswith(_CREDENTIAL_MARK)
+    if credential:
+        data = data.removesuffix(_CREDENTIAL_MARK)
     word, _, rest = data.partition(b" ")
     name, _, output = rest.partition(b" ")
-    if word != b"fork" or not name:
+    if word != b"fork" or not name or b"\0" in data:
         return None
-    return ForkRequest(name.decode("utf-8", "replace"), output or None)
+    return ForkRequest(name.decode("utf-8", "replace"), output or None, credential)
 
 
 def parse_reply(data: bytes) -> Ready | Forked | ForkFailed:
@@ -143,7 +156,7 @@ class Zygote:
         while True:
             try:
                 data, fds, _flags, _addr = socket.recv_fds(
-                    self.sock, MAX_DATAGRAM_BYTES, 1, socket.MSG_CMSG_CLOEXEC)
+                    self.sock, MAX_DATAGRAM_BYTES, 2, socket.MSG_CMSG_CLOEXEC)
             except InterruptedError:
                 continue
             if not data:
@@ -152,8 +165,11 @@ class Zygote:
                 request = parse_request(data)
                 if request is None:
                     continue  # not a request: never answered
+                rest = list(fds)
+                credential = rest.pop(0) if request.credential and rest else None
+                gate = rest[0] if rest else None
                 try:
-                    pid = self._fork(request, fds[0] if fds else None)
+                    pid = self._fork(request, gate, credential)
                     reply = f"forked {request.name} {pid}"
                 except OSError as exc:
                     reply = f"failed {request.name} {exc.strerror or exc}"
@@ -167,7 +183,7 @@ class Zygote:
                 for fd in fds:
                     os.close(fd)
 
-    def _fork(self, request: ForkRequest, gate: int | None) -> int:
+    def _fork(self, request: ForkRequest, gate: int | None, credential: int | None) -> int:
         output = os.open(request.output, _OUTPUT_FLAGS, 0o600) if request.output else None
         read_fd = write_fd = -1
         try:
@@ -185,7 +201,7 @@ class Zygote:
                 pid = os.fork()
                 if pid == 0:
                     os.close(write_fd)
-                    self._become_agent(request.name, output, gate)  # never returns
+                    self._become_agent(request.name, output, gate, credential)  # never returns
                 os.write(write_fd, str(pid).encode())
             except BaseException:  # noqa: BLE001 - nothing may escape a forked child
                 code = EXIT_SOFTWARE
@@ -205,7 +221,8 @@ class Zygote:
             raise OSError(0, "the intermediate process failed to fork")
         return int(data)
 
-    def _become_agent(self, name: str, output: int | None, gate: int | None) -> None:
+    def _become_agent(self, name: str, output: int | None, gate: int | None,
+                      credential: int | None) -> None:
         code = EXIT_SOFTWARE
         try:
             self.sock.close()
@@ -226,7 +243,11 @@ class Zygote:
                     os._exit(EXIT_GATE_CLOSED)
                 os.close(gate)
             from actors.agent.process import AgentOptions, serve
+            from broker import auth
             from broker.statedir import StateDir
+
+            if credential is not None:  # this agent's own, from the requester's pipe
+                auth.set_process_credential(auth.read_credential(credential))
 
             os.environ["CORRAL_ACTOR"] = name
             args = self.args

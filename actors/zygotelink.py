@@ -50,18 +50,19 @@ class ZygoteLink:
         return self.sock.fileno() if self.sock is not None else -1
 
     def request(self, name: str, output: str | os.PathLike[str] | None = None,
-                gate_fd: int | None = None) -> bool:
+                gate_fd: int | None = None, credential_fd: int | None = None) -> bool:
         """Ask for one agent (its stdout/stderr to `output`, held at the start
-        gate `gate_fd` if given); False when the zygote is not there (or its
-        queue is full)."""
+        gate `gate_fd` if given, its credential on the pipe `credential_fd`);
+        False when the zygote is not there (or its queue is full)."""
         if self.sock is None:
             return False
-        data = zygote.fork_request(name, output)
+        data = zygote.fork_request(name, output, credential=credential_fd is not None)
+        fds = [fd for fd in (credential_fd, gate_fd) if fd is not None]
         try:
-            if gate_fd is None:
+            if not fds:
                 self.sock.send(data)
             else:
-                socket.send_fds(self.sock, [data], [gate_fd])
+                socket.send_fds(self.sock, [data], fds)
         except (BlockingIOError, OSError):
             return False
         return True
@@ -100,11 +101,12 @@ class ZygoteLink:
         return self.ready
 
     def fork(self, name: str, timeout_s: float, *, output: str | os.PathLike[str] | None = None,
-             gate_fd: int | None = None) -> zygote.Forked | zygote.ForkFailed | None:
+             gate_fd: int | None = None,
+             credential_fd: int | None = None) -> zygote.Forked | zygote.ForkFailed | None:
         """Ask for one agent and wait for its reply; None when the zygote is
         gone or did not answer within `timeout_s` (it may still fork later:
         pass a start gate and close it to make that agent exit unrun)."""
-        if not self.request(name, output, gate_fd):
+        if not self.request(name, output, gate_fd, credential_fd):
             return None
         deadline = time.monotonic() + timeout_s
         while self._wait_readable(deadline):

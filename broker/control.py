@@ -41,7 +41,7 @@ from typing import Protocol
 import structlog
 import zmq
 
-from broker import protocol
+from broker import auth, protocol
 
 ENV_CONTROL = "CORRAL_CONTROL"
 ENV_ACTOR = "CORRAL_ACTOR"
@@ -101,7 +101,10 @@ class ControlReporter:
         *,
         pulse: bool = False,
         stall_s: float = DEFAULT_STALL_S,
+        credential: auth.Credential | None = None,
     ) -> None:
+        """`credential` defaults to this process's own (broker/auth.py): the
+        supervisor takes `ready`/`heartbeat` for `actor` only from `actor`."""
         self.actor = actor
         self.interval_s = interval_s
         self.stall_s = stall_s
@@ -110,6 +113,8 @@ class ControlReporter:
         self._ctx = ctx
         self._endpoint = endpoint
         self._pid = os.getpid()
+        # read here, on the main thread, once: the pulse thread's socket presents it too
+        self._credential = credential or auth.default_credential(endpoint)
         self._next_beat = 0.0
         # pulse mode: shared with the thread, under the condition's lock
         self._cond = threading.Condition()
@@ -140,6 +145,8 @@ class ControlReporter:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self.actor.encode())
         sock.setsockopt(zmq.SNDHWM, 16)
+        if self._credential is not None:
+            auth.apply_client(sock, self._credential)
         sock.connect(self._endpoint)
         return sock
 

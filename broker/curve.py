@@ -13,7 +13,8 @@ Keys live in `.corral/keys/` (the "outside" tier: operator-owned secrets,
 
 With CURVE on, a socket requires it on every connection, local ones included,
 so local actors present a client key too (`generate` makes one named `local`).
-A ZAP handler (pyzmq's ThreadAuthenticator) admits only authorized keys."""
+The ZAP handler (broker/auth.py) admits only authorized keys, each as the actor
+its file names (`authorized/<name>.key` authenticates as `<name>`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from broker.errors import ConfigError
 
@@ -91,19 +91,10 @@ def load_client(keys: Path, name: str = LOCAL_CLIENT) -> CurveClient:
     return CurveClient(server_public=server_public, public=public, secret=secret)
 
 
-def start_authenticator(
-    ctx: zmq.Context[zmq.Socket[bytes]], server: CurveServer
-) -> ThreadAuthenticator:
-    """Admit only clients whose public key is in authorized/ (stop() it at exit)."""
-    auth = ThreadAuthenticator(ctx)
-    auth.start()
-    auth.configure_curve(domain="*", location=str(server.authorized_dir))
-    return auth
-
-
 def apply_server(sock: zmq.Socket[bytes], server: CurveServer) -> None:
     """Call before bind()."""
     sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.ZAP_DOMAIN, b"corral")  # broker/auth.py's ZAP handler serves it
     sock.setsockopt(zmq.CURVE_PUBLICKEY, server.public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, server.secret)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import structlog
 import zmq
 
-from broker import protocol, ratelimit
+from broker import auth, protocol, ratelimit
 from broker.curve import CurveClient, apply_client
 from broker.errors import ProtocolError, RemoteError, RequestTimeoutError, StateDirError
 from broker.heartbeat import HeartbeatRule, Liveness
@@ -63,7 +63,10 @@ class BrokerPeer:
         *,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         curve: CurveClient | None = None,
+        credential: auth.Credential | None = None,
     ) -> None:
+        """`credential` (PLAIN) defaults to this process's own (broker/auth.py);
+        the broker takes `name` only from the actor it authenticates as `name`."""
         if check_actor_name(name) == BROKER_NAME:
             raise StateDirError("the actor name 'broker' is reserved for the broker")
         self.name = name
@@ -73,6 +76,11 @@ class BrokerPeer:
         self.reconnects = 0
         self._ctx = ctx
         self._curve = curve
+        if curve is None and credential is None:
+            credential = auth.default_credential(self.endpoint)
+        if credential is not None and credential.name not in (name, auth.OPERATOR):
+            raise auth.AuthError(f"the credential of {credential.name} cannot be {name}")
+        self._credential = credential
         self._identity = name.encode()
         self._pid = os.getpid()
         self._inbox: deque[Received] = deque()
@@ -91,11 +99,18 @@ class BrokerPeer:
     def _open(self) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, self._identity)
+        if self._credential is None or self._credential.name == auth.OPERATOR:
+            sock.setsockopt(zmq.IDENTITY, self._identity)
+        # else the broker names us by our credential and picks the routing id itself,
+        # so nobody can take over our routing id (ZMQ_ROUTER_HANDOVER)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
         if self._curve is not None:
             apply_client(sock, self._curve)
+        elif self._credential is not None:
+            auth.apply_client(sock, self._credential)
         sock.connect(self.endpoint)
+        with contextlib.suppress(zmq.Again):  # register at once: routable from now on
+            sock.send_multipart([_BROKER, self._beat_frame], zmq.NOBLOCK)
         return sock
 
     @property

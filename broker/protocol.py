@@ -70,6 +70,7 @@ class ErrorCode(StrEnum):
     SHUTTING_DOWN = "shutting_down"
     INTERNAL_ERROR = "internal_error"
     SANDBOX_UNAVAILABLE = "sandbox_unavailable"  # procs: commands cannot be confined (fail closed)
+    FORBIDDEN = "forbidden"  # authenticated, but this actor may not do that (broker/auth.py)
 
 
 # --- field types ------------------------------------------------------------

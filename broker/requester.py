@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from broker import protocol
+from broker import auth, protocol
 from broker.curve import CurveClient, apply_client
 from broker.errors import ProtocolError, RemoteError, RequestTimeoutError
 
@@ -35,8 +35,14 @@ class Requester:
         identity: bytes | None = None,
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         curve: CurveClient | None = None,
+        credential: auth.Credential | None = None,
     ) -> None:
+        """`credential` authenticates with PLAIN (broker/auth.py; default: this
+        process's own, for an ipc:// endpoint); `curve` with CURVE (tcp://)."""
         self._ctx = ctx
+        if curve is None and credential is None:
+            credential = auth.default_credential(endpoint)
+        self._credential = credential
         self.endpoint = endpoint
         self._identity = identity
         self._curve = curve
@@ -52,6 +58,8 @@ class Requester:
             sock.setsockopt(zmq.IDENTITY, self._identity)
         if self._curve is not None:
             apply_client(sock, self._curve)
+        elif self._credential is not None:
+            auth.apply_client(sock, self._credential)
         sock.connect(self.endpoint)
         return sock
 

@@ -3,15 +3,17 @@
     python -m broker.server --state-dir D [--heartbeat-interval-ms 1000]
         [--heartbeat-misses 3] [--max-frame-bytes N] [--log-level info]
 
-A peer (DEALER, identity = its actor name) sends ``[to, body]``; the broker
-receives ``[from, to, body]`` and sends ``[to, from, body]``, so the recipient
-sees ``[from, body]``. Routed bodies are never decoded: the hot loop only moves
-bytes. ``to == b"broker"`` addresses the broker itself (heartbeat, ping,
-stats_request). Anything that cannot be routed is answered with an `error`
-frame from ``broker``; nothing a peer sends stops the loop. Replies and
-notices (an `error` above all) are never answered, not even when they cannot
-be delivered, so no two actors can trade errors forever. docs/broker.md is
-the normative text.
+A peer (DEALER) sends ``[to, body]``; the broker receives ``[rid, to, body]``
+and sends ``[rid of to, from, body]``, so the recipient sees ``[from, body]``.
+A peer's name is the name it authenticated as (broker/auth.py), learned with
+its routing id from its first message (a heartbeat on connect); only the
+operator's connections are named by their ZMQ identity. Routed bodies are
+never decoded: the hot loop only moves bytes. ``to == b"broker"`` addresses
+the broker itself (heartbeat, ping, stats_request). Anything that cannot be
+routed is answered with an `error` frame from ``broker``; nothing a peer sends
+stops the loop. Replies and notices (an `error` above all) are never
+answered, not even when they cannot be delivered, so no two actors can trade
+errors forever. docs/broker.md is the normative text.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from types import FrameType
 import structlog
 import zmq
 
-from broker import curve, logconfig, protocol, ratelimit
+from broker import auth, curve, logconfig, protocol, ratelimit
 from broker.control import ControlReporter
 from broker.curve import CurveServer, apply_server, check_endpoints
 from broker.durable import write_atomic
@@ -55,6 +57,8 @@ _RCVMORE = zmq.RCVMORE
 _POLLIN = zmq.POLLIN
 _NOBLOCK = zmq.NOBLOCK
 _SNDMORE_NOBLOCK = zmq.SNDMORE | zmq.NOBLOCK
+_USER_ID = auth.USER_ID
+_OPERATOR = auth.OPERATOR
 
 log = structlog.get_logger("broker")
 
@@ -91,14 +95,22 @@ class Broker:
         *,
         curve_server: CurveServer | None = None,
         tcp_endpoints: tuple[str, ...] = (),
+        zap: auth.ZapHandler | None = None,
     ) -> None:
+        """With `zap` (broker/auth.py) every connection authenticates and a peer
+        may use only its own name; without it, names are not checked."""
         check_endpoints(tcp_endpoints, curve_server is not None)
+        self._zap = zap
         self.endpoint = endpoint
         self.rule = rule
         self.limits = limits
         self._pid = os.getpid()
         self._peers = PeerTable(rule)
         self._names: set[bytes] = set()  # validated actor names (cache for the hot path)
+        self._route: dict[bytes, bytes] = {}  # actor name -> routing id of its connection
+        # routing ids the broker generated (a zero byte, then 4 bytes never reused on
+        # this socket) -> the name their connection authenticated as
+        self._known: dict[bytes, bytes] = {}
         self._stopping = False
         self._routed = 0
         self._errors = 0
@@ -124,6 +136,8 @@ class Broker:
         self._max_body = limits.max_frame_bytes
         if curve_server is not None:  # every connection then needs CURVE, ipc included
             apply_server(self._sock, curve_server)
+        elif zap is not None:
+            auth.apply_server(self._sock)
         old = bind_umask()
         try:
             self._sock.bind(endpoint)
@@ -158,6 +172,9 @@ class Broker:
     def run(self, reporter: ControlReporter | None = None) -> None:
         """Route until stop(); housekeeping (heartbeats, expiry) between batches."""
         poll_items = [(self._sock, zmq.POLLIN)]
+        zap = self._zap
+        if zap is not None:
+            poll_items.append((zap.socket, zmq.POLLIN))
         poll = zmq.zmq_poll  # half the cost of Socket.poll, which builds a Poller per call
         next_beat = time.monotonic() + self.rule.interval_s
         next_report = 0.0
@@ -165,6 +182,8 @@ class Broker:
         while not self._stopping:
             timeout_ms = min(MAX_POLL_MS, max(0, int((next_beat - time.monotonic()) * 1000) + 1))
             if poll(poll_items, timeout_ms):
+                if zap is not None:
+                    zap.handle()
                 try:
                     self._drain()
                 except Exception:  # the last line of defence: log, go on
@@ -193,87 +212,125 @@ class Broker:
         names = self._names
         last_seen = self._peers.last_seen
         max_body = self._max_body
+        check = self._zap is not None
+        route_get = self._route.get
+        known_get = self._known.get
         now = time.monotonic()
         routed = 0
         try:
             for _ in range(DRAIN_BATCH):
                 if not getsockopt(_EVENTS) & _POLLIN:  # type: ignore[arg-type,operator]
                     break
-                sender = recv(_NOBLOCK)
+                rid = recv(_NOBLOCK)  # the connection's routing id
                 if not getsockopt(_RCVMORE):
-                    self._slow([sender], now)
+                    self._slow([rid], now)
                     continue
                 to = recv(_NOBLOCK)
                 if not getsockopt(_RCVMORE):
-                    self._slow([sender, to], now)
+                    self._slow([rid, to], now)
                     continue
-                body = recv(_NOBLOCK)
+                # the sender's name: the one its connection authenticated as, read from
+                # the message's User-Id (on every frame) unless this routing id is known
+                user = None
+                sender = known_get(rid) if check else rid
+                if sender is None:
+                    last = recv(_NOBLOCK, copy=False)
+                    body = last.bytes
+                    user = str(last.get(_USER_ID))
+                    sender = rid if user == _OPERATOR else user.encode()
+                else:
+                    body = recv(_NOBLOCK)
                 if getsockopt(_RCVMORE):
-                    frames = [sender, to, body, recv(_NOBLOCK)]
+                    frames = [rid, to, body, recv(_NOBLOCK)]
                     while getsockopt(_RCVMORE):
                         frames.append(recv(_NOBLOCK))
                     self._slow(frames, now)
                     continue
-                if sender in names and to in names and len(body) <= max_body:
+                dest = route_get(to)
+                if (dest is not None and route_get(sender) == rid and to in names
+                        and len(body) <= max_body):
                     if sender not in last_seen:
                         self._register(sender)
                     last_seen[sender] = now
                     try:
-                        send(to, _SNDMORE_NOBLOCK)  # ROUTER_MANDATORY fails here, if at all
+                        send(dest, _SNDMORE_NOBLOCK)  # ROUTER_MANDATORY fails here, if at all
                     except zmq.ZMQError as exc:
-                        self._route_failed(sender, to, body, exc)
+                        self._route_failed(sender, to, body, exc, rid)
                         continue
                     send(sender, _SNDMORE_NOBLOCK)
                     send(body, _NOBLOCK)
                     routed += 1
                 else:
-                    self._slow([sender, to, body], now)
+                    self._slow([rid, to, body], now,
+                               user if user is not None or not check else sender.decode())
         finally:
             self._routed += routed
 
     # --- everything that is not a plain route --------------------------------
-    def _slow(self, frames: list[bytes], now: float) -> None:
-        sender = frames[0]
+    def _slow(self, frames: list[bytes], now: float, user: str | None = None) -> None:
+        """Validate, register (name -> routing id) and route one message. A peer's
+        name is the name it authenticated as (its routing id is then the
+        broker's own choice); the operator's connections, and every connection
+        of a broker without authentication, are named by their routing id."""
+        rid = frames[0]
         if len(frames) != 3:
             self._refuse(
-                sender,
+                rid,
                 frames[-1] if len(frames) > 1 else b"",
                 protocol.ErrorCode.MALFORMED_FRAME,
                 f"expected 2 frames [to, body], got {len(frames) - 1}",
             )
             return
         _, to, body = frames
+        sender = rid if user is None or user == _OPERATOR else user.encode()
+        if sender != rid and rid[:1] != b"\0":  # an identity of its own, not its name
+            self._refuse(rid, body, protocol.ErrorCode.FORBIDDEN,
+                         f"authenticated as {sender.decode()}, not {rid[:80]!r}: "
+                         "leave ZMQ_IDENTITY unset (the broker names you)")
+            return
         if not self._valid_sender(sender):
             self._refuse(
-                sender,
+                rid,
                 body,
                 protocol.ErrorCode.MALFORMED_FRAME,
                 "sender identity is not an actor name (set ZMQ_IDENTITY to your name)",
             )
             return
+        if self._route.get(sender) != rid:
+            if len(self._route) >= _NAME_CACHE_MAX and sender not in self._route:
+                self._route.clear()
+            self._route[sender] = rid
+        if user is not None and user != _OPERATOR and len(rid) == 5 and rid[:1] == b"\0":
+            if len(self._known) >= _NAME_CACHE_MAX:
+                self._known.clear()
+            self._known[rid] = sender
         if self._peers.touch(sender, now):
             self._registered(sender)
         if len(body) > self._max_body:
             self._refuse(
-                sender,
+                rid,
                 body,
                 protocol.ErrorCode.FRAME_TOO_LARGE,
                 f"{len(body)} bytes > limit {self._max_body}",
             )
         elif to == BROKER_NAME:
-            self._control_frame(sender, body)
+            self._control_frame(sender, body, rid)
         elif not self._valid_name(to):
             self._refuse(
-                sender,
+                rid,
                 body,
                 protocol.ErrorCode.MALFORMED_FRAME,
                 f"recipient {to[:80]!r} is not an actor name",
             )
         else:
+            dest = self._route.get(to)
+            if dest is None:  # never registered: as unreachable as a gone peer
+                self._route_failed(sender, to, body, zmq.ZMQError(zmq.EHOSTUNREACH), rid)
+                return
             try:
-                self._sock.send_multipart([to, sender, body], zmq.NOBLOCK)
+                self._sock.send_multipart([dest, sender, body], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
-                self._route_failed(sender, to, body, exc)
+                self._route_failed(sender, to, body, exc, rid)
             else:
                 self._routed += 1
 
@@ -302,7 +359,8 @@ class Broker:
         log.info("peer_registered", peer=sender.decode("ascii", "replace"), peers=len(self._peers))
         self._send_heartbeat(sender, self._heartbeat_frame())
 
-    def _route_failed(self, sender: bytes, to: bytes, body: bytes, exc: zmq.ZMQError) -> None:
+    def _route_failed(self, sender: bytes, to: bytes, body: bytes, exc: zmq.ZMQError,
+                      rid: bytes) -> None:
         if exc.errno == zmq.EHOSTUNREACH:
             self._unknown += 1
             code = protocol.ErrorCode.UNKNOWN_RECIPIENT
@@ -325,7 +383,7 @@ class Broker:
                 msg_id=peeked.msg_id,
                 kind=peeked.kind,
             )
-        self._reply_error(sender, peeked, code, detail)
+        self._reply_error(rid, peeked, code, detail)
 
     def _refuse(self, sender: bytes, body: bytes, code: protocol.ErrorCode, detail: str) -> None:
         self._rejected += 1
@@ -356,7 +414,7 @@ class Broker:
             self._unanswered += 1
 
     # --- control messages addressed to the broker ----------------------------
-    def _control_frame(self, sender: bytes, body: bytes) -> None:
+    def _control_frame(self, sender: bytes, body: bytes, rid: bytes) -> None:
         self._control += 1
         try:
             message = protocol.decode(body, self.limits)
@@ -371,7 +429,7 @@ class Broker:
                     msg_id=exc.msg_id,
                 )
             self._reply_error(
-                sender,
+                rid,
                 protocol.peek(body, self.limits) if exc.msg_id is None else
                 protocol.Peeked(None, exc.msg_id),
                 protocol.ErrorCode(exc.code),
@@ -402,7 +460,7 @@ class Broker:
                         msg_id=getattr(message, "msg_id", None),
                     )
                 self._reply_error(
-                    sender,
+                    rid,
                     protocol.Peeked(message.kind, getattr(message, "msg_id", None)),
                     protocol.ErrorCode.UNEXPECTED_MESSAGE,
                     f"the broker does not serve {message.kind!r}",
@@ -411,7 +469,7 @@ class Broker:
         if reply is not None:
             frame = protocol.encode(reply)
             with contextlib.suppress(zmq.ZMQError):  # gone or not reading: it will ask again
-                self._sock.send_multipart([sender, BROKER_NAME, frame], zmq.NOBLOCK)
+                self._sock.send_multipart([rid, BROKER_NAME, frame], zmq.NOBLOCK)
 
     # --- heartbeats and expiry -------------------------------------------------
     def _heartbeat_frame(self) -> bytes:
@@ -420,11 +478,14 @@ class Broker:
         )
 
     def _send_heartbeat(self, peer: bytes, frame: bytes) -> None:
+        rid = self._route.get(peer, peer)
         try:
-            self._sock.send_multipart([peer, BROKER_NAME, frame], zmq.NOBLOCK)
+            self._sock.send_multipart([rid, BROKER_NAME, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH and self._peers.forget(peer):
-                log.info("peer_disconnected", peer=peer.decode("ascii", "replace"))
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._known.pop(rid, None)  # that connection is gone: never trust its id again
+                if self._peers.forget(peer):
+                    log.info("peer_disconnected", peer=peer.decode("ascii", "replace"))
 
     def _housekeep(self, now: float) -> None:
         self._limiter.tick()
@@ -478,18 +539,19 @@ def main(argv: list[str] | None = None) -> int:
     rule = HeartbeatRule(args.heartbeat_interval_ms / 1000.0, args.heartbeat_misses)
     limits = protocol.Limits(max_frame_bytes=args.max_frame_bytes)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    auth = None
+    zap = None
     try:
         server = curve.load_server(curve.keys_dir(state.root)) if args.curve else None
-        if server is not None:
-            auth = curve.start_authenticator(ctx, server)
+        zap = auth.ZapHandler(ctx, auth.ensure_keys(state),
+                              server.authorized_dir if server is not None else None)
         broker = Broker(
-            ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp)
+            ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp),
+            zap=zap,
         )
-    except ConfigError as exc:
+    except (ConfigError, auth.AuthError) as exc:
         print(f"broker: {exc}", file=sys.stderr)
-        if auth is not None:
-            auth.stop()
+        if zap is not None:
+            zap.close()
         ctx.destroy(linger=0)
         lock.release()
         return EXIT_CONFIG
@@ -517,8 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         broker.close()
         if reporter is not None:
             reporter.close()
-        if auth is not None:
-            auth.stop()
+        if zap is not None:
+            zap.close()
         ctx.term()
         log.info("broker_stopped", **stats.values())
         lock.release()

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import zmq
 
-from broker import protocol
+from broker import auth, protocol
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
@@ -117,6 +117,7 @@ def _echo_main(args: argparse.Namespace) -> int:
     else:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, args.name.encode())
+        auth.authenticate(sock, auth.state_dir_of(args.endpoint))
         sock.connect(args.endpoint)
     sock.setsockopt(zmq.LINGER, 0)
     if args.mode == "connect":  # announce ourselves, so the broker can route to us
@@ -238,6 +239,20 @@ def _wait_pong(peer: BrokerPeer, to: str) -> None:
             return
 
 
+def _wait_echo(sock: zmq.Socket[bytes], head: list[bytes], timeout_s: float = 30.0) -> None:
+    """Send an echo until one comes back (an `unknown_recipient` error means the
+    echo has not registered with the broker yet)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sock.send_multipart([*head, b"E"])
+        while sock.poll(200, zmq.POLLIN):
+            if sock.recv_multipart()[-1][:1] == b"E":
+                while sock.poll(50, zmq.POLLIN):  # late echoes of earlier tries
+                    sock.recv_multipart()
+                return
+    raise TimeoutError("echo never answered")
+
+
 def run(quick: bool) -> dict[str, object]:
     n_rtt = 2_000 if quick else 20_000
     n_stream = 20_000 if quick else 200_000
@@ -263,6 +278,7 @@ def run(quick: bool) -> dict[str, object]:
 
         via_broker = ctx.socket(zmq.DEALER)
         via_broker.setsockopt(zmq.IDENTITY, b"bench-a")
+        auth.authenticate(via_broker, state)
         via_broker.connect(broker_ep)
         direct = ctx.socket(zmq.DEALER)
         direct.setsockopt(zmq.IDENTITY, b"bench-d")
@@ -270,7 +286,8 @@ def run(quick: bool) -> dict[str, object]:
         modes = {"broker": (via_broker, [b"bench-b"]), "direct": (direct, [])}
         for sock, head in modes.values():
             sock.setsockopt(zmq.LINGER, 0)
-            _rtts(sock, head, 200)  # warm-up; also proves both echoes are up
+            _wait_echo(sock, head)  # bench-b is routable once the broker has heard from it
+            _rtts(sock, head, 200)  # warm-up
 
         broker_proc = psutil.Process(procs[0].pid)
         cpu0 = sum(broker_proc.cpu_times()[:2])

@@ -34,7 +34,7 @@ import psutil
 import yaml
 import zmq
 
-from broker import protocol
+from broker import auth, protocol
 from broker.peer import BrokerPeer
 from broker.requester import Requester, new_msg_id
 from broker.statedir import StateDir
@@ -56,6 +56,7 @@ def fresh_interpreter_ready_ms(root: Path, runs: int) -> float:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
+    auth.stand_in_server(ctx, router, state)
     router.bind(state.endpoint("supervisor"))
     times = []
     try:

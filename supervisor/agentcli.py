@@ -57,9 +57,15 @@ def _with_writer(state_dir: StateDir, agent: str, action: Any) -> int:
     if not client.running(state_dir):
         return _fail(f"no supervisor for {state_dir.root}", EXIT_NO_SUPERVISOR)
     from actors.writer.client import WriterClient
+    from broker import auth
 
+    try:
+        credential = auth.operator_credential(state_dir)
+    except CorralError as exc:
+        return _fail(str(exc))
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    writer = WriterClient(ctx, state_dir, "operator", timeout_s=2.0, retries=2)
+    writer = WriterClient(ctx, state_dir, "operator", timeout_s=2.0, retries=2,
+                          credential=credential)
     try:
         state = rebuild(writer, state_dir, agent).state
         if state.counts.events == 0:

@@ -1,7 +1,9 @@
 """The CLI's side of the control socket: one request, one reply, short timeouts.
 
 Whether a supervisor runs at all is answered by the lock file (a flock probe),
-before any ZeroMQ import, so `status` with no supervisor is instant.
+before any ZeroMQ import, so `status` with no supervisor is instant. Every
+request authenticates as the operator: whoever can read keys/operator.key
+(broker/auth.py); without it the supervisor refuses the connection.
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.
@@ -39,12 +41,14 @@ def ask(state_dir: StateDir, message: Request, timeout_s: float = 2.0,
     """Send one control request; raises NoSupervisorError, RequestTimeoutError, RemoteError."""
     import zmq
 
+    from broker import auth
     from broker.requester import Requester
 
     if not running(state_dir):
         raise NoSupervisorError(str(state_dir.root))
+    credential = auth.operator_credential(state_dir)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    requester = Requester(ctx, state_dir.endpoint("supervisor"))
+    requester = Requester(ctx, state_dir.endpoint("supervisor"), credential=credential)
     try:
         return requester.request(message, timeout_s=timeout_s, retries=retries)
     finally:

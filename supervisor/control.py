@@ -9,6 +9,13 @@ loop. Replies and errors nobody asked for (anything but `ready` and
 `heartbeat` among the reply kinds) are dropped here, so the runtime only sees
 notices and requests. At most SNDHWM replies wait for a client that does not
 read; further ones are dropped (counted, logged at a bounded rate).
+
+Every connection authenticates (broker/auth.py; the ZAP handler is served
+here, its socket polled by the supervisor loop): `status_request` is answered
+to any actor, `ready`/`heartbeat` are taken only from the actor they name, and
+every other request (stop, signal, restart, spawn, ...) only from the
+operator; a refused request gets an `error` with code `forbidden`. No agent
+may be spawned under a reserved name (its credential would be that role's).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 import structlog
 import zmq
 
-from broker import protocol, ratelimit
+from broker import auth, protocol, ratelimit
 from broker.errors import ProtocolError
 from broker.statedir import StateDir, bind_umask
 
@@ -35,6 +42,7 @@ _NOTICES = frozenset({"ready", "heartbeat"})
 class Incoming:
     identity: bytes
     message: protocol.Message
+    user: str = auth.OPERATOR  # the authenticated sender (checked by receive())
 
 
 class ControlServer:
@@ -51,6 +59,8 @@ class ControlServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises: counted, dropped
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        self.zap = auth.ZapHandler(ctx, auth.ensure_keys(state_dir))
+        auth.apply_server(self.sock)
         old = bind_umask()
         try:
             self.sock.bind(self.endpoint)
@@ -60,28 +70,34 @@ class ControlServer:
         self.dropped_total = 0  # replies not delivered, unsolicited replies not answered
         self.failures_total = 0
         self._limiter = ratelimit.LogLimiter(log.warning)
+        self.forbidden_total = 0
 
     def receive(self) -> list[Incoming]:
-        """Every decodable message waiting now (bounded per call)."""
+        """Every decodable message waiting now (bounded per call) that its
+        authenticated sender may send; answers pending ZAP requests first."""
+        self.zap.handle()
         out: list[Incoming] = []
         for _ in range(MAX_PER_TURN):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                head = self.sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            frames = [head.bytes]
+            while self.sock.getsockopt(zmq.RCVMORE):
+                frames.append(self.sock.recv())
             try:
-                incoming = self._accept(frames)
+                incoming = self._accept(frames, auth.user_of(head))
             except Exception:  # the last line of defence: log, go on
                 self.failures_total += 1
                 if self._limiter.allow():
                     log.exception("frame_handling_failed", failures_total=self.failures_total)
                 continue
-            if incoming is not None:
+            if incoming is not None and self._permitted(incoming):
                 out.append(incoming)
         self._limiter.tick()
         return out
 
-    def _accept(self, frames: list[bytes]) -> Incoming | None:
+    def _accept(self, frames: list[bytes], user: str) -> Incoming | None:
         if len(frames) != 2:
             self._refuse(frames[0], frames[-1] if len(frames) > 1 else b"", ProtocolError(
                 protocol.ErrorCode.MALFORMED_FRAME, f"{len(frames) - 1} frames, expected 1"))
@@ -98,7 +114,7 @@ class ControlServer:
                 log.warning("reply_dropped", sender=identity[:64].hex(), kind=message.kind,
                             msg_id=getattr(message, "msg_id", None))
             return None
-        return Incoming(identity, message)
+        return Incoming(identity, message, user)
 
     def _refuse(self, identity: bytes, frame: bytes, exc: ProtocolError) -> None:
         self.rejected_total += 1
@@ -124,6 +140,26 @@ class ControlServer:
                 msg_id=msg_id, code=protocol.ErrorCode.INTERNAL_ERROR,
                 detail=f"the supervisor failed to handle {message.kind}"))
 
+    def _permitted(self, incoming: Incoming) -> bool:
+        msg, user = incoming.message, incoming.user
+        refusal = auth.control_refusal(user, msg.kind)
+        if refusal is None and isinstance(msg, protocol.Ready | protocol.Heartbeat):
+            refusal = auth.name_refusal(user, msg.actor)
+        if refusal is None and isinstance(msg, protocol.SpawnRequest) \
+                and msg.name in auth.RESERVED:
+            refusal = f"{msg.name!r} is a reserved name"
+        if refusal is None:
+            return True
+        self.forbidden_total += 1
+        if self._limiter.allow():
+            log.warning("control_refused", user=user, kind=msg.kind, detail=refusal,
+                        forbidden_total=self.forbidden_total)
+        if not isinstance(msg, protocol.Ready | protocol.Heartbeat):  # those expect no reply
+            self.reply(incoming.identity, protocol.Error(
+                msg_id=getattr(msg, "msg_id", None), code=protocol.ErrorCode.FORBIDDEN,
+                detail=refusal))
+        return False
+
     def reply(self, identity: bytes, message: protocol.StatusReply | protocol.Ack
               | protocol.Error | protocol.ReloadReply) -> None:
         self.send(identity, protocol.encode(message))
@@ -138,5 +174,6 @@ class ControlServer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        self.zap.close()
         with contextlib.suppress(OSError):
             os.unlink(self.endpoint.removeprefix("ipc://"))

@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     except RemoteError as exc:
         return _emit(args, EXIT_FAILED, f"{args.command} refused: {exc.detail}",
                      error=str(exc.code), detail=exc.detail)
+    except CorralError as exc:  # the operator credential cannot be read (broker/auth.py)
+        return _emit(args, EXIT_FAILED, str(exc), error="credential")
     if isinstance(reply, protocol.ReloadReply):
         return _emit(args, EXIT_OK, _reload_line(reply), config=reply.config,
                      started=reply.started, stopped=reply.stopped, restarted=reply.restarted,

@@ -98,6 +98,7 @@ class Runtime:
             self._start_zygote(time.monotonic())
         poller = zmq.Poller()
         poller.register(self.control.sock, zmq.POLLIN)
+        poller.register(self.control.zap.socket, zmq.POLLIN)  # authentication (auth.py)
         poller.register(self._wake_r, zmq.POLLIN)
         zygote_fd = -1
         try:
@@ -217,7 +218,8 @@ class Runtime:
                                 drop=spawner.model_key_names(
                                     child.kind, self.config.agent.openai.api_key_env))
         try:
-            pid = spawner.spawn_command(argv, env)
+            credential = spawner.credential_for(self.control.zap.keyring, child.kind, child.name)
+            pid = spawner.spawn_with_credential(argv, env, credential)
         except SpawnError as exc:
             log.error("spawn_failed", child=child.name, error=str(exc))
             self._after_exit(child, child.exited(127, None, now), now)
@@ -260,8 +262,22 @@ class Runtime:
             if not child.fork_pending or self.stopping:
                 self.fork_queue.popleft()
                 continue
-            if not self.zygote.request(child.name):
-                return
+            try:
+                credential = spawner.credential_for(self.control.zap.keyring, child.kind,
+                                                    child.name)
+            except SpawnError as exc:
+                self.fork_queue.popleft()
+                child.fork_pending = False
+                log.error("spawn_failed", child=child.name, error=str(exc))
+                self._after_exit(child, child.exited(127, None, time.monotonic()),
+                                 time.monotonic())
+                continue
+            fd = spawner.credential_fd(credential)
+            try:
+                if not self.zygote.request(child.name, credential_fd=fd):
+                    return
+            finally:
+                os.close(fd)
             child.requested_at = time.monotonic()  # ready_ms: fork request to `ready`
             self.fork_queue.popleft()
             self.in_flight += 1

@@ -10,6 +10,12 @@ rely on that to find leaked processes), except the model's API key: only
 the children that call the model (agents, through the zygote, and the
 subagents host, whose child agents do) get it (`model_key_names`).
 
+Each child gets its credential (broker/auth.py) without argv or environment
+carrying it: an exec'd child on an inherited pipe whose fd number is in
+CORRAL_CREDENTIAL_FD (`spawn_with_credential`), an agent forked by the zygote
+on a pipe sent with the fork request (`credential_fd`). No agent is started
+under a reserved name (operator, procs, ...): its credential would be that role's.
+
 The supervisor reaps every child itself with waitpid(-1): nothing here waits
 for a process. The spawning and the zygote's link live below the supervisor
 because the subagents host uses them too (a zygote of its own for child
@@ -19,13 +25,40 @@ supervisor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Iterable, Mapping, Sequence
 
 from actors.zygotelink import ZygoteLink
+from broker import auth
 from broker.control import ENV_ACTOR, ENV_CONTROL
+from broker.errors import SpawnError
 from broker.lifeline import signal_group, spawn_command
 
-__all__ = ["ZygoteLink", "child_env", "signal_group", "spawn_command"]
+__all__ = ["ZygoteLink", "child_env", "credential_fd", "signal_group", "spawn_command",
+           "spawn_with_credential"]
+
+
+def credential_for(keyring: auth.Keyring, kind: str, name: str) -> auth.Credential:
+    if kind == "agent" and name in auth.RESERVED:
+        raise SpawnError(f"an agent may not be named {name!r} (a reserved role)")
+    return keyring.credential(name)
+
+
+def spawn_with_credential(argv: Sequence[str], env: Mapping[str, str],
+                          credential: auth.Credential) -> int:
+    """spawn_command, the child holding `credential` on an inherited pipe."""
+    fd = auth.credential_pipe(credential)
+    try:
+        return spawn_command(argv, {**env, **auth.child_env_entry(fd)}, pass_fds=[fd])
+    finally:
+        os.close(fd)
+
+
+def credential_fd(credential: auth.Credential) -> int:
+    """A pipe holding `credential`, to send with a zygote fork request (close it after)."""
+    fd = auth.credential_pipe(credential)
+    os.set_inheritable(fd, False)
+    return fd
 
 
 MODEL_KEY_KINDS = frozenset({"agent", "subagents", "zygote"})  # they call the model

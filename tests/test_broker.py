@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import zmq
 
-from broker import protocol
+from broker import auth, protocol
 from broker.errors import RemoteError, RequestTimeoutError, StateDirError
 from broker.heartbeat import HeartbeatRule, Liveness, PeerTable
 from broker.peer import BrokerPeer
@@ -57,6 +57,7 @@ def start_broker(
     with zmq.Context() as probe_ctx, probe_ctx.socket(zmq.DEALER) as probe:
         probe.setsockopt(zmq.LINGER, 0)
         probe.setsockopt(zmq.IDENTITY, f"probe-{proc.pid}".encode())
+        auth.authenticate(probe, state_dir)
         probe.connect(state_dir.endpoint("broker"))
         probe.send_multipart([b"broker", protocol.encode(protocol.Ping(msg_id="probe"))])
 
@@ -94,6 +95,7 @@ def raw_dealer(
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    auth.authenticate(sock, state_dir)
     sock.connect(state_dir.endpoint("broker"))
     ctx.opened.append(sock)
     return sock
@@ -464,6 +466,7 @@ def test_supervised_broker_reports_ready_and_heartbeats(
     ctx.opened.append(control)
     control.setsockopt(zmq.LINGER, 0)
     endpoint = state_dir.endpoint("supervisor")
+    auth.stand_in_server(ctx, control, state_dir)
     control.bind(endpoint)
     broker = start_broker(
         processes, state_dir, env={"CORRAL_CONTROL": endpoint, "CORRAL_ACTOR": "broker"}

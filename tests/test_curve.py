@@ -1,6 +1,7 @@
 """Actors on other hosts reach the writer over tcp:// only with CURVE: an
-authorized key appends, an unknown key or no key gets nothing, plain tcp:// is
-refused at start-up, and the writer keeps serving throughout."""
+authorized key appends (as the actor its key file names), an unknown key or no
+key gets nothing, plain tcp:// is refused at start-up, and the writer keeps
+serving throughout."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import zmq
 from actors.writer.client import WriterClient
 from actors.writer.process import EXIT_CONFIG
 from broker import curve
-from broker.errors import RequestTimeoutError
+from broker.errors import RemoteError, RequestTimeoutError
 from broker.statedir import StateDir
 from tests.processes import ProcessTracker, wait_for
 
@@ -58,9 +59,11 @@ def test_tcp_with_curve_admits_only_authorized_keys(
         retries=5,
         curve=curve.load_client(keys, "remote-agent"),
     )
-    assert remote.append("agent/remote", "turn", {"over": "tcp"}, key="r1").seq == 1
-    local = WriterClient(ctx, state_dir, "local-agent", curve=curve.load_client(keys, "local"))
+    assert remote.append("agent/remote-agent", "turn", {"over": "tcp"}, key="r1").seq == 1
+    local = WriterClient(ctx, state_dir, "local", curve=curve.load_client(keys, "local"))
     assert local.append("agent/local", "turn", {}, key="l1").seq == 2
+    with pytest.raises(RemoteError, match="forbidden"):  # the key is remote-agent's, not x's
+        remote.append("agent/x", "turn", {}, key="r-forged", origin="x")
 
     # a keypair the writer never authorized, and a client with no CURVE at all
     stranger_dir = state_dir.root.parent / "stranger"
@@ -78,8 +81,8 @@ def test_tcp_with_curve_admits_only_authorized_keys(
             intruder.append("agent/x", "turn", {}, key="evil")
         intruder.close()
     assert writer.poll() is None
-    assert remote.append("agent/remote", "turn", {}, key="r2").seq == 3
-    assert [r.key for r in remote.read_stream("agent/remote")] == ["r1", "r2"]
+    assert remote.append("agent/remote-agent", "turn", {}, key="r2").seq == 3
+    assert [r.key for r in remote.read_stream("agent/remote-agent")] == ["r1", "r2"]
     remote.close()
     local.close()
 
@@ -100,7 +103,7 @@ def test_broker_routes_between_a_tcp_peer_and_a_local_peer_with_curve(
     from broker.peer import BrokerPeer
 
     keys = curve.keys_dir(state_dir.root)
-    curve.generate(keys, clients=("local", "remote"))
+    curve.generate(keys, clients=("local-agent", "remote-agent"))
     broker = processes.spawn(
         [
             "-m",
@@ -116,8 +119,9 @@ def test_broker_routes_between_a_tcp_peer_and_a_local_peer_with_curve(
     endpoints_file = state_dir.run_dir / "broker.endpoints"
     wait_for(endpoints_file.exists, 15, "the broker to publish its endpoints")
     tcp = next(e for e in endpoints_file.read_text().split() if e.startswith("tcp://"))
-    local = BrokerPeer(ctx, state_dir, "local-agent", curve=curve.load_client(keys, "local"))
-    remote = BrokerPeer(ctx, tcp, "remote-agent", curve=curve.load_client(keys, "remote"))
+    local = BrokerPeer(ctx, state_dir, "local-agent",
+                       curve=curve.load_client(keys, "local-agent"))
+    remote = BrokerPeer(ctx, tcp, "remote-agent", curve=curve.load_client(keys, "remote-agent"))
     try:
         # the local peer must be known to the broker before it can be routed to
         local.request("broker", protocol.Ping(msg_id="hello-local"), timeout_s=2, retries=3)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from actors.writer.client import WriterClient
 from actors.writer.payload import MAX_DEPTH, check_payload
 from actors.writer.wal import list_segments, parse_record
-from broker import protocol
+from broker import auth, protocol
 from broker.errors import ProtocolError
 from broker.statedir import StateDir
 from tests.processes import ProcessTracker
@@ -98,6 +98,7 @@ def test_the_writer_refuses_every_breach_lives_on_and_its_wal_reads_with_jq(
     writer = start_writer(processes, state_dir, ctx)
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    auth.authenticate(raw, state_dir)
     raw.connect(state_dir.endpoint("writer"))
 
     def send(key: str, payload: bytes) -> protocol.Message:

@@ -21,7 +21,7 @@ from actors.writer.client import WriterClient
 from actors.writer.process import EXIT_CORRUPT, EXIT_IO, EXIT_LOCKED
 from actors.writer.segments import FAULT_ENV_FAIL_SYNC_AT
 from actors.writer.wal import TornTail, iter_segment, list_segments
-from broker import protocol
+from broker import auth, protocol
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.statedir import StateDir
 from tests.processes import ProcessTracker, wait_for
@@ -136,6 +136,7 @@ def test_bad_frames_get_typed_errors_and_nothing_durable_changes(
 
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    auth.authenticate(raw, state_dir)
     raw.connect(state_dir.endpoint("writer"))
 
     def ask(*frames: bytes) -> protocol.Error:

@@ -10,6 +10,10 @@ supervisor's). It is started with the host, restarted on the next spawn after
 it exits, and given up (fresh interpreters only) after `ZYGOTE_MAX_FAILURES`
 failures in a row; a failure is logged and the child still starts.
 
+Either way the child gets its credential (broker/auth.py: minted from the
+host's own) on a pipe, never in argv or the environment: sent with the fork
+request, or inherited by the fresh interpreter (CORRAL_CREDENTIAL_FD).
+
 Either way the child is held at a start gate until the host has recorded its
 pid in the registry: `Started.open_gate()` releases it, `abandon()` makes it
 exit without running anything (so does the host's death). A zygote fork that
@@ -32,6 +36,7 @@ import structlog
 from actors.procs import launch
 from actors.zygote import Forked
 from actors.zygotelink import ZygoteLink
+from broker import auth
 from broker.control import ENV_ACTOR, ENV_CONTROL
 from broker.errors import SpawnError
 from broker.lifeline import signal_group
@@ -87,7 +92,8 @@ class ChildStarter:
         self._log_args = list(log_args or [])  # --log-level/--log-max-bytes/--log-backups
         self._zygote_args = zygote_args if zygote_args is not None else [
             "--state-dir", str(state.root), *self._log_args]
-        self._env = {k: v for k, v in os.environ.items() if k not in (ENV_CONTROL, ENV_ACTOR)}
+        self._env = {k: v for k, v in os.environ.items()
+                     if k not in (ENV_CONTROL, ENV_ACTOR, auth.ENV_CREDENTIAL_FD)}
         self.zygote: ZygoteLink | None = None
         self.failures = 0  # zygote failures in a row
         self.counts: dict[Via, int] = {"zygote": 0, "interpreter": 0}
@@ -176,11 +182,14 @@ class ChildStarter:
             else:
                 log.warning("zygote_not_ready", age_s=age_s)
             return None
+        cred_r = self._credential_pipe(name)
         gate_r, gate_w = os.pipe()
         try:
-            reply = self.zygote.fork(name, ZYGOTE_FORK_TIMEOUT_S, output=output, gate_fd=gate_r)
+            reply = self.zygote.fork(name, ZYGOTE_FORK_TIMEOUT_S, output=output, gate_fd=gate_r,
+                                     credential_fd=cred_r)
         finally:
             os.close(gate_r)
+            os.close(cred_r)
         if isinstance(reply, Forked):
             self.failures = 0
             return Started(reply.pid, "zygote", gate_w)
@@ -192,14 +201,23 @@ class ChildStarter:
             self._failed("zygote_fork_failed", child=name, reason=reply.reason)
         return None
 
+    def _credential_pipe(self, name: str) -> int:
+        try:
+            return auth.credential_pipe(auth.child_credential(self.state, name))
+        except auth.AuthError as exc:
+            raise SpawnError(f"no credential for {name}: {exc}") from exc
+
     def _launch(self, name: str, directory: Path, output: Path) -> Started:
         out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         argv = [sys.executable, "-m", "actors.agent", "--name", name,
                 "--state-dir", str(self.state.root), *self._log_args]
+        # the credential pipe is inheritable for this one spawn (this host is one thread)
+        cred_r = self._credential_pipe(name)
         try:
-            spawned = launch.spawn(argv, self._env, str(directory), stdio_fd=out,
-                                   die_with_parent=True)
+            spawned = launch.spawn(argv, {**self._env, **auth.child_env_entry(cred_r)},
+                                   str(directory), stdio_fd=out, die_with_parent=True)
         finally:
+            os.close(cred_r)
             with contextlib.suppress(OSError):
                 os.close(out)
         if self.use_zygote or self.failures:  # the zygote was wanted

@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 
 from actors.writer.wal import WalRecord, parse_record
-from broker import protocol
+from broker import auth, protocol
 from broker.curve import CurveClient
 from broker.errors import ProtocolError
 from broker.requester import Requester, new_msg_id
@@ -59,13 +59,16 @@ class WriterClient:
         retries: int = 10,
         endpoint: str | None = None,
         curve: CurveClient | None = None,
+        credential: auth.Credential | None = None,
     ) -> None:
         """`endpoint` defaults to the state directory's ipc socket; a tcp://
-        endpoint of a writer on another host needs `curve` keys."""
+        endpoint of a writer on another host needs `curve` keys. `credential`
+        defaults to this process's own (broker/auth.py `process_credential`)."""
         self.origin = origin
         self.timeout_s = timeout_s
         self.retries = retries
-        self._req = Requester(ctx, endpoint or state_dir.endpoint("writer"), curve=curve)
+        self._req = Requester(ctx, endpoint or state_dir.endpoint("writer"), curve=curve,
+                              credential=credential)
         journal_dir = os.environ.get(ENV_ACK_JOURNAL_DIR)
         self._journal_dir = Path(journal_dir) if journal_dir else None
         self._journals: dict[str, AckJournal] = {}

@@ -24,7 +24,6 @@ from types import FrameType
 
 import structlog
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from actors.writer import buckets, checkpoint
 from actors.writer.dedupe import DEFAULT_WINDOW
@@ -35,7 +34,7 @@ from actors.writer.recovery import Recovered, recover
 from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
-from broker import curve, logconfig, protocol, ratelimit
+from broker import auth, curve, logconfig, protocol, ratelimit
 from broker.control import ControlReporter
 from broker.curve import check_endpoints
 from broker.durable import write_atomic
@@ -104,7 +103,7 @@ class Writer:
         self.max_record_bytes = options.max_frame_bytes - RECORD_OVERHEAD_BYTES
         self.log: structlog.stdlib.BoundLogger = structlog.get_logger("writer")
         self._stopping = False
-        self._auth: ThreadAuthenticator | None = None
+        self._zap: auth.ZapHandler | None = None
         self.ledgers = Ledgers(
             {"budget": state_dir.budget_ledger_path, "approvals": state_dir.approvals_ledger_path}
         )
@@ -193,10 +192,15 @@ class Writer:
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises: dropped, counted
+        # every connection authenticates (broker/auth.py): PLAIN, or CURVE with --curve
+        keyring = auth.ensure_keys(self.state_dir)
         if self.options.curve:
             server = curve.load_server(curve.keys_dir(self.state_dir.root))
-            self._auth = curve.start_authenticator(ctx, server)
+            self._zap = auth.ZapHandler(ctx, keyring, server.authorized_dir)
             curve.apply_server(self.sock, server)
+        else:
+            self._zap = auth.ZapHandler(ctx, keyring)
+            auth.apply_server(self.sock)
         endpoint = self.state_dir.endpoint("writer")
         old = bind_umask()
         try:
@@ -226,6 +230,9 @@ class Writer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.worker.fileno(), zmq.POLLIN)
+        zap = self._zap
+        if zap is not None:
+            poller.register(zap.socket, zmq.POLLIN)
         sock = self.sock
         max_batch = self.options.max_batch
         self.inflight: Batch | None = None
@@ -235,13 +242,19 @@ class Writer:
                 events = dict(poller.poll(100))
                 if self.worker.fileno() in events:
                     self._finish(self.worker.collect())
+                if zap is not None and zap.socket in events:
+                    zap.handle()
                 if sock in events:
-                    frames: list[list[bytes]] = []
+                    frames: list[tuple[str, list[bytes]]] = []
                     while len(frames) < max_batch:
-                        try:
-                            frames.append(sock.recv_multipart(zmq.NOBLOCK))
+                        try:  # the first frame carries the sender's authenticated name
+                            head = sock.recv(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
+                        parts = [head.bytes]
+                        while sock.getsockopt(zmq.RCVMORE):
+                            parts.append(sock.recv())
+                        frames.append((auth.user_of(head), parts))
                     self._process(frames)
                 if self.inflight is None:  # the files are quiet: checkpoint if due
                     self._maybe_checkpoint()
@@ -260,10 +273,10 @@ class Writer:
         finally:
             self.worker.close()
 
-    def _process(self, frames: list[list[bytes]]) -> None:
-        for parts in frames:
+    def _process(self, frames: list[tuple[str, list[bytes]]]) -> None:
+        for user, parts in frames:
             try:
-                self._handle(parts)
+                self._handle(user, parts)
             except (DurabilityError, WalError):
                 raise  # the files failed: exit and let recovery run (docs/wal.md)
             except Exception as exc:  # the last line of defence: log, go on
@@ -275,7 +288,7 @@ class Writer:
                     failure = ProtocolError("internal_error", f"failed: {type(exc).__name__}")
                     self._send(parts[0], protocol.error_frame(failure, peeked.msg_id))
 
-    def _handle(self, parts: list[bytes]) -> None:
+    def _handle(self, user: str, parts: list[bytes]) -> None:
         if len(parts) != 2:
             self._refuse(
                 parts[0],
@@ -295,6 +308,10 @@ class Writer:
             return
         match msg:
             case protocol.Append():
+                refusal = auth.append_refusal(user, msg.stream, msg.origin, msg.event)
+                if refusal is not None:
+                    self._refuse(ident, ProtocolError("forbidden", refusal), msg.msg_id)
+                    return
                 self._stage(ident, msg)
             case protocol.ReadStream():
                 self._reply(ident, self.reader.page(msg, self.head))
@@ -525,8 +542,8 @@ class Writer:
                 **self.batch_sizes.values()}
 
     def close(self) -> None:
-        if self._auth is not None:
-            self._auth.stop()
+        if self._zap is not None:
+            self._zap.close()
         self.segment.close()
         self.index.close()
         self.ledgers.close()
@@ -604,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("wal_write_failed", error=str(exc))
         print(f"writer: {exc}; nothing of the failed batch was acknowledged", file=sys.stderr)
         return EXIT_IO
-    except ConfigError as exc:
+    except (ConfigError, auth.AuthError) as exc:
         log.error("writer_config_refused", error=str(exc))
         print(f"writer: {exc}", file=sys.stderr)
         return EXIT_CONFIG
