@@ -49,7 +49,7 @@ import zmq
 
 from actors.writer.client import WriterClient
 from actors.writer.wal import list_segments
-from broker import protocol
+from broker import auth, protocol
 from broker.errors import CorralError, ProtocolError
 from broker.statedir import StateDir
 from supervisor.config import DEFAULT_CONFIG_PATH
@@ -332,6 +332,7 @@ class Fuzzer:
             if identity is not None:
                 sock.setsockopt(zmq.IDENTITY, identity)
             endpoint = {"writer": "writer", "supervisor": "supervisor"}.get(target, "broker")
+            auth.authenticate(sock, self.state)  # the operator's: every frame gets through
             sock.connect(self.state.endpoint(endpoint))
             self._socks[key] = sock
         return sock

@@ -84,8 +84,8 @@ def writer(state: StateDir, ctx: Context) -> Iterator[Writer]:
 @given(frames)
 @settings(max_examples=80, deadline=None, suppress_health_check=FIXTURES)
 def test_the_writer_handles_any_frame(writer: Writer, frame: bytes) -> None:
-    writer._handle([b"fuzz", frame])
-    writer._handle([b"fuzz", frame, frame])  # a wrong frame count, too
+    writer._handle("operator", [b"fuzz", frame])
+    writer._handle("operator", [b"fuzz", frame, frame])  # a wrong frame count, too
 
 
 @given(frames, st.sampled_from([b"broker", b"nobody", b"bad name!", b"", b"\xff" * 70]),
@@ -117,10 +117,10 @@ def _broker(state: StateDir, ctx: Context) -> Broker:
 def test_the_control_socket_handles_any_frame(state: StateDir, ctx: Context,
                                               frame: bytes) -> None:
     server = _control(state, ctx)
-    incoming = server._accept([b"fuzz", frame])
+    incoming = server._accept([b"fuzz", frame], "operator")
     assert incoming is None or not protocol.is_reply(incoming.message) or \
         incoming.message.kind in ("ready", "heartbeat")
-    assert server._accept([b"fuzz", frame, frame]) is None
+    assert server._accept([b"fuzz", frame, frame], "operator") is None
 
 
 _CONTROLS: dict[str, ControlServer] = {}

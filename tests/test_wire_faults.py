@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -17,7 +18,7 @@ import pytest
 import zmq
 
 from actors.writer.client import WriterClient
-from broker import protocol, ratelimit
+from broker import auth, protocol, ratelimit
 from broker.errors import RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
@@ -44,6 +45,8 @@ def dealer(ctx: Context, endpoint: str, identity: bytes | None = None) -> zmq.So
     sock.setsockopt(zmq.MAXMSGSIZE, -1)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    # as the operator: these tests are about frames, not about who may send them
+    auth.authenticate(sock, StateDir(Path(endpoint.removeprefix("ipc://")).parent.parent))
     sock.connect(endpoint)
     return sock
 
