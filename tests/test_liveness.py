@@ -26,6 +26,7 @@ import pytest
 import yaml
 import zmq
 
+from actors.agent.settings import AgentSpec, write_spec
 from actors.procs.client import ProcsClient
 from actors.writer.client import WriterClient
 from broker import protocol
@@ -157,6 +158,8 @@ def test_procs_blocked_on_a_stalled_writer_keeps_beating(
         # the writer stops answering: procs's start of the command blocks in its
         # append (retried every 2 s) until the supervisor has killed the silent
         # writer and started a new one, longer than the heartbeat timeout
+        # procs runs a session's commands in the workspace its spec names
+        write_spec(state_dir, "probe", AgentSpec(task="unused.yaml", workspace=str(tmp_path)))
         os.kill(writer_pid, signal.SIGSTOP)
         out = ProcsClient(peer, "probe").bash("echo served", str(tmp_path), timeout_s=30)
         assert (out.state, out.exit_code) == ("exited", 0)

@@ -215,7 +215,8 @@ class ChildStarter:
         cred_r = self._credential_pipe(name)
         try:
             spawned = launch.spawn(argv, {**self._env, **auth.child_env_entry(cred_r)},
-                                   str(directory), stdio_fd=out, die_with_parent=True)
+                                   str(directory), stdio_fd=out, die_with_parent=True,
+                                   pass_fds=[cred_r])
         finally:
             os.close(cred_r)
             with contextlib.suppress(OSError):
