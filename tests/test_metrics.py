@@ -91,10 +91,13 @@ def test_scrape_a_running_runtime(processes: ProcessTracker, state_dir: StateDir
         m = scrape(port)
         turns = value(m, "corral_agent_turns_total", name="worker", kind="agent")
         appends = value(m, "corral_writer_appends_total", name="writer", kind="writer")
-        # the writer reports with its own heartbeat: wait for one after the work
-        return m if turns is not None and turns >= 3 and (appends or 0) >= turns else None
+        # the writer reports with its own heartbeat: wait for one after the work;
+        # procs' counters come with its first heartbeat after its loop has run
+        live = value(m, "corral_procs_live_commands", name="procs", kind="procs")
+        return m if (turns is not None and turns >= 3 and (appends or 0) >= turns
+                     and live is not None) else None
 
-    m = wait_for(worked, 60, "the worker's turns and the writer's appends in the scrape")
+    m = wait_for(worked, 60, "the worker's turns, the writer's appends and procs' counters")
     w = {"name": "writer", "kind": "writer"}
     appends = value(m, "corral_writer_appends_total", **w)
     assert appends is not None and appends > 0

@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -96,6 +98,23 @@ def _depth(path: str) -> int:
     return len([p for p in path.split("/") if p])
 
 
+@functools.cache
+def runtime_paths() -> tuple[str, ...]:
+    """corral's own Python (the environment's prefix and its import paths) where
+    it lies under /tmp, which the sandbox replaces with a private tmpfs: bound
+    back read-only, so a command can run the interpreter the runtime runs on
+    (a checkout or virtual environment under /tmp, as in CI)."""
+    tmp = SANDBOX_TMP + "/"
+    found = sorted({os.path.realpath(p) for p in (sys.prefix, *sys.path)
+                    if p and os.path.realpath(p).startswith(tmp)
+                    and os.path.isdir(os.path.realpath(p))})
+    kept: list[str] = []
+    for path in found:  # parents first: a path inside a kept one is already there
+        if not any(path == k or path.startswith(k + "/") for k in kept):
+            kept.append(path)
+    return tuple(kept)
+
+
 def bwrap_argv(policy: SandboxPolicy, confinement: Confinement, cwd: str,
                env: Mapping[str, str], name: str) -> list[str]:
     """The bwrap prefix (ends with `--`) that confines a program to
@@ -110,6 +129,7 @@ def bwrap_argv(policy: SandboxPolicy, confinement: Confinement, cwd: str,
     # parents before children: a bind inside a hidden directory must come after
     # its tmpfs, a directory hidden inside the workspace after the workspace
     mounts: list[tuple[str, str]] = [("--tmpfs", SANDBOX_TMP)]
+    mounts += [("--ro-bind", path) for path in runtime_paths()]
     mounts += [("--tmpfs", path) for path in confinement.hidden]
     mounts.append(("--bind", confinement.workspace))
     for flag, path in sorted(mounts, key=lambda m: _depth(m[1])):
