@@ -54,6 +54,7 @@ import traceback
 from dataclasses import dataclass
 from typing import get_args
 
+from broker import logconfig
 from broker.lifeline import die_with_parent
 from broker.statedir import private_umask
 
@@ -274,9 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-interval-ms", type=int, default=1000)
     parser.add_argument("--broker-heartbeat-interval-ms", type=int, default=1000)
     parser.add_argument("--broker-heartbeat-misses", type=int, default=3)
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--log-max-bytes", type=int, default=16 * 1024 * 1024)
-    parser.add_argument("--log-backups", type=int, default=5)
+    logconfig.add_arguments(parser)
     args = parser.parse_args(argv)
     private_umask()  # the agents it forks inherit it
     sock = socket.socket(fileno=args.fd)

@@ -4,6 +4,7 @@ console renderer on stderr when it is a terminal. Never configured on import."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import logging.handlers
 import os
@@ -15,6 +16,14 @@ import structlog
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 DEFAULT_BACKUPS = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The logging options every process's command line takes (the supervisor
+    passes the configuration's `logging:` section to each child through them)."""
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-max-bytes", type=int, default=DEFAULT_MAX_BYTES)
+    parser.add_argument("--log-backups", type=int, default=DEFAULT_BACKUPS)
 
 
 def configure(

@@ -510,9 +510,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--max-frame-bytes", type=int, default=protocol.DEFAULT_LIMITS.max_frame_bytes
     )
     curve.add_arguments(parser)
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
-    parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)
+    logconfig.add_arguments(parser)
     return parser.parse_args(argv)
 
 

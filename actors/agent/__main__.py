@@ -18,9 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", required=True)
     parser.add_argument("--state-dir", default=None)
     parser.add_argument("--heartbeat-interval-ms", type=int, default=1000)
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
-    parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)
+    logconfig.add_arguments(parser)
     parser.add_argument("--no-broker", action="store_true", help="do not join the broker")
     args = parser.parse_args(argv)
     try:

@@ -89,9 +89,7 @@ def serve(state: StateDir, options: HostOptions, broker_heartbeat_s: float) -> i
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m actors.procs", description=__doc__)
     parser.add_argument("--state-dir", default=None)
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
-    parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)
+    logconfig.add_arguments(parser)
     parser.add_argument("--kill-grace-s", type=float, default=1.0)
     parser.add_argument("--command-cap-bytes", type=int, default=64 * 1024 * 1024)
     parser.add_argument("--terminal-cap-bytes", type=int, default=16 * 1024 * 1024)

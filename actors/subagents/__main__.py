@@ -184,9 +184,7 @@ def serve(state: StateDir, limits: Limits, *, use_zygote: bool = True,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m actors.subagents", description=__doc__)
     parser.add_argument("--state-dir", default=None)
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
-    parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)
+    logconfig.add_arguments(parser)
     parser.add_argument("--max-files", type=int, default=64)
     parser.add_argument("--max-input-bytes", type=int, default=256 * 1024)
     parser.add_argument("--max-patch-bytes", type=int, default=512 * 1024)

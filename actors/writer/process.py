@@ -566,9 +566,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=d.max_batch)
     parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
     curve.add_arguments(parser)
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--log-max-bytes", type=int, default=logconfig.DEFAULT_MAX_BYTES)
-    parser.add_argument("--log-backups", type=int, default=logconfig.DEFAULT_BACKUPS)
+    logconfig.add_arguments(parser)
     return parser.parse_args(argv)
 
 
