@@ -7,10 +7,7 @@ any of them; whatever they answer is a decodable frame."""
 from __future__ import annotations
 
 import itertools
-import shutil
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -51,15 +48,6 @@ frames = (st.binary(max_size=300) | values.map(msgpack.packb) | maps.map(msgpack
 
 
 @pytest.fixture
-def state() -> Iterator[StateDir]:
-    root = Path(tempfile.mkdtemp(prefix="corral-", dir="/tmp"))
-    try:
-        yield StateDir(root / ".corral").ensure()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
 def ctx() -> Iterator[Context]:
     context: Context = zmq.Context()
     yield context
@@ -67,8 +55,8 @@ def ctx() -> Iterator[Context]:
 
 
 @pytest.fixture
-def writer(state: StateDir, ctx: Context) -> Iterator[Writer]:
-    w = Writer(state, WriterOptions())
+def writer(state_dir: StateDir, ctx: Context) -> Iterator[Writer]:
+    w = Writer(state_dir, WriterOptions())
     w.lock()
     w.recover()
     w.bind(ctx)
@@ -92,9 +80,9 @@ def test_the_writer_handles_any_frame(writer: Writer, frame: bytes) -> None:
        st.sampled_from([b"fuzz", b"\x00anon", b"broker"]))
 @settings(max_examples=80, deadline=None, suppress_health_check=FIXTURES)
 def test_the_broker_handles_any_frame(
-    state: StateDir, ctx: Context, frame: bytes, to: bytes, sender: bytes
+    state_dir: StateDir, ctx: Context, frame: bytes, to: bytes, sender: bytes
 ) -> None:
-    broker = _broker(state, ctx)
+    broker = _broker(state_dir, ctx)
     broker._slow([sender, to, frame], 0.0)
     broker._slow([sender, frame], 0.0)
     broker._slow([sender, to, frame, frame], 0.0)
@@ -114,9 +102,9 @@ def _broker(state: StateDir, ctx: Context) -> Broker:
 
 @given(frames)
 @settings(max_examples=80, deadline=None, suppress_health_check=FIXTURES)
-def test_the_control_socket_handles_any_frame(state: StateDir, ctx: Context,
+def test_the_control_socket_handles_any_frame(state_dir: StateDir, ctx: Context,
                                               frame: bytes) -> None:
-    server = _control(state, ctx)
+    server = _control(state_dir, ctx)
     incoming = server._accept([b"fuzz", frame], "operator")
     assert incoming is None or not protocol.is_reply(incoming.message) or \
         incoming.message.kind in ("ready", "heartbeat")
