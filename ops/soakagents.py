@@ -116,6 +116,22 @@ def _workspace_files(root: Path) -> dict[str, bytes]:
     }
 
 
+def _differing_files(actual: dict[str, bytes], expected: dict[str, bytes]) -> str:
+    """Which files differ and how, in a few words (the soak's example line)."""
+    words = []
+    for path in sorted(set(actual) | set(expected)):
+        if path not in actual:
+            words.append(f"{path} missing")
+        elif path not in expected:
+            words.append(f"{path} unexpected ({len(actual[path])} bytes)")
+        elif actual[path] != expected[path]:
+            words.append(
+                f"{path} {len(actual[path])} bytes, expected {len(expected[path])}: "
+                f"{actual[path][-60:]!r}"
+            )
+    return "; ".join(words[:5]) + (f" (+{len(words) - 5} more)" if len(words) > 5 else "")
+
+
 def _effects_disagree(events: list[Event], workspace: Path) -> int:
     """Files whose digest is not the after_sha of the last applied write."""
     started: dict[str, dict[str, Any]] = {}
@@ -181,10 +197,12 @@ def check(
         workspace = workspace_for(state_dir, name, spec)
         if _effects_disagree(events, workspace):
             workspace_bad.append(f"{name}: a file differs from its last applied write")
-        elif not child and repeat is not None and (
-            _workspace_files(workspace) != expected_workspace(repeat)
-        ):
-            workspace_bad.append(f"{name}: workspace differs from one pass of every op")
+        elif not child and repeat is not None:
+            differing = _differing_files(_workspace_files(workspace), expected_workspace(repeat))
+            if differing:
+                workspace_bad.append(
+                    f"{name}: workspace differs from one pass of every op: {differing}"
+                )
     applications = _change_set_applications(state_dir)
     double += sum(1 for n in applications.values() if n > 1)
     return {
