@@ -77,9 +77,11 @@ def corral_worker(state_root: Path, agent: str, steps: int) -> dict[str, Any]:
     from actors.agent.loop import AgentLoop, Step
     from actors.agent.settings import AgentSettings, AgentSpec, write_spec
     from actors.writer.client import WriterClient
+    from broker import logconfig
     from broker.statedir import StateDir
 
     state_dir = StateDir.at(state_root)
+    logconfig.configure(agent, state_dir.log_path(agent), console=False)  # as agents do
     task = state_root / f"{agent}.yaml"
     task.write_text(json.dumps({"name": "bench", "repeat": steps, "steps": [
         {"op": "write_file", "path": "out/f{i}.txt", "content": "step {i}\n"}]}))
