@@ -1,0 +1,33 @@
+"""The zygote's `run` request (a writer or broker restarted as a fork): only
+the modules the zygote preloads can be asked for, with a list of string args."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from actors import zygote
+
+
+def test_run_request_round_trips_and_names_only_preloaded_modules() -> None:
+    data = zygote.run_request("writer", "actors.writer", ["--state-dir", "/tmp/a b/.corral"])
+    assert zygote.parse_request(data) == zygote.ForkRequest(
+        "writer", None, False, "actors.writer", ("--state-dir", "/tmp/a b/.corral"))
+    # with its credential pipe and the model key's names to drop
+    data = zygote.run_request("broker", "broker.server", [], drop=["OPENAI_API_KEY"],
+                              credential=True)
+    assert zygote.parse_request(data) == zygote.ForkRequest(
+        "broker", None, True, "broker.server", (), ("OPENAI_API_KEY",))
+    with pytest.raises(ValueError, match="does not run"):
+        zygote.run_request("x", "os", [])
+    assert zygote.parse_request(b"run x os " + json.dumps([]).encode()) is None
+    assert zygote.parse_request(b"run x actors.writer not-json") is None
+    assert zygote.parse_request(b"run x actors.writer [1, 2]") is None
+    assert zygote.parse_request(b'run x actors.writer {"a": 1}') is None
+    assert zygote.parse_request(b'run x actors.writer {"argv": [1]}') is None
+    assert zygote.parse_request(b'run x actors.writer {"argv": [], "drop": [2]}') is None
+    assert zygote.parse_request(b'run x actors.writer {"argv": ["a\0b"]}') is None
+    assert zygote.parse_request(b"run") is None
+    # the agent forms are unchanged
+    assert zygote.parse_request(zygote.fork_request("agent-1")) == zygote.ForkRequest("agent-1")
