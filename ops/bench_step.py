@@ -57,10 +57,19 @@ STEPS = 200
 AGENTS = 8
 
 
-def _write(path: Path, step: int) -> None:
-    from actors.agent.workspace import apply_write
+def _write(directory: Path, name: str, step: int) -> None:
+    """The agent's own file write (temp file, fsync, rename, directory fsync)."""
+    from actors.agent.workspace import apply_write, place
 
-    apply_write(path, f"step {step}\n".encode())
+    apply_write(place(directory, name), f"step {step}\n".encode())
+
+
+def _wait_go() -> None:
+    """Start barrier: a worker says it is ready, then waits for `go` on stdin,
+    so that concurrent workers step at the same time (imports on a loaded
+    machine take seconds and would otherwise spread their starts)."""
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()
 
 
 def _intervals_ms(starts: list[float]) -> list[float]:
@@ -93,6 +102,7 @@ def corral_worker(state_root: Path, agent: str, steps: int) -> dict[str, Any]:
         with WriterClient(ctx, state_dir, agent, timeout_s=30) as writer:
             loop = AgentLoop(agent, state_dir, spec, writer)
             loop.rebuild()
+            _wait_go()
             began = time.perf_counter()
             turn = loop.state.turn
             while True:
@@ -106,12 +116,13 @@ def corral_worker(state_root: Path, agent: str, steps: int) -> dict[str, Any]:
                 if result is Step.WAIT:
                     raise RuntimeError("the benchmark agent waited for an operator")
             wall = time.perf_counter() - began
+            ended = time.time()
         written = len(list((loop.workspace / "out").iterdir()))
     finally:
         ctx.destroy(linger=0)
     # the last turn is the scripted model's `finish`: its start closes the last step
     return {"step_ms": _intervals_ms(starts[: steps + 1]), "wall_s": wall, "steps": steps,
-            "files": written}
+            "files": written, "ended_at": ended}
 
 
 def run_corral(agents: int, steps: int) -> dict[str, Any]:
@@ -155,7 +166,7 @@ def langgraph_worker(directory: Path, threads: int, steps: int) -> dict[str, Any
 
     def write(state: State) -> dict[str, Any]:
         starts.setdefault(state["out"], []).append(time.perf_counter())
-        _write(Path(state["out"]) / f"f{state['step']}.txt", state["step"])
+        _write(Path(state["out"]), f"f{state['step']}.txt", state["step"])
         return {"step": state["step"] + 1}
 
     def more(state: State) -> str:
@@ -175,10 +186,13 @@ def langgraph_worker(directory: Path, threads: int, steps: int) -> dict[str, Any
         graph.invoke({"step": 0, "out": str(out)}, config, durability="sync")
         starts[str(out)].append(time.perf_counter())
 
+    _wait_go()
     wall = _threads(one, threads)
+    ended = time.time()
     conn.close()
     return {"step_ms": [ms for s in starts.values() for ms in _intervals_ms(s)], "wall_s": wall,
             "steps": steps * threads, "sqlite_synchronous": sync_mode, "journal_mode": journal,
+            "ended_at": ended,
             "files": sum(len(list(p.iterdir())) for p in directory.glob("t*"))}
 
 
@@ -205,7 +219,7 @@ def dbos_worker(directory: Path, threads: int, steps: int) -> dict[str, Any]:
     @DBOS.step()
     def write_step(out: str, step: int) -> int:
         starts.setdefault(out, []).append(time.perf_counter())
-        _write(Path(out) / f"f{step}.txt", step)
+        _write(Path(out), f"f{step}.txt", step)
         return step
 
     @DBOS.workflow()
@@ -224,12 +238,14 @@ def dbos_worker(directory: Path, threads: int, steps: int) -> dict[str, Any]:
             agent(str(out))
             starts[str(out)].append(time.perf_counter())
 
+        _wait_go()
         wall = _threads(one, threads)
+        ended = time.time()
     finally:
         DBOS.destroy()
     return {"step_ms": [ms for s in starts.values() for ms in _intervals_ms(s)], "wall_s": wall,
             "steps": steps * threads, "sqlite_synchronous": seen.get("synchronous"),
-            "journal_mode": seen.get("journal_mode"),
+            "journal_mode": seen.get("journal_mode"), "ended_at": ended,
             "files": sum(len(list(p.iterdir())) for p in directory.glob("w*"))}
 
 
@@ -257,15 +273,31 @@ def _threads(target: Any, count: int) -> float:
 
 
 def _run_workers(argvs: list[list[str]]) -> list[dict[str, Any]]:
+    """Start every worker, let them all prepare, then release them at once;
+    the wall time is from the release to the last one's end."""
     procs = [subprocess.Popen([sys.executable, "-m", "ops.bench_step", "--worker", *argv],
                               env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              stdin=subprocess.DEVNULL) for argv in argvs]
+                              stdin=subprocess.PIPE) for argv in argvs]
+    for proc in procs:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith(b'{"ready"'):
+            proc.kill()
+            _, err = proc.communicate()
+            raise RuntimeError(f"bench worker failed: {err.decode(errors='replace')[-2000:]}")
+    released = time.time()
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
     outs = []
     for proc in procs:
         out, err = proc.communicate(timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"bench worker failed: {err.decode(errors='replace')[-2000:]}")
-        outs.append(json.loads(out.decode().strip().splitlines()[-1]))
+        result = json.loads(out.decode().strip().splitlines()[-1])
+        result["wall_s"] = float(result["ended_at"]) - released
+        outs.append(result)
     return outs
 
 

@@ -63,6 +63,18 @@ BUILDERS: dict[str, st.SearchStrategy[p._Message]] = {
         ledger=st.sampled_from([None, "budget", "approvals"]),
     ),
     "append_ok": st.builds(p.AppendOk, msg_id=msg_ids, seq=seqs, duplicate=st.booleans()),
+    "append_many": st.builds(
+        p.AppendMany,
+        msg_id=msg_ids,
+        origin=streams,
+        stream=streams,
+        records=st.lists(st.builds(
+            p.AppendItem, key=keys, event=events, payload=st.binary(max_size=128),
+            ledger=st.sampled_from([None, "budget", "approvals"])), min_size=1, max_size=5),
+    ),
+    "append_many_ok": st.builds(
+        p.AppendManyOk, msg_id=msg_ids, seq=seqs, count=st.integers(1, p.MAX_GROUP_RECORDS),
+        prev_seq=st.none() | st.integers(0, 2**40), duplicate=st.booleans()),
     "read_stream": st.builds(
         p.ReadStream,
         msg_id=msg_ids,
