@@ -21,7 +21,9 @@ fsync) and is durable before the next begins.
 
 A step's time is the interval between the starts of two consecutive steps
 (everything a step pays, durable records included); `*_step_ms_p50` is their
-median with one agent. With 8 agents at once (`*_steps_per_s_8`: all steps
+median with one agent. The systems take turns, for 3 rounds (`--quick`: 2),
+and each figure pools its rounds, so a change of the machine's load falls on
+all of them alike. With 8 agents at once (`*_steps_per_s_8`: all steps
 over the wall time): corral runs 8 agent processes against one writer; each
 peer runs 8 threads in one process over one database, its documented way of
 running concurrent graphs / workflows.
@@ -44,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
+import psutil
+
 from ops.benchkit import (
     child_env,
     percentile,
@@ -55,6 +59,7 @@ from ops.benchkit import (
 
 STEPS = 200
 AGENTS = 8
+ROUNDS = 3  # each system's runs, alternating with the others'
 
 
 def _write(directory: Path, name: str, step: int) -> None:
@@ -103,6 +108,7 @@ def corral_worker(state_root: Path, agent: str, steps: int) -> dict[str, Any]:
             loop = AgentLoop(agent, state_dir, spec, writer)
             loop.rebuild()
             _wait_go()
+            cpu = time.process_time()
             began = time.perf_counter()
             turn = loop.state.turn
             while True:
@@ -117,12 +123,13 @@ def corral_worker(state_root: Path, agent: str, steps: int) -> dict[str, Any]:
                     raise RuntimeError("the benchmark agent waited for an operator")
             wall = time.perf_counter() - began
             ended = time.time()
+            cpu = time.process_time() - cpu
         written = len(list((loop.workspace / "out").iterdir()))
     finally:
         ctx.destroy(linger=0)
     # the last turn is the scripted model's `finish`: its start closes the last step
     return {"step_ms": _intervals_ms(starts[: steps + 1]), "wall_s": wall, "steps": steps,
-            "files": written, "ended_at": ended}
+            "files": written, "ended_at": ended, "cpu_s": cpu}
 
 
 def run_corral(agents: int, steps: int) -> dict[str, Any]:
@@ -133,11 +140,17 @@ def run_corral(agents: int, steps: int) -> dict[str, Any]:
         writer = start_writer(state.root)
         try:
             wait_writer_ready(state.root)
+            proc = psutil.Process(writer.pid)
+            before = proc.cpu_times()
             outs = _run_workers([["corral", str(state.root), f"agent-{i}", str(steps)]
                                  for i in range(agents)])
+            after = proc.cpu_times()
         finally:
             stop(writer)
-    return _merge(outs, agents, steps)
+    merged = _merge(outs, agents, steps)
+    # the writer's CPU over the whole run (its idle start-up is negligible)
+    merged["writer_cpu_s"] = (after.user + after.system) - (before.user + before.system)
+    return merged
 
 
 # --- LangGraph ---------------------------------------------------------------------
@@ -187,12 +200,14 @@ def langgraph_worker(directory: Path, threads: int, steps: int) -> dict[str, Any
         starts[str(out)].append(time.perf_counter())
 
     _wait_go()
+    cpu = time.process_time()
     wall = _threads(one, threads)
     ended = time.time()
+    cpu = time.process_time() - cpu
     conn.close()
     return {"step_ms": [ms for s in starts.values() for ms in _intervals_ms(s)], "wall_s": wall,
             "steps": steps * threads, "sqlite_synchronous": sync_mode, "journal_mode": journal,
-            "ended_at": ended,
+            "ended_at": ended, "cpu_s": cpu,
             "files": sum(len(list(p.iterdir())) for p in directory.glob("t*"))}
 
 
@@ -239,13 +254,15 @@ def dbos_worker(directory: Path, threads: int, steps: int) -> dict[str, Any]:
             starts[str(out)].append(time.perf_counter())
 
         _wait_go()
+        cpu = time.process_time()
         wall = _threads(one, threads)
         ended = time.time()
+        cpu = time.process_time() - cpu
     finally:
         DBOS.destroy()
     return {"step_ms": [ms for s in starts.values() for ms in _intervals_ms(s)], "wall_s": wall,
             "steps": steps * threads, "sqlite_synchronous": seen.get("synchronous"),
-            "journal_mode": seen.get("journal_mode"), "ended_at": ended,
+            "journal_mode": seen.get("journal_mode"), "ended_at": ended, "cpu_s": cpu,
             "files": sum(len(list(p.iterdir())) for p in directory.glob("w*"))}
 
 
@@ -308,8 +325,8 @@ def _merge(outs: list[dict[str, Any]], agents: int, steps: int) -> dict[str, Any
         raise RuntimeError(f"expected {agents * steps} files written, found {files}")
     # processes start together: wall time is the slowest one's
     return {"step_ms": step_ms, "wall_s": max(float(o["wall_s"]) for o in outs),
-            "steps": agents * steps, **{k: v for k, v in outs[0].items()
-                                        if k in ("sqlite_synchronous", "journal_mode")}}
+            "steps": agents * steps, "cpu_s": sum(float(o["cpu_s"]) for o in outs),
+            **{k: v for k, v in outs[0].items() if k in ("sqlite_synchronous", "journal_mode")}}
 
 
 def run_peer(name: str, threads: int, steps: int) -> dict[str, Any]:
@@ -328,22 +345,49 @@ def _missing(module: str) -> str | None:
     return None
 
 
+def _one_run(name: str, agents: int, steps: int) -> dict[str, Any]:
+    return run_corral(agents, steps) if name == "corral" else run_peer(name, agents, steps)
+
+
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds pooled: every step's time, the steps and wall times added up."""
+    return {**runs[0], "step_ms": [ms for r in runs for ms in r["step_ms"]],
+            "steps": sum(r["steps"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs),
+            "cpu_s": sum(r["cpu_s"] for r in runs),
+            "writer_cpu_s": sum(r.get("writer_cpu_s", 0.0) for r in runs)}
+
+
 def run(quick: bool = False) -> dict[str, object]:
     steps = 40 if quick else STEPS
-    figures: dict[str, object] = {"steps": steps, "agents_concurrent": AGENTS}
+    rounds = 2 if quick else ROUNDS
+    figures: dict[str, object] = {"steps": steps, "agents_concurrent": AGENTS, "rounds": rounds}
     systems = {"corral": None, "langgraph": _missing("langgraph.checkpoint.sqlite"),
                "dbos": _missing("dbos")}
     for name, skipped in systems.items():
         if skipped is not None:
             figures[f"{name}_skipped"] = skipped
-            continue
-        one = run_corral(1, steps) if name == "corral" else run_peer(name, 1, steps)
-        many = run_corral(AGENTS, steps) if name == "corral" else run_peer(name, AGENTS, steps)
+    present = [name for name, skipped in systems.items() if skipped is None]
+    # the systems take turns, round after round, so a change in the machine's
+    # load falls on all of them alike
+    ones: dict[str, list[dict[str, Any]]] = {name: [] for name in present}
+    manys: dict[str, list[dict[str, Any]]] = {name: [] for name in present}
+    for _ in range(rounds):
+        for name in present:
+            ones[name].append(_one_run(name, 1, steps))
+        for name in present:
+            manys[name].append(_one_run(name, AGENTS, steps))
+    for name in present:
+        one, many = _pooled(ones[name]), _pooled(manys[name])
         figures[f"{name}_step_ms_p50"] = round(percentile(one["step_ms"], 50), 2)
         figures[f"{name}_step_ms_p99"] = round(percentile(one["step_ms"], 99), 2)
         figures[f"{name}_steps_per_s_1"] = round(one["steps"] / one["wall_s"], 1)
         figures[f"{name}_steps_per_s_8"] = round(many["steps"] / many["wall_s"], 1)
         figures[f"{name}_step_ms_p50_8"] = round(percentile(many["step_ms"], 50), 2)
+        # CPU a step costs (all of the runtime's processes), and the rate that
+        # would use both cores of this machine entirely: an upper bound for 8 at once
+        cpu_s = (float(many["cpu_s"]) + float(many["writer_cpu_s"])) / many["steps"]
+        figures[f"{name}_cpu_ms_per_step_8"] = round(cpu_s * 1000, 2)
+        figures[f"{name}_cpu_bound_steps_per_s_2_cores"] = round(2 / cpu_s, 1)
         if "sqlite_synchronous" in one:
             figures[f"{name}_sqlite"] = {"synchronous": one["sqlite_synchronous"],
                                          "journal_mode": one["journal_mode"]}
