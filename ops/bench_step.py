@@ -84,8 +84,10 @@ def _intervals_ms(starts: list[float]) -> list[float]:
 # --- corral ------------------------------------------------------------------------
 
 
-def corral_worker(state_root: Path, agent: str, steps: int) -> dict[str, Any]:
-    """One agent process: run the real loop until the session is over."""
+def corral_worker(state_root: Path, agent: str, steps: int, *,
+                  barrier: bool = True) -> dict[str, Any]:
+    """One agent process: run the real loop until the session is over
+    (`barrier`: wait for `go` on stdin before the first step)."""
     import zmq
 
     from actors.agent.loop import AgentLoop, Step
@@ -107,7 +109,8 @@ def corral_worker(state_root: Path, agent: str, steps: int) -> dict[str, Any]:
         with WriterClient(ctx, state_dir, agent, timeout_s=30) as writer:
             loop = AgentLoop(agent, state_dir, spec, writer)
             loop.rebuild()
-            _wait_go()
+            if barrier:
+                _wait_go()
             cpu = time.process_time()
             began = time.perf_counter()
             turn = loop.state.turn

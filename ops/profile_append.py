@@ -119,7 +119,7 @@ def profile_step(out: Path, steps: int) -> dict[str, object]:
             spy = _pyspy(writer.pid, 600, out / "writer-step.txt")
             prof = cProfile.Profile()
             prof.enable()
-            result = corral_worker(state.root, "agent-1", steps)
+            result = corral_worker(state.root, "agent-1", steps, barrier=False)
             prof.disable()
             prof.dump_stats(out / "agent-step.pstats")
         finally:
