@@ -36,7 +36,8 @@ from ops.benchkit import (
 
 SEGMENT_BYTES = 64 * 1024 * 1024
 TAIL_RECORDS = 2000
-PAYLOAD = json.dumps({"op": "write_file", "path": "src/app.py", "note": "x" * 200}).encode()
+PAYLOAD = json.dumps({"op": "write_file", "path": "src/app.py", "note": "x" * 200},
+                     separators=(",", ":")).encode()  # compact: the payload policy
 
 
 def write_wal(state_dir: Path, count: int) -> None:
