@@ -305,8 +305,9 @@ class Zygote:
 
             os.environ["CORRAL_ACTOR"] = name
             if request.module is not None:  # the writer or the broker, restarted
-                for key in request.drop:
-                    os.environ.pop(key, None)
+                from actors import envscrub
+
+                envscrub.scrub(request.drop)  # also from /proc/<pid>/environ
                 code = importlib.import_module(RUNNABLE[request.module]).main(list(request.argv))
                 return
             from actors.agent.process import AgentOptions, serve

@@ -602,12 +602,12 @@ REPLY_KINDS = frozenset(
     {
         "error", "pong", "append_ok", "records", "stats", "ready", "heartbeat",
         "status_reply", "ack", "proc_status", "proc_output", "subagent_reply",
-        "reload_reply",
+        "reload_reply", "append_many_ok",
     }
 )
 REQUEST_KINDS = frozenset(
     {
-        "ping", "append", "read_stream", "stats_request", "status_request",
+        "ping", "append", "append_many", "read_stream", "stats_request", "status_request",
         "signal_request", "restart_request", "stop_request", "start_request",
         "remove_request", "reload_request", "spawn_request", "bash", "bash_start",
         "bash_poll", "bash_kill", "terminal_start", "terminal_input", "terminal_read",

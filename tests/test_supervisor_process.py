@@ -256,8 +256,8 @@ def test_writer_and_broker_restart_forked_from_the_zygote_or_fresh_without_it(
     of it (its argv is the zygote's: no fresh interpreter, no imports) and
     serves: status shows it running (it said ready) and an agent's appends go on.
     Without the zygote they come back as fresh interpreters, as before. Either
-    way the restarted process holds no model key (the zygote does) and
-    authenticates as itself."""
+    way the restarted process's environment holds no model key (the zygote's
+    does)."""
     config = write_config(state_dir, agents=1)
     if not use_zygote:
         data = yaml.safe_load(config.read_text())
@@ -283,9 +283,7 @@ def test_writer_and_broker_restart_forked_from_the_zygote_or_fresh_without_it(
         else:
             module = "actors.writer" if name == "writer" else "broker.server"
             assert argv[1:3] == ["-m", module]
-        environ = psutil.Process(child["pid"]).environ()
-        assert "OPENAI_API_KEY" not in environ
-        assert environ.get("CORRAL_ACTOR") == name
+        assert "OPENAI_API_KEY" not in psutil.Process(child["pid"]).environ()
     # the restarted writer takes appends: the agent's heartbeats and the writer's
     # own ready are not enough, so ping it through its socket
     import zmq

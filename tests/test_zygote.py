@@ -4,6 +4,9 @@ the modules the zygote preloads can be asked for, with a list of string args."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -31,3 +34,22 @@ def test_run_request_round_trips_and_names_only_preloaded_modules() -> None:
     assert zygote.parse_request(b"run") is None
     # the agent forms are unchanged
     assert zygote.parse_request(zygote.fork_request("agent-1")) == zygote.ForkRequest("agent-1")
+
+
+def test_scrub_removes_a_variable_from_the_environment_and_proc_environ() -> None:
+    """A restarted writer drops the model key the zygote holds: gone from
+    os.environ, from its children, and from /proc/<pid>/environ."""
+    code = (
+        "import os, subprocess\n"
+        "from actors import envscrub\n"
+        "before = open('/proc/self/environ', 'rb').read()\n"
+        "envscrub.scrub(['CORRAL_TEST_KEY'])\n"
+        "after = open('/proc/self/environ', 'rb').read()\n"
+        "child = subprocess.run(['env'], capture_output=True).stdout\n"
+        "print(b'sk-scrub-me' in before, b'sk-scrub-me' in after, b'sk-scrub-me' in child,\n"
+        "      'CORRAL_TEST_KEY' in os.environ, b'CORRAL_KEEP=1' in after)\n"
+    )
+    env = {**os.environ, "CORRAL_TEST_KEY": "sk-scrub-me", "CORRAL_KEEP": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, timeout=30).stdout
+    assert out.split() == ["True", "False", "False", "False", "True"]
