@@ -26,13 +26,22 @@ The format on the socketpair (this module owns it):
                                         by the zygote before it forks (O_WRONLY|O_CREAT|
                                         O_APPEND|O_CLOEXEC, 0600; the path is the rest of
                                         the datagram, spaces included)
-        Either form may carry one file descriptor (SCM_RIGHTS): a *start gate*,
+        b'run <name> <module> {"argv": [...], "drop": [...]}'
+                                        the same fork, but the child runs `main(argv)` of
+                                        one of RUNNABLE's modules (the writer, the broker)
+                                        instead of an agent: a restart of the writer or
+                                        broker pays a fork, not a fresh interpreter's
+                                        imports; it first removes the environment names
+                                        in "drop" (the model key the zygote holds and the
+                                        writer and broker must not); stdout/stderr are
+                                        the zygote's
+        Any form may carry one file descriptor (SCM_RIGHTS): a *start gate*,
         the read end of a pipe. The agent, once adopted, reads one byte from it
         and runs only on b"g"; on EOF (the requester closed the write end: it
         gave up, or died) it exits 125 without running anything. The subagents
         host records the agent's pid durably before it opens the gate.
-        Either form may end with b"\0c": then the first file descriptor is a
-        pipe holding the agent's credential (broker/auth.py), read by the
+        Any form may end with b"\0c": then the first file descriptor is a
+        pipe holding the child's credential (broker/auth.py), read by the
         agent after the fork (the zygote never reads it), and the gate, if
         any, is the second.
     reply
@@ -46,11 +55,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import json
 import os
 import socket
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import get_args
 
@@ -63,6 +75,8 @@ EXIT_GATE_CLOSED = 125  # the start gate closed without "go" (as actors/procs/la
 MAX_DATAGRAM_BYTES = 8192  # a request: the word, a name, a path (PATH_MAX 4096)
 _REPARENT_WAIT_S = 2.0
 _OUTPUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+# `python -m <key>` -> the module whose `main(argv)` a `run` request calls (nothing else runs)
+RUNNABLE = {"actors.writer": "actors.writer.process", "broker.server": "broker.server"}
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,9 @@ class ForkRequest:
     name: str
     output: bytes | None = None  # a path (bytes: any file name the OS accepts)
     credential: bool = False  # the first fd is the agent's credential pipe
+    module: str | None = None  # `run`: a key of RUNNABLE; None: an agent
+    argv: tuple[str, ...] = ()  # `run`: the arguments of its main()
+    drop: tuple[str, ...] = ()  # `run`: environment names the child removes (the model key)
 
 
 _CREDENTIAL_MARK = b"\0c"
@@ -99,6 +116,18 @@ def fork_request(name: str, output: str | os.PathLike[str] | None = None, *,
     return data + _CREDENTIAL_MARK if credential else data
 
 
+def run_request(name: str, module: str, argv: list[str], *, drop: Sequence[str] = (),
+                credential: bool = False) -> bytes:
+    """Ask for a child running `python -m <module> <argv>`'s main, forked; it
+    removes the environment names `drop` before it runs (the zygote holds the
+    model key, which the writer and broker must not)."""
+    if module not in RUNNABLE:
+        raise ValueError(f"the zygote does not run {module}")
+    data = f"run {name} {module} ".encode() + json.dumps(
+        {"argv": list(argv), "drop": list(drop)}).encode()
+    return data + _CREDENTIAL_MARK if credential else data
+
+
 def parse_request(data: bytes) -> ForkRequest | None:
     """Parse one request datagram; None when it is not one."""
     credential = data.endswith(_CREDENTIAL_MARK)
@@ -106,9 +135,30 @@ def parse_request(data: bytes) -> ForkRequest | None:
         data = data.removesuffix(_CREDENTIAL_MARK)
     word, _, rest = data.partition(b" ")
     name, _, output = rest.partition(b" ")
-    if word != b"fork" or not name or b"\0" in data:
+    if not name or b"\0" in data:
+        return None
+    if word == b"run":
+        return _parse_run(name, output, credential)
+    if word != b"fork":
         return None
     return ForkRequest(name.decode("utf-8", "replace"), output or None, credential)
+
+
+def _parse_run(name: bytes, rest: bytes, credential: bool) -> ForkRequest | None:
+    module, _, raw = rest.partition(b" ")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    text = module.decode("utf-8", "replace")
+    if text not in RUNNABLE or not isinstance(body, dict):
+        return None
+    argv, drop = body.get("argv"), body.get("drop", [])
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv) \
+            or not isinstance(drop, list) or not all(isinstance(d, str) for d in drop):
+        return None
+    return ForkRequest(name.decode("utf-8", "replace"), None, credential, text,
+                       tuple(argv), tuple(drop))
 
 
 def parse_reply(data: bytes) -> Ready | Forked | ForkFailed:
@@ -125,11 +175,15 @@ def parse_reply(data: bytes) -> Ready | Forked | ForkFailed:
 
 
 def _preload() -> None:
-    """Import and warm everything an agent needs, then freeze it."""
+    """Import and warm everything an agent (and a restarted writer or broker)
+    needs, then freeze it."""
     import zmq  # noqa: F401
 
     from actors.agent import process  # noqa: F401
     from broker import protocol
+
+    for module in RUNNABLE.values():
+        importlib.import_module(module)
 
     # Build the validators and encoders once, in the template: protocol.py defers
     # them to first use (cheap for a short-lived CLI), which every agent would
@@ -202,7 +256,7 @@ class Zygote:
                 pid = os.fork()
                 if pid == 0:
                     os.close(write_fd)
-                    self._become_agent(request.name, output, gate, credential)  # never returns
+                    self._become_agent(request, output, gate, credential)  # never returns
                 os.write(write_fd, str(pid).encode())
             except BaseException:  # noqa: BLE001 - nothing may escape a forked child
                 code = EXIT_SOFTWARE
@@ -222,8 +276,9 @@ class Zygote:
             raise OSError(0, "the intermediate process failed to fork")
         return int(data)
 
-    def _become_agent(self, name: str, output: int | None, gate: int | None,
+    def _become_agent(self, request: ForkRequest, output: int | None, gate: int | None,
                       credential: int | None) -> None:
+        name = request.name
         code = EXIT_SOFTWARE
         try:
             self.sock.close()
@@ -243,14 +298,21 @@ class Zygote:
                 if os.read(gate, 1) != b"g":
                     os._exit(EXIT_GATE_CLOSED)
                 os.close(gate)
-            from actors.agent.process import AgentOptions, serve
             from broker import auth
-            from broker.statedir import StateDir
 
-            if credential is not None:  # this agent's own, from the requester's pipe
+            if credential is not None:  # this child's own, from the requester's pipe
                 auth.set_process_credential(auth.read_credential(credential))
 
             os.environ["CORRAL_ACTOR"] = name
+            if request.module is not None:  # the writer or the broker, restarted
+                from actors import envscrub
+
+                envscrub.scrub(request.drop)  # also from /proc/<pid>/environ
+                code = importlib.import_module(RUNNABLE[request.module]).main(list(request.argv))
+                return
+            from actors.agent.process import AgentOptions, serve
+            from broker.statedir import StateDir
+
             args = self.args
             code = serve(name, StateDir.at(args.state_dir), AgentOptions(
                 heartbeat_interval_s=args.heartbeat_interval_ms / 1000.0,

@@ -67,6 +67,40 @@ class ZygoteLink:
             return False
         return True
 
+    def run(self, name: str, module: str, argv: list[str], *, drop: Sequence[str] = (),
+            credential_fd: int | None = None) -> bool:
+        """Ask for a forked child running `python -m <module> <argv>`'s main (the
+        writer, the broker: zygote.RUNNABLE), without the environment names `drop`,
+        its credential on the pipe `credential_fd`; False when the zygote is not
+        ready (still preloading, gone, its queue full) or does not run `module`:
+        the caller starts a fresh interpreter instead. The reply is a `Forked` or
+        `ForkFailed` among `replies()`, like an agent's."""
+        if self.sock is None or not self.ready or module not in zygote.RUNNABLE:
+            return False
+        data = zygote.run_request(name, module, argv, drop=drop,
+                                  credential=credential_fd is not None)
+        try:
+            if credential_fd is None:
+                self.sock.send(data)
+            else:
+                socket.send_fds(self.sock, [data], [credential_fd])
+        except (BlockingIOError, OSError):
+            return False
+        return True
+
+    def run_wait(self, name: str, module: str, argv: list[str], timeout_s: float, *,
+                 drop: Sequence[str] = (), credential_fd: int | None = None,
+                 ) -> zygote.Forked | zygote.ForkFailed | None:
+        """`run()` and wait for its reply, as `fork()` does for an agent."""
+        if not self.run(name, module, argv, drop=drop, credential_fd=credential_fd):
+            return None
+        deadline = time.monotonic() + timeout_s
+        while self._wait_readable(deadline):
+            for reply in self.replies():
+                if reply.name == name:
+                    return reply
+        return None
+
     def replies(self) -> list[zygote.Forked | zygote.ForkFailed]:
         """Every reply available now (a `ready` only sets `self.ready`)."""
         out: list[zygote.Forked | zygote.ForkFailed] = []

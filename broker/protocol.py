@@ -137,6 +137,44 @@ class AppendOk(_Message):
     duplicate: bool
 
 
+class AppendItem(_Message):
+    """One record of an `append_many` (its stream and origin are the group's)."""
+
+    key: IdemKey
+    event: EventType
+    payload: bytes
+    ledger: LedgerName | None = None
+
+
+MAX_GROUP_RECORDS = 256
+
+
+class AppendMany(_Message):
+    """Append records of one stream atomically: one round trip, one fdatasync,
+    consecutive seqs, all or none of them after a crash; idempotent as a whole
+    (a retry whose keys were all written is answered with the first seq)."""
+
+    kind: Literal["append_many"] = "append_many"
+    msg_id: MsgId
+    origin: StreamName
+    stream: StreamName
+    records: Annotated[list[AppendItem], Field(min_length=1, max_length=MAX_GROUP_RECORDS)]
+
+
+class AppendManyOk(_Message):
+    """`seq` is the first record's, the others follow it without a gap.
+    `prev_seq` is the stream's record just before the group (0: none), so a
+    client that folded the stream up to it knows nothing of the stream came
+    between; None on a duplicate (not known)."""
+
+    kind: Literal["append_many_ok"] = "append_many_ok"
+    msg_id: MsgId
+    seq: Seq
+    count: Annotated[int, Field(ge=1, le=MAX_GROUP_RECORDS)]
+    prev_seq: Annotated[int, Field(ge=0)] | None
+    duplicate: bool
+
+
 class ReadStream(_Message):
     """Read records of one stream with seq >= from_seq, at most one page."""
 
@@ -512,6 +550,8 @@ Message = Annotated[
     | Error
     | Append
     | AppendOk
+    | AppendMany
+    | AppendManyOk
     | ReadStream
     | Records
     | StatsRequest
@@ -562,12 +602,12 @@ REPLY_KINDS = frozenset(
     {
         "error", "pong", "append_ok", "records", "stats", "ready", "heartbeat",
         "status_reply", "ack", "proc_status", "proc_output", "subagent_reply",
-        "reload_reply",
+        "reload_reply", "append_many_ok",
     }
 )
 REQUEST_KINDS = frozenset(
     {
-        "ping", "append", "read_stream", "stats_request", "status_request",
+        "ping", "append", "append_many", "read_stream", "stats_request", "status_request",
         "signal_request", "restart_request", "stop_request", "start_request",
         "remove_request", "reload_request", "spawn_request", "bash", "bash_start",
         "bash_poll", "bash_kill", "terminal_start", "terminal_input", "terminal_read",

@@ -72,6 +72,7 @@ class Requester:
         self,
         message: protocol.Ping
         | protocol.Append
+        | protocol.AppendMany
         | protocol.ReadStream
         | protocol.StatsRequest
         | protocol.StatusRequest

@@ -24,6 +24,7 @@ SUITES = {
     "fileops": "ops.bench_fileops",
     "status": "ops.bench_status",
     "decode": "ops.bench_decode",
+    "step": "ops.bench_step",
 }
 
 

@@ -214,6 +214,26 @@ class Runtime:
             self._flush_forks()
             return
         argv = commands.argv_for(child.spec, self.config, self.state_dir)
+        if child.kind in spawner.ZYGOTE_KINDS and self._run_from_zygote(child, argv):
+            child.fork_pending = True  # its reply comes with the agents' (_on_zygote_replies)
+            self.in_flight += 1
+            return
+        self._spawn_fresh(child, argv, now)
+
+    def _run_from_zygote(self, child: Child, argv: list[str]) -> bool:
+        """Ask the zygote for the writer or broker `child` (its credential, without
+        the model key, as a fresh start); False: start a fresh interpreter."""
+        if self.zygote is None or not self.zygote.ready:
+            return False
+        try:
+            credential = spawner.credential_for(self.control.zap.keyring, child.kind, child.name)
+        except SpawnError:
+            return False  # _spawn_fresh reports it
+        return spawner.run_from_zygote(self.zygote, child.name, argv, credential,
+                                       spawner.model_key_names(
+                                           child.kind, self.config.agent.openai.api_key_env))
+
+    def _spawn_fresh(self, child: Child, argv: list[str], now: float) -> None:
         env = spawner.child_env(self._child_base_env(), self.control.endpoint, child.name,
                                 drop=spawner.model_key_names(
                                     child.kind, self.config.agent.openai.api_key_env))
@@ -324,12 +344,21 @@ class Runtime:
             else:
                 log.error("spawn_failed", child=child.name, error=reply.reason)
                 child.fork_pending = False
+                if child.kind in spawner.ZYGOTE_KINDS:  # the writer, the broker: fresh
+                    self._spawn_fresh(child, commands.argv_for(
+                        child.spec, self.config, self.state_dir), now)
+                    continue
                 self._after_exit(child, child.exited(127, None, now), now)
 
     def _zygote_lost(self, reaped: monitor.Reaped | None, now: float) -> None:
         if self.zygote is not None:
             self.zygote.lost()
         self.zygote = None
+        for child in self.children.values():  # a writer or broker asked of it: fresh
+            if child.fork_pending and child.kind in spawner.ZYGOTE_KINDS:
+                child.fork_pending = False
+                self._spawn_fresh(child, commands.argv_for(
+                    child.spec, self.config, self.state_dir), now)
         if self.stopping:
             return
         self.zygote_history.append(Exit(now, reaped.code if reaped else 127,

@@ -26,6 +26,7 @@ supervisor.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 
 from actors.zygotelink import ZygoteLink
@@ -33,9 +34,30 @@ from broker import auth
 from broker.control import ENV_ACTOR, ENV_CONTROL
 from broker.errors import SpawnError
 from broker.lifeline import signal_group, spawn_command
+from supervisor.config import ChildKind
 
-__all__ = ["ZygoteLink", "child_env", "credential_fd", "signal_group", "spawn_command",
-           "spawn_with_credential"]
+__all__ = ["ZYGOTE_KINDS", "ZygoteLink", "child_env", "credential_fd", "run_from_zygote",
+           "signal_group", "spawn_command", "spawn_with_credential"]
+
+# Kinds that restart forked from the zygote once it is ready (it preloads their
+# modules): a writer or broker restart then pays a fork, not a fresh interpreter.
+ZYGOTE_KINDS: frozenset[ChildKind] = frozenset({"writer", "broker"})
+
+
+def run_from_zygote(link: ZygoteLink | None, name: str, argv: Sequence[str],
+                    credential: auth.Credential, drop: Sequence[str]) -> bool:
+    """Ask the zygote for `argv` (`python -m <module> ...`, our interpreter) as a
+    fork holding `credential`, the environment names `drop` removed (as
+    child_env removes them for a fresh start); False when it cannot (no zygote,
+    not ready, a custom command): start a fresh interpreter instead."""
+    if link is None or not link.ready or len(argv) < 3 or argv[0] != sys.executable \
+            or argv[1] != "-m":
+        return False
+    fd = credential_fd(credential)
+    try:
+        return link.run(name, argv[2], list(argv[3:]), drop=drop, credential_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def credential_for(keyring: auth.Keyring, kind: str, name: str) -> auth.Credential:

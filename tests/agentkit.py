@@ -35,10 +35,12 @@ class FakeWriter:
         self.records: list[FakeRecord] = []
         self.keys: dict[tuple[str, str], int] = {}
         self.origin = "test"
+        self.many_calls = 0
 
     def as_origin(self, origin: str) -> FakeWriter:
         view = FakeWriter.__new__(FakeWriter)
         view.records, view.keys, view.origin = self.records, self.keys, origin
+        view.many_calls = 0
         return view
 
     def append(self, stream: str, event: str, payload: Any, *, key: str,
@@ -53,6 +55,25 @@ class FakeWriter:
         self.records.append(FakeRecord(seq, stream, event, body, ledger, key))
         self.keys[(self.origin, key)] = seq
         return protocol.AppendOk(msg_id="m", seq=seq, duplicate=False)
+
+    def append_many(self, stream: str, records: list[tuple[str, bytes, str, str | None]],
+                    *, origin: str | None = None) -> protocol.AppendManyOk:
+        """The writer's multi-record append: consecutive seqs, all keys new or
+        all written (answered as a duplicate with the first seq)."""
+        self.many_calls += 1
+        who = origin or self.origin
+        known = [self.keys.get((who, key)) for _, _, key, _ in records]
+        if all(seq is not None for seq in known):
+            return protocol.AppendManyOk(msg_id="m", seq=known[0], count=len(records),
+                                         prev_seq=None, duplicate=True)
+        assert not any(seq is not None for seq in known), "keys partly written"
+        prev = max((r.seq for r in self.records if r.stream == stream), default=0)
+        first = len(self.records) + 1
+        for i, (event, body, key, ledger) in enumerate(records):
+            self.records.append(FakeRecord(first + i, stream, event, body, ledger, key))
+            self.keys[(who, key)] = first + i
+        return protocol.AppendManyOk(msg_id="m", seq=first, count=len(records), prev_seq=prev,
+                                     duplicate=False)
 
     def read_stream(self, stream: str, from_seq: int = 1, page: int = 512) -> Iterator[FakeRecord]:
         return iter([r for r in self.records if r.stream == stream and r.seq >= from_seq])

@@ -63,6 +63,18 @@ BUILDERS: dict[str, st.SearchStrategy[p._Message]] = {
         ledger=st.sampled_from([None, "budget", "approvals"]),
     ),
     "append_ok": st.builds(p.AppendOk, msg_id=msg_ids, seq=seqs, duplicate=st.booleans()),
+    "append_many": st.builds(
+        p.AppendMany,
+        msg_id=msg_ids,
+        origin=streams,
+        stream=streams,
+        records=st.lists(st.builds(
+            p.AppendItem, key=keys, event=events, payload=st.binary(max_size=128),
+            ledger=st.sampled_from([None, "budget", "approvals"])), min_size=1, max_size=5),
+    ),
+    "append_many_ok": st.builds(
+        p.AppendManyOk, msg_id=msg_ids, seq=seqs, count=st.integers(1, p.MAX_GROUP_RECORDS),
+        prev_seq=st.none() | st.integers(0, 2**40), duplicate=st.booleans()),
     "read_stream": st.builds(
         p.ReadStream,
         msg_id=msg_ids,
@@ -394,6 +406,10 @@ TEMPLATES: list[p._Message] = [
     p.Error(msg_id="m", code=p.ErrorCode.NOT_FOUND, detail="d"),
     p.Append(msg_id="m", origin="o", key="k", stream="s", event="e", payload=b"1"),
     p.AppendOk(msg_id="m", seq=1, duplicate=False), p.ReadStream(msg_id="m", stream="s"),
+    p.AppendMany(msg_id="m", origin="o", stream="s", records=[
+        p.AppendItem(key="k", event="e", payload=b"1"),
+        p.AppendItem(key="k2", event="e", payload=b"2", ledger="budget")]),
+    p.AppendManyOk(msg_id="m", seq=1, count=2, prev_seq=0, duplicate=False),
     p.Records(msg_id="m", stream="s", records=[b"{}"], next_seq=2, more=False, head_seq=1),
     p.StatsRequest(msg_id="m"), p.Stats(msg_id="m", actor="a", values={"x": 1}),
     p.Ready(actor="a", pid=1), p.Heartbeat(actor="a", pid=1, values={"x": 1.5}),

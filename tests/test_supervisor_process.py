@@ -71,9 +71,9 @@ def children(_processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[
 
 
 def start(processes: ProcessTracker, state_dir: StateDir, config: Path,
-          name: str = "up") -> subprocess.Popen[bytes]:
+          name: str = "up", env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     proc = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
-                            "--config", str(config)], name=name)
+                            "--config", str(config)], name=name, env=env)
     wait_for(lambda: state_dir.status_path.exists() or proc.poll() is not None, 20,
              "the supervisor's first status file")
     assert proc.poll() is None, processes.output(name)
@@ -239,3 +239,65 @@ def test_logs_merge_actors_in_time_order(processes: ProcessTracker, state_dir: S
     assert errors.stdout == ""
     since = cli(processes, state_dir, "logs", "--since", "1h", "--actor", "supervisor")
     assert "supervisor_stopped" in since.stdout
+
+
+def _zygote_of(supervisor_pid: int, children: list[int]) -> psutil.Process:
+    """The supervisor's zygote (its forks show the same argv: `children` are left out)."""
+    [found] = [p for p in psutil.Process(supervisor_pid).children()
+               if "actors.zygote" in p.cmdline() and p.pid not in children]
+    return found
+
+
+@pytest.mark.parametrize("use_zygote", [True, False], ids=["zygote", "no-zygote"])
+def test_writer_and_broker_restart_forked_from_the_zygote_or_fresh_without_it(
+    processes: ProcessTracker, state_dir: StateDir, use_zygote: bool,
+) -> None:
+    """Once the zygote is ready, a killed writer or broker comes back as a fork
+    of it (its argv is the zygote's: no fresh interpreter, no imports) and
+    serves: status shows it running (it said ready) and an agent's appends go on.
+    Without the zygote they come back as fresh interpreters, as before. Either
+    way the restarted process's environment holds no model key (the zygote's
+    does)."""
+    config = write_config(state_dir, agents=1)
+    if not use_zygote:
+        data = yaml.safe_load(config.read_text())
+        data["agents"]["zygote"] = False
+        config.write_text(yaml.safe_dump(data))
+    proc = start(processes, state_dir, config, env={"OPENAI_API_KEY": "sk-test-not-for-writers"})
+    first = wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
+    pids = [c["pid"] for c in first.values()]
+    template = _zygote_of(proc.pid, pids) if use_zygote else None
+    for name, sig in (("writer", "KILL"), ("broker", "KILL")):
+        done = cli(processes, state_dir, "kill", name, "--signal", sig)
+        assert done.returncode == 0, done.stderr
+
+        def restarted(name: str = name) -> dict[str, Any] | None:
+            c = children(processes, state_dir)[name]
+            ok = c["state"] == "running" and c["pid"] != first[name]["pid"]
+            return c if ok else None
+
+        child = wait_for(restarted, 15, f"{name} restarted")
+        argv = psutil.Process(child["pid"]).cmdline()
+        if template is not None:
+            assert argv == template.cmdline()  # forked from the template, never exec'd
+        else:
+            module = "actors.writer" if name == "writer" else "broker.server"
+            assert argv[1:3] == ["-m", module]
+        assert "OPENAI_API_KEY" not in psutil.Process(child["pid"]).environ()
+    # the restarted writer takes appends: the agent's heartbeats and the writer's
+    # own ready are not enough, so ping it through its socket
+    import zmq
+
+    from actors.writer.client import WriterClient
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with WriterClient(ctx, state_dir, "test", timeout_s=2) as writer:
+            ok = writer.append("test/zygote", "probe", {"n": 1}, key="probe-1")
+            assert ok.seq >= 1 and not ok.duplicate
+    finally:
+        ctx.destroy(linger=0)
+    done = cli(processes, state_dir, "stop")
+    assert done.returncode == 0, done.stderr
+    assert proc.wait(timeout=10) == 0
+    assert processes.marked() == []

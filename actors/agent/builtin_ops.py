@@ -332,4 +332,4 @@ for _model, _handler in (
     (ListDir, list_dir), (Search, search), (MemoryWrite, memory_write),
     (MemoryRead, memory_read), (Todos, todos), (Ask, ask), (Finish, finish),
 ):
-    register(_model, _handler)
+    register(_model, _handler, local=True)  # they read, or return a Write the loop applies

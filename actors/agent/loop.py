@@ -22,6 +22,19 @@ calling `step()` again:
   scripted model moves past an applied effect: each op runs at most once);
 - a call with a `tool_result` is never run again.
 
+Facts that need no fsync between them are appended together, in one atomic
+multi-record append (`append_many`: one round trip, one fdatasync, all or none
+after a crash): `_append` folds a fact at once and keeps it pending, and
+`flush()` makes the pending facts durable. The loop flushes before anything
+leaves the process: before an effect (so `tool_start`, the intent, is durable
+before the write; before the handler of an op that is not `local`, which acts
+through another actor), before a call to a remote model, after a call's
+`tool_result` when it had an effect, before it waits or ends (`WAIT`, `DONE`).
+So a scripted step that writes a file pays two durable waits (`turn`,
+`tool_call`, `permission`, `tool_start` together; then `tool_result`) instead
+of five. A crash loses only facts nobody outside has seen; the restarted
+process derives them again from the same state, so recovery is the one above.
+
 Idempotency keys are derived from the state ("c3.0:result", "t4:turn"), so a
 redone append is written once. Secret arguments (a terminal's input) are
 sealed into the agent's vault before the turn is recorded: the WAL keeps
@@ -40,7 +53,7 @@ import structlog
 
 from actors.agent import catalog, effects, faults, gate, generations, rebuild, workspace
 from actors.agent.backends import Backend, make_backend
-from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, model_for
+from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, is_local, model_for
 from actors.agent.recordable import recordable_actions, recordable_text
 from actors.agent.settings import AgentSpec, load_task, workspace_for
 from actors.agent.state import AgentState, Call, Event, fold_into
@@ -52,6 +65,10 @@ from broker.errors import PathRefusedError, WalError
 from broker.statedir import StateDir
 
 PHASE_CODES = {"new": 0, "running": 1, "paused": 2, "finished": 3, "closed": 4}
+LOCAL_BACKENDS = frozenset({"scripted", "replay"})  # no call leaves the process
+GROUP_MAX_RECORDS = 64  # pending facts flushed at once beyond these bounds
+GROUP_MAX_BYTES = 256 * 1024
+Pending = tuple[str, bytes, str, protocol.LedgerName | None]  # event, body, key, ledger
 
 
 class Step(Enum):
@@ -86,6 +103,9 @@ class AgentLoop:
         self.rebuild_ms = 0.0
         self.peer = peer  # BrokerPeer | None: for ops served by other actors
         self.watch = watch
+        self._pending: list[Pending] = []  # folded, not yet durable (flush())
+        self._pending_bytes = 0
+        self._pending_base = 0  # state.last_seq before the first pending fact
 
     def _busy(self, op: str, deadline_s: float) -> AbstractContextManager[None]:
         """Declare a blocking call (heartbeats go on while it runs)."""
@@ -109,6 +129,7 @@ class AgentLoop:
 
     def sync(self) -> None:
         """Fold whatever the stream holds after our last seq."""
+        self.flush()
         with self._busy("read", self._append_deadline_s()):
             records = list(self.writer.read_stream(self.stream, self.state.last_seq + 1))
         if records:
@@ -116,9 +137,14 @@ class AgentLoop:
 
     def _fold(self, events: list[Event], last_key: str) -> None:
         fold_into(self.state, events)  # the loop owns its state: no copy
-        self._since_generation += len(events)
+        self._folded(len(events), events[-1][1], last_key)
+
+    def _folded(self, count: int, last_event: str, last_key: str) -> None:
+        """`count` more events are folded (durable, at their seqs): write a
+        generation when due, and append the fact that vouches for it."""
+        self._since_generation += count
         if (self._since_generation >= self.settings.snapshot_every
-                and events[-1][1] != generations.SAVED_EVENT):
+                and last_event != generations.SAVED_EVENT):
             seq = self.state.last_seq
             digest = generations.write(self.agent_dir, self.name, self.state,
                                        keep=self.settings.generations_kept, key=last_key)
@@ -128,19 +154,42 @@ class AgentLoop:
 
     def _append(self, event: str, payload: dict[str, Any], key: str,
                 ledger: protocol.LedgerName | None = None) -> None:
+        """Fold a fact now and keep it pending; `flush()` makes it durable."""
         body = encode_payload(payload)
+        if not self._pending:
+            self._pending_base = self.state.last_seq
+        self._pending.append((event, body, key, ledger))
+        self._pending_bytes += len(body)
+        # folded at the seq it gets if nothing of the stream comes between (flush checks)
+        fold_into(self.state, [(self.state.last_seq + 1, event, json.loads(body))])
+        if len(self._pending) >= GROUP_MAX_RECORDS or self._pending_bytes >= GROUP_MAX_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Make the pending facts durable: one `append_many`, one fdatasync (and
+        one more when that made a generation due: the fact that vouches for it)."""
+        while self._pending:
+            self._flush_once()
+
+    def _flush_once(self) -> None:
+        group, self._pending, self._pending_bytes = self._pending, [], 0
+        base = self._pending_base
         with self._busy("append", self._append_deadline_s()):
-            ok = self.writer.append(self.stream, event, body, key=key, ledger=ledger)
-        if not ok.duplicate and ok.seq <= self.state.last_seq:
+            ok = self.writer.append_many(self.stream, group)
+        if not ok.duplicate and ok.seq <= base:
             # the WAL head went back under us (records we folded are gone): rebuild
-            raise WalError(f"append {key} got seq {ok.seq} <= folded seq "
-                           f"{self.state.last_seq}: the WAL lost records; restart to rebuild")
-        if not ok.duplicate and ok.seq == self.state.last_seq + 1:
-            # seqs are global and gapless: nothing at all was appended between the
-            # last record we folded and this one, so the stream holds exactly it
-            self._fold([(ok.seq, event, json.loads(body))], key)
+            raise WalError(f"append {group[0][2]} got seq {ok.seq} <= folded seq {base}: "
+                           "the WAL lost records; restart to rebuild")
+        if not ok.duplicate and ok.prev_seq == base:
+            # nothing of our stream came between the last record we had folded and
+            # the group: the stream holds exactly what we folded, at these seqs
+            self.state.last_seq = ok.seq + ok.count - 1
+            self._folded(len(group), group[-1][0], group[-1][2])
         else:
-            self.sync()  # others' records (an operator's answer) may come first
+            # others' records of our stream (an operator's answer) came first, or a
+            # retry was answered: fold the stream as it is
+            self.log.info("state_refolded", reason="duplicate" if ok.duplicate else "interleaved")
+            self.rebuild()
 
     @property
     def backend(self) -> Backend:
@@ -174,6 +223,12 @@ class AgentLoop:
 
     # --- the step --------------------------------------------------------------
     def step(self) -> Step:
+        result = self._step()
+        if result is not Step.PROGRESS:
+            self.flush()  # the operator and the supervisor see what it waits on
+        return result
+
+    def _step(self) -> Step:
         s = self.state
         if s.open_turn is None or s.phase != "running":
             self.vault.clear()  # it keeps texts only for an open turn of a running session
@@ -199,6 +254,8 @@ class AgentLoop:
         if not self.budget_left():
             self._exit("budget")
             return Step.PROGRESS
+        if self.spec.backend not in LOCAL_BACKENDS:
+            self.flush()  # nothing pending waits on a remote model's answer
         with self._busy("model", float(getattr(self.backend, "deadline_s", 0.0))):
             reply = self.backend.next_reply(s)
         turn = s.turn + 1
@@ -268,6 +325,7 @@ class AgentLoop:
                               rule=verdict.rule, reason=verdict.reason or verdict.verdict)
             if verdict.verdict == "ask":
                 self._request(call, op, verdict.pattern)
+                self.flush()  # the operator sees the request
             return Step.PROGRESS
         if call.verdict in ("deny", "excluded", "refused"):
             status = {"deny": "denied"}.get(call.verdict, call.verdict)
@@ -317,6 +375,9 @@ class AgentLoop:
     def _dispatch(self, call: Call, op: OpBase, answer: dict[str, Any] | None) -> None:
         cid = call.call_id
         ctx = self._context(answer, cid, call)
+        local = is_local(op.op)
+        if not local:
+            self.flush()  # its handler acts through another actor: the call is durable first
         try:
             with self._busy(op.op, op.deadline_s(ctx)):
                 outcome = catalog.handler_for(op.op)(op, ctx)
@@ -330,6 +391,8 @@ class AgentLoop:
             effect, outcome = self._plan_write(call, outcome)
         self._append("tool_start", {"call_id": cid, "op": op.op, "effect": effect},
                      key=f"c{cid}:start")
+        if isinstance(outcome, Write):
+            self.flush()  # the intent is durable before the effect
         self.faults.hit("after_tool_start", cid)
         if isinstance(outcome, Write):
             try:
@@ -342,6 +405,8 @@ class AgentLoop:
         self.faults.hit("after_effect", cid)
         self._result(call, op, outcome.status or ("ok" if outcome.ok else "error"),
                      outcome.result)
+        if effect is not None or not local:
+            self.flush()  # the result of an effect is durable before anything else
         self.faults.hit("after_tool_result", cid)
         for j, (event, payload) in enumerate(outcome.facts):
             self._append(event, payload, key=f"c{cid}:fact{j}")

@@ -125,11 +125,15 @@ class Rejected:
 
 _MODELS: dict[str, type[OpBase]] = {}
 _HANDLERS: dict[str, Handler] = {}
+_LOCAL: set[str] = set()
 _adapter: TypeAdapter[Any] | None = None
 
 
-def register(model: type[OpBase], handler: Handler) -> None:
-    """Add an op to the union (idempotent for the same model)."""
+def register(model: type[OpBase], handler: Handler, *, local: bool = False) -> None:
+    """Add an op to the union (idempotent for the same model). `local`: its
+    handler has no effect outside the agent's process (it reads, or returns a
+    `Write` that the loop applies), so the loop need not make the call's
+    facts durable before calling it."""
     global _adapter  # noqa: PLW0603 - the registry is module state by design
     name = model.model_fields["op"].default
     if not isinstance(name, str):
@@ -139,6 +143,10 @@ def register(model: type[OpBase], handler: Handler) -> None:
         raise ValueError(f"op {name!r} is already registered by {existing.__name__}")
     _MODELS[name] = model
     _HANDLERS[name] = handler
+    if local:
+        _LOCAL.add(name)
+    else:
+        _LOCAL.discard(name)
     _adapter = None
 
 
@@ -149,6 +157,11 @@ def op_names() -> list[str]:
 
 def model_for(name: str) -> type[OpBase] | None:
     return _MODELS.get(name)
+
+
+def is_local(name: str) -> bool:
+    """The op's handler touches nothing outside the agent (see `register`)."""
+    return name in _LOCAL
 
 
 def handler_for(name: str) -> Handler:

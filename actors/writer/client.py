@@ -111,6 +111,36 @@ class WriterClient:
             journal.record(key, reply.seq)
         return reply
 
+    def append_many(
+        self,
+        stream: str,
+        records: list[tuple[str, bytes, str, protocol.LedgerName | None]],
+        *,
+        origin: str | None = None,
+    ) -> protocol.AppendManyOk:
+        """Durably append `records` (event, payload, key, ledger) of one stream
+        at once: one round trip, one fdatasync, consecutive seqs from the
+        reply's `seq`, all or none of them after a crash. Retried under the
+        same keys until answered, like `append`."""
+        origin = origin or self.origin
+        message = protocol.AppendMany(
+            msg_id=new_msg_id("m"),
+            origin=origin,
+            stream=stream,
+            records=[protocol.AppendItem(key=key, event=event, payload=body, ledger=ledger)
+                     for event, body, key, ledger in records],
+        )
+        reply = self._req.request(message, timeout_s=self.timeout_s, retries=self.retries)
+        if not isinstance(reply, protocol.AppendManyOk):
+            raise ProtocolError("unexpected_message", f"append_many answered with {reply.kind}")
+        if self._journal_dir is not None:
+            journal = self._journals.get(origin)
+            if journal is None:
+                journal = self._journals[origin] = AckJournal(self._journal_dir, origin)
+            for i, (_, _, key, _) in enumerate(records):
+                journal.record(key, reply.seq + i)
+        return reply
+
     def read_page(self, stream: str, from_seq: int = 1, max_records: int = 512) -> protocol.Records:
         reply = self._req.request(
             protocol.ReadStream(

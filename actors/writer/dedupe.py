@@ -48,5 +48,5 @@ class DedupeWindows:
     def load(cls, data: dict[str, list[tuple[str, int]]], window: int) -> DedupeWindows:
         windows = cls(window)
         for origin, pairs in data.items():
-            windows._by_origin[origin] = OrderedDict((key, seq) for key, seq in pairs[-window:])
+            windows._by_origin[origin] = OrderedDict(pairs[-window:])  # (key, seq) pairs
         return windows

@@ -22,6 +22,8 @@ from broker.errors import DurabilityError
 
 RecordMeta = tuple[str, int, str, str, str | None]  # stream, seq, origin, key, ledger
 Ack = tuple[bytes, str, int, bool]  # client identity, msg_id, seq, duplicate
+# a multi-record append's: client identity, msg_id, first seq, count, prev_seq, duplicate
+ManyAck = tuple[bytes, str, int, int, int | None, bool]
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Batch:
     meta: list[RecordMeta] = field(default_factory=list)
     keys: dict[tuple[str, str], int] = field(default_factory=dict)
     acks: list[Ack] = field(default_factory=list)
+    many_acks: list[ManyAck] = field(default_factory=list)
     # set by the worker once durable
     segment_first_seq: int = 0
     offset: int = -1

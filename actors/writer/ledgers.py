@@ -1,12 +1,13 @@
 """The append-only ledgers (`state/budget_ledger.jsonl`, `approvals.jsonl`):
 each line is the exact WAL record of a ledger append, so a ledger is a
 projection of the WAL that the writer can always complete from it. Only the
-writer writes them; a batch's ledger lines are fdatasynced before any append
-in the batch is acknowledged, and creating a ledger fsyncs its directory.
-
-A power loss can tear the last ledger write anywhere (zeros, then a later part
-of it): start-up checks every line written since the last checkpoint (`check`),
-cuts from the first bad one, and completes the ledger from the WAL."""
+writer writes them, and creating a ledger fsyncs its directory. A batch's
+ledger lines are written (to the page cache, where every reader sees them)
+once the batch's WAL fdatasync returned, and fdatasynced before each
+checkpoint, not per batch: a crash can lose or tear only ledger lines written
+since the newest checkpoint, and start-up checks exactly those (`check`), cuts
+from the first bad one and completes the ledger from the WAL. So a ledger
+append costs no second fdatasync on the append path."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class Ledgers:
         self.paths = paths
         self._fds: dict[str, int] = {}
         self._pending: dict[str, list[bytes]] = {}
+        self._unsynced: set[str] = set()
         self.appended = 0
 
     def _fd(self, name: str) -> int:
@@ -52,18 +54,29 @@ class Ledgers:
         self._pending.setdefault(name, []).append(line)
 
     def commit(self) -> None:
-        """Write and fdatasync every pending line; raise DurabilityError on failure."""
+        """Write every pending line (not synced: `sync()` before a checkpoint);
+        raise DurabilityError on failure."""
         for name, lines in self._pending.items():
             try:
                 fd = self._fd(name)
                 view = memoryview(b"".join(lines))
                 while view:
                     view = view[os.write(fd, view) :]
-                os.fdatasync(fd)
             except OSError as exc:
                 raise DurabilityError(f"ledger {self.paths[name]}: {exc}") from exc
             self.appended += len(lines)
+            self._unsynced.add(name)
         self._pending.clear()
+
+    def sync(self) -> None:
+        """fdatasync every ledger written since the last sync (before a checkpoint
+        names a head: the ledgers then hold every ledger record up to it)."""
+        for name in sorted(self._unsynced):
+            try:
+                os.fdatasync(self._fd(name))
+            except OSError as exc:
+                raise DurabilityError(f"ledger {self.paths[name]}: {exc}") from exc
+        self._unsynced.clear()
 
     def check(self, name: str, start_offset: int = 0, start_last_seq: int = 0) -> LedgerCheck:
         """Check every line from `start_offset` (a checkpointed size, where the

@@ -27,7 +27,7 @@ import zmq
 
 from actors.writer import buckets, checkpoint
 from actors.writer.dedupe import DEFAULT_WINDOW
-from actors.writer.groupcommit import Ack, Batch, SyncWorker
+from actors.writer.groupcommit import Ack, Batch, ManyAck, SyncWorker
 from actors.writer.ledgers import Ledgers
 from actors.writer.payload import check_payload
 from actors.writer.recovery import Recovered, recover
@@ -134,6 +134,7 @@ class Writer:
         self.last_record_offset = rec.last_record_offset
         self.ledger_last_seq = dict(rec.ledger_last_seq)
         self._derived_failing: tuple[object, ...] | None = None
+        self._stream_last: dict[str, int] = {}  # newest seq of each stream, staged included
         self.segment = ActiveSegment(
             self.state_dir.wal_dir, rec.segment_first_seq, self.options.segment_bytes
         )
@@ -313,6 +314,12 @@ class Writer:
                     self._refuse(ident, ProtocolError("forbidden", refusal), msg.msg_id)
                     return
                 self._stage(ident, msg)
+            case protocol.AppendMany():
+                refusal = self._group_refusal(user, msg)
+                if refusal is not None:  # one record refused: the whole group is
+                    self._refuse(ident, ProtocolError("forbidden", refusal), msg.msg_id)
+                    return
+                self._stage_many(ident, msg)
             case protocol.ReadStream():
                 self._reply(ident, self.reader.page(msg, self.head))
             case protocol.Ping():
@@ -332,6 +339,15 @@ class Writer:
                     ),
                     getattr(msg, "msg_id", None),
                 )
+
+    @staticmethod
+    def _group_refusal(user: str, msg: protocol.AppendMany) -> str | None:
+        """auth.append_refusal for every record of a group: the first refusal."""
+        for item in msg.records:
+            refusal = auth.append_refusal(user, msg.stream, msg.origin, item.event)
+            if refusal is not None:
+                return refusal
+        return None
 
     def _stage(self, ident: bytes, msg: protocol.Append) -> None:
         """Frame one append into the staged batch (or answer a retried key)."""
@@ -372,6 +388,81 @@ class Writer:
         staged.meta.append((msg.stream, seq, msg.origin, msg.key, msg.ledger))
         staged.keys[key] = seq
         staged.acks.append((ident, msg.msg_id, seq, False))
+        self._stream_last[msg.stream] = seq
+
+    def _stream_prev(self, stream: str) -> int:
+        """The seq of the stream's newest record, staged ones included (0: none)."""
+        last = self._stream_last.get(stream)
+        if last is None:
+            last = self._stream_last[stream] = self.index.last_seq(stream)
+        return last
+
+    def _stage_many(self, ident: bytes, msg: protocol.AppendMany) -> None:
+        """Frame a multi-record append as consecutive records of the staged
+        batch, all of them or none; a retry whose keys were all written is
+        answered with the first seq (with its batch, if that is not durable yet)."""
+        origin, items = msg.origin, msg.records
+        keys = [item.key for item in items]
+        if len(set(keys)) != len(keys):
+            self._refuse(ident, ProtocolError("invalid_message", "append_many: keys repeat"),
+                         msg.msg_id)
+            return
+        known: list[int | None] = []
+        holder: Batch | None = None  # the pending batch that holds an earlier copy
+        for key in keys:
+            seq = self.dedupe.lookup(origin, key)
+            if seq is None:
+                for batch in (self.inflight, self.staged):
+                    if batch is not None and (seq := batch.keys.get((origin, key))) is not None:
+                        holder = batch
+                        break
+            known.append(seq)
+        if any(seq is not None for seq in known):
+            first = known[0]
+            if first is None or known != list(range(first, first + len(known))):
+                self._refuse(ident, ProtocolError(
+                    "invalid_message", "append_many: its keys are partly written already"),
+                    msg.msg_id)
+                return
+            self.duplicates_total += len(keys)
+            ack: ManyAck = (ident, msg.msg_id, first, len(keys), None, True)
+            if holder is None:
+                self._send_many_acks([ack])
+            else:
+                holder.many_acks.append(ack)
+            return
+        try:
+            for item in items:
+                check_payload(item.payload)
+        except ProtocolError as exc:
+            self._refuse(ident, exc, msg.msg_id)
+            return
+        inflight = self.inflight
+        in_flight = len(inflight.bodies) if inflight is not None else 0
+        first = self.head + in_flight + len(self.staged.bodies) + 1
+        count = len(items)
+        ts = time.time()
+        bodies = []
+        for i, item in enumerate(items):
+            body = frame_body(first + i, ts, msg.stream, item.event, origin, item.key,
+                              item.ledger, item.payload)
+            if len(body) + SEAL_MAX_BYTES > self.max_record_bytes:
+                self._refuse(ident, ProtocolError(
+                    "invalid_payload",
+                    f"record of {len(body) + SEAL_MAX_BYTES} bytes > {self.max_record_bytes}"),
+                    msg.msg_id)
+                return
+            bodies.append(body)
+        # one batch holds the whole group (one write, one fdatasync, one "batch"
+        # span in every record): start-up keeps a batch whole or cuts it whole
+        prev = self._stream_prev(msg.stream)
+        staged = self.staged
+        for i, (item, body) in enumerate(zip(items, bodies, strict=True)):
+            staged.bodies.append((body, zlib.crc32(body)))
+            staged.meta.append((msg.stream, first + i, origin, item.key, item.ledger))
+            staged.keys[(origin, item.key)] = first + i
+        self._stream_last[msg.stream] = first + count - 1
+        staged.many_acks.append((ident, msg.msg_id, first, count, prev, False))
 
     def _submit(self) -> None:
         batch, self.staged = self.staged, Batch()
@@ -404,6 +495,7 @@ class Writer:
         self.fsync_ms.observe(batch.sync_s * 1000)
         self.batch_sizes.observe(count)
         self._send_acks(batch.acks)
+        self._send_many_acks(batch.many_acks)
         if self.segment.rotate_if_full(self.head + 1):
             self.log.info("wal_segment_rotated", segment=segment_name(self.segment.first_seq))
 
@@ -412,6 +504,17 @@ class Writer:
         ack = protocol.AppendOk.model_construct  # values are ours and known valid
         for ident, msg_id, seq, duplicate in acks:
             frame = protocol.encode(ack(msg_id=msg_id, seq=seq, duplicate=duplicate))
+            try:
+                send([ident, frame], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                self._dropped(ident, exc)
+
+    def _send_many_acks(self, acks: list[ManyAck]) -> None:
+        send = self.sock.send_multipart
+        ack = protocol.AppendManyOk.model_construct  # values are ours and known valid
+        for ident, msg_id, first, count, prev, duplicate in acks:
+            frame = protocol.encode(ack(msg_id=msg_id, seq=first, count=count,
+                                        prev_seq=prev, duplicate=duplicate))
             try:
                 send([ident, frame], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
@@ -472,10 +575,13 @@ class Writer:
             self._checkpoint()
 
     def _checkpoint(self) -> None:
-        """Flush the stream index, then replace the checkpoint. Both are derived
-        files: when either cannot be written the writer logs it once and serves
-        on; no checkpoint names index entries that are not on disk, so a
-        restart rebuilds what is missing from the WAL (docs/wal.md)."""
+        """Make the ledgers durable, flush the stream index, then replace the
+        checkpoint. The index and the checkpoint are derived files: when either
+        cannot be written the writer logs it once and serves on; no checkpoint
+        names index entries that are not on disk, so a restart rebuilds what is
+        missing from the WAL (docs/wal.md). The ledgers are fdatasynced here, not
+        per batch: the checkpoint names their sizes as durable."""
+        self.ledgers.sync()
         self._checkpoint_at = time.monotonic()
         failures = self.index.flush(fsync=True)
         if failures:  # the entries stay in memory

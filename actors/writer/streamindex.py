@@ -182,6 +182,17 @@ class StreamIndex:
             found.extend(pending[start : start + limit - len(found)])
         return found
 
+    def last_seq(self, stream: str) -> int:
+        """The seq of the stream's newest indexed record (0: none)."""
+        pending = self._pending.get(stream)
+        if pending:
+            return pending[-1][0]
+        count = self._file_counts.get(stream, 0)
+        if not count:
+            return 0
+        (seq,) = struct.unpack_from("<Q", os.pread(self._fd(stream), 8, (count - 1) * ENTRY.size))
+        return int(seq)
+
     def _fd(self, stream: str) -> int:
         return self._open(stream)[0]
 

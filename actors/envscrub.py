@@ -1,0 +1,52 @@
+"""Remove variables from a forked process's environment, including the copy
+the kernel shows in /proc/<pid>/environ.
+
+A child forked from the zygote (a restarted writer or broker) inherits the
+zygote's environment, which holds the model's key for the agents. Removing
+a name from `os.environ` unsets it for the process (getenv, children), but
+/proc/<pid>/environ still shows the block the zygote was exec'd with: the
+kernel reads it from the process's own memory (env_start..env_end in
+/proc/self/stat). `scrub()` unsets the names and overwrites their strings in
+that block with NULs; the pages are the child's own copies after the fork,
+so the zygote keeps its key.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Iterable
+
+__all__ = ["scrub"]
+
+
+def _env_block() -> tuple[int, int] | None:
+    """(env_start, env_end) of this process (fields 50 and 51 of /proc/self/stat)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[47]), int(fields[48])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def scrub(names: Iterable[str]) -> None:
+    """Unset `names` and wipe their strings from the exec'd environment block."""
+    wanted = {os.fsencode(n) for n in names}
+    if not wanted:
+        return
+    block = _env_block()
+    targets: list[tuple[int, int]] = []
+    if block is not None:
+        libc = ctypes.CDLL(None)
+        environ = ctypes.POINTER(ctypes.c_void_p).in_dll(libc, "environ")
+        i = 0
+        while (addr := environ[i]) is not None:
+            entry = ctypes.string_at(addr)
+            if entry.partition(b"=")[0] in wanted and block[0] <= addr < block[1]:
+                targets.append((addr, len(entry)))
+            i += 1
+    for name in wanted:
+        os.environ.pop(os.fsdecode(name), None)  # unsetenv: the pointer leaves environ
+    for addr, size in targets:  # only strings inside the exec'd block: never the heap's
+        ctypes.memset(addr, 0, size)
