@@ -25,7 +25,7 @@ from types import FrameType
 import structlog
 import zmq
 
-from actors.writer import buckets, checkpoint
+from actors.writer import buckets, checkpoint, diskfull
 from actors.writer.dedupe import DEFAULT_WINDOW
 from actors.writer.groupcommit import Ack, Batch, ManyAck, SyncWorker
 from actors.writer.ledgers import Ledgers
@@ -103,6 +103,7 @@ class Writer:
         self.max_record_bytes = options.max_frame_bytes - RECORD_OVERHEAD_BYTES
         self.log: structlog.stdlib.BoundLogger = structlog.get_logger("writer")
         self._stopping = False
+        self.storage_full: diskfull.StorageFull | None = None
         self._zap: auth.ZapHandler | None = None
         self.ledgers = Ledgers(
             {"budget": state_dir.budget_ledger_path, "approvals": state_dir.approvals_ledger_path}
@@ -242,7 +243,7 @@ class Writer:
             while not self._stopping:
                 events = dict(poller.poll(100))
                 if self.worker.fileno() in events:
-                    self._finish(self.worker.collect())
+                    self._collect()
                 if zap is not None and zap.socket in events:
                     zap.handle()
                 if sock in events:
@@ -261,6 +262,8 @@ class Writer:
                     self._maybe_checkpoint()
                     if self.staged.bodies:
                         self._submit()
+                if self.storage_full is not None:
+                    self._probe_storage()
                 if reporter is not None:
                     reporter.tick(self.values)
                 self._limiter.tick()
@@ -363,6 +366,9 @@ class Writer:
                 self.duplicates_total += 1
                 batch.acks.append((ident, msg.msg_id, seq, True))  # answered with that batch
                 return
+        if self.storage_full is not None:  # stopped: no new work until space is back
+            self._refuse_full(ident, msg.msg_id)
+            return
         try:
             check_payload(msg.payload)
         except ProtocolError as exc:
@@ -468,10 +474,58 @@ class Writer:
         batch, self.staged = self.staged, Batch()
         batch.seal(self.head + 1)  # the worker is idle: head is the last durable seq
         if len(batch.lines) == 1:  # a lone append: sync here, no hand-off to wait for
-            self._finish(self.worker.run_inline(batch))
+            try:
+                self._finish(self.worker.run_inline(batch))
+            except DurabilityError as exc:
+                self._durability_failed(batch, exc)
             return
         self.inflight = batch
         self.worker.submit(batch)
+
+    def _collect(self) -> None:
+        batch = self.inflight
+        try:
+            self._finish(self.worker.collect())
+        except DurabilityError as exc:
+            assert batch is not None
+            self._durability_failed(batch, exc)
+
+    def _durability_failed(self, batch: Batch, exc: DurabilityError) -> None:
+        """A batch's write or fdatasync failed: nothing of it is acknowledged.
+        A full or failing disk stops appends until space is back
+        (actors/writer/diskfull.py); any other failure exits 74."""
+        self.inflight = None
+        code = diskfull.space_errno(exc)
+        if code is None:
+            raise exc
+        offset = batch.offset if batch.offset >= 0 else self.segment.size
+        diskfull.rollback(self.segment, offset, self.ledgers, self.head)
+        self.storage_full = diskfull.stopped(exc, self.segment.path, code)
+        self.log.error("storage_full", file=self.storage_full.path, error=self.storage_full.error,
+                       free_bytes=self.storage_full.free_bytes, head_seq=self.head)
+        staged, self.staged = self.staged, Batch()
+        for ident, msg_id, _seq, _dup in batch.acks + staged.acks:
+            self._refuse_full(ident, msg_id)
+
+    def _refuse_full(self, ident: bytes, msg_id: str) -> None:
+        full = self.storage_full
+        assert full is not None
+        self.rejected_total += 1
+        detail = f"no space for the WAL at {full.path} ({full.free_bytes} bytes free); retry later"
+        self._send(ident, protocol.error_frame(ProtocolError("storage_full", detail), msg_id))
+
+    def _probe_storage(self) -> None:
+        full = self.storage_full
+        assert full is not None
+        now = time.monotonic()
+        if now - full.probed_at < diskfull.PROBE_INTERVAL_S:
+            return
+        full.probed_at, full.probes = now, full.probes + 1
+        full.free_bytes = diskfull.free_bytes(self.state_dir.wal_dir)
+        if diskfull.probe(self.state_dir.wal_dir):
+            self.log.info("storage_recovered", file=full.path, free_bytes=full.free_bytes,
+                          stopped_s=round(time.time() - full.since, 3), head_seq=self.head)
+            self.storage_full = None
 
     def _finish(self, batch: Batch) -> None:
         """The batch is durable: index it, remember its keys, acknowledge it."""
@@ -644,8 +698,11 @@ class Writer:
         )
 
     def values(self) -> dict[str, int | float]:
+        full = self.storage_full
+        storage = {"storage_full": int(full is not None),
+                   "storage_free_bytes": full.free_bytes if full is not None else -1}
         return {**asdict(self.statistics()), **self.fsync_ms.values(),
-                **self.batch_sizes.values()}
+                **self.batch_sizes.values(), **storage}
 
     def close(self) -> None:
         if self._zap is not None:
