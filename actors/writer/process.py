@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from types import FrameType
 
 import structlog
@@ -34,6 +34,7 @@ from actors.writer.recovery import Recovered, recover
 from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
+from actors.writer.walgc import Collector, GcOptions
 from broker import auth, curve, logconfig, protocol, ratelimit
 from broker.control import ControlReporter
 from broker.curve import check_endpoints
@@ -74,6 +75,8 @@ class WriterOptions:
     max_frame_bytes: int = protocol.DEFAULT_LIMITS.max_frame_bytes
     curve: bool = False  # CURVE on every connection (required for tcp://)
     tcp_endpoints: tuple[str, ...] = ()
+    # WAL retention and compaction (actors/writer/walgc.py)
+    gc: GcOptions = field(default_factory=GcOptions)
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,8 @@ class Writer:
         self.dedupe = rec.dedupe
         self.index = rec.index
         self.reader = StreamReader(self.state_dir.wal_dir, self.index)
+        self.reader.floor_seq = rec.floor_seq
+        self.gc = Collector(self.state_dir, self.options.gc)
         self.head_segment = rec.head_segment_first_seq
         self.head_end_offset = rec.head_end_offset
         self.last_record_offset = rec.last_record_offset
@@ -259,6 +264,7 @@ class Writer:
                         frames.append((auth.user_of(head), parts))
                     self._process(frames)
                 if self.inflight is None:  # the files are quiet: checkpoint if due
+                    self.gc.tick(self)
                     self._maybe_checkpoint()
                     if self.staged.bodies:
                         self._submit()
@@ -655,6 +661,7 @@ class Writer:
                     index_counts=self.index.counts(),
                     ledger_sizes=self.ledgers.sizes(),
                     ledger_last_seq=self.ledger_last_seq,
+                    storage_epoch=self.gc.epoch,
                 ),
             )
         except OSError as exc:
@@ -664,6 +671,12 @@ class Writer:
             self.log.info(f"{self._derived_failing[0]}_recovered")
             self._derived_failing = None
         self._checkpoint_head = self.head
+
+    def storage_changed(self) -> None:
+        """Collection changed the segments: checkpoint twice, so neither the
+        checkpoint nor the previous one describes the old files."""
+        self._checkpoint()
+        self._checkpoint()
 
     def _derived_failed(self, what: str, file: str, error: str, **extra: int) -> None:
         """Log a derived file's failure once (again only when it changes)."""
@@ -702,7 +715,7 @@ class Writer:
         storage = {"storage_full": int(full is not None),
                    "storage_free_bytes": full.free_bytes if full is not None else -1}
         return {**asdict(self.statistics()), **self.fsync_ms.values(),
-                **self.batch_sizes.values(), **storage}
+                **self.batch_sizes.values(), **storage, **self.gc.values()}
 
     def close(self) -> None:
         if self._zap is not None:
@@ -728,6 +741,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dedupe-window", type=int, default=d.dedupe_window)
     parser.add_argument("--max-batch", type=int, default=d.max_batch)
     parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
+    g = d.gc
+    parser.add_argument("--gc-interval-s", type=float, default=g.interval_s)
+    parser.add_argument("--gc-max-wal-bytes", type=int, default=g.max_wal_bytes)
+    parser.add_argument("--gc-keep-records", type=int, default=g.keep_records)
+    parser.add_argument("--gc-archive", action="store_true", help="archive truncated segments")
+    parser.add_argument("--gc-disposable", action="append", default=[], metavar="PATTERN",
+                        help="streams (fnmatch) that need nothing below the rewind horizon")
     curve.add_arguments(parser)
     logconfig.add_arguments(parser)
     return parser.parse_args(argv)
@@ -756,6 +776,13 @@ def main(argv: list[str] | None = None) -> int:
         max_frame_bytes=args.max_frame_bytes,
         curve=args.curve,
         tcp_endpoints=tuple(args.tcp),
+        gc=GcOptions(
+            interval_s=args.gc_interval_s,
+            max_wal_bytes=args.gc_max_wal_bytes,
+            keep_records=args.gc_keep_records,
+            archive=args.gc_archive,
+            disposable=tuple(args.gc_disposable),
+        ),
     )
     writer = Writer(state_dir, options)
     signal.signal(signal.SIGTERM, writer.request_stop)

@@ -193,6 +193,29 @@ class StreamIndex:
         (seq,) = struct.unpack_from("<Q", os.pread(self._fd(stream), 8, (count - 1) * ENTRY.size))
         return int(seq)
 
+    # --- storage collection (actors/writer/walgc.py) ---------------------------
+    def stream_names(self) -> list[str]:
+        return sorted(set(self._file_counts) | set(self._pending))
+
+    def entries(self, stream: str) -> list[IndexEntry]:
+        """Every entry of `stream`, file and memory, in seq order."""
+        return self.lookup(stream, 0, self._file_counts.get(stream, 0) + len(
+            self._pending.get(stream, [])))
+
+    def rewrite(self, stream: str, entries: list[IndexEntry]) -> None:
+        """Replace `stream`'s entries (a compaction moved or removed some, a
+        truncation dropped those below the floor): written whole, durably,
+        nothing left pending. No entries: the file is deleted."""
+        self._forget_fd(stream)
+        path = self.directory / stream_filename(stream)
+        self._pending.pop(stream, None)
+        if not entries:
+            path.unlink(missing_ok=True)
+            self._file_counts.pop(stream, None)
+            return
+        durable.write_atomic(path, b"".join(ENTRY.pack(*entry) for entry in entries))
+        self._file_counts[stream] = len(entries)
+
     def _fd(self, stream: str) -> int:
         return self._open(stream)[0]
 
