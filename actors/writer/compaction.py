@@ -6,7 +6,8 @@ The steps, each a fault injection point (`CORRAL_FAULT_GC_KILL_AT=<step>`
 SIGKILLs the writer right after it, for the tests):
 
 1. `written`: the kept lines are written to `wal/.<segment>.compact` and
-   fsynced (in a background thread: appends go on meanwhile);
+   fsynced (by a child process, `actors/writer/compactor.py`, that a
+   background thread waits for: appends go on meanwhile);
 2. `recorded`: the removed seq ranges and a new storage epoch are written to
    `state/wal.retention.json` (actors/writer/retention.py), durably;
 3. `swapped`: the temp file is renamed over the segment, the directory
@@ -22,8 +23,11 @@ the old epoch is not used after a crash (a full scan rebuilds the index)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,8 +117,48 @@ def rewrite(first_seq: int, path: Path, drop: Callable[[WalRecord], bool]) -> Re
         raise
     os.close(fd)
     result.bytes_after = out_offset
-    fault_point("written")
     return result
+
+
+def rewrite_in_child(todo: list[tuple[int, Path]], purged: dict[str, list[tuple[int, int]]]
+                     ) -> list[Rewrite]:
+    """`rewrite` of every segment in `todo`, in one child process (`python -m
+    actors.writer.compactor`), so that its CPU work never holds the writer's
+    GIL (appends go on at full speed); the calling thread only waits for it.
+    Raises OSError when it fails."""
+    if not todo:
+        return []
+    result_path = temp_path(todo[0][1]).with_suffix(".result")
+    done = subprocess.run(
+        [sys.executable, "-m", "actors.writer.compactor", json.dumps(purged), str(result_path),
+         *(f"{first}:{path}" for first, path in todo)],
+        stdin=subprocess.DEVNULL, capture_output=True, check=False,
+    )
+    try:
+        if done.returncode != 0:
+            raise OSError(f"compactor exited {done.returncode}: "
+                          f"{done.stderr.decode(errors='replace')[-300:]}")
+        items = json.loads(result_path.read_bytes())
+    finally:
+        result_path.unlink(missing_ok=True)
+    out = []
+    for (first, path), data in zip(todo, items, strict=True):
+        result = Rewrite(first, path, temp_path(path),
+                         bytes_before=data["bytes_before"], bytes_after=data["bytes_after"])
+        result.kept = {s: [tuple(e) for e in entries] for s, entries in data["kept"].items()}
+        result.dropped = data["dropped"]
+        result.dropped_ledger = {k: set(v) for k, v in data["dropped_ledger"].items()}
+        out.append(result)
+    fault_point("written")
+    return out
+
+
+def to_dict(result: Rewrite) -> dict[str, object]:
+    return {
+        "bytes_before": result.bytes_before, "bytes_after": result.bytes_after,
+        "kept": result.kept, "dropped": result.dropped,
+        "dropped_ledger": {k: sorted(v) for k, v in result.dropped_ledger.items()},
+    }
 
 
 def swap(result: Rewrite) -> None:

@@ -34,16 +34,17 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
 from actors.writer import compaction, retention
 from actors.writer.dedupe import DedupeWindows
 from actors.writer.ledgers import Ledgers
-from actors.writer.streamindex import StreamIndex
+from actors.writer.streamindex import StreamIndex, stream_filename
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import WalRecord, list_segments
 from broker.durable import fsync_dir, write_atomic
@@ -92,8 +93,8 @@ class Purged:
     def selects(self, record: WalRecord) -> bool:
         return any(a <= record.seq <= b for a, b in self.ranges.get(record.stream, ()))
 
-    def covers_stream(self, stream: str, first: int, last: int) -> bool:
-        return any(a <= first and last <= b for a, b in self.ranges.get(stream, ()))
+    def covers_stream(self, stream: str, first: int) -> bool:
+        return any(a <= first <= b for a, b in self.ranges.get(stream, ()))
 
 
 def read_purges(state_root: Path) -> list[tuple[str, int, int]]:
@@ -144,6 +145,9 @@ class PassResult:
     segments_removed: list[str] = field(default_factory=list)
     segments_compacted: list[str] = field(default_factory=list)
     records_removed: int = 0
+    compacted_bytes_before: int = 0  # of the compacted segments
+    compacted_bytes_after: int = 0
+    compaction_s: float = 0.0  # time spent rewriting them (in the background thread)
     wal_bytes_before: int = 0
     wal_bytes_after: int = 0
     elapsed_ms: float = 0.0
@@ -167,8 +171,12 @@ class Collector:
         self._todo: list[tuple[int, Path]] = []
         self._purged = Purged([])
         self._thread: threading.Thread | None = None
-        self._done: compaction.Rewrite | None = None
+        self._ready: list[compaction.Rewrite] = []  # rewritten, to swap in
         self._error: BaseException | None = None
+        self._rewrite_s = 0.0
+        self._dirty: set[Path] = set()  # index files changed, not yet fsynced
+        self._syncing: tuple[set[Path], int] | None = None  # being fsynced, for that epoch
+        self.synced_epoch = self.state.epoch  # the newest epoch whose index changes are durable
         self.passes_total = 0
         self.segments_removed_total = 0
         self.segments_compacted_total = 0
@@ -176,7 +184,10 @@ class Collector:
 
     @property
     def epoch(self) -> int:
-        return self.state.epoch
+        """The epoch a checkpoint may name: while index files changed by a
+        compaction are not yet fsynced, the one before (a checkpoint of it is
+        not used at the next start, so the index is rebuilt)."""
+        return self.synced_epoch
 
     @property
     def running(self) -> bool:
@@ -203,7 +214,14 @@ class Collector:
             if self._thread.is_alive():
                 return
             self._thread = None
-            self._apply_rewrite(w)
+            if self._error is not None:
+                error, self._error = self._error, None
+                self._fail(error)
+                return
+            if self._syncing is not None:  # the thread made these index changes durable
+                self.synced_epoch = self._syncing[1]
+                self._syncing = None
+                w.storage_changed()  # checkpoint twice: neither one names the old files
         self._next_step(w)
 
     def _maybe_start(self, w: WriterView) -> None:
@@ -260,8 +278,9 @@ class Collector:
             if not entries:
                 continue
             first = entries[0][0]
-            if self._purged.covers_stream(stream, first, w.head):
-                continue
+            if self._purged.covers_stream(stream, first) and not any(
+                    w.index.lookup(stream, b + 1, 1) for _, b in self._purged.ranges[stream]):
+                continue  # purged, and nothing of it after its purged range
             need = first
             if stream.startswith("agent/"):
                 gen = oldest_generation_seq(self.state_dir, stream.removeprefix("agent/"))
@@ -319,9 +338,9 @@ class Collector:
         for stream in w.index.stream_names():  # entries below the floor point nowhere
             entries = w.index.entries(stream)
             if entries and entries[0][0] < new_floor:
-                w.index.rewrite(stream, [e for e in entries if e[0] >= new_floor])
+                self._dirty.add(w.index.rewrite(
+                    stream, [e for e in entries if e[0] >= new_floor], fsync=False))
         self.segments_removed_total += len(victims)
-        w.storage_changed()
         self.log.info("wal_truncated", floor_seq=new_floor, segments=len(victims),
                       archived=self.options.archive)
 
@@ -343,28 +362,51 @@ class Collector:
         return self._targets(w, self._purged)
 
     def _next_step(self, w: WriterView) -> None:
+        """One step: swap one rewritten segment in (loop thread, cheap), or
+        start the thread that rewrites every target (in one child process),
+        or the one that fsyncs the index files the swaps changed, or finish."""
+        if self._ready:
+            self._apply_rewrite(w, self._ready.pop(0))
+            return
         if self._todo:
-            first, path = self._todo.pop(0)
-            purged = self._purged
-            self._thread = threading.Thread(
-                target=self._rewrite, args=(first, path, purged), name="wal-compact", daemon=True
-            )
-            self._thread.start()
+            todo, self._todo = self._todo, []
+            self._start_thread(self._rewrite_all, todo)
+            return
+        if self._dirty:
+            self._syncing = (self._dirty, self.state.epoch)
+            self._dirty = set()
+            self._start_thread(self._sync_index, self._syncing[0])
             return
         self._finish(w)
 
-    def _rewrite(self, first: int, path: Path, purged: Purged) -> None:
+    def _start_thread(self, target: Callable[[Any], None], arg: object) -> None:
+        self._thread = threading.Thread(target=target, args=(arg,), name="wal-gc", daemon=True)
+        self._thread.start()
+
+    def _rewrite_all(self, todo: list[tuple[int, Path]]) -> None:
+        """In the thread: rewrite the targets in a child process."""
+        started = time.monotonic()
         try:
-            self._done = compaction.rewrite(first, path, purged.selects)
+            self._ready = compaction.rewrite_in_child(todo, self._purged.ranges)
         except Exception as exc:  # noqa: BLE001 - reported by the loop, which logs it
             self._error = exc
+        self._rewrite_s = time.monotonic() - started
 
-    def _apply_rewrite(self, w: WriterView) -> None:
-        done, error = self._done, self._error
-        self._done = self._error = None
-        if error is not None or done is None:
-            self._fail(error)
-            return
+    def _sync_index(self, paths: set[Path]) -> None:
+        """In the thread: fsync the index files (and their directory) changed."""
+        try:
+            for dirty in sorted(paths):
+                with contextlib.suppress(FileNotFoundError):
+                    fd = os.open(dirty, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            fsync_dir(self.state_dir.stream_index_dir)
+        except OSError as exc:
+            self._error = exc
+
+    def _apply_rewrite(self, w: WriterView, done: compaction.Rewrite) -> None:
         assert self._pass is not None
         dropped = done.dropped_seqs()
         self.state = retention.RetentionState(
@@ -377,8 +419,13 @@ class Collector:
         compaction.swap(done)
         w.reader.forget(done.first_seq)
         for stream in sorted(set(done.kept) | set(done.dropped)):
-            moved = {seq: (off, length) for seq, off, length in done.kept.get(stream, ())}
-            w.index.rewrite(stream, [
+            kept = done.kept.get(stream, [])
+            path = self.state_dir.stream_index_dir / stream_filename(stream)
+            self._dirty.add(path)
+            if stream not in done.dropped and w.index.move(stream, kept, fsync=False):
+                continue  # a stream that lost nothing: only its slice of the index moves
+            moved = {seq: (off, length) for seq, off, length in kept}
+            w.index.rewrite(stream, fsync=False, entries=[
                 (seq, seg, *moved[seq]) if seg == done.first_seq and seq in moved else
                 (seq, seg, off, length)
                 for seq, seg, off, length in w.index.entries(stream) if seq not in dropped
@@ -389,9 +436,11 @@ class Collector:
         compaction.fault_point("indexed")
         self._pass.segments_compacted.append(done.path.name)
         self._pass.records_removed += len(dropped)
+        self._pass.compacted_bytes_before += done.bytes_before
+        self._pass.compacted_bytes_after += done.bytes_after
+        self._pass.compaction_s = round(self._rewrite_s, 4)
         self.segments_compacted_total += 1
         self.bytes_reclaimed_total += done.bytes_before - done.bytes_after
-        w.storage_changed()
         self.log.info("wal_segment_compacted", segment=done.path.name, records_removed=len(dropped),
                       bytes_before=done.bytes_before, bytes_after=done.bytes_after)
 
@@ -400,6 +449,9 @@ class Collector:
         self._pass.error = f"{type(error).__name__}: {error}"[:500]
         self.log.error("storage_gc_failed", error=self._pass.error)
         self._todo = []
+        for ready in self._ready:  # rewritten but never swapped in: the old ones stay
+            ready.tmp.unlink(missing_ok=True)
+        self._ready = []
         self._finish_result()
 
     def _finish(self, w: WriterView) -> None:
