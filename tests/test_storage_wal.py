@@ -34,13 +34,14 @@ def ctx() -> Iterator[Ctx]:
     context.destroy(linger=0)
 
 
-def fill(ctx: Ctx, sd: StateDir, count: int = 90) -> dict[int, bytes]:
+def fill(ctx: Ctx, sd: StateDir, count: int = 90, marker: str = MARKER, round_: int = 0
+         ) -> dict[int, bytes]:
     """Interleave a kept stream and a to-be-purged one; return the kept lines by seq."""
-    with WriterClient(ctx, sd, "keeper") as keep, WriterClient(ctx, sd, f"s-{MARKER}") as gone:
+    with WriterClient(ctx, sd, "keeper") as keep, WriterClient(ctx, sd, f"s-{marker}") as gone:
         for i in range(count):
-            keep.append("agent/keep", "turn", {"i": i, "pad": "k" * 60}, key=f"k{i}",
+            keep.append("agent/keep", "turn", {"i": i, "pad": "k" * 60}, key=f"k{round_}-{i}",
                         ledger="budget" if i % 10 == 0 else None)
-            gone.append(f"session/{MARKER}", "turn", {"secret": MARKER, "i": i}, key=f"g{i}",
+            gone.append(f"session/{marker}", "turn", {"secret": marker, "i": i}, key=f"g{i}",
                         ledger="budget" if i % 10 == 0 else None)
     return kept_lines(sd)
 
@@ -56,21 +57,21 @@ def kept_lines(sd: StateDir) -> dict[int, bytes]:
     return out
 
 
-def purged_range(sd: StateDir) -> tuple[int, int]:
+def purged_range(sd: StateDir, marker: str = MARKER) -> tuple[int, int]:
     seqs = []
     for _, path in list_segments(sd.wal_dir):
         for line in path.read_bytes().splitlines(keepends=True):
             record = parse_record(line)
             assert record is not None
-            if record.stream == f"session/{MARKER}":
+            if record.stream == f"session/{marker}":
                 seqs.append(record.seq)
     return min(seqs), max(seqs)
 
 
-def more_keep(ctx: Ctx, sd: StateDir) -> None:
+def more_keep(ctx: Ctx, sd: StateDir, round_: int = 0) -> None:
     with WriterClient(ctx, sd, "keeper") as keep:
-        for i in range(200, 250):
-            keep.append("agent/keep", "turn", {"i": i, "pad": "k" * 60}, key=f"k{i}")
+        for i in range(12):
+            keep.append("agent/keep", "turn", {"i": i, "pad": "k" * 500}, key=f"m{round_}-{i}")
 
 
 def check_kept(ctx: Ctx, sd: StateDir, before: dict[int, bytes]) -> None:
@@ -93,7 +94,8 @@ def test_purged_session_is_compacted_away_and_nothing_of_it_remains(
     # the active (last) segment is never compacted: append past it, collect again
     more_keep(ctx, state_dir)
     before = kept_lines(state_dir)
-    run_gc(state_dir)
+    second = run_gc(state_dir)
+    assert not second["error"], second
     report = verify(state_dir)
     assert report.sound, report
     assert report.compacted_missing == 90  # every record of the purged session
@@ -109,26 +111,34 @@ def test_purged_session_is_compacted_away_and_nothing_of_it_remains(
         assert keep.append("agent/keep", "turn", {}, key="after").seq == max(before) + 1
 
 
-@pytest.mark.parametrize("step", ["written", "recorded", "swapped", "indexed"])
+STEPS = ["written", "recorded", "swapped", "indexed"]
+
+
 def test_compaction_killed_at_each_step_leaves_old_or_new_and_recovers(
-    processes: ProcessTracker, state_dir: StateDir, ctx: Ctx, step: str
+    processes: ProcessTracker, state_dir: StateDir, ctx: Ctx
 ) -> None:
-    writer = start_writer(processes, state_dir, ctx, env={FAULT_ENV_GC_KILL_AT: step})
-    before = fill(ctx, state_dir, 60)
-    names = sorted(p.name for _, p in list_segments(state_dir.wal_dir))
-    first, last = purged_range(state_dir)
-    purge(state_dir, MARKER, f"session/{MARKER}", first, last)
-    request_gc(state_dir)
-    assert writer.wait(timeout=20) == -9, processes.output("writer")
-    # every segment is there exactly once (old or new content), nothing else named like one
-    assert sorted(p.name for _, p in list_segments(state_dir.wal_dir)) == names
-    start_writer(processes, state_dir, ctx, "writer2")
-    assert not list(state_dir.wal_dir.glob(".*.compact"))  # a temp file is gone after start
-    check_kept(ctx, state_dir, before)
-    assert verify(state_dir).sound
-    more_keep(ctx, state_dir)  # so the purged records' last segment is sealed too
-    before = kept_lines(state_dir)
-    result = run_gc(state_dir)  # the pass completes after the restart
+    """One session purged per step; the writer is SIGKILLed at that step of its
+    compaction, restarted with the next step's fault, and so on."""
+    writer = start_writer(processes, state_dir, ctx, "writer-0",
+                          env={FAULT_ENV_GC_KILL_AT: STEPS[0]})
+    for n, step in enumerate(STEPS):
+        marker = f"{MARKER}{n}"
+        before = fill(ctx, state_dir, 30, marker, n)
+        more_keep(ctx, state_dir, n)  # so the purged records' segments are all sealed
+        before = kept_lines(state_dir)
+        names = sorted(p.name for _, p in list_segments(state_dir.wal_dir))
+        first, last = purged_range(state_dir, marker)
+        purge(state_dir, marker, f"session/{marker}", first, last)
+        request_gc(state_dir)
+        assert writer.wait(timeout=20) == -9, processes.output(f"writer-{n}")
+        # every segment is there exactly once (old or new content), nothing else named like one
+        assert sorted(p.name for _, p in list_segments(state_dir.wal_dir)) == names, step
+        env = {FAULT_ENV_GC_KILL_AT: STEPS[n + 1]} if n + 1 < len(STEPS) else None
+        writer = start_writer(processes, state_dir, ctx, f"writer-{n + 1}", env=env)
+        assert not list(state_dir.wal_dir.glob(".*.compact")), step  # gone after a start
+        check_kept(ctx, state_dir, before)
+        assert verify(state_dir).sound, step
+    result = run_gc(state_dir)  # the passes complete after the last restart
     assert not result["error"], result
     assert grep_tree(state_dir, MARKER.encode()) == []
     check_kept(ctx, state_dir, before)
