@@ -413,6 +413,9 @@ class Writer:
         """Frame a multi-record append as consecutive records of the staged
         batch, all of them or none; a retry whose keys were all written is
         answered with the first seq (with its batch, if that is not durable yet)."""
+        if self.storage_full is not None:  # stopped: no new work until space is back
+            self._refuse_full(ident, msg.msg_id)
+            return
         origin, items = msg.origin, msg.records
         keys = [item.key for item in items]
         if len(set(keys)) != len(keys):
@@ -510,7 +513,9 @@ class Writer:
         self.log.error("storage_full", file=self.storage_full.path, error=self.storage_full.error,
                        free_bytes=self.storage_full.free_bytes, head_seq=self.head)
         staged, self.staged = self.staged, Batch()
-        for ident, msg_id, _seq, _dup in batch.acks + staged.acks:
+        for ident, msg_id, *_ in [*batch.acks, *staged.acks]:
+            self._refuse_full(ident, msg_id)
+        for ident, msg_id, *_ in [*batch.many_acks, *staged.many_acks]:
             self._refuse_full(ident, msg_id)
 
     def _refuse_full(self, ident: bytes, msg_id: str) -> None:
@@ -641,8 +646,14 @@ class Writer:
         names index entries that are not on disk, so a restart rebuilds what is
         missing from the WAL (docs/wal.md). The ledgers are fdatasynced here, not
         per batch: the checkpoint names their sizes as durable."""
-        self.ledgers.sync()
         self._checkpoint_at = time.monotonic()
+        try:
+            self.ledgers.sync()
+        except DurabilityError as exc:  # a full disk: no checkpoint until it syncs
+            if diskfull.space_errno(exc) is None:
+                raise
+            self._derived_failed("ledger_sync", str(exc), str(exc.__cause__))
+            return
         failures = self.index.flush(fsync=True)
         if failures:  # the entries stay in memory
             failed = failures[0]
