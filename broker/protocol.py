@@ -71,6 +71,7 @@ class ErrorCode(StrEnum):
     INTERNAL_ERROR = "internal_error"
     SANDBOX_UNAVAILABLE = "sandbox_unavailable"  # procs: commands cannot be confined (fail closed)
     FORBIDDEN = "forbidden"  # authenticated, but this actor may not do that (broker/auth.py)
+    STORAGE_FULL = "storage_full"  # writer: the disk is full; nothing was written, retry later
 
 
 # --- field types ------------------------------------------------------------

@@ -189,6 +189,14 @@ def _agent_parsers(sub: Any, common: argparse.ArgumentParser,
         if verb == "approve":
             answer.add_argument("--always", action="store_true",
                                 help="also allow this op on this pattern from now on")
+    for verb, text in (("du", "storage usage per tier and per session"),
+                       ("gc", "run a storage collection pass now (docs/storage.md)")):
+        store = sub.add_parser(verb, parents=[common, as_json], help=text)
+        store.add_argument("--config", help="configuration file (its storage: caps)")
+        if verb == "gc":
+            store.add_argument("--dry-run", action="store_true", help="only report")
+            store.add_argument("--timeout-s", type=float, default=120.0,
+                               help="how long to wait for the writer's WAL pass")
     resume = sub.add_parser("resume", parents=[common], help="resume an agent paused on budget")
     resume.add_argument("agent")
     resume.add_argument("--budget", type=int, required=True, help="tokens to add")
@@ -364,6 +372,12 @@ def _trace(args: argparse.Namespace) -> int:
                      follow=args.follow, json_out=args.json)
 
 
+def _storage(args: argparse.Namespace) -> int:
+    from supervisor import storagecli
+
+    return storagecli.run(args)
+
+
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "up": _up,
     "status": _status,
@@ -381,6 +395,8 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "deny": _agent_command,
     "resume": _agent_command,
     "completion": _completion,
+    "du": _storage,
+    "gc": _storage,
 }
 
 

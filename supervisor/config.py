@@ -27,6 +27,7 @@ from actors.agent.settings import AgentSettings
 from broker.errors import ConfigError
 from supervisor.policy import Policy
 from supervisor.runconfig import RunSettings
+from supervisor.storage import StorageConfig
 
 
 def _defaults_dir() -> Path:
@@ -187,6 +188,7 @@ class Config(_Strict):
     run: RunSettings = RunSettings()  # `supervisor run`
     metrics: MetricsConfig = MetricsConfig()
     sandbox: SandboxConfig = SandboxConfig()  # procs' command sandbox
+    storage: StorageConfig = StorageConfig()  # caps and collection (docs/storage.md)
 
     @field_validator("sandbox", mode="before")
     @classmethod

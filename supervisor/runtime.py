@@ -29,7 +29,7 @@ from broker import lifeline, protocol
 from broker.control import ENV_HEARTBEAT_TIMEOUT
 from broker.errors import SpawnError
 from broker.statedir import StateDir
-from supervisor import commands, monitor, requests, spawner, statusfile
+from supervisor import commands, monitor, requests, spawner, statusfile, storage
 from supervisor.children import Child, describe_exit
 from supervisor.config import CORE_KINDS, KIND_ORDER, Config
 from supervisor.control import ControlServer, Incoming
@@ -92,6 +92,8 @@ class Runtime:
         lifeline.become_subreaper()
         self._install_signals()
         self._start_metrics()
+        janitor = storage.Janitor(self.state_dir, self.config.storage)  # caps (docs/storage.md)
+        janitor.start()
         log.info("supervisor_started", state_dir=str(self.state_dir.root),
                  children=len(self.children), endpoint=self.control.endpoint)
         if self.use_zygote and any(c.kind == "agent" for c in self.children.values()):
@@ -132,6 +134,7 @@ class Runtime:
                     except Exception:  # noqa: BLE001 - no message may stop the supervisor
                         self.control.handling_failed(incoming)
         finally:
+            janitor.stop()
             self._publish_status(time.monotonic())
             if self.metrics is not None:
                 self.metrics.close()

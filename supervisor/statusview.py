@@ -36,6 +36,8 @@ def _info(child: dict[str, Any]) -> str:
 
 def _counters(child: dict[str, Any]) -> str:
     values = child.get("values") or {}
+    if child.get("kind") == "writer" and values.get("storage_full"):  # docs/storage.md
+        return f"STORAGE FULL, appends stopped ({values.get('storage_free_bytes')} bytes free)"
     if child.get("kind") == "writer" and "head_seq" in values:
         return f"seq={values['head_seq']} {values.get('appends_per_s', 0)}/s"
     if child.get("kind") == "procs" and "live_commands" in values:

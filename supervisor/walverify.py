@@ -17,8 +17,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from actors.writer import checkpoint
-from actors.writer.recovery import plan
+from actors.writer import checkpoint, retention
+from actors.writer.recovery import kept_segments, plan
 from actors.writer.wal import list_segments, parse_record
 from actors.writer.walscan import TornBatch
 from broker.errors import WalCorruptionError, WalError
@@ -41,6 +41,10 @@ class Report:
     segments: int = 0
     records: int = 0
     first_seq: int | None = None
+    floor_seq: int = 1  # retention truncated every seq below (not a gap)
+    compacted_ranges: int = 0  # seq ranges compaction removed on purpose (not gaps)
+    compacted_missing: int = 0  # seqs absent because they were compacted
+    below_floor_segments: int = 0  # left by a crashed retention pass; the writer removes them
     head_seq: int = 0
     bytes: int = 0
     gaps: list[tuple[int, int]] = field(default_factory=list)  # (after seq, next seq)
@@ -56,11 +60,16 @@ class Report:
 
 
 def _verify_segments(
-    report: Report, segments: list[tuple[int, Path]], torn: TornBatch | None
+    report: Report, segments: list[tuple[int, Path]], torn: TornBatch | None,
+    kept: retention.RetentionState,
 ) -> LedgerLines:
     """Scan every segment (up to a torn batch the writer will cut); return
-    the ledger records' lines by seq."""
+    the ledger records' lines by seq. Seqs below the retention floor and
+    compacted seqs are absent on purpose: not gaps."""
     ledger_lines: LedgerLines = {}
+    compacted = retention.Compacted(kept.compacted)
+    report.floor_seq = kept.floor_seq
+    report.compacted_ranges = len(compacted.ranges)
     previous: int | None = None
     for position, (first, path) in enumerate(segments):
         last_segment = position == len(segments) - 1
@@ -87,17 +96,18 @@ def _verify_segments(
                 elif len(report.checksum_failures) < MAX_REPORTED:
                     report.checksum_failures.append(problem)
             else:
-                if first_in_file and record.seq != first:
+                if first_in_file and not compacted.covers(first, record.seq - 1):
                     report.segment_name_mismatches.append(
                         Problem(str(path), offset, f"named {first}, first record {record.seq}")
                     )
                 first_in_file = False
+                expected = kept.floor_seq if previous is None else previous + 1
                 if previous is None:
                     report.first_seq = record.seq
-                    if record.seq != 1 and len(report.gaps) < MAX_REPORTED:
-                        report.gaps.append((0, record.seq))
-                elif record.seq != previous + 1 and len(report.gaps) < MAX_REPORTED:
-                    report.gaps.append((previous, record.seq))
+                if record.seq > expected and compacted.covers(expected, record.seq - 1):
+                    report.compacted_missing += record.seq - expected
+                elif record.seq != expected and len(report.gaps) < MAX_REPORTED:
+                    report.gaps.append((expected - 1, record.seq))
                 previous = record.seq
                 report.records += 1
                 report.head_seq = max(report.head_seq, record.seq)
@@ -118,6 +128,8 @@ def _verify_ledger(report: Report, name: str, path: Path, wal_lines: LedgerLines
                 report.ledger_problems.append(
                     Problem(str(path), offset, "not a record of this ledger (torn or damaged)")
                 )
+        elif record.seq < report.floor_seq:
+            pass  # the WAL was truncated below it on purpose; the ledger keeps it
         elif wal_lines.get(record.seq) != (name, line):
             if len(report.ledger_problems) < MAX_REPORTED:
                 reason = f"seq {record.seq} differs from the WAL or is absent"
@@ -161,10 +173,18 @@ def _writer_start(report: Report, state_dir: StateDir) -> TornBatch | None:
 
 def verify(state_dir: StateDir) -> Report:
     report = Report(state_dir=str(state_dir.root))
-    segments = list_segments(state_dir.wal_dir)
+    try:
+        kept = retention.load(retention.path_in(state_dir.state_dir))
+    except WalError as exc:
+        report.writer_refuses = True
+        report.writer_start = f"refuses to start (exit 65): {exc}"
+        return report
+    every = list_segments(state_dir.wal_dir)
+    segments = kept_segments(every, kept)
+    report.below_floor_segments = len(every) - len(segments)
     report.segments = len(segments)
     torn = _writer_start(report, state_dir)
-    wal_lines = _verify_segments(report, segments, torn)
+    wal_lines = _verify_segments(report, segments, torn, kept)
     _verify_ledger(report, "budget", state_dir.budget_ledger_path, wal_lines)
     _verify_ledger(report, "approvals", state_dir.approvals_ledger_path, wal_lines)
     report.sound = not (
@@ -186,6 +206,11 @@ def _print_text(report: Report) -> None:
         f"  segments {report.segments}, records {report.records}, head seq {report.head_seq}, "
         f"{report.bytes} bytes"
     )
+    if report.floor_seq > 1 or report.compacted_ranges:
+        print(
+            f"  retention floor seq {report.floor_seq} (earlier seqs truncated on purpose); "
+            f"{report.compacted_missing} seqs compacted away in {report.compacted_ranges} ranges"
+        )
     for after, nxt in report.gaps:
         print(f"  gap: seq {nxt} follows {after}")
     for p in report.checksum_failures:

@@ -35,6 +35,10 @@ class Checkpoint(BaseModel):
     # ledger from the WAL when the WAL holds later records of it.
     ledger_sizes: dict[str, int] = {}
     ledger_last_seq: dict[str, int] = {}
+    # The storage epoch (actors/writer/retention.py) it was taken in: after a
+    # compaction or truncation the offsets and index counts of an older one
+    # may describe files that changed, so it is not used.
+    storage_epoch: int = 0
 
 
 def previous_path(path: Path) -> Path:

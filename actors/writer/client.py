@@ -17,7 +17,7 @@ import zmq
 from actors.writer.wal import WalRecord, parse_record
 from broker import auth, protocol
 from broker.curve import CurveClient
-from broker.errors import ProtocolError
+from broker.errors import ProtocolError, RemoteError
 from broker.requester import Requester, new_msg_id
 from broker.statedir import StateDir
 
@@ -60,6 +60,7 @@ class WriterClient:
         endpoint: str | None = None,
         curve: CurveClient | None = None,
         credential: auth.Credential | None = None,
+        storage_wait_s: float = 300.0,
     ) -> None:
         """`endpoint` defaults to the state directory's ipc socket; a tcp://
         endpoint of a writer on another host needs `curve` keys. `credential`
@@ -67,6 +68,7 @@ class WriterClient:
         self.origin = origin
         self.timeout_s = timeout_s
         self.retries = retries
+        self.storage_wait_s = storage_wait_s
         self._req = Requester(ctx, endpoint or state_dir.endpoint("writer"), curve=curve,
                               credential=credential)
         journal_dir = os.environ.get(ENV_ACK_JOURNAL_DIR)
@@ -101,7 +103,7 @@ class WriterClient:
             payload=body,
             ledger=ledger,
         )
-        reply = self._req.request(message, timeout_s=self.timeout_s, retries=self.retries)
+        reply = self._request_append(message)
         if not isinstance(reply, protocol.AppendOk):
             raise ProtocolError("unexpected_message", f"append answered with {reply.kind}")
         if self._journal_dir is not None:
@@ -130,7 +132,7 @@ class WriterClient:
             records=[protocol.AppendItem(key=key, event=event, payload=body, ledger=ledger)
                      for event, body, key, ledger in records],
         )
-        reply = self._req.request(message, timeout_s=self.timeout_s, retries=self.retries)
+        reply = self._request_append(message)
         if not isinstance(reply, protocol.AppendManyOk):
             raise ProtocolError("unexpected_message", f"append_many answered with {reply.kind}")
         if self._journal_dir is not None:
@@ -140,6 +142,24 @@ class WriterClient:
             for i, (_, _, key, _) in enumerate(records):
                 journal.record(key, reply.seq + i)
         return reply
+
+    def _request_append(
+        self, message: protocol.Append | protocol.AppendMany
+    ) -> protocol.Message:
+        """Send an append; while the writer answers `storage_full` (a full disk,
+        docs/storage.md) resend it under the same key, backing off, for up to
+        `storage_wait_s`, then raise the RemoteError."""
+        deadline = time.monotonic() + self.storage_wait_s
+        backoff_s = 0.05
+        while True:
+            try:
+                return self._req.request(message, timeout_s=self.timeout_s, retries=self.retries)
+            except RemoteError as exc:
+                if exc.code != protocol.ErrorCode.STORAGE_FULL or time.monotonic() >= deadline:
+                    raise
+            time.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, 1.0)
+            message = message.model_copy(update={"msg_id": new_msg_id("a")})
 
     def read_page(self, stream: str, from_seq: int = 1, max_records: int = 512) -> protocol.Records:
         reply = self._req.request(

@@ -50,3 +50,16 @@ class DedupeWindows:
         for origin, pairs in data.items():
             windows._by_origin[origin] = OrderedDict(pairs[-window:])  # (key, seq) pairs
         return windows
+
+    def forget_seqs(self, seqs: set[int]) -> int:
+        """Drop every key whose seq is in `seqs` (records compaction removed:
+        no trace of a purged session stays in the windows); returns how many."""
+        dropped = 0
+        for origin in list(self._by_origin):
+            keys = self._by_origin[origin]
+            for key in [k for k, seq in keys.items() if seq in seqs]:
+                del keys[key]
+                dropped += 1
+            if not keys:
+                del self._by_origin[origin]
+        return dropped

@@ -19,13 +19,13 @@ import signal
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from types import FrameType
 
 import structlog
 import zmq
 
-from actors.writer import buckets, checkpoint
+from actors.writer import buckets, checkpoint, diskfull
 from actors.writer.dedupe import DEFAULT_WINDOW
 from actors.writer.groupcommit import Ack, Batch, ManyAck, SyncWorker
 from actors.writer.ledgers import Ledgers
@@ -34,6 +34,7 @@ from actors.writer.recovery import Recovered, recover
 from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
+from actors.writer.walgc import Collector, GcOptions
 from broker import auth, curve, logconfig, protocol, ratelimit
 from broker.control import ControlReporter
 from broker.curve import check_endpoints
@@ -74,6 +75,8 @@ class WriterOptions:
     max_frame_bytes: int = protocol.DEFAULT_LIMITS.max_frame_bytes
     curve: bool = False  # CURVE on every connection (required for tcp://)
     tcp_endpoints: tuple[str, ...] = ()
+    # WAL retention and compaction (actors/writer/walgc.py)
+    gc: GcOptions = field(default_factory=GcOptions)
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class Writer:
         self.max_record_bytes = options.max_frame_bytes - RECORD_OVERHEAD_BYTES
         self.log: structlog.stdlib.BoundLogger = structlog.get_logger("writer")
         self._stopping = False
+        self.storage_full: diskfull.StorageFull | None = None
         self._zap: auth.ZapHandler | None = None
         self.ledgers = Ledgers(
             {"budget": state_dir.budget_ledger_path, "approvals": state_dir.approvals_ledger_path}
@@ -129,6 +133,8 @@ class Writer:
         self.dedupe = rec.dedupe
         self.index = rec.index
         self.reader = StreamReader(self.state_dir.wal_dir, self.index)
+        self.reader.floor_seq = rec.floor_seq
+        self.gc = Collector(self.state_dir, self.options.gc)
         self.head_segment = rec.head_segment_first_seq
         self.head_end_offset = rec.head_end_offset
         self.last_record_offset = rec.last_record_offset
@@ -242,7 +248,7 @@ class Writer:
             while not self._stopping:
                 events = dict(poller.poll(100))
                 if self.worker.fileno() in events:
-                    self._finish(self.worker.collect())
+                    self._collect()
                 if zap is not None and zap.socket in events:
                     zap.handle()
                 if sock in events:
@@ -258,9 +264,12 @@ class Writer:
                         frames.append((auth.user_of(head), parts))
                     self._process(frames)
                 if self.inflight is None:  # the files are quiet: checkpoint if due
+                    self.gc.tick(self)
                     self._maybe_checkpoint()
                     if self.staged.bodies:
                         self._submit()
+                if self.storage_full is not None:
+                    self._probe_storage()
                 if reporter is not None:
                     reporter.tick(self.values)
                 self._limiter.tick()
@@ -363,6 +372,9 @@ class Writer:
                 self.duplicates_total += 1
                 batch.acks.append((ident, msg.msg_id, seq, True))  # answered with that batch
                 return
+        if self.storage_full is not None:  # stopped: no new work until space is back
+            self._refuse_full(ident, msg.msg_id)
+            return
         try:
             check_payload(msg.payload)
         except ProtocolError as exc:
@@ -401,6 +413,9 @@ class Writer:
         """Frame a multi-record append as consecutive records of the staged
         batch, all of them or none; a retry whose keys were all written is
         answered with the first seq (with its batch, if that is not durable yet)."""
+        if self.storage_full is not None:  # stopped: no new work until space is back
+            self._refuse_full(ident, msg.msg_id)
+            return
         origin, items = msg.origin, msg.records
         keys = [item.key for item in items]
         if len(set(keys)) != len(keys):
@@ -468,10 +483,60 @@ class Writer:
         batch, self.staged = self.staged, Batch()
         batch.seal(self.head + 1)  # the worker is idle: head is the last durable seq
         if len(batch.lines) == 1:  # a lone append: sync here, no hand-off to wait for
-            self._finish(self.worker.run_inline(batch))
+            try:
+                self._finish(self.worker.run_inline(batch))
+            except DurabilityError as exc:
+                self._durability_failed(batch, exc)
             return
         self.inflight = batch
         self.worker.submit(batch)
+
+    def _collect(self) -> None:
+        batch = self.inflight
+        try:
+            self._finish(self.worker.collect())
+        except DurabilityError as exc:
+            assert batch is not None
+            self._durability_failed(batch, exc)
+
+    def _durability_failed(self, batch: Batch, exc: DurabilityError) -> None:
+        """A batch's write or fdatasync failed: nothing of it is acknowledged.
+        A full or failing disk stops appends until space is back
+        (actors/writer/diskfull.py); any other failure exits 74."""
+        self.inflight = None
+        code = diskfull.space_errno(exc)
+        if code is None:
+            raise exc
+        offset = batch.offset if batch.offset >= 0 else self.segment.size
+        diskfull.rollback(self.segment, offset, self.ledgers, self.head)
+        self.storage_full = diskfull.stopped(exc, self.segment.path, code)
+        self.log.error("storage_full", file=self.storage_full.path, error=self.storage_full.error,
+                       free_bytes=self.storage_full.free_bytes, head_seq=self.head)
+        staged, self.staged = self.staged, Batch()
+        for ident, msg_id, *_ in [*batch.acks, *staged.acks]:
+            self._refuse_full(ident, msg_id)
+        for ident, msg_id, *_ in [*batch.many_acks, *staged.many_acks]:
+            self._refuse_full(ident, msg_id)
+
+    def _refuse_full(self, ident: bytes, msg_id: str) -> None:
+        full = self.storage_full
+        assert full is not None
+        self.rejected_total += 1
+        detail = f"no space for the WAL at {full.path} ({full.free_bytes} bytes free); retry later"
+        self._send(ident, protocol.error_frame(ProtocolError("storage_full", detail), msg_id))
+
+    def _probe_storage(self) -> None:
+        full = self.storage_full
+        assert full is not None
+        now = time.monotonic()
+        if now - full.probed_at < diskfull.PROBE_INTERVAL_S:
+            return
+        full.probed_at, full.probes = now, full.probes + 1
+        full.free_bytes = diskfull.free_bytes(self.state_dir.wal_dir)
+        if diskfull.probe(self.state_dir.wal_dir):
+            self.log.info("storage_recovered", file=full.path, free_bytes=full.free_bytes,
+                          stopped_s=round(time.time() - full.since, 3), head_seq=self.head)
+            self.storage_full = None
 
     def _finish(self, batch: Batch) -> None:
         """The batch is durable: index it, remember its keys, acknowledge it."""
@@ -581,8 +646,14 @@ class Writer:
         names index entries that are not on disk, so a restart rebuilds what is
         missing from the WAL (docs/wal.md). The ledgers are fdatasynced here, not
         per batch: the checkpoint names their sizes as durable."""
-        self.ledgers.sync()
         self._checkpoint_at = time.monotonic()
+        try:
+            self.ledgers.sync()
+        except DurabilityError as exc:  # a full disk: no checkpoint until it syncs
+            if diskfull.space_errno(exc) is None:
+                raise
+            self._derived_failed("ledger_sync", str(exc), str(exc.__cause__))
+            return
         failures = self.index.flush(fsync=True)
         if failures:  # the entries stay in memory
             failed = failures[0]
@@ -601,6 +672,7 @@ class Writer:
                     index_counts=self.index.counts(),
                     ledger_sizes=self.ledgers.sizes(),
                     ledger_last_seq=self.ledger_last_seq,
+                    storage_epoch=self.gc.epoch,
                 ),
             )
         except OSError as exc:
@@ -610,6 +682,12 @@ class Writer:
             self.log.info(f"{self._derived_failing[0]}_recovered")
             self._derived_failing = None
         self._checkpoint_head = self.head
+
+    def storage_changed(self) -> None:
+        """Collection changed the segments: checkpoint twice, so neither the
+        checkpoint nor the previous one describes the old files."""
+        self._checkpoint()
+        self._checkpoint()
 
     def _derived_failed(self, what: str, file: str, error: str, **extra: int) -> None:
         """Log a derived file's failure once (again only when it changes)."""
@@ -644,8 +722,11 @@ class Writer:
         )
 
     def values(self) -> dict[str, int | float]:
+        full = self.storage_full
+        storage = {"storage_full": int(full is not None),
+                   "storage_free_bytes": full.free_bytes if full is not None else -1}
         return {**asdict(self.statistics()), **self.fsync_ms.values(),
-                **self.batch_sizes.values()}
+                **self.batch_sizes.values(), **storage, **self.gc.values()}
 
     def close(self) -> None:
         if self._zap is not None:
@@ -671,6 +752,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dedupe-window", type=int, default=d.dedupe_window)
     parser.add_argument("--max-batch", type=int, default=d.max_batch)
     parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
+    g = d.gc
+    parser.add_argument("--gc-interval-s", type=float, default=g.interval_s)
+    parser.add_argument("--gc-max-wal-bytes", type=int, default=g.max_wal_bytes)
+    parser.add_argument("--gc-keep-records", type=int, default=g.keep_records)
+    parser.add_argument("--gc-archive", action="store_true", help="archive truncated segments")
+    parser.add_argument("--gc-disposable", action="append", default=[], metavar="PATTERN",
+                        help="streams (fnmatch) that need nothing below the rewind horizon")
     curve.add_arguments(parser)
     logconfig.add_arguments(parser)
     return parser.parse_args(argv)
@@ -699,6 +787,13 @@ def main(argv: list[str] | None = None) -> int:
         max_frame_bytes=args.max_frame_bytes,
         curve=args.curve,
         tcp_endpoints=tuple(args.tcp),
+        gc=GcOptions(
+            interval_s=args.gc_interval_s,
+            max_wal_bytes=args.gc_max_wal_bytes,
+            keep_records=args.gc_keep_records,
+            archive=args.gc_archive,
+            disposable=tuple(args.gc_disposable),
+        ),
     )
     writer = Writer(state_dir, options)
     signal.signal(signal.SIGTERM, writer.request_stop)

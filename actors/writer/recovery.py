@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.writer import checkpoint
+from actors.writer import checkpoint, retention
 from actors.writer.dedupe import DedupeWindows
 from actors.writer.ledgers import LedgerCheck, Ledgers
 from actors.writer.streamindex import StreamIndex
@@ -40,6 +40,7 @@ class LedgerRepair:
 
 @dataclass
 class Recovered:
+    floor_seq: int  # the lowest seq the WAL holds (retention truncated below it)
     head_seq: int
     segment_first_seq: int  # the active (last) segment
     head_segment_first_seq: int  # the segment holding the head record
@@ -103,6 +104,26 @@ def checkpoints(
     return out
 
 
+def kept_segments(
+    segments: list[tuple[int, Path]], kept: retention.RetentionState
+) -> list[tuple[int, Path]]:
+    """The segments at or above the retention floor (one below it is left
+    over from a retention pass that crashed before removing it)."""
+    if kept.floor_seq <= 1:
+        return segments
+    above = [(first, path) for first, path in segments if first >= kept.floor_seq]
+    if not above and segments:  # everything is below the floor: keep the last
+        return segments[-1:]
+    return above
+
+
+def first_start(segments: list[tuple[int, Path]], kept: retention.RetentionState) -> ScanStart:
+    """Where a full scan begins: the retention floor (seq 1 of a WAL never
+    truncated)."""
+    first = segments[0][0] if segments else kept.floor_seq
+    return ScanStart(max(kept.floor_seq - 1, 0), first, 0)
+
+
 @dataclass(frozen=True)
 class StartPlan:
     """What start-up will do, found without changing anything."""
@@ -116,14 +137,15 @@ def plan(state_dir: StateDir) -> StartPlan:
     """Read-only: the checkpoint the writer would start from and what its scan
     finds. Raises WalError / WalCorruptionError exactly when the writer would
     refuse to start (exit 65)."""
-    segments = list_segments(state_dir.wal_dir)
-    start, cp_head = ScanStart(0, segments[0][0] if segments else 1, 0), None
+    kept = retention.load(retention.path_in(state_dir.state_dir))
+    segments = kept_segments(list_segments(state_dir.wal_dir), kept)
+    start, cp_head = first_start(segments, kept), None
     for cp, _ in checkpoints(state_dir, segments):
-        if cp is not None:
+        if cp is not None and cp.storage_epoch == kept.epoch:
             start = ScanStart(cp.head_seq, cp.segment_first_seq, cp.offset)
             cp_head = cp.head_seq
             break
-    scan = WalScan(segments, start)
+    scan = WalScan(segments, start, retention.Compacted(kept.compacted))
     for _ in scan.records():
         pass
     return StartPlan(cp_head, scan.head_seq, scan.torn)
@@ -155,15 +177,24 @@ def _wal_ledger_records(
 
 
 def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
-    segments = list_segments(state_dir.wal_dir)
+    kept = retention.load(retention.path_in(state_dir.state_dir))
+    retention.remove_leftovers(state_dir.wal_dir)  # a compaction that did not swap
+    every = list_segments(state_dir.wal_dir)
+    segments = kept_segments(every, kept)
+    for first, path in every:  # below the floor: a retention pass crashed before removing it
+        if (first, path) not in segments:
+            path.unlink(missing_ok=True)
     index = StreamIndex(state_dir.stream_index_dir)
     dedupe = DedupeWindows(window)
-    start = ScanStart(0, segments[0][0] if segments else 1, 0)
+    start = first_start(segments, kept)
     chosen: checkpoint.Checkpoint | None = None
     notes: list[str] = []
     for cp, why in checkpoints(state_dir, segments):
         if cp is None:
             notes.append(why or "")
+            continue
+        if cp.storage_epoch != kept.epoch:
+            notes.append(f"checkpoint of storage epoch {cp.storage_epoch}, not {kept.epoch}")
             continue
         if not index.restore(cp.index_counts):
             notes.append("stream index shorter than the checkpoint")
@@ -180,6 +211,7 @@ def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
         if stuck:
             index_problem = f"cannot delete {len(stuck)} index files, e.g. {stuck[0]}"
 
+    compacted = retention.Compacted(kept.compacted)
     # The ledgers' lines since the checkpoint (all of them after a full scan).
     checks: dict[str, LedgerCheck] = {}
     for name in ledgers.paths:
@@ -193,9 +225,12 @@ def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
 
     head, last_off = start.head_seq, chosen.last_record_offset if chosen is not None else -1
     head_seg, head_end = start.segment_first_seq, start.offset
-    scan = WalScan(segments, start)
+    scan = WalScan(segments, start, compacted)
     scanned = 0
+    still_there: set[int] = set()  # ledger records in a compacted range the WAL still holds
     for first, off, item in scan.records():
+        if item.ledger is not None and full_scan and compacted.contains(item.seq):
+            still_there.add(item.seq)
         head, last_off = item.seq, off
         head_seg, head_end = first, off + len(item.line)
         dedupe.remember(item.origin, item.key, item.seq)
@@ -219,6 +254,9 @@ def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
         finally:
             os.close(fd)
 
+    if full_scan and compacted.ranges:  # a crash between a compaction's swap and its ledgers
+        for path in ledgers.paths.values():
+            retention.drop_compacted_ledger_lines(path, compacted, still_there)
     appended: dict[str, int] = {}
     dropped: dict[str, int] = {}
     repairs: list[LedgerRepair] = []
@@ -254,6 +292,7 @@ def recover(state_dir: StateDir, window: int, ledgers: Ledgers) -> Recovered:
     ledgers.sync_existing()
 
     return Recovered(
+        floor_seq=kept.floor_seq,
         head_seq=head,
         segment_first_seq=scan.active_first_seq if segments else head + 1,
         head_segment_first_seq=head_seg,

@@ -193,6 +193,83 @@ class StreamIndex:
         (seq,) = struct.unpack_from("<Q", os.pread(self._fd(stream), 8, (count - 1) * ENTRY.size))
         return int(seq)
 
+    # --- storage collection (actors/writer/walgc.py) ---------------------------
+    def stream_names(self) -> list[str]:
+        return sorted(set(self._file_counts) | set(self._pending))
+
+    def entries(self, stream: str) -> list[IndexEntry]:
+        """Every entry of `stream`, file and memory, in seq order."""
+        return self.lookup(stream, 0, self._file_counts.get(stream, 0) + len(
+            self._pending.get(stream, [])))
+
+    def rewrite(self, stream: str, entries: list[IndexEntry], fsync: bool = True) -> Path:
+        """Replace `stream`'s entries (a compaction moved or removed some, a
+        truncation dropped those below the floor): written whole, durably,
+        nothing left pending. No entries: the file is deleted. Without
+        `fsync` the caller makes the returned file durable (and the directory)."""
+        self._forget_fd(stream)
+        path = self.directory / stream_filename(stream)
+        self._pending.pop(stream, None)
+        if not entries:
+            path.unlink(missing_ok=True)
+            self._file_counts.pop(stream, None)
+            return path
+        data = b"".join(ENTRY.pack(*entry) for entry in entries)
+        if fsync:
+            durable.write_atomic(path, data)
+        else:  # the caller fsyncs the file and the directory before relying on it
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        self._file_counts[stream] = len(entries)
+        return path
+
+    def move(self, stream: str, moved: list[tuple[int, int, int]], fsync: bool = True) -> bool:
+        """Give entries of `stream` new offsets in place: `moved` is (seq, new
+        offset, length) of consecutive entries of the stream, in seq order (a
+        compacted segment's records of a stream that lost none). Only their
+        slice of the file is rewritten (fsynced unless not `fsync`); False when the entries are
+        not where `moved` says (the caller rewrites the stream whole)."""
+        if not moved:
+            return True
+        count = self._file_counts.get(stream, 0)
+        found = self.lookup(stream, moved[0][0], len(moved))
+        if [e[0] for e in found] != [m[0] for m in moved]:
+            return False
+        lo = self._position(stream, moved[0][0])
+        in_file = max(0, min(len(moved), count - lo))
+        new = [(seq, e[1], off, length) for (seq, off, length), e in zip(moved, found, strict=True)]
+        if in_file:
+            path = self.directory / stream_filename(stream)
+            fd = os.open(path, os.O_WRONLY)  # not O_APPEND: pwrite must land where it says
+            try:
+                data = b"".join(ENTRY.pack(*entry) for entry in new[:in_file])
+                os.pwrite(fd, data, lo * ENTRY.size)
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        pending = self._pending.get(stream, [])
+        for entry in new[in_file:]:
+            i = bisect.bisect_left(pending, (entry[0],))
+            pending[i] = entry
+        return True
+
+    def _position(self, stream: str, from_seq: int) -> int:
+        """Index in the file of the first entry with seq >= from_seq."""
+        lo, hi = 0, self._file_counts.get(stream, 0)
+        if not hi:
+            return 0
+        fd = self._fd(stream)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            (seq,) = struct.unpack_from("<Q", os.pread(fd, 8, mid * ENTRY.size))
+            if seq < from_seq:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def _fd(self, stream: str) -> int:
         return self._open(stream)[0]
 

@@ -5,6 +5,7 @@ seq, in bounded pages, found through the per-stream index and read with one
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from actors.writer.wal import parse_record, segment_name
 from broker import protocol
 
 MAX_OPEN_SEGMENTS = 16
+HOLD_S = 30.0  # a reader that paged part of a stream holds the rest this long
 
 
 class StreamReader:
@@ -22,6 +24,8 @@ class StreamReader:
         self.wal_dir = wal_dir
         self.index = index
         self.reads_total = 0
+        self.floor_seq = 1  # retention truncated every seq below (docs/storage.md)
+        self.held: dict[str, tuple[int, float]] = {}  # stream -> (next seq, monotonic time)
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._log: structlog.stdlib.BoundLogger = structlog.get_logger("writer")
 
@@ -39,10 +43,11 @@ class StreamReader:
             )
 
     def _page(self, msg: protocol.ReadStream, head_seq: int) -> protocol.Records | protocol.Error:
-        entries = self.index.lookup(msg.stream, msg.from_seq, msg.max_records + 1)
+        from_seq = max(msg.from_seq, self.floor_seq)  # below the floor: truncated
+        entries = self.index.lookup(msg.stream, from_seq, msg.max_records + 1)
         records: list[bytes] = []
         total = 0
-        next_seq = msg.from_seq
+        next_seq = from_seq
         for seq, segment, offset, length in entries[: msg.max_records]:
             if records and total + length > msg.max_bytes:
                 break
@@ -58,12 +63,17 @@ class StreamReader:
             records.append(line[:-1])
             total += length
             next_seq = seq + 1
+        more = len(records) < len(entries)
+        if more:  # the reader comes back for the rest: retention keeps it
+            self.held[msg.stream] = (next_seq, time.monotonic())
+        else:
+            self.held.pop(msg.stream, None)
         return protocol.Records(
             msg_id=msg.msg_id,
             stream=msg.stream,
             records=records,
             next_seq=next_seq,
-            more=len(records) < len(entries),
+            more=more,
             head_seq=head_seq,
         )
 
@@ -75,6 +85,20 @@ class StreamReader:
             fd = os.open(self.wal_dir / segment_name(first_seq), os.O_RDONLY)
             self._fds[first_seq] = fd
         return fd
+
+    def held_floor(self) -> int | None:
+        """The lowest seq a reader paging a stream still needs (None: none)."""
+        now = time.monotonic()
+        for stream, (_, at) in list(self.held.items()):
+            if now - at > HOLD_S:
+                del self.held[stream]
+        return min((seq for seq, _ in self.held.values()), default=None)
+
+    def forget(self, first_seq: int) -> None:
+        """Close a segment's descriptor (it was replaced or removed)."""
+        fd = self._fds.pop(first_seq, None)
+        if fd is not None:
+            os.close(fd)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from actors.writer.retention import Compacted
 from actors.writer.wal import WalRecord, parse_record
 from broker.errors import WalCorruptionError
 
@@ -70,7 +71,12 @@ class WalScan:
     afterwards `torn` holds the batch to cut, if any. Read-only: the caller
     cuts. Raises WalCorruptionError for damage to acknowledged records."""
 
-    def __init__(self, segments: list[tuple[int, Path]], start: ScanStart) -> None:
+    def __init__(
+        self, segments: list[tuple[int, Path]], start: ScanStart, compacted: Compacted | None = None
+    ) -> None:
+        # seqs removed on purpose by compaction (actors/writer/retention.py):
+        # their absence is not a gap, and a batch may lose its first or last
+        self.compacted = compacted if compacted is not None else Compacted([])
         self.segments = [(f, p) for f, p in segments if f >= start.segment_first_seq]
         self.start = start
         self.torn: TornBatch | None = None
@@ -82,7 +88,8 @@ class WalScan:
         for position, (first, path) in enumerate(self.segments):
             last_segment = position == len(self.segments) - 1
             offset = self.start.offset if first == self.start.segment_first_seq else 0
-            if offset == 0 and first != head + 1 and os.path.getsize(path) > 0:
+            gone = self.compacted.covers
+            if offset == 0 and not gone(head + 1, first - 1) and os.path.getsize(path) > 0:
                 raise WalCorruptionError(
                     path, 0, f"segment starts at seq {first}, expected {head + 1}"
                 )
@@ -102,11 +109,19 @@ class WalScan:
                             reason,
                         )
                         return
-                    if record.seq != head + 1:
+                    if batch is not None and record.seq > batch[1] and gone(head + 1, batch[1]):
+                        # the open batch's last records were compacted away
+                        yield from pending
+                        pending.clear()
+                        self.head_seq = head
+                        batch = None
+                    if record.seq != head + 1 and not gone(head + 1, record.seq - 1):
                         raise WalCorruptionError(path, offset, f"seq {record.seq} follows {head}")
                     span = (record.batch_first, record.batch_last)
                     if batch is None:
-                        if record.batch_first != record.seq or record.batch_last < record.seq:
+                        if not gone(record.batch_first, record.seq - 1) or not (
+                            record.batch_first <= record.seq <= record.batch_last
+                        ):
                             raise WalCorruptionError(
                                 path, offset, f"seq {record.seq} opens batch {list(span)}"
                             )
@@ -124,6 +139,13 @@ class WalScan:
                         pending.clear()
                         self.head_seq = head
                         batch = None
+            if batch is not None and gone(head + 1, batch[1]) and (
+                not last_segment or offset == os.path.getsize(path)
+            ):
+                yield from pending  # the batch's last records were compacted away
+                pending.clear()
+                self.head_seq = head
+                batch = None
             if batch is not None:  # the file ends inside a batch
                 if not last_segment:
                     raise WalCorruptionError(

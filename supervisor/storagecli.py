@@ -1,0 +1,64 @@
+"""`supervisor du [--json]` and `supervisor gc [--dry-run] [--json]`: storage
+usage per tier and per session, and a collection pass now (supervisor/
+storage.py; the WAL part runs in the writer). Both read `storage:` from the
+config (`--config`, default the packaged one)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from broker.statedir import StateDir
+from supervisor import storage
+from supervisor.config import load
+
+
+def run(args: argparse.Namespace) -> int:
+    state_dir = StateDir.at(args.state_dir)
+    config = load(Path(args.config) if args.config else None).storage
+    if args.command == "du":
+        usage = storage.du(state_dir, config)
+        if args.json:
+            print(storage.as_json(usage))
+        else:
+            _print_usage(usage)
+        return 0
+    report = storage.gc(state_dir, config, dry_run=args.dry_run, timeout_s=args.timeout_s)
+    if args.json:
+        print(storage.as_json(report))
+    else:
+        _print_gc(report)
+    return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1024 * 1024):.1f} MiB"
+
+
+def _print_usage(usage: storage.Usage) -> None:
+    cap = f" of {_mib(usage.max_bytes)}" if usage.max_bytes else ""
+    over = "  OVER CAP" if usage.over_cap else ""
+    print(f"{usage.state_dir}: {_mib(usage.total_bytes)}{cap}{over}")
+    for tier, size in sorted(usage.tiers.items(), key=lambda kv: -kv[1]):
+        print(f"  {tier:<14} {_mib(size):>12}")
+    print(f"  (WAL {_mib(usage.wal_bytes)})")
+    for name, s in sorted(usage.sessions.items(), key=lambda kv: -kv[1].total):
+        pin = " pinned" if s.pinned else ""
+        print(f"  session {name}: {_mib(s.total)} (jobs {_mib(s.procs)}, generations "
+              f"{_mib(s.generations)}, workspace {_mib(s.workspace)}){pin}")
+
+
+def _print_gc(report: storage.GcReport) -> None:
+    verb = "would remove" if report.dry_run else "removed"
+    print(f"gc {verb}: {report.jobs_removed} ended jobs ({_mib(report.job_bytes_removed)}), "
+          f"{report.generations_removed} generations ({_mib(report.generation_bytes_removed)}); "
+          f"{report.running_jobs_kept} running jobs kept")
+    if report.wal is not None:
+        wal = report.wal
+        print(f"  WAL: floor seq {wal.get('floor_seq')}, segments {verb}: "
+              f"{len(wal.get('segments_removed') or [])}, compacted: "  # type: ignore[arg-type]
+              f"{len(wal.get('segments_compacted') or [])}")  # type: ignore[arg-type]
+    else:
+        print(f"  WAL: {report.wal_note}")
+    print(f"  {_mib(report.bytes_before)} -> {_mib(report.bytes_after)}"
+          + ("  still OVER CAP" if report.over_cap_after else ""))
