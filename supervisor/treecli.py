@@ -40,13 +40,16 @@ def _fail(message: str, code: int = EXIT_FAILED) -> int:
 
 
 def _running(state_dir: StateDir, agent: str) -> str | None:
-    """The agent's process state when it is not stopped; None when it is."""
+    """The agent's process state when it is not stopped (or the supervisor's
+    silence); None when it is stopped or no supervisor runs here."""
     from supervisor.statusclient import NoAnswerError, RefusedError, ask_status
 
+    if not (state_dir.run_dir / "supervisor.sock").exists():
+        return None  # no supervisor: nothing runs the agent under it
     try:
         reply = ask_status(state_dir, 3.0)
-    except (NoAnswerError, RefusedError, OSError):
-        return None  # no supervisor: nothing runs the agent (the writer check follows)
+    except (NoAnswerError, RefusedError, OSError) as exc:
+        return f"unknown (the supervisor did not answer: {exc})"
     for child in reply.get("children", []):
         if child.get("name") == agent and child.get("state") not in STOPPED:
             return str(child.get("state"))
