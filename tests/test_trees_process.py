@@ -7,6 +7,8 @@ the rewound turns again to the same final workspace."""
 
 from __future__ import annotations
 
+import io
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ from actors.agent.state import AgentState, fold
 from actors.trees import branch
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
+from supervisor import trace
 from tests.agentkit import spec, tree, write_task
 from tests.processes import ProcessTracker
 from tests.test_writer import start_writer
@@ -113,3 +116,9 @@ def test_sigkill_at_every_step_of_rewind_and_fork(
         assert kid_events[0] == "session_fork"
         for name in ("a1", "kid"):
             assert rebuild(writer, state_dir, name).state == active_state(writer, name)
+    out = io.StringIO()
+    assert trace.run(state_dir, "a1", since=1, follow=False, json_out=True, out=out) == 0
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    gone = {r["seq"] for r in rows if r.get("abandoned")}
+    assert gone and all(r["event"] != "rewind" for r in rows if r["seq"] in gone)
+    assert {r["event"] for r in rows} >= {"rewind", "workspace_tree"}
