@@ -1,5 +1,6 @@
 """Rewind and fork as real processes over a real writer: the agent runs a
-scripted session, `supervisor rewind` and `supervisor fork` run as CLI
+scripted session of file ops and `bash` edits (writer, broker, procs),
+`supervisor rewind` and `supervisor fork` run as CLI
 processes SIGKILLed (CORRAL_TREES_FAULT, actors/trees/recorder.py) at every
 step; after each kill the state is the old branch or the new one, never a
 mix; a retry (or the agent's own start) completes; the resumed agent runs
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,15 +32,15 @@ from tests.test_writer import start_writer
 
 pytestmark = pytest.mark.process
 
-STEPS: list[Any] = [
+STEPS: list[Any] = [  # file ops and bash edits (through the real procs and its sandbox)
     {"op": "write_file", "path": "a.txt", "content": "one\n"},
-    {"op": "write_file", "path": "d/b.txt", "content": "two\n"},
+    {"op": "bash", "command": "mkdir -p d && printf 'two\\n' > d/b.txt"},
     {"op": "edit_file", "path": "a.txt", "old": "one", "new": "ONE"},
-    {"op": "write_file", "path": "d/c.txt", "content": "three\n"},
+    {"op": "bash", "command": "printf 'three\\n' > d/c.txt && rm d/b.txt && ln -s c.txt d/link"},
     {"op": "finish", "summary": "done"},
 ]
 AT_TWO = {"a.txt": "one\n", "d/b.txt": "two\n"}
-FINAL = {"a.txt": "ONE\n", "d/b.txt": "two\n", "d/c.txt": "three\n"}
+FINAL = {"a.txt": "ONE\n", "d/c.txt": "three\n", "d/link": "three\n"}
 
 
 @pytest.fixture
@@ -50,7 +52,7 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 
 def run_agent(processes: ProcessTracker, state_dir: StateDir, name: str) -> int:
     return processes.spawn(["-m", "actors.agent", "--name", name, "--state-dir",
-                            str(state_dir.root), "--no-broker"], name=name).wait(timeout=30)
+                            str(state_dir.root)], name=name).wait(timeout=40)
 
 
 def cli(processes: ProcessTracker, state_dir: StateDir, *args: str, fault: str = "") -> int:
@@ -69,10 +71,13 @@ def test_sigkill_at_every_step_of_rewind_and_fork(
         processes: ProcessTracker, state_dir: StateDir, ctx: zmq.Context[zmq.Socket[bytes]],
         tmp_path: Path) -> None:
     start_writer(processes, state_dir, ctx)
+    processes.spawn(["-m", "broker.server", "--state-dir", str(state_dir.root)], name="broker")
+    processes.spawn(["-m", "actors.procs", "--state-dir", str(state_dir.root)], name="procs")
     write_spec(state_dir, "a1", spec(write_task(tmp_path / "t.yaml", STEPS)))
     assert run_agent(processes, state_dir, "a1") == 0
     ws = state_dir.agent_dir("a1") / "workspace"
-    assert tree(ws) == FINAL
+    assert tree(ws) == FINAL, processes.output("a1")
+    assert os.readlink(ws / "d" / "link") == "c.txt"
     with WriterClient(ctx, state_dir, "probe") as writer:
         before = active_state(writer, "a1")
         assert before.phase == "finished"
@@ -92,7 +97,8 @@ def test_sigkill_at_every_step_of_rewind_and_fork(
         code = cli(processes, state_dir, "rewind", "a1", "--to-turn", "2",
                    fault="rewind:after_fact")
         assert code == -signal.SIGKILL
-        assert tree(ws) == AT_TWO
+        assert tree(ws) == AT_TWO  # bash's edits undone, its deleted file back, its link gone
+        assert not (ws / "d" / "link").is_symlink()
         rewound = active_state(writer, "a1")
         assert rewound.turn == 2 and rewound.phase == "running"
         assert cli(processes, state_dir, "rewind", "a1", "--to-turn", "2") == 0
@@ -112,6 +118,7 @@ def test_sigkill_at_every_step_of_rewind_and_fork(
         assert run_agent(processes, state_dir, "kid") == 0
         assert run_agent(processes, state_dir, "a1") == 0
         assert tree(kid_ws) == tree(ws) == FINAL  # both ran on, each in its own files
+        assert os.readlink(kid_ws / "d" / "link") == "c.txt"
         kid_events = [r.event for r in writer.read_stream("agent/kid")]
         assert kid_events[0] == "session_fork"
         for name in ("a1", "kid"):
