@@ -128,6 +128,9 @@ def test_fork_copies_the_turn_and_both_diverge(state_dir: StateDir, tmp_path: Pa
     kid = start(state_dir, writer, "kid")
     point = rewinding.state_at(events(writer, "src"), done.point_seq)
     assert kid.state.turn == point.turn == 3 and kid.state.recent == point.recent
+    assert (state_dir.memory_dir / "kid" / "m.md").read_text() == "kept"  # a copy
+    assert (state_dir.memory_dir / "kid" / "m.md").stat().st_ino != (
+        state_dir.memory_dir / "src" / "m.md").stat().st_ino
     assert drive(kid) is Step.DONE
     (kid_ws / "only-kid.txt").write_text("mine")
     assert tree(src.workspace) == src_tree  # the parent is untouched

@@ -11,6 +11,9 @@ Its workspace, `.corral/agents/<NEW>/workspace/`, is a copy of the tree at
 the cut written from the object store: new files, no hard links, nothing
 shared with the parent. Its spec is the parent's with the default workspace.
 
+The parent's memory (`.corral/memory/<SOURCE>/`, persist tier, never
+reverted, so as it is now, not as it was at the cut) is copied to the fork's.
+
 Steps: (1) intent `.corral/trees/forks/<NEW>.json`; (2) the agent directory
 built under a staging name and the workspace written into it; (3) the
 source verified again (its state at the cut re-folded from the WAL must
@@ -70,6 +73,7 @@ def _digest(state: dict[str, object]) -> str:
 
 
 def _cleanup(state_dir: StateDir, new: str) -> None:
+    shutil.rmtree(state_dir.memory_dir / new, ignore_errors=True)
     shutil.rmtree(_staging(state_dir, new), ignore_errors=True)
     shutil.rmtree(state_dir.agent_dir(new), ignore_errors=True)
     spec_path(state_dir, new).unlink(missing_ok=True)
@@ -144,6 +148,9 @@ def fork(writer: WriterClient, state_dir: StateDir, source: str, new: str, *,
                 store.get(entry.digest)
         staging.rename(state_dir.agent_dir(new))
         fsync_dir(state_dir.root / "agents")
+        memory = state_dir.memory_dir / source
+        if memory.is_dir():  # persist tier: the parent's memory as it is now (never reverted)
+            shutil.copytree(memory, state_dir.memory_dir / new, symlinks=True)
         write_spec(state_dir, new, spec.model_copy(update={"workspace": None}))
         fault("fork:before_fact")
         writer.append(f"agent/{new}", branch.FORK, {

@@ -118,7 +118,10 @@ class ObjectStore:
                 new[digest] = data
         if not new:
             return 0
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.directory.is_dir():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fsync_dir(self.directory.parent)  # the new names are durable before a fact uses them
+            fsync_dir(self.directory.parent.parent)
         hasher = hashlib.sha256()
         tmp = self.directory / f".{secrets.token_hex(8)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
