@@ -123,6 +123,17 @@ def test_store_refuses_damaged_objects_and_forged_trees(tmp_path: Path) -> None:
     pack.write_bytes(bytes(raw))
     with pytest.raises(CorruptObjectError):
         ObjectStore(tmp_path / "packs").get(d)
+    # a torn append (a crash mid-write) is cut away by the next one; both objects read back
+    fresh = ObjectStore(tmp_path / "packs2", "w")
+    one, two = b"first" * 10, b"second" * 10
+    fresh.put_many([(digest_of(one), one)])
+    packed = tmp_path / "packs2" / "w.pack"
+    with open(packed, "ab") as f:
+        f.write(b"\x00" * 20)  # half a header
+    again = ObjectStore(tmp_path / "packs2", "w")
+    assert again.put_many([(digest_of(two), two)]) == 1
+    reader = ObjectStore(tmp_path / "packs2")
+    assert reader.get(digest_of(one)) == one and reader.get(digest_of(two)) == two
     for bad in (b'{"version":1,"entries":[["..",33188,"' + b"0" * 64 + b'",1]]}',
                 b'{"version":1,"entries":[["a/b",33188,"' + b"0" * 64 + b'",1]]}',
                 b'{"version":1,"entries":[["a",8192,"' + b"0" * 64 + b'",1]]}', b"[1"):

@@ -32,13 +32,14 @@ def fault(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def store_for(state_dir: StateDir) -> ObjectStore:
-    return ObjectStore(packs_dir(state_dir.root))
+def store_for(state_dir: StateDir, writer: str = "shared") -> ObjectStore:
+    """The object store; objects this process adds go to `writer`'s pack."""
+    return ObjectStore(packs_dir(state_dir.root), writer)
 
 
 def capturer_for(state_dir: StateDir, name: str, workspace: Path,
                  store: ObjectStore | None = None) -> Capturer:
-    store = store if store is not None else store_for(state_dir)
+    store = store if store is not None else store_for(state_dir, name)
     cache = StatCache.load(state_dir.cache_dir / "trees" / f"{name}.jsonl")
     return Capturer(workspace, store, cache, agent_workspace.guard_for(state_dir),
                     state_dir.cache_dir / "trees")

@@ -114,7 +114,7 @@ def rewind(writer: WriterClient, state_dir: StateDir, name: str, *,
         return Rewound(cut, to_turn, target, 0, 0, noop=True)
     grants = [list(g) for g in fold(AgentState(), active).grants]
     ws = _workspace(state_dir, name)
-    store = store_for(state_dir)
+    store = store_for(state_dir, name)
     current = capturer_for(state_dir, name, ws, store).capture().digest
     intent = {"version": INTENT_VERSION, "agent": name, "from_seq": head_seq, "to_seq": cut,
               "to_turn": to_turn, "tree": target, "from_tree": current, "grants": grants}
@@ -126,7 +126,7 @@ def rewind(writer: WriterClient, state_dir: StateDir, name: str, *,
 def _finish(writer: WriterClient, state_dir: StateDir, name: str, intent: dict[str, Any],
             current: str) -> Rewound:
     ws = _workspace(state_dir, name)
-    store = store_for(state_dir)
+    store = store_for(state_dir, name)
     done = restore.Restored(0, 0)
     if isinstance(intent["tree"], str):
         done = restore.restore(ws, store, current, intent["tree"],
@@ -162,7 +162,7 @@ def recover(writer: WriterClient, state_dir: StateDir, name: str) -> str:
         path.unlink(missing_ok=True)
         return "done"
     ws = _workspace(state_dir, name)
-    store = store_for(state_dir)
+    store = store_for(state_dir, name)
     capturer = capturer_for(state_dir, name, ws, store)
     current = capturer.capture().digest
     active = branch.active(events)

@@ -1,31 +1,32 @@
 """The content-addressed object store of workspace trees: file contents and
 tree objects, each named by the sha256 of its bytes, deduplicated.
 
-    .corral/trees/packs/<sha256 of the pack's bytes>.pack
+    .corral/trees/packs/<writer>.pack      one append-only pack per writer (an agent)
 
-Objects are written in packs, one pack per capture (every new object of the
-capture and its tree), so a capture costs one file fsync and one directory
-fsync however many files changed (an fsync is ~10 ms on the disks we run on;
-one per blob would make capture cost follow the number of changed files
-times that). A pack is written to a temp name, fsynced, renamed, and the
-directory fsynced, before the WAL fact that names its tree is appended: a
-pack no fact names is garbage, never a hole. Pack format (version 1):
+Objects are appended to their writer's pack, all of a capture's new objects
+(its blobs and trees) in one write followed by one `fdatasync`, before the
+WAL fact that names the tree is appended: a fact never names an object that
+is not durable, and a capture costs one sync however many files changed (an
+fsync costs ~10 ms or far more on a busy disk: one file per blob would
+multiply that by the number of changed files, and a new file per capture
+would add a directory fsync). Only creating a pack fsyncs the directory.
+Pack format (version 1):
 
     b"CTPK1\\n" then, per object: 32 bytes sha256, 8 bytes big-endian length, data
 
-The reader indexes every pack at open (headers only, seeking over data) and
-checks an object's digest whenever it reads it: a damaged or forged object is
-`CorruptObjectError`, never returned. A truncated pack (a crash while it was
-a temp file cannot leave one under its final name, but a hostile disk can)
-indexes the objects before the damage.
+Writers append under an exclusive `flock` of the pack. A crash mid-append
+leaves a torn tail that no fact names (the fact comes after the sync); the
+next append truncates it away. Readers index every pack's complete objects
+(headers only, seeking over the data), remembering where each pack ended,
+so a refresh reads only what was appended since; an object is checked
+against its name whenever it is read (`CorruptObjectError`, never returned).
 """
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
 import hashlib
 import os
-import secrets
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -53,43 +54,47 @@ def packs_dir(root: Path) -> Path:
 
 
 class ObjectStore:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, writer: str = "shared") -> None:
         self.directory = directory
+        self.writer = writer
         self._index: dict[str, tuple[Path, int, int]] = {}
-        self._seen: set[str] = set()
+        self._ends: dict[str, int] = {}  # pack name -> end of its last complete object
         self.refresh()
 
     def refresh(self) -> None:
-        """Index packs written since the last look (by this or another process)."""
+        """Index what was appended since the last look (by this or another process)."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return
         for name in sorted(names):
-            if name.endswith(SUFFIX) and name not in self._seen:
-                self._seen.add(name)
-                self._index_pack(self.directory / name)
+            if name.endswith(SUFFIX):
+                self._scan(self.directory / name)
 
-    def _index_pack(self, path: Path) -> None:
+    def _scan(self, path: Path) -> int:
+        """Index `path`'s complete objects after what is known; return its valid end."""
+        start = self._ends.get(path.name, 0)
         try:
             f = open(path, "rb")  # noqa: SIM115 - closed below
         except OSError:
-            return
+            return start
         with f:
-            if f.read(len(MAGIC)) != MAGIC:
-                return
-            while True:
-                head = f.read(_HEAD.size)
-                if len(head) < _HEAD.size:
-                    return
-                raw, length = _HEAD.unpack(head)
-                offset = f.tell()
-                if length > MAX_OBJECT_BYTES:
-                    return
-                f.seek(length, os.SEEK_CUR)
-                if f.tell() != offset + length or os.fstat(f.fileno()).st_size < offset + length:
-                    return
-                self._index.setdefault(raw.hex(), (path, offset, length))
+            size = os.fstat(f.fileno()).st_size
+            if start == 0:
+                if f.read(len(MAGIC)) != MAGIC:
+                    return 0
+                start = len(MAGIC)
+            f.seek(start)
+            end = start
+            while end + _HEAD.size <= size:
+                raw, length = _HEAD.unpack(f.read(_HEAD.size))
+                if length > MAX_OBJECT_BYTES or end + _HEAD.size + length > size:
+                    break  # a torn tail: not an object yet
+                self._index.setdefault(raw.hex(), (path, end + _HEAD.size, length))
+                end += _HEAD.size + length
+                f.seek(end)
+        self._ends[path.name] = end
+        return end
 
     def has(self, digest: str) -> bool:
         return digest in self._index
@@ -111,52 +116,52 @@ class ObjectStore:
         return data
 
     def put_many(self, objects: Iterable[tuple[str, bytes]]) -> int:
-        """Write the objects the store lacks as one durable pack; return how many."""
+        """Append the objects the store lacks to this writer's pack, durably;
+        return how many."""
         new: dict[str, bytes] = {}
         for digest, data in objects:
             if digest not in self._index and digest not in new:
                 new[digest] = data
         if not new:
             return 0
-        if not self.directory.is_dir():
+        created_dir = not self.directory.is_dir()
+        if created_dir:
             self.directory.mkdir(parents=True, exist_ok=True)
-            fsync_dir(self.directory.parent)  # the new names are durable before a fact uses them
-            fsync_dir(self.directory.parent.parent)
-        hasher = hashlib.sha256()
-        tmp = self.directory / f".{secrets.token_hex(8)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        offsets: list[tuple[str, int, int]] = []
+        path = self.directory / f"{self.writer}{SUFFIX}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            try:
-                pos = 0
-                chunks = [MAGIC]
-                pos += len(MAGIC)
-                for digest, data in new.items():
-                    head = _HEAD.pack(bytes.fromhex(digest), len(data))
-                    chunks.append(head)
-                    chunks.append(data)
-                    offsets.append((digest, pos + len(head), len(data)))
-                    pos += len(head) + len(data)
-                body = b"".join(chunks)
-                hasher.update(body)
-                view = memoryview(body)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            final = self.directory / f"{hasher.hexdigest()}{SUFFIX}"
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        fsync_dir(self.directory)
-        self._seen.add(final.name)
-        for digest, offset, length in offsets:
-            self._index.setdefault(digest, (final, offset, length))
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            size = os.fstat(fd).st_size
+            end = self._scan(path) if size else 0
+            if size and end == 0:
+                raise CorruptObjectError(f"{path} is not a pack")
+            if end != size:
+                os.ftruncate(fd, end)  # a torn append no fact names
+            chunks = [] if end else [MAGIC]
+            pos = end or len(MAGIC)
+            placed = []
+            for digest, data in new.items():
+                chunks.append(_HEAD.pack(bytes.fromhex(digest), len(data)))
+                chunks.append(data)
+                placed.append((digest, pos + _HEAD.size, len(data)))
+                pos += _HEAD.size + len(data)
+            view = memoryview(b"".join(chunks))
+            offset = end
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)  # releases the lock
+        if size == 0:
+            fsync_dir(self.directory)  # the new pack's name
+            if created_dir:
+                fsync_dir(self.directory.parent)
+                fsync_dir(self.directory.parent.parent)
+        for digest, at, length in placed:
+            self._index.setdefault(digest, (path, at, length))
+        self._ends[path.name] = pos
         return len(new)
 
     def statistics(self) -> dict[str, int]:
-        return {"objects": len(self._index), "packs": len(self._seen)}
+        return {"objects": len(self._index), "packs": len(self._ends)}
