@@ -147,10 +147,10 @@ def test_fork_copies_the_turn_and_both_diverge(state_dir: StateDir, tmp_path: Pa
 
 OPS = st.lists(st.one_of(
     st.tuples(st.just("write"), st.integers(0, 3), st.text("ab\n", max_size=5)),
-    st.tuples(st.just("rewind"), st.integers(0, 8)),
-    st.tuples(st.just("fork"), st.integers(0, 8)),
+    st.tuples(st.just("rewind"), st.integers(0, 3)),
+    st.tuples(st.just("fork"), st.integers(0, 3)),
     st.tuples(st.just("outside"), st.integers(0, 3)),
-), min_size=1, max_size=8)
+), min_size=2, max_size=8)
 
 
 @settings(max_examples=12, deadline=None,
