@@ -26,6 +26,7 @@ SUITES = {
     "decode": "ops.bench_decode",
     "step": "ops.bench_step",
     "storage": "ops.bench_storage",
+    "trees": "ops.bench_trees",
 }
 
 

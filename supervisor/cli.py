@@ -15,6 +15,8 @@
     supervisor spawn NAME --task FILE [--model M] [--json]   (supervisor/agentcli.py)
     supervisor approve AGENT REQUEST [--always] | deny AGENT REQUEST
     supervisor resume AGENT --budget N
+    supervisor rewind REF --to-turn N | --to-seq S      (supervisor/treecli.py)
+    supervisor fork REF --name NEW [--at-turn N]
     supervisor completion bash|zsh                      a shell completion script
 
 Exit codes: 0 done; 1 refused (an unknown name, a child that cannot do that)
@@ -201,6 +203,16 @@ def _agent_parsers(sub: Any, common: argparse.ArgumentParser,
     resume.add_argument("agent")
     resume.add_argument("--budget", type=int, required=True, help="tokens to add")
     resume.add_argument("--cost-units", type=float, default=0.0, help="cost units to add")
+    rewind = sub.add_parser("rewind", parents=[common, as_json],
+                            help="rewind a stopped session to a turn (supervisor/treecli.py)")
+    rewind.add_argument("ref")
+    rewind.add_argument("--to-turn", type=int, default=None)
+    rewind.add_argument("--to-seq", type=int, default=None)
+    fork = sub.add_parser("fork", parents=[common, as_json],
+                          help="fork a session into a new agent at a turn")
+    fork.add_argument("ref")
+    fork.add_argument("--name", required=True)
+    fork.add_argument("--at-turn", type=int, default=None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,6 +272,14 @@ def _agent_command(args: argparse.Namespace) -> int:
         return agentcli.spawn(state_dir, args.name, args.task, args.model, as_json=args.json)
     if args.command == "resume":
         return agentcli.resume(state_dir, args.agent, args.budget, args.cost_units)
+    if args.command in ("rewind", "fork"):
+        from supervisor import treecli
+
+        if args.command == "rewind":
+            return treecli.rewind(state_dir, args.ref, to_turn=args.to_turn,
+                                  to_seq=args.to_seq, as_json=args.json)
+        return treecli.fork(state_dir, args.ref, args.name, at_turn=args.at_turn,
+                            as_json=args.json)
     return agentcli.approve(state_dir, args.agent, args.request, deny=args.command == "deny",
                             always=getattr(args, "always", False), note=args.note)
 
@@ -394,6 +414,8 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "approve": _agent_command,
     "deny": _agent_command,
     "resume": _agent_command,
+    "rewind": _agent_command,
+    "fork": _agent_command,
     "completion": _completion,
     "du": _storage,
     "gc": _storage,

@@ -38,6 +38,7 @@ from actors.writer.wal import TornTail, WalRecord, iter_segment, list_segments
 from broker.errors import CorralError
 from broker.pidlock import is_held
 from broker.statedir import StateDir
+from supervisor.tracetrees import abandoned_of, tree_lines
 
 FOLLOW_INTERVAL_S = 0.25
 ARG_CHARS = 120
@@ -253,6 +254,8 @@ def _lines(event: str, p: dict[str, Any]) -> list[str]:
             items = p.get("items") or []
             done = sum(1 for i in items if isinstance(i, dict) and i.get("done"))
             return [f"  todos: {done}/{len(items)} done"]
+        case "workspace_tree" | "rewind" | "session_fork":
+            return tree_lines(event, p)
         case _:
             return [f"  {event}: {value_text(p, RESULT_CHARS)}"]
 
@@ -280,8 +283,9 @@ def _subagent_result(cid: object, p: dict[str, Any], r: dict[str, Any]) -> list[
     return lines
 
 
-def render(record: WalRecord) -> str:
-    """The record as text: `#seq HH:MM:SS.mmm ` then its lines."""
+def render(record: WalRecord, abandoned: bool = False) -> str:
+    """The record as text: `#seq HH:MM:SS.mmm ` then its lines (`~` instead of
+    `#` for a record a rewind abandoned: off the active branch)."""
     try:
         payload = record.payload()
     except ValueError:
@@ -297,18 +301,21 @@ def render(record: WalRecord) -> str:
     if record.origin not in ("", record.stream.removeprefix("agent/")) \
             and record.event != "approval_answer":
         body[0] += f"  [by {record.origin}]"
-    prefix = f"#{record.seq:<7} {when} "
+    prefix = f"{'~' if abandoned else '#'}{record.seq:<7} {when} "
     body = [line.translate(_CONTROLS) for line in body]
     return "\n".join([prefix + body[0], *(" " * len(prefix) + line for line in body[1:])])
 
 
-def as_json(record: WalRecord) -> str:
+def as_json(record: WalRecord, abandoned: bool = False) -> str:
     try:
         payload: Any = record.payload()
     except ValueError:
         payload = None
-    return json.dumps({"seq": record.seq, "ts": record.ts, "stream": record.stream,
-                       "event": record.event, "origin": record.origin, "payload": payload})
+    row = {"seq": record.seq, "ts": record.ts, "stream": record.stream,
+           "event": record.event, "origin": record.origin, "payload": payload}
+    if abandoned:
+        row["abandoned"] = True
+    return json.dumps(row)
 
 
 # --- the command --------------------------------------------------------------------
@@ -326,8 +333,10 @@ def run(state_dir: StateDir, agent: str, *, since: int, follow: bool, json_out: 
                 return 1
             print(f"supervisor: no record of {stream} yet; waiting for it", file=sys.stderr)
         while True:
+            off = abandoned_of(batch)
             for record in batch:
-                out.write((as_json(record) if json_out else render(record)) + "\n")
+                gone = record.seq in off
+                out.write((as_json(record, gone) if json_out else render(record, gone)) + "\n")
                 next_seq = record.seq + 1
             out.flush()
             if not follow:

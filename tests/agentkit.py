@@ -44,7 +44,9 @@ class FakeWriter:
         return view
 
     def append(self, stream: str, event: str, payload: Any, *, key: str,
-               ledger: str | None = None) -> protocol.AppendOk:
+               ledger: str | None = None, origin: str | None = None) -> protocol.AppendOk:
+        if origin is not None and origin != self.origin:
+            return self.as_origin(origin).append(stream, event, payload, key=key, ledger=ledger)
         known = self.keys.get((self.origin, key))
         if known is not None:
             return protocol.AppendOk(msg_id="m", seq=known, duplicate=True)

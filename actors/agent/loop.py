@@ -58,6 +58,7 @@ from actors.agent.recordable import recordable_actions, recordable_text
 from actors.agent.settings import AgentSpec, load_task, workspace_for
 from actors.agent.state import AgentState, Call, Event, fold_into
 from actors.agent.vault import SealedInputMissingError, Vault
+from actors.trees import recorder
 from actors.writer.client import WriterClient, encode_payload
 from broker import protocol
 from broker.control import CallWatch
@@ -106,6 +107,7 @@ class AgentLoop:
         self._pending: list[Pending] = []  # folded, not yet durable (flush())
         self._pending_bytes = 0
         self._pending_base = 0  # state.last_seq before the first pending fact
+        self.trees = recorder.TreeRecorder(state_dir, name, self.workspace)
 
     def _busy(self, op: str, deadline_s: float) -> AbstractContextManager[None]:
         """Declare a blocking call (heartbeats go on while it runs)."""
@@ -118,6 +120,7 @@ class AgentLoop:
 
     # --- state ---------------------------------------------------------------
     def rebuild(self) -> rebuild.Rebuilt:
+        recorder.finish_pending(self.writer, self.state_dir, self.name)  # a rewind cut short
         done = rebuild.rebuild(self.writer, self.state_dir, self.name)
         self.state = done.state
         self.rebuild_ms = done.elapsed_ms
@@ -155,6 +158,7 @@ class AgentLoop:
     def _append(self, event: str, payload: dict[str, Any], key: str,
                 ledger: protocol.LedgerName | None = None) -> None:
         """Fold a fact now and keep it pending; `flush()` makes it durable."""
+        key = self.state.branch + key  # a rewound branch runs its turns again under new keys
         body = encode_payload(payload)
         if not self._pending:
             self._pending_base = self.state.last_seq
@@ -248,6 +252,8 @@ class AgentLoop:
                 self._abort(dangling)
                 return Step.PROGRESS
             return self._advance_turn(s.open_turn)
+        if self._record_tree():
+            return Step.PROGRESS
         if s.turn >= self.settings.max_turns:
             self._exit("max_turns")
             return Step.PROGRESS
@@ -275,7 +281,16 @@ class AgentLoop:
             "max_turns": self.settings.max_turns,
         }, key=f"s{segment}:start")
 
+    def _record_tree(self) -> bool:
+        """At a turn boundary: append `workspace_tree` if the workspace changed."""
+        fact = self.trees.fact(self.state)
+        if fact is None:
+            return False
+        self._append(*fact)
+        return True
+
     def _exit(self, reason: str, summary: str = "") -> None:
+        self._record_tree()
         self._append("session_exit", {
             "reason": reason, "resumable": reason == "budget", "turn": self.state.turn,
             "summary": summary[:500]}, key=f"s{self.state.segment}:exit")
@@ -369,7 +384,8 @@ class AgentLoop:
         return OpContext(agent=self.name, workspace=self.workspace, memory_dir=self.memory_dir,
                          state_dir=self.state_dir,
                          max_result_chars=self.settings.max_result_chars, answer=answer,
-                         peer=self.peer, call_id=call_id, path_visible=visible,
+                         peer=self.peer, path_visible=visible,
+                         call_id=self.state.branch + call_id if call_id else call_id,
                          max_command_timeout_s=self.settings.max_command_timeout_s)
 
     def _dispatch(self, call: Call, op: OpBase, answer: dict[str, Any] | None) -> None:

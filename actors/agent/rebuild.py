@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from actors.agent import generations
 from actors.agent.state import AgentState, fold
+from actors.trees import branch
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 
@@ -31,10 +32,23 @@ class Rebuilt:
 
 
 def tail(writer: WriterClient, name: str, state: AgentState, page: int = 512) -> AgentState:
-    """`state` with every event of the stream after its last_seq folded in."""
+    """`state` with every event of the stream after its last_seq folded in
+    (the active branch: a rewind in the tail that cuts below the state's
+    seq makes it a fold of the whole active branch from the first record)."""
     events = [(r.seq, r.event, r.payload())
               for r in writer.read_stream(stream_of(name), state.last_seq + 1, page)]
-    return fold(state, events) if events else state
+    if not events:
+        return state
+    active = branch.active_tail(events, state.last_seq)
+    if active is None:
+        return replay(writer, name)
+    return fold(state, active)
+
+
+def replay(writer: WriterClient, name: str) -> AgentState:
+    """The fold of the stream's active branch from its first record."""
+    events = [(r.seq, r.event, r.payload()) for r in writer.read_stream(stream_of(name), 1, 4096)]
+    return fold(AgentState(), branch.active(events))
 
 
 def _from_generation(writer: WriterClient, name: str, gen: generations.Generation
@@ -49,7 +63,10 @@ def _from_generation(writer: WriterClient, name: str, gen: generations.Generatio
     events = [(r.seq, r.event, r.payload()) for r in records]
     if not any(generations.vouched(gen, event, payload) for _, event, payload in events):
         return None  # the WAL does not vouch for this file's content (forged or unsaved)
-    return fold(gen.state, events)
+    active = branch.active_tail(events, gen.state.last_seq)
+    if active is None:
+        return None  # a rewind abandoned this generation's history
+    return fold(gen.state, active)
 
 
 def rebuild(
@@ -64,5 +81,5 @@ def rebuild(
             return Rebuilt(state, gen.state.last_seq,
                            state.counts.events - gen.state.counts.events,
                            round((time.monotonic() - started) * 1000, 3))
-    state = tail(writer, name, AgentState(), page=4096)
+    state = replay(writer, name)
     return Rebuilt(state, 0, state.counts.events, round((time.monotonic() - started) * 1000, 3))

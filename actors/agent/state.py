@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.agent import branch_events
+
 Phase = Literal["new", "running", "paused", "finished", "closed"]
 RECENT_MAX = 32
 RECENT_RESULT_CHARS = 2000
@@ -85,6 +87,11 @@ class AgentState(_Model):
     exit_reason: str | None = None
     recent: list[dict[str, Any]] = Field(default_factory=list)
     last_seq: int = 0
+    # workspace trees, rewind and fork (actors/trees, docs/trees.md)
+    tree: str | None = None  # the newest workspace tree of the active branch
+    branch: str = ""  # "" or "r<seq>:" after a rewind: prefixes idempotency keys
+    last_rewind: dict[str, Any] | None = None
+    forked_from: dict[str, Any] | None = None
 
     # --- views ---------------------------------------------------------------
     def pending_approvals(self) -> list[Approval]:
@@ -114,7 +121,10 @@ def fold_into(state: AgentState, events: Iterable[Event]) -> None:
     for seq, event, payload in events:
         if seq <= state.last_seq:
             continue
-        _apply(state, event, payload if isinstance(payload, dict) else {})
+        if event in branch_events.EVENTS:
+            branch_events.apply(state, seq, event, payload if isinstance(payload, dict) else {})
+        else:
+            _apply(state, event, payload if isinstance(payload, dict) else {})
         state.last_seq = seq
         state.counts.events += 1
 

@@ -1,0 +1,75 @@
+"""How the fold takes the records of workspace trees, rewind and fork
+(actors/trees, docs/trees.md), kept apart from the fold of a turn's records:
+
+- `workspace_tree {turn, tree}`: the active branch's newest tree;
+- `rewind {to_seq, to_turn, grants, ...}`: the fold sees it only on the
+  active branch (actors/trees/branch.py dropped the records it abandons),
+  so the state is already that of `to_seq`; it sets the branch tag that
+  prefixes every later idempotency key (the rewound turns run again under
+  new keys) and keeps the `--always` grants of the abandoned records
+  (approvals are persist tier: never reverted). A rewind that cuts below
+  what a state has folded cannot be folded into it: `BranchSwitchedError`
+  (a live agent exits and rebuilds);
+- `session_fork {state, ...}`: the first record of a fork's stream: the
+  parent's state at the fork point becomes this state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from broker.errors import CorralError
+
+if TYPE_CHECKING:
+    from actors.agent.state import AgentState
+
+EVENTS = frozenset({"workspace_tree", "rewind", "session_fork"})
+
+
+class BranchSwitchedError(CorralError):
+    """A rewind abandons records this state has folded: rebuild from the WAL."""
+
+
+def apply(state: AgentState, seq: int, event: str, p: dict[str, Any]) -> None:
+    match event:
+        case "workspace_tree":
+            tree = p.get("tree")
+            if isinstance(tree, str):
+                state.tree = tree
+        case "rewind":
+            to_seq = p.get("to_seq")
+            if not isinstance(to_seq, int) or to_seq < state.last_seq:
+                raise BranchSwitchedError(
+                    f"rewind at seq {seq} cuts to {to_seq!r}, below folded seq {state.last_seq}")
+            state.branch = f"r{seq}:"
+            tree = p.get("tree")
+            if isinstance(tree, str):
+                state.tree = tree
+            for grant in p.get("grants") or []:
+                if (isinstance(grant, list | tuple) and len(grant) == 2
+                        and all(isinstance(x, str) for x in grant)):
+                    pair = (grant[0], grant[1])
+                    if pair not in state.grants:
+                        state.grants.append(pair)
+            state.grants.sort()
+            if state.phase in ("finished", "closed"):
+                state.phase = "running"
+            state.exit_reason = None
+            state.last_rewind = {"seq": seq, "to_seq": to_seq, "to_turn": p.get("to_turn"),
+                                 "from_seq": p.get("from_seq")}
+        case "session_fork":
+            from actors.agent.state import AgentState  # noqa: PLC0415 - a cycle otherwise
+
+            raw = p.get("state")
+            if not isinstance(raw, dict) or state.counts.events:
+                return  # only the first record of a stream can make it a fork
+            parent = AgentState.model_validate(raw)
+            for name in AgentState.model_fields:
+                if name not in ("last_seq", "counts"):
+                    setattr(state, name, getattr(parent, name))
+            state.counts = parent.counts.model_copy()
+            state.counts.events = 0
+            state.forked_from = {k: p.get(k) for k in (
+                "parent_agent", "parent_session", "point_seq", "point_turn", "source_digest")}
+        case _:
+            return

@@ -1,0 +1,169 @@
+"""Fork: a new agent whose session starts as another's after turn N.
+
+    supervisor fork SOURCE --name NEW [--at-turn N]
+
+The new agent's stream `agent/<NEW>` begins with a `session_fork` record
+(origin `operator`): the parent's name (and session id, once sessions have
+them), the cut (seq and turn, as for rewind: actors/trees/branch.py), the
+sha256 of the parent's folded state at the cut (`source_digest`), the tree,
+and that state, which the fold takes as its own (actors/agent/branch_events.py).
+Its workspace, `.corral/agents/<NEW>/workspace/`, is a copy of the tree at
+the cut written from the object store: new files, no hard links, nothing
+shared with the parent. Its spec is the parent's with the default workspace.
+
+The parent's memory (`.corral/memory/<SOURCE>/`, persist tier, never
+reverted, so as it is now, not as it was at the cut) is copied to the fork's.
+
+Steps: (1) intent `.corral/trees/forks/<NEW>.json`; (2) the agent directory
+built under a staging name and the workspace written into it; (3) the
+source verified again (its state at the cut re-folded from the WAL must
+have the same digest, every object re-read against its name); (4) the
+staging directory renamed into place and the spec written; (5) the
+`session_fork` record appended: the fork is published; (6) the intent
+removed. A failure at any step removes what was made; a crash leaves the
+intent, and the next `fork` of that name (or `recover`) removes the
+leftovers and starts again, unless the record is there (then it only
+removes the intent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from actors.agent.settings import read_spec, spec_path, write_spec
+from actors.trees import branch, restore, tree
+from actors.trees.recorder import fault, store_for
+from actors.trees.rewind import RewindError, read_events, state_at
+from actors.writer.client import WriterClient
+from broker.durable import fsync_dir, write_atomic
+from broker.statedir import StateDir, check_actor_name
+
+INTENT_VERSION = 1
+
+
+class ForkError(RewindError):
+    """A fork that cannot be done (the name is taken, no such turn, the source changed)."""
+
+
+@dataclass(frozen=True)
+class Forked:
+    name: str
+    point_seq: int
+    point_turn: int
+    tree: str | None
+    files: int
+
+
+def intent_path(state_dir: StateDir, new: str) -> Path:
+    return state_dir.root / "trees" / "forks" / f"{new}.json"
+
+
+def _staging(state_dir: StateDir, new: str) -> Path:
+    return state_dir.root / "agents" / f".fork-{new}.tmp"
+
+
+def _digest(state: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
+                          ).hexdigest()
+
+
+def _cleanup(state_dir: StateDir, new: str) -> None:
+    shutil.rmtree(state_dir.memory_dir / new, ignore_errors=True)
+    shutil.rmtree(_staging(state_dir, new), ignore_errors=True)
+    shutil.rmtree(state_dir.agent_dir(new), ignore_errors=True)
+    spec_path(state_dir, new).unlink(missing_ok=True)
+
+
+def _published(writer: WriterClient, new: str) -> bool:
+    first = next(iter(writer.read_stream(f"agent/{new}", 1, 1)), None)
+    return first is not None and first.event == branch.FORK
+
+
+def recover(writer: WriterClient, state_dir: StateDir, new: str) -> str:
+    """"done" (published: intent removed) or "cleaned" (leftovers removed)."""
+    if _published(writer, new):
+        intent_path(state_dir, new).unlink(missing_ok=True)
+        return "done"
+    _cleanup(state_dir, new)
+    intent_path(state_dir, new).unlink(missing_ok=True)
+    return "cleaned"
+
+
+def _point(source_events: list[branch.Event], at_turn: int | None) -> tuple[int, int]:
+    active = branch.active(source_events)
+    if not active:
+        raise ForkError("the source has no session")
+    turn = at_turn if at_turn is not None else state_at(source_events, active[-1][0]).turn
+    cut = branch.turn_point(source_events, turn)
+    if cut is None:
+        raise ForkError(f"the source never reached turn {turn} on its active branch")
+    return cut, turn
+
+
+def fork(writer: WriterClient, state_dir: StateDir, source: str, new: str, *,
+         at_turn: int | None = None) -> Forked:
+    check_actor_name(new)
+    if intent_path(state_dir, new).exists():
+        recover(writer, state_dir, new)
+    if next(iter(writer.read_stream(f"agent/{new}", 1, 1)), None) is not None:
+        raise ForkError(f"agent {new} already has a session")
+    if state_dir.agent_dir(new).exists() or spec_path(state_dir, new).exists():
+        raise ForkError(f"agent {new} already exists in {state_dir.root}")
+    spec = read_spec(state_dir, source)
+    if spec is None:
+        raise ForkError(f"agent {source} has no spec")
+    events = read_events(writer, source)
+    cut, turn = _point(events, at_turn)
+    state = state_at(events, cut)
+    if state.phase in ("finished", "closed"):
+        state.phase, state.exit_reason = "running", None
+    dumped = state.model_dump(mode="json")
+    source_digest = _digest(dumped)
+    target = branch.tree_at(events, cut)
+    intent_path(state_dir, new).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(intent_path(state_dir, new), json.dumps({
+        "version": INTENT_VERSION, "source": source, "new": new, "point_seq": cut}).encode())
+    fault("fork:after_intent")
+    try:
+        store = store_for(state_dir)
+        staging = _staging(state_dir, new)
+        shutil.rmtree(staging, ignore_errors=True)
+        (staging / "workspace").mkdir(parents=True)
+        files = 0
+        if target is not None:
+            files = restore.restore(staging / "workspace", store, None, target).written
+        fault("fork:after_workspace")
+        # verify the source again: its state at the cut and the tree's objects
+        again = read_events(writer, source)
+        if _digest(state_at(again, cut).model_dump(mode="json") | {
+                k: dumped[k] for k in ("phase", "exit_reason")}) != source_digest:
+            raise ForkError(f"agent {source} changed at seq {cut} while forking")  # noqa: TRY301
+        if target is not None:
+            for entry in tree.flatten(store.get, target).values():
+                store.get(entry.digest)
+        staging.rename(state_dir.agent_dir(new))
+        fsync_dir(state_dir.root / "agents")
+        memory = state_dir.memory_dir / source
+        if memory.is_dir():  # persist tier: the parent's memory as it is now (never reverted)
+            shutil.copytree(memory, state_dir.memory_dir / new, symlinks=True)
+        write_spec(state_dir, new, spec.model_copy(update={"workspace": None}))
+        fault("fork:before_fact")
+        writer.append(f"agent/{new}", branch.FORK, {
+            "parent_agent": source, "parent_session": None, "point_seq": cut,
+            "point_turn": turn, "source_digest": source_digest, "tree": target,
+            "state": dumped,
+        }, key=f"fork:{new}", origin="operator")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if not _published(writer, new):
+                _cleanup(state_dir, new)
+                intent_path(state_dir, new).unlink(missing_ok=True)
+        raise
+    fault("fork:after_fact")
+    intent_path(state_dir, new).unlink(missing_ok=True)
+    return Forked(new, cut, turn, target, files)

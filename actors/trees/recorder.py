@@ -1,0 +1,69 @@
+"""The agent's side of workspace trees: at a turn boundary, capture the
+workspace and name the tree in a `workspace_tree` fact when it changed (any
+means: file ops, `bash`, terminals, an applied change set: the capture looks
+at the files, not at the ops). The tree and its blobs are durable in the
+store before the fact is appended (actors/trees/capture.py).
+
+    .corral/trees/packs/            the object store (recovery-core: rewind reads it)
+    .corral/cache/trees/<agent>.jsonl   the stat cache (cache tier)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from actors.agent import workspace as agent_workspace
+from actors.agent.state import AgentState
+from actors.trees.capture import Capturer
+from actors.trees.statcache import StatCache
+from actors.trees.store import ObjectStore, packs_dir
+from actors.writer.client import WriterClient
+from broker.statedir import StateDir
+
+ENV_FAULT = "CORRAL_TREES_FAULT"
+
+
+def fault(point: str) -> None:
+    """Tests only: SIGKILL this process at `point` when CORRAL_TREES_FAULT names it."""
+    if point in os.environ.get(ENV_FAULT, "").split(","):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def store_for(state_dir: StateDir, writer: str = "shared") -> ObjectStore:
+    """The object store; objects this process adds go to `writer`'s pack."""
+    return ObjectStore(packs_dir(state_dir.root), writer)
+
+
+def capturer_for(state_dir: StateDir, name: str, workspace: Path,
+                 store: ObjectStore | None = None) -> Capturer:
+    store = store if store is not None else store_for(state_dir, name)
+    cache = StatCache.load(state_dir.cache_dir / "trees" / f"{name}.jsonl")
+    return Capturer(workspace, store, cache, agent_workspace.guard_for(state_dir),
+                    state_dir.cache_dir / "trees")
+
+
+class TreeRecorder:
+    def __init__(self, state_dir: StateDir, name: str, workspace: Path) -> None:
+        self.state_dir, self.name, self.workspace = state_dir, name, workspace
+        self._capturer: Capturer | None = None
+
+    def fact(self, state: AgentState) -> tuple[str, dict[str, Any], str] | None:
+        """(event, payload, key) of the `workspace_tree` to append, None if unchanged."""
+        if self._capturer is None:
+            self._capturer = capturer_for(self.state_dir, self.name, self.workspace)
+        got = self._capturer.capture()
+        if got.digest == state.tree:
+            return None
+        return ("workspace_tree", {"turn": state.turn, "tree": got.digest, "hashed": got.hashed,
+                                   "stored": got.stored}, f"w{state.last_seq}:tree")
+
+
+def finish_pending(writer: WriterClient, state_dir: StateDir, name: str) -> None:
+    """Finish (or abandon) a rewind a crash cut short, before the agent folds."""
+    from actors.trees import rewind  # noqa: PLC0415 - only when an intent is there
+
+    if rewind.intent_path(state_dir, name).exists():
+        rewind.recover(writer, state_dir, name)

@@ -1,0 +1,175 @@
+"""Rewind: a stopped session goes back to the end of turn N (or to seq S) and
+goes on from there, its workspace restored byte for byte.
+
+Nothing is deleted: a `rewind` record (stream `agent/<name>`, origin
+`operator`) is appended, and the fold follows the active branch
+(actors/trees/branch.py): records after the cut are abandoned, still in the
+WAL and in `supervisor trace`. The steps, each safe to crash after:
+
+1. resolve the cut on the active branch and its tree (the newest
+   `workspace_tree` at or before it); capture the current workspace (its
+   tree is stored: nothing the rewind overwrites is lost);
+2. write the intent `.corral/agents/<name>/rewind.json` (durably);
+3. restore the workspace to the target tree, only the difference
+   (actors/trees/restore.py: idempotent, durable);
+4. append the `rewind` record (key `rewind:<name>:<head>`, so a retry is
+   written once); this switches the branch;
+5. remove the intent.
+
+A crash before 2 changed nothing. After 2, `recover()` (run by a retried
+rewind and by the agent at start, before it folds) finishes the job when
+the branch head is still the one the intent names (restore again, append),
+or puts the workspace back to the intent's `from_tree` when the stream has
+moved on: old branch or new, never a mix. A rewind to where the branch
+already is (its last record is a rewind to that cut) is a no-op.
+
+Persist-tier data is never reverted: memory lives outside the workspace
+(`.corral/memory/`), `approvals.jsonl` is an append-only ledger, and the
+record carries the `--always` grants of the state it leaves, which the fold
+keeps. Registries under `.corral/config/` become seq-keyed config
+generations (issue 15): `restore_config_generations` is where their restore
+to the cut goes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from actors.agent.settings import read_spec, workspace_for
+from actors.agent.state import AgentState, fold
+from actors.trees import branch, restore
+from actors.trees.recorder import capturer_for, fault, store_for
+from actors.writer.client import WriterClient
+from broker.durable import write_atomic
+from broker.errors import CorralError
+from broker.statedir import StateDir
+
+INTENT_VERSION = 1
+
+
+class RewindError(CorralError):
+    """A rewind that cannot be done: no such turn or seq, a running session, ..."""
+
+
+@dataclass(frozen=True)
+class Rewound:
+    to_seq: int
+    to_turn: int | None
+    tree: str | None
+    removed: int
+    written: int
+    noop: bool = False
+
+
+def intent_path(state_dir: StateDir, name: str) -> Path:
+    return state_dir.agent_dir(name) / "rewind.json"
+
+
+def read_events(writer: WriterClient, name: str) -> list[branch.Event]:
+    return [(r.seq, r.event, r.payload()) for r in writer.read_stream(f"agent/{name}", 1, 4096)]
+
+
+def state_at(events: list[branch.Event], seq: int) -> AgentState:
+    """The fold of the active branch up to `seq`."""
+    return fold(AgentState(), [e for e in branch.active(events) if e[0] <= seq])
+
+
+def restore_config_generations(state_dir: StateDir, to_seq: int) -> None:
+    """Hook: the registries under `.corral/config/` back to their generation at
+    `to_seq` (issue 15's config generations; wired at merge). Nothing yet."""
+    del state_dir, to_seq
+
+
+def _workspace(state_dir: StateDir, name: str) -> Path:
+    spec = read_spec(state_dir, name)
+    if spec is None:
+        raise RewindError(f"agent {name} has no spec in {state_dir.config_dir}")
+    return workspace_for(state_dir, name, spec)
+
+
+def rewind(writer: WriterClient, state_dir: StateDir, name: str, *,
+           to_turn: int | None = None, to_seq: int | None = None) -> Rewound:
+    if intent_path(state_dir, name).exists():
+        recover(writer, state_dir, name)
+    events = read_events(writer, name)
+    active = branch.active(events)
+    if not active:
+        raise RewindError(f"agent {name} has no session")
+    if to_turn is not None:
+        cut = branch.turn_point(events, to_turn)
+        if cut is None:
+            raise RewindError(f"agent {name} never reached turn {to_turn} on its active branch")
+    elif to_seq is not None:
+        if to_seq not in {e[0] for e in active}:
+            raise RewindError(f"seq {to_seq} is not a record of agent {name}'s active branch")
+        cut = to_seq
+    else:
+        raise RewindError("give --to-turn N or --to-seq S")
+    head_seq, head_event, head_payload = active[-1]
+    target = branch.tree_at(events, cut)
+    if cut == head_seq or branch.cut_of(head_event, head_payload) == cut:
+        return Rewound(cut, to_turn, target, 0, 0, noop=True)
+    grants = [list(g) for g in fold(AgentState(), active).grants]
+    ws = _workspace(state_dir, name)
+    store = store_for(state_dir, name)
+    current = capturer_for(state_dir, name, ws, store).capture().digest
+    intent = {"version": INTENT_VERSION, "agent": name, "from_seq": head_seq, "to_seq": cut,
+              "to_turn": to_turn, "tree": target, "from_tree": current, "grants": grants}
+    write_atomic(intent_path(state_dir, name), json.dumps(intent).encode())
+    fault("rewind:after_intent")
+    return _finish(writer, state_dir, name, intent, current)
+
+
+def _finish(writer: WriterClient, state_dir: StateDir, name: str, intent: dict[str, Any],
+            current: str) -> Rewound:
+    ws = _workspace(state_dir, name)
+    store = store_for(state_dir, name)
+    done = restore.Restored(0, 0)
+    if isinstance(intent["tree"], str):
+        done = restore.restore(ws, store, current, intent["tree"],
+                               capturer_for(state_dir, name, ws, store).guard)
+    fault("rewind:after_restore")
+    restore_config_generations(state_dir, int(intent["to_seq"]))
+    writer.append(f"agent/{name}", "rewind", {
+        "to_seq": intent["to_seq"], "to_turn": intent["to_turn"], "from_seq": intent["from_seq"],
+        "tree": intent["tree"], "from_tree": intent["from_tree"], "grants": intent["grants"],
+    }, key=f"rewind:{name}:{intent['from_seq']}", origin="operator")
+    fault("rewind:after_fact")
+    intent_path(state_dir, name).unlink(missing_ok=True)
+    return Rewound(int(intent["to_seq"]), intent["to_turn"], intent["tree"], done.removed,
+                   done.written)
+
+
+def recover(writer: WriterClient, state_dir: StateDir, name: str) -> str:
+    """Finish or abandon the rewind an intent names; returns which ("done",
+    "finished", "abandoned", "dropped": an unreadable intent, nothing switched)."""
+    path = intent_path(state_dir, name)
+    try:
+        intent = json.loads(path.read_bytes())
+        if intent.get("version") != INTENT_VERSION or intent.get("agent") != name:
+            raise ValueError("foreign intent")  # noqa: TRY301
+        from_seq, to_seq = int(intent["from_seq"]), int(intent["to_seq"])
+        from_tree = intent["from_tree"]
+    except (OSError, ValueError, TypeError, KeyError):
+        path.unlink(missing_ok=True)  # written atomically: only a forged one is unreadable
+        return "dropped"
+    events = read_events(writer, name)
+    if any(e[1] == "rewind" and isinstance(e[2], dict) and e[2].get("from_seq") == from_seq
+           and e[2].get("to_seq") == to_seq for e in events):
+        path.unlink(missing_ok=True)
+        return "done"
+    ws = _workspace(state_dir, name)
+    store = store_for(state_dir, name)
+    capturer = capturer_for(state_dir, name, ws, store)
+    current = capturer.capture().digest
+    active = branch.active(events)
+    if active and active[-1][0] == from_seq:
+        _finish(writer, state_dir, name, intent, current)
+        return "finished"
+    if isinstance(from_tree, str):
+        restore.restore(ws, store, current, from_tree, capturer.guard)
+    path.unlink(missing_ok=True)
+    return "abandoned"

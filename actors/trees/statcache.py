@@ -1,0 +1,123 @@
+"""The stat cache: what makes a capture cost follow what changed, as git's
+index does.
+
+Per directory of the last capture it keeps the signature of its entries
+(name and lstat identity: mode, inode, size, mtime_ns, ctime_ns, in the
+order the directory lists them), the newest timestamp among them, the
+directory's tree digest and each file's digest. A directory whose signature
+and subdirectory digests are unchanged keeps its tree digest without a file
+read or a tree encoded; in a directory that changed, a file whose identity
+is unchanged keeps its digest; only the rest is read and hashed.
+
+Racy timestamps (git's "racy git"): a file written within the timestamp
+tick of the capture that hashed it can change again without its mtime
+moving. So a cached digest is trusted only when the file's mtime_ns and
+ctime_ns are older than the stamp of that capture (the filesystem's own
+clock, read from a probe file just before the walk: `fs_now_ns`); a
+directory holding any newer file is looked at file by file, and those files
+are hashed again.
+
+On disk (tier `cache`): `.corral/cache/trees/<agent>.jsonl`, one JSON line
+per capture with the directories it changed (and those gone), appended
+without fsync, rewritten whole when it grows past a few times its live
+size. A missing, damaged or foreign file costs one full hashing pass, never
+a wrong digest (a line that does not parse ends the replay there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+Ident = tuple[int, int, int, int, int]  # mode, inode, size, mtime_ns, ctime_ns
+Signature = tuple[tuple[str, int, int, int, int, int], ...]
+
+
+@dataclass
+class DirCache:
+    digest: str
+    max_time_ns: int
+    files: dict[str, tuple[Ident, str]]  # name -> (identity, digest)
+    subdirs: tuple[tuple[str, str], ...] = ()
+    signature: Signature | None = None  # None after a load: compared file by file once
+
+
+@dataclass
+class StatCache:
+    path: Path | None = None
+    dirs: dict[str, DirCache] = field(default_factory=dict)
+    stamp_ns: int = 0
+    _lines: int = 0
+
+    @classmethod
+    def load(cls, path: Path | None) -> StatCache:
+        cache = cls(path)
+        if path is None:
+            return cache
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return cache
+        for line in text.splitlines():
+            try:
+                doc = json.loads(line)
+                if doc.get("version") != FORMAT_VERSION:
+                    break
+                stamp = int(doc["stamp_ns"])
+                for rel in doc.get("gone", []):
+                    cache.dirs.pop(str(rel), None)
+                for rel, (digest, max_time, files, subdirs) in doc["dirs"].items():
+                    cache.dirs[str(rel)] = DirCache(
+                        str(digest), int(max_time),
+                        {str(n): ((int(m), int(i), int(s), int(mt), int(ct)), str(d))
+                         for n, (m, i, s, mt, ct, d) in files.items()},
+                        tuple((str(n), str(d)) for n, d in subdirs))
+            except (ValueError, TypeError, KeyError, AttributeError):
+                break
+            cache.stamp_ns = stamp
+            cache._lines += 1
+        return cache
+
+    def trusted(self, ident: Ident) -> bool:
+        return ident[3] < self.stamp_ns and ident[4] < self.stamp_ns
+
+    def save(self, changed: list[str], gone: list[str]) -> None:
+        """Persist this capture's changes (append), or everything (rewrite)."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        rewrite = self._lines == 0 or self._lines > 64
+        names = list(self.dirs) if rewrite else changed
+        line = json.dumps({
+            "version": FORMAT_VERSION, "stamp_ns": self.stamp_ns,
+            "gone": [] if rewrite else gone,
+            "dirs": {rel: [d.digest, d.max_time_ns,
+                           {n: [*ident, dg] for n, (ident, dg) in d.files.items()},
+                           [list(s) for s in d.subdirs]]
+                     for rel in names if (d := self.dirs.get(rel)) is not None},
+        }, separators=(",", ":")) + "\n"
+        if rewrite:
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(line, encoding="utf-8")
+            os.replace(tmp, self.path)
+            self._lines = 1
+        else:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+            self._lines += 1
+
+
+def fs_now_ns(directory: Path) -> int:
+    """The filesystem's clock: the mtime of a file written now in `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / ".stamp"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        os.write(fd, b"s")
+        return os.fstat(fd).st_mtime_ns
+    finally:
+        os.close(fd)

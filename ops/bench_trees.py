@@ -1,0 +1,127 @@
+"""`python ops/bench.py trees --json`: what workspace trees cost.
+
+A workspace of 10,000 files (100 directories x 7 subdirectories); each round
+changes 10 files, then times, on that same change:
+
+- `tree_capture_ms`: actors/trees `Capturer.capture()` (the stat cache walk,
+  the 10 changed files hashed, one durable pack with their blobs and the
+  tree: file fsync + directory fsync), what the agent does at a turn boundary;
+- `git_tree_ms`: `git add -A && git write-tree` on the same workspace (its
+  git directory outside the workspace), git's index being its stat cache;
+- `rewind_ms`: restoring the previous round's tree over this one (the 10
+  files back, durably), including the walk that captures the current tree
+  first, as `supervisor rewind` does (`rewind_restore_only_ms` is the
+  restore alone). CPU times (`*_cpu_ms`) and the load average are printed
+  too: on a shared machine wall time is mostly waiting for a core.
+
+Targets (issue 13): tree_capture_ms_p50 <= git_tree_ms_p50; rewind_ms_p50 <= 200.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from actors.trees import restore
+from actors.trees.capture import Capturer
+from actors.trees.statcache import StatCache
+from actors.trees.store import ObjectStore
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _populate(ws: Path, files: int) -> list[Path]:
+    paths = []
+    for i in range(files):
+        d = ws / f"d{i % 100:03d}" / f"s{i % 7}"
+        d.mkdir(parents=True, exist_ok=True)
+        p = d / f"f{i:05d}.txt"
+        p.write_bytes(f"file {i}\n".encode() * 20)
+        paths.append(p)
+    return paths
+
+
+def run(quick: bool = False) -> dict[str, object]:
+    files = 2000 if quick else 10_000
+    rounds = 5 if quick else 11
+    changed = 10
+    git = shutil.which("git")
+    with tempfile.TemporaryDirectory(prefix="corral-bench-trees-") as tmp:
+        root = Path(tmp)
+        ws = root / "ws"
+        paths = _populate(ws, files)
+        store = ObjectStore(root / "state" / "trees" / "packs")
+        capturer = Capturer(ws, store, StatCache.load(root / "state" / "cache" / "trees.jsonl"))
+        first = capturer.capture()
+        env = {**os.environ, "GIT_DIR": str(root / "git"), "GIT_WORK_TREE": str(ws)}
+        if git:
+            subprocess.run([git, "init", "-q"], env=env, check=True)
+            subprocess.run("git add -A && git write-tree", shell=True, env=env, check=True,
+                           stdout=subprocess.DEVNULL)
+        capture_ms, git_ms, rewind_ms, hashed = [], [], [], []
+        restore_ms, rewind_cpu_ms, capture_cpu_ms, git_cpu_ms = [], [], [], []
+        previous = first.digest
+        for r in range(rounds):
+            for k in range(changed):
+                p = paths[(r * 997 + k * 131) % files]
+                with open(p, "ab") as f:
+                    f.write(f"round {r}\n".encode())
+            started = time.perf_counter()
+            cpu = time.process_time()
+            got = capturer.capture()
+            capture_ms.append((time.perf_counter() - started) * 1000)
+            capture_cpu_ms.append((time.process_time() - cpu) * 1000)
+            hashed.append(got.hashed)
+            if git:
+                started = time.perf_counter()
+                children = _children_cpu_s()
+                subprocess.run("git add -A && git write-tree", shell=True, env=env, check=True,
+                               stdout=subprocess.DEVNULL)
+                git_ms.append((time.perf_counter() - started) * 1000)
+                git_cpu_ms.append((_children_cpu_s() - children) * 1000)
+            # rewind: capture where we are, restore the previous round's tree
+            started = time.perf_counter()
+            cpu = time.process_time()
+            now = capturer.capture()
+            captured = time.perf_counter()
+            done = restore.restore(ws, store, now.digest, previous)
+            rewind_ms.append((time.perf_counter() - started) * 1000)
+            restore_ms.append((time.perf_counter() - captured) * 1000)
+            rewind_cpu_ms.append((time.process_time() - cpu) * 1000)
+            if now.digest != got.digest or done.written != changed:
+                raise RuntimeError(f"rewind restored {done}, capture {now} != {got}")
+            # and forward again, so the next round starts from this round's tree
+            restore.restore(ws, store, previous, got.digest)
+            capturer.capture()
+            previous = got.digest
+    cap = statistics.median(capture_ms)
+    figures: dict[str, object] = {
+        "files": files, "changed_per_round": changed, "rounds": rounds,
+        "tree_capture_ms_p50": round(cap, 2),
+        "tree_capture_ms_max": round(max(capture_ms), 2),
+        "hashed_per_capture_p50": statistics.median(hashed),
+        "rewind_ms_p50": round(statistics.median(rewind_ms), 2),
+        "rewind_ms_max": round(max(rewind_ms), 2),
+        "rewind_restore_only_ms_p50": round(statistics.median(restore_ms), 2),
+        "rewind_cpu_ms_p50": round(statistics.median(rewind_cpu_ms), 2),
+        "tree_capture_cpu_ms_p50": round(statistics.median(capture_cpu_ms), 2),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+    targets: dict[str, bool] = {"rewind_ms_p50<=200": statistics.median(rewind_ms) <= 200}
+    if git_ms:
+        g = statistics.median(git_ms)
+        figures["git_tree_ms_p50"] = round(g, 2)
+        figures["capture_ratio_vs_git"] = round(cap / g, 3)
+        figures["git_tree_cpu_ms_p50"] = round(statistics.median(git_cpu_ms), 2)
+        targets["tree_capture_ms_p50<=git_tree_ms_p50"] = cap <= g
+    figures["targets"] = targets
+    return figures

@@ -1,0 +1,201 @@
+"""Rewind and fork in-process over the in-memory writer (tests/agentkit.py):
+a rewind restores the workspace byte for byte (file ops and edits made by
+other means, as `bash` makes them) and the conversation, the resumed
+scripted model runs the rewound turns again under new keys, memory and
+`--always` grants survive; a repeated rewind is a no-op; a fork starts as
+its parent after turn N with its own copy of the workspace and both go on
+without touching each other; and, for any sequence of ops, rewinds and
+forks, the fold (generations + tail) equals a fresh replay of the active
+branch (hypothesis)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors.agent.loop import AgentLoop, Step
+from actors.agent.rebuild import rebuild
+from actors.agent.settings import write_spec
+from actors.agent.state import AgentState, fold
+from actors.trees import branch
+from actors.trees import fork as forking
+from actors.trees import rewind as rewinding
+from broker.statedir import StateDir
+from tests.agentkit import FakeWriter, spec, tree, write_task
+
+STEPS: list[Any] = [
+    {"op": "write_file", "path": "a.txt", "content": "one\n"},
+    {"op": "write_file", "path": "d/b.txt", "content": "two\n"},
+    {"op": "edit_file", "path": "a.txt", "old": "one", "new": "ONE"},
+    {"op": "memory_write", "key": "m", "content": "kept"},
+    {"op": "write_file", "path": "d/c.txt", "content": "three\n"},
+    {"op": "finish", "summary": "done"},
+]
+
+
+def drive(loop: AgentLoop, limit: int = 500) -> Step:
+    for _ in range(limit):
+        result = loop.step()
+        if result is not Step.PROGRESS:
+            return result
+    raise AssertionError("the loop did not settle")
+
+
+def start(state_dir: StateDir, writer: FakeWriter, name: str, task: Path | None = None,
+          **kw: Any) -> AgentLoop:
+    if task is not None:
+        write_spec(state_dir, name, spec(task, **kw))
+    from actors.agent.settings import read_spec
+
+    loaded = read_spec(state_dir, name)
+    assert loaded is not None
+    loop = AgentLoop(name, state_dir, loaded, writer.as_origin(name))  # type: ignore[arg-type]
+    loop.rebuild()
+    return loop
+
+
+def events(writer: FakeWriter, name: str) -> list[branch.Event]:
+    return [(r.seq, r.event, r.payload()) for r in writer.records if r.stream == f"agent/{name}"]
+
+
+def replayed(writer: FakeWriter, name: str) -> AgentState:
+    return fold(AgentState(), branch.active(events(writer, name)))
+
+
+def test_rewind_restores_workspace_and_conversation_and_reruns_the_turns(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    writer = FakeWriter()
+    task = write_task(tmp_path / "t.yaml", STEPS)
+    loop = start(state_dir, writer, "a1", task)
+    ws = loop.workspace
+    assert drive(loop) is Step.DONE
+    final = tree(ws)
+    # turn 2 done: a.txt and d/b.txt exist; edit a.txt by other means (as bash would)
+    at_two = rewinding.state_at(events(writer, "a1"), branch.turn_point(events(writer, "a1"), 2)
+                                or 0)
+    assert at_two.turn == 2
+    (ws / "a.txt").write_text("changed outside the ops\n")
+    (ws / "stray.bin").write_bytes(os.urandom(64))
+    done = rewinding.rewind(writer.as_origin("operator"), state_dir, "a1",  # type: ignore[arg-type]
+                            to_turn=2)
+    assert not done.noop
+    assert tree(ws) == {"a.txt": "one\n", "d/b.txt": "two\n"}
+    state = rebuild(writer, state_dir, "a1").state  # type: ignore[arg-type]
+    assert state.turn == 2 and state.phase == "running"
+    assert state.recent == at_two.recent  # the conversation the model sees is turn 2's
+    assert state.branch.startswith("r")
+    assert (state_dir.memory_dir / "a1" / "m.md").read_text() == "kept"  # persist tier
+    # a repeated rewind is a no-op
+    again = rewinding.rewind(writer.as_origin("operator"), state_dir, "a1",  # type: ignore[arg-type]
+                             to_turn=2)
+    assert again.noop
+    # resumed: the scripted model runs turns 3.. again, under the branch's keys
+    resumed = start(state_dir, writer, "a1")
+    assert drive(resumed) is Step.DONE
+    assert tree(ws) == final
+    turns = [(s, p["turn"]) for s, e, p in branch.active(events(writer, "a1")) if e == "turn"]
+    assert [t for _, t in turns] == [1, 2, 3, 4, 5, 6]
+    cut_at = next(r.seq for r in writer.records if r.event == "rewind")
+    rerun_keys = [r.key for r in writer.records if r.event == "turn" and r.seq > cut_at]
+    assert rerun_keys and all(k.startswith(state.branch) for k in rerun_keys)
+    assert rebuild(writer, state_dir, "a1").state == replayed(writer, "a1")  # type: ignore[arg-type]
+    abandoned = branch.abandoned(events(writer, "a1"))
+    assert abandoned  # the old turns 3..6 are still in the WAL, off the branch
+
+
+def test_fork_copies_the_turn_and_both_diverge(state_dir: StateDir, tmp_path: Path) -> None:
+    writer = FakeWriter()
+    task = write_task(tmp_path / "t.yaml", STEPS)
+    src = start(state_dir, writer, "src", task)
+    assert drive(src) is Step.DONE
+    src_tree = tree(src.workspace)
+    done = forking.fork(writer.as_origin("operator"), state_dir, "src", "kid",  # type: ignore[arg-type]
+                        at_turn=3)
+    assert done.point_turn == 3
+    kid_ws = state_dir.agent_dir("kid") / "workspace"
+    assert tree(kid_ws) == {"a.txt": "ONE\n", "d/b.txt": "two\n"}
+    for p in kid_ws.rglob("*"):
+        if p.is_file():
+            assert p.stat().st_nlink == 1
+            assert p.stat().st_ino != (src.workspace / p.relative_to(kid_ws)).stat().st_ino
+    first = events(writer, "kid")[0]
+    assert first[1] == "session_fork"
+    assert first[2]["parent_agent"] == "src" and first[2]["source_digest"]
+    kid = start(state_dir, writer, "kid")
+    point = rewinding.state_at(events(writer, "src"), done.point_seq)
+    assert kid.state.turn == point.turn == 3 and kid.state.recent == point.recent
+    assert (state_dir.memory_dir / "kid" / "m.md").read_text() == "kept"  # a copy
+    assert (state_dir.memory_dir / "kid" / "m.md").stat().st_ino != (
+        state_dir.memory_dir / "src" / "m.md").stat().st_ino
+    assert drive(kid) is Step.DONE
+    (kid_ws / "only-kid.txt").write_text("mine")
+    assert tree(src.workspace) == src_tree  # the parent is untouched
+    assert tree(kid_ws)["d/c.txt"] == "three\n"
+    # a second fork under a taken name is refused and leaves nothing
+    try:
+        forking.fork(writer.as_origin("operator"), state_dir, "src", "kid")  # type: ignore[arg-type]
+    except forking.ForkError:
+        pass
+    else:
+        raise AssertionError("a taken name was forked onto")
+    assert not list((state_dir.root / "agents").glob(".fork-*"))
+
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("write"), st.integers(0, 3), st.text("ab\n", max_size=5)),
+    st.tuples(st.just("rewind"), st.integers(0, 3)),
+    st.tuples(st.just("fork"), st.integers(0, 3)),
+    st.tuples(st.just("outside"), st.integers(0, 3)),
+), min_size=2, max_size=8)
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_fold_equals_fresh_replay_of_the_active_branch(
+        state_dir: StateDir, tmp_path: Path, ops: list[Any]) -> None:
+    import shutil
+
+    shutil.rmtree(state_dir.root / "agents", ignore_errors=True)
+    shutil.rmtree(state_dir.config_dir / "agents", ignore_errors=True)
+    writer = FakeWriter()
+    steps: list[Any] = []
+    for op in ops:
+        if op[0] == "write":
+            steps.append({"op": "write_file", "path": f"f{op[1]}", "content": op[2]})
+    steps.append({"op": "finish", "summary": "end"})
+    task = write_task(tmp_path / "h.yaml", steps)
+    loop = start(state_dir, writer, "h", task, snapshot_every=5)
+    drive(loop)
+    names = ["h"]
+    forks = 0
+    for op in ops:
+        name = names[-1]
+        if op[0] == "rewind":
+            try:
+                rewinding.rewind(writer.as_origin("operator"), state_dir, name,  # type: ignore[arg-type]
+                                 to_turn=op[1])
+            except rewinding.RewindError:
+                continue
+            drive(start(state_dir, writer, name))
+        elif op[0] == "fork":
+            forks += 1
+            try:
+                forking.fork(writer.as_origin("operator"), state_dir, name,  # type: ignore[arg-type]
+                             f"k{forks}", at_turn=op[1])
+            except forking.ForkError:
+                continue
+            names.append(f"k{forks}")
+            drive(start(state_dir, writer, f"k{forks}"))
+        elif op[0] == "outside":
+            spec_ws = state_dir.agent_dir(name) / "workspace"
+            (spec_ws / f"x{op[1]}").write_text("by bash")
+    for name in names:
+        built = rebuild(writer, state_dir, name).state  # type: ignore[arg-type]
+        assert built == replayed(writer, name)
+        assert built == rebuild(writer, state_dir, name,  # type: ignore[arg-type]
+                                use_generations=False).state
