@@ -15,6 +15,7 @@
     supervisor spawn NAME --task FILE [--model M] [--json]   (supervisor/agentcli.py)
     supervisor approve AGENT REQUEST [--always] | deny AGENT REQUEST
     supervisor resume AGENT --budget N
+    supervisor answer AGENT REQUEST TEXT | correct AGENT TEXT   (or --file F)
     supervisor completion bash|zsh                      a shell completion script
 
 Exit codes: 0 done; 1 refused (an unknown name, a child that cannot do that)
@@ -189,6 +190,16 @@ def _agent_parsers(sub: Any, common: argparse.ArgumentParser,
         if verb == "approve":
             answer.add_argument("--always", action="store_true",
                                 help="also allow this op on this pattern from now on")
+    reply = sub.add_parser("answer", parents=[common], help="answer an agent's question")
+    reply.add_argument("agent")
+    reply.add_argument("request")
+    reply.add_argument("text", nargs="?", default=None)
+    reply.add_argument("--file", default=None, help="read the answer from this file")
+    correct = sub.add_parser("correct", parents=[common],
+                             help="tell an agent something at its next model request")
+    correct.add_argument("agent")
+    correct.add_argument("text", nargs="?", default=None)
+    correct.add_argument("--file", default=None, help="read the correction from this file")
     resume = sub.add_parser("resume", parents=[common], help="resume an agent paused on budget")
     resume.add_argument("agent")
     resume.add_argument("--budget", type=int, required=True, help="tokens to add")
@@ -252,6 +263,10 @@ def _agent_command(args: argparse.Namespace) -> int:
         return agentcli.spawn(state_dir, args.name, args.task, args.model, as_json=args.json)
     if args.command == "resume":
         return agentcli.resume(state_dir, args.agent, args.budget, args.cost_units)
+    if args.command == "answer":
+        return agentcli.answer(state_dir, args.agent, args.request, args.text, args.file)
+    if args.command == "correct":
+        return agentcli.correct(state_dir, args.agent, args.text, args.file)
     return agentcli.approve(state_dir, args.agent, args.request, deny=args.command == "deny",
                             always=getattr(args, "always", False), note=args.note)
 
@@ -380,6 +395,8 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "approve": _agent_command,
     "deny": _agent_command,
     "resume": _agent_command,
+    "answer": _agent_command,
+    "correct": _agent_command,
     "completion": _completion,
 }
 

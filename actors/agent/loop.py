@@ -51,7 +51,16 @@ from typing import Any
 
 import structlog
 
-from actors.agent import catalog, effects, faults, gate, generations, rebuild, workspace
+from actors.agent import (
+    catalog,
+    effects,
+    faults,
+    gate,
+    generations,
+    operator_input,
+    rebuild,
+    workspace,
+)
 from actors.agent.backends import Backend, make_backend
 from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, is_local, model_for
 from actors.agent.recordable import recordable_actions, recordable_text
@@ -254,11 +263,16 @@ class AgentLoop:
         if not self.budget_left():
             self._exit("budget")
             return Step.PROGRESS
+        turn = s.turn + 1
+        # an operator input's consumption is durable before the request it feeds
+        operator_input.consume(s, turn, self._append, self.flush, self.faults.hit)
         if self.spec.backend not in LOCAL_BACKENDS:
             self.flush()  # nothing pending waits on a remote model's answer
+        s = self.state  # (a flush that met the operator's records refolds the state)
+        inputs = operator_input.texts(self.agent_dir, s, turn)
         with self._busy("model", float(getattr(self.backend, "deadline_s", 0.0))):
-            reply = self.backend.next_reply(s)
-        turn = s.turn + 1
+            reply = self.backend.next_reply(s, inputs)
+        self.faults.hit("after_model_reply", f"t{turn}")
         actions = self.vault.seal(recordable_actions(reply.actions))
         payload: dict[str, Any] = {"turn": turn, "actions": actions,
                                    "usage": reply.usage.as_dict(), "backend": self.backend.name}
@@ -340,8 +354,10 @@ class AgentLoop:
                 return Step.PROGRESS
             if approval.status == "pending":
                 return Step.WAIT
-            answer = {"decision": "approve" if approval.status == "approved" else "deny",
-                      "note": approval.note}
+            answer = ({"decision": "answered", "request": request}
+                      if approval.status == "answered" else
+                      {"decision": "approve" if approval.status == "approved" else "deny",
+                       "note": approval.note})
             if approval.status == "denied" and not op.needs_operator:
                 self._result(call, op, "denied", {"error": "denied by the operator"})
                 return Step.PROGRESS

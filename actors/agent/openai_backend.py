@@ -27,11 +27,13 @@ import http.client
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 from actors.agent import catalog
 from actors.agent.backends import Reply, Usage
+from actors.agent.operator_input import Delivered
 from actors.agent.settings import OpenAISettings, Task
 from actors.agent.state import AgentState
 from broker.errors import ModelError
@@ -121,7 +123,7 @@ class OpenAIModel:
         self.attempts = 0
         self.deadline_s = settings.call_deadline_s()  # the loop declares it as the call's
 
-    def next_reply(self, state: AgentState) -> Reply:
+    def next_reply(self, state: AgentState, inputs: Sequence[Delivered] = ()) -> Reply:
         body = {"model": self.model, "temperature": self.settings.temperature,
                 "messages": build_messages(self.task, state, self.window),
                 "tools": catalog.tool_schemas(), "tool_choice": "auto"}
