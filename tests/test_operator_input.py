@@ -114,7 +114,7 @@ def test_answer_and_correction_delivered_exactly_once_through_sigkills(
         with pytest.raises(InputRefusedError, match="never grants"):
             record_answer(op, state_dir.agent_dir("c"), "c", state("c"), permission.request,
                           text="yes")
-        with pytest.raises(InputRefusedError, match="no question req-9.0"):
+        with pytest.raises(InputRefusedError, match=r"no question req-9\.0"):
             record_answer(op, state_dir.agent_dir("q"), "q", state("q"), "req-9.0", text="x")
         # c is stopped (killed while it waits): a correction is still taken
         os.killpg(c.pid, signal.SIGKILL)
