@@ -21,6 +21,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from actors.agent.operator_input import Delivered
@@ -151,9 +152,11 @@ class ReplayModel:
 
 
 def make_backend(
-    spec: AgentSpec, task: Task, read_turns: Callable[[str], Iterable[Any]]
+    spec: AgentSpec, task: Task, read_turns: Callable[[str], Iterable[Any]], *,
+    agent_dir: Path | None = None,
 ) -> Backend:
-    """The backend a spec names; `read_turns(stream)` yields a stream's turn payloads."""
+    """The backend a spec names; `read_turns(stream)` yields a stream's turn payloads;
+    `agent_dir` holds the texts a model's context names (inputs, summaries)."""
     if spec.backend == "replay":
         if not spec.replay_stream:
             from broker.errors import ConfigError  # noqa: PLC0415
@@ -163,5 +166,6 @@ def make_backend(
     if spec.backend == "openai":
         from actors.agent.openai_backend import OpenAIModel  # noqa: PLC0415
 
-        return OpenAIModel(spec.settings.openai, task, spec.model, spec.settings.context_window)
+        return OpenAIModel(spec.settings.openai, task, spec.model, spec.settings.context_window,
+                           agent_dir=agent_dir, compaction=spec.settings.compaction)
     return ScriptedModel(task)

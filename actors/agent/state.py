@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Phase = Literal["new", "running", "paused", "finished", "closed"]
-RECENT_MAX = 32
+RECENT_MAX = 256  # a backend keeps its own window; compaction keeps this well below
 RECENT_RESULT_CHARS = 2000
 
 
@@ -65,6 +65,18 @@ class PendingInput(_Model):
     consumed_turn: int | None = None
 
 
+class Compaction(_Model):
+    """A compaction's reference: its summary lives in the agent's compaction file
+    (actors/agent/compaction.py), identified by `compaction` and `sha256`."""
+
+    compaction: str  # "m<n>"
+    items: int  # how many of the oldest exchanges of `recent` it replaces
+    through_turn: int
+    sha256: str
+    chars: int
+    tokens: int
+
+
 class BudgetUse(_Model):
     tokens_used: int = 0
     cost_used: float = 0.0
@@ -99,6 +111,9 @@ class AgentState(_Model):
     recent: list[dict[str, Any]] = Field(default_factory=list)
     inputs: list[PendingInput] = Field(default_factory=list)  # actors/agent/operator_input.py
     corrections: int = 0  # corrections recorded: the next one is k<corrections + 1>
+    summary: Compaction | None = None  # the newest compaction in effect (its boundary folded)
+    compaction_pending: Compaction | None = None  # recorded, boundary not yet: no effect
+    compactions: int = 0  # compactions recorded: the next one is m<compactions + 1>
     last_seq: int = 0
 
     # --- views ---------------------------------------------------------------
@@ -311,6 +326,28 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
             state.exit_reason = reason
             state.phase = ("finished" if reason == "finished"
                            else "paused" if reason == "budget" else "closed")
+        case "compaction_recorded":
+            ident = f"m{state.compactions + 1}"
+            if state.compaction_pending is None and p.get("compaction") == ident:
+                state.compactions += 1
+                state.compaction_pending = Compaction(
+                    compaction=ident, items=_int(p.get("items")),
+                    through_turn=_int(p.get("through_turn")), sha256=str(p.get("sha256")),
+                    chars=_int(p.get("chars")), tokens=_int(p.get("summary_tokens")))
+                usage = p.get("usage")
+                if isinstance(usage, dict):  # the summary's model call counts into the budget
+                    state.budget.tokens_used += _int(usage.get("tokens_in")) + _int(
+                        usage.get("tokens_out"))
+        case "compaction_boundary":
+            pending = state.compaction_pending
+            if pending is None or p.get("compaction") != pending.compaction:
+                return  # an orphaned or stale boundary changes nothing
+            del state.recent[: pending.items]
+            state.summary, state.compaction_pending = pending, None
+        case "compaction_abandoned":
+            if state.compaction_pending is not None and \
+                    p.get("compaction") == state.compaction_pending.compaction:
+                state.compaction_pending = None
         case "subagent_usage":  # a child's model usage counts into its parent's budget
             state.budget.tokens_used += int(p.get("tokens", 0))
             state.budget.cost_used += float(p.get("cost_units", 0.0))
