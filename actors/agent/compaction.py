@@ -185,10 +185,12 @@ def summarize(backend: Any, busy: Any, previous: str | None, items: list[dict[st
 
 
 def advance(state: AgentState, settings: Any, *, summaries: SummaryCache, backend: Any,
-            append: Any, hit: Any, recent_max: int, busy: Any = None) -> bool:
+            append: Any, flush: Any, hit: Any, recent_max: int, busy: Any = None) -> bool:
     """One compaction step before a model request; False when there is none to do.
-    `append(event, payload, key, ledger)` is the loop's durable append; `busy()`
-    declares the summary's model call."""
+    `append(event, payload, key, ledger)` is the loop's append (folded at once,
+    durable at `flush()`); `busy()` declares the summary's model call. The record
+    is flushed before the boundary is appended: a crash between them leaves the
+    record alone, which changes nothing until its boundary."""
     agent_dir = summaries.agent_dir
     pending = state.compaction_pending
     if pending is not None:  # recorded before a crash: finish that very compaction
@@ -226,6 +228,7 @@ def advance(state: AgentState, settings: Any, *, summaries: SummaryCache, backen
     }
     append_record(agent_dir, {**record, "summary": text})
     append("compaction_recorded", {**record, "file": FILE_NAME}, f"{ident}:record", "budget")
+    flush()
     hit("after_compaction_recorded", ident)
     append("compaction_boundary", {"compaction": ident}, f"{ident}:boundary", None)
     return True

@@ -268,8 +268,9 @@ class AgentLoop:
             return Step.PROGRESS
         deadline_s = float(getattr(self.backend, "deadline_s", 0.0))
         if compaction.advance(s, self.settings.compaction, summaries=self.summaries,
-                              backend=self.backend, append=self._append, hit=self.faults.hit,
-                              recent_max=RECENT_MAX, busy=lambda: self._busy("model", deadline_s)):
+                              backend=self.backend, append=self._append, flush=self.flush,
+                              hit=self.faults.hit, recent_max=RECENT_MAX,
+                              busy=lambda: self._busy("model", deadline_s)):
             return Step.PROGRESS  # the context was compacted (docs/operator-input.md)
         turn = s.turn + 1
         # an operator input's consumption is durable before the request it feeds
