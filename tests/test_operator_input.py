@@ -210,7 +210,7 @@ def test_fold_keeps_an_input_until_its_turn_and_refuses_crossed_kinds(tmp_path: 
     operator_input.consume(s, 3, append, lambda: flushed.append(1), lambda *a: None)
     operator_input.consume(s, 3, append, lambda: flushed.append(1), lambda *a: None)
     assert flushed == [1]  # durable before the request, once
-    assert calls == ["t3:in:correction:k3"]
+    assert calls == [f"t3:in:correction:k3:{ref['sha256'][:16]}"]
     [got] = operator_input.texts(agent_dir, s, 3)
     assert got.text == "text"
     (operator_input.input_dir(agent_dir) / ref["file"]).write_text("tampered")

@@ -157,7 +157,9 @@ def consumption(kind: str, ident: str, sha256: str, turn: int, segment: int
     field = "request" if kind == "answer" else "correction"
     payload = {field: ident, "sha256": sha256, "turn": turn, "segment": segment,
                "delivery": "live"}
-    return CONSUMED_EVENT[kind], payload, f"t{turn}:in:{kind}:{ident}"
+    # the text's hash in the key: a consumption written before the input existed
+    # (only the agent's own credential could) cannot shadow the real one
+    return CONSUMED_EVENT[kind], payload, f"t{turn}:in:{kind}:{ident}:{sha256[:16]}"
 
 
 def texts(agent_dir: Path, state: Any, turn: int) -> list[Delivered]:
