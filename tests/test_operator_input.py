@@ -13,6 +13,7 @@ a permission."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -222,3 +223,20 @@ def operator_input_pending(ref: dict[str, Any]) -> Any:
     from actors.agent.state import PendingInput
 
     return PendingInput(kind="correction", ident="k3", **ref)
+
+
+def test_trace_shows_the_exact_text_from_the_file_and_the_wal_only_its_hash(
+        tmp_path: Path) -> None:
+    from supervisor import trace
+    from tests.test_trace import _record
+
+    agent_dir = tmp_path / "a1"
+    ref = operator_input.write_text(agent_dir, "correction", "k1", CORRECTION)
+    record = _record("operator_correction", {"correction": "k1", "segment": 1, **ref})
+    assert CORRECTION[:20] not in json.dumps(record.payload())  # the fact: hash and size
+    text = trace.render(record, agent_dir)
+    assert "CORRECTION k1" in text and CORRECTION[:40] in text
+    assert json.loads(trace.as_json(record, agent_dir))["text"] == CORRECTION
+    assert "text:" not in trace.render(record)  # without the agent's files: hash and size
+    consumed = trace.render(_record("correction_consumed", {"correction": "k1", "turn": 4}))
+    assert "k1: delivered to the model with turn 4" in consumed
