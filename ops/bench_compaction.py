@@ -9,7 +9,10 @@ agent is SIGKILLed by fault injection a few turns before its end (the model
 answered, its turn not recorded); then
 
 - `rebuild_ms_p50_<turns>`: the agent's rebuild (newest generation + the tail
-  from the writer + fold: actors/agent/rebuild.py), timed `ROUNDS` times;
+  from the writer + fold: actors/agent/rebuild.py), timed `ROUNDS` times
+  after each kill; the best of those rounds counts for the kill (the host is
+  shared: load from elsewhere only ever adds), the p50 is over the kills;
+  `rebuild_ms_p50_every_round_<turns>` is the p50 of every round;
 - `agent_rebuild_ms_<turns>`: the restarted agent's own figure from its log;
 - the agent finishes; `context_tokens_max_<turns>` is the largest context any
   of its model requests had (the turn records' `context_tokens`), and
@@ -47,7 +50,7 @@ from ops.benchkit import (
 
 AGENT = "agent-1"
 WINDOW = 16_000
-ROUNDS = 5  # rebuilds timed after each kill
+ROUNDS = 7  # rebuilds timed after each kill; the best of them counts
 KILLS = 8  # SIGKILLs spread over the last KILLS * KILL_EVERY turns
 KILL_EVERY = 7  # turns: ~35 events, so the kills fall at every phase of a generation
 TEXT = "The quick brown fox jumps over the lazy dog. " * 22  # ~1 KB
@@ -91,7 +94,8 @@ def session(turns: int) -> dict[str, Any]:
             started = time.monotonic()
             faults = ",".join(f"after_model_reply@t{turns - 1 - KILL_EVERY * k}"
                               for k in range(KILLS))
-            rebuilt: list[float] = []
+            rebuilt: list[float] = []  # per kill, the best of ROUNDS
+            rebuilt_all: list[float] = []
             agent_ms: list[float] = []
             tails: list[int] = []
             kills = 0
@@ -99,10 +103,13 @@ def session(turns: int) -> dict[str, Any]:
                 assert code == -signal.SIGKILL, f"the agent exited {code}, not by a fault"
                 kills += 1
                 with WriterClient(ctx, state_dir, "bench", timeout_s=30) as writer:
+                    rounds = []
                     for _ in range(ROUNDS):
                         done = rebuild(writer, state_dir, AGENT)
-                        rebuilt.append(done.elapsed_ms)
+                        rounds.append(done.elapsed_ms)
                     tails.append(done.tail_events)
+                rebuilt_all.extend(rounds)
+                rebuilt.append(min(rounds))  # the least disturbed of ROUNDS: a shared host
                 if kills > 1:  # the agent restarted after the previous kill rebuilt too
                     agent_ms.append(_agent_rebuild_ms(state_dir))
             agent_ms.append(_agent_rebuild_ms(state_dir))
@@ -126,6 +133,7 @@ def session(turns: int) -> dict[str, Any]:
         "turns": len(sizes), "run_s": round(run_s, 1), "events": len(records),
         "kills": kills, "rebuild_ms_p50": round(percentile(rebuilt, 50), 2),
         "rebuild_ms_p90": round(percentile(rebuilt, 90), 2),
+        "rebuild_ms_p50_every_round": round(percentile(rebuilt_all, 50), 2),
         "agent_rebuild_ms_p50": round(percentile(agent_ms, 50), 2),
         "tail_events_p50": percentile(tails, 50),
         "context_tokens_max": max(sizes),
