@@ -331,7 +331,7 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
             if state.compaction_pending is None and p.get("compaction") == ident:
                 state.compactions += 1
                 state.compaction_pending = Compaction(
-                    compaction=ident, items=_int(p.get("items")),
+                    compaction=ident, items=max(0, _int(p.get("items"))),
                     through_turn=_int(p.get("through_turn")), sha256=str(p.get("sha256")),
                     chars=_int(p.get("chars")), tokens=_int(p.get("summary_tokens")))
                 usage = p.get("usage")
