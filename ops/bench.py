@@ -27,6 +27,7 @@ SUITES = {
     "step": "ops.bench_step",
     "storage": "ops.bench_storage",
     "trees": "ops.bench_trees",
+    "compaction": "ops.bench_compaction",
 }
 
 

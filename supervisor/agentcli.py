@@ -1,8 +1,11 @@
-"""The operator's agent commands: `spawn`, `approve`, `deny`, `resume`.
+"""The operator's agent commands: `spawn`, `approve`, `deny`, `answer`,
+`correct`, `resume`.
 
     supervisor spawn NAME --task FILE [--model M] [--json]
     supervisor approve AGENT REQUEST [--always] [--note TEXT]
     supervisor deny AGENT REQUEST [--note TEXT]
+    supervisor answer AGENT REQUEST TEXT | --file F     (a question's exact answer)
+    supervisor correct AGENT TEXT | --file F            (docs/operator-input.md)
     supervisor resume AGENT --budget N [--cost-units C]
 
 Answers and budget increases are facts of the agent's stream, appended through
@@ -91,6 +94,10 @@ def answer_approval(writer: WriterClient, agent: str, state: AgentState, request
         raise LookupError(f"agent {agent} has no request {request} (pending: {pending})")
     if approval.status != "pending":
         raise LookupError(f"request {request} of {agent} is already {approval.status}")
+    if approval.kind == "clarification":
+        raise LookupError(f"{request} of {agent} is a question, not a permission: answer it "
+                          f"with `supervisor answer {agent} {request} TEXT` (an approval "
+                          "never answers a question)")
     writer.append(f"agent/{agent}", "approval_answer", {
         "request": request, "decision": decision, "always": always, "note": note,
         "op": approval.op, "pattern": approval.pattern,
@@ -111,6 +118,61 @@ def approve(state_dir: StateDir, agent: str, request: str, *, deny: bool, always
                                    decision="deny" if deny else "approve", always=always,
                                    note=note)
         except LookupError as exc:
+            return _fail(str(exc))
+        print(f"supervisor: {line}")
+        return EXIT_OK
+
+    return _with_writer(state_dir, agent, act)
+
+
+def _input_text(text: str | None, file: str | None) -> str:
+    """TEXT or the content of --file F (exactly one of them)."""
+    if (text is None) == (file is None):
+        raise ValueError("give the text or --file F (one of them)")
+    if file is None:
+        return str(text)
+    try:
+        return Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {file}: {exc}") from exc
+
+
+def answer(state_dir: StateDir, agent: str, request: str, text: str | None,
+           file: str | None) -> int:
+    """`supervisor answer AGENT REQUEST TEXT | --file F`: the exact answer to a question."""
+    from actors.agent import operator_input
+
+    try:
+        body = _input_text(text, file)
+    except ValueError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+
+    def act(writer: WriterClient, state: AgentState) -> int:
+        try:
+            line = operator_input.record_answer(writer, state_dir.agent_dir(agent), agent,
+                                                state, request, text=body)
+        except operator_input.InputRefusedError as exc:
+            return _fail(str(exc))
+        print(f"supervisor: {line}")
+        return EXIT_OK
+
+    return _with_writer(state_dir, agent, act)
+
+
+def correct(state_dir: StateDir, agent: str, text: str | None, file: str | None) -> int:
+    """`supervisor correct AGENT TEXT | --file F`: one correction for the next model request."""
+    from actors.agent import operator_input
+
+    try:
+        body = _input_text(text, file)
+    except ValueError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+
+    def act(writer: WriterClient, state: AgentState) -> int:
+        try:
+            line = operator_input.record_correction(writer, state_dir.agent_dir(agent), agent,
+                                                    state, body)
+        except operator_input.InputRefusedError as exc:
             return _fail(str(exc))
         print(f"supervisor: {line}")
         return EXIT_OK

@@ -17,6 +17,7 @@
     supervisor resume AGENT --budget N
     supervisor rewind REF --to-turn N | --to-seq S      (supervisor/treecli.py)
     supervisor fork REF --name NEW [--at-turn N]
+    supervisor answer AGENT REQUEST TEXT | correct AGENT TEXT   (or --file F)
     supervisor completion bash|zsh                      a shell completion script
 
 Exit codes: 0 done; 1 refused (an unknown name, a child that cannot do that)
@@ -199,6 +200,16 @@ def _agent_parsers(sub: Any, common: argparse.ArgumentParser,
             store.add_argument("--dry-run", action="store_true", help="only report")
             store.add_argument("--timeout-s", type=float, default=120.0,
                                help="how long to wait for the writer's WAL pass")
+    reply = sub.add_parser("answer", parents=[common], help="answer an agent's question")
+    reply.add_argument("agent")
+    reply.add_argument("request")
+    reply.add_argument("text", nargs="?", default=None)
+    reply.add_argument("--file", default=None, help="read the answer from this file")
+    correct = sub.add_parser("correct", parents=[common],
+                             help="tell an agent something at its next model request")
+    correct.add_argument("agent")
+    correct.add_argument("text", nargs="?", default=None)
+    correct.add_argument("--file", default=None, help="read the correction from this file")
     resume = sub.add_parser("resume", parents=[common], help="resume an agent paused on budget")
     resume.add_argument("agent")
     resume.add_argument("--budget", type=int, required=True, help="tokens to add")
@@ -280,6 +291,10 @@ def _agent_command(args: argparse.Namespace) -> int:
                                   to_seq=args.to_seq, as_json=args.json)
         return treecli.fork(state_dir, args.ref, args.name, at_turn=args.at_turn,
                             as_json=args.json)
+    if args.command == "answer":
+        return agentcli.answer(state_dir, args.agent, args.request, args.text, args.file)
+    if args.command == "correct":
+        return agentcli.correct(state_dir, args.agent, args.text, args.file)
     return agentcli.approve(state_dir, args.agent, args.request, deny=args.command == "deny",
                             always=getattr(args, "always", False), note=args.note)
 
@@ -416,6 +431,8 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "resume": _agent_command,
     "rewind": _agent_command,
     "fork": _agent_command,
+    "answer": _agent_command,
+    "correct": _agent_command,
     "completion": _completion,
     "du": _storage,
     "gc": _storage,

@@ -108,7 +108,9 @@ class Progress:
         self.out.flush()
 
 
-def _answers(config: config_mod.Config, writer: Any, name: str, state: AgentState) -> None:
+def _answers(config: config_mod.Config, writer: Any, name: str, state: AgentState,
+             state_dir: StateDir) -> None:
+    from actors.agent import operator_input
     from supervisor.agentcli import answer_approval
 
     for approval in state.pending_approvals():
@@ -116,10 +118,15 @@ def _answers(config: config_mod.Config, writer: Any, name: str, state: AgentStat
             if fnmatch.fnmatchcase(approval.op, rule.op) and fnmatch.fnmatchcase(
                     approval.pattern, rule.pattern):
                 try:
-                    line = answer_approval(writer, name, state, approval.request,
-                                           decision=rule.decision, always=rule.always,
-                                           note=rule.note)
-                except LookupError:
+                    if approval.kind == "clarification":  # a question gets an answer's text
+                        line = operator_input.record_answer(
+                            writer, state_dir.agent_dir(name), name, state, approval.request,
+                            text=rule.note or rule.decision)
+                    else:
+                        line = answer_approval(writer, name, state, approval.request,
+                                               decision=rule.decision, always=rule.always,
+                                               note=rule.note)
+                except (LookupError, operator_input.InputRefusedError):
                     break
                 print(f"run: {line}", file=sys.stderr if sys.stdout.isatty() else sys.stdout)
                 break
@@ -240,7 +247,7 @@ def _follow(proc: subprocess.Popen[bytes], config: config_mod.Config, state_dir:
             children = _children(state_dir) or {}
             for name in names:
                 states[name] = tail(writer, name, states[name])
-                _answers(config, writer, name, states[name])
+                _answers(config, writer, name, states[name], state_dir)
                 child = children.get(name)
                 procs[name] = (f"{child.state}" + (f" ({child.last_exit})" if child.last_exit
                                                     and child.pid is None else "")

@@ -12,7 +12,9 @@ starts and exits (with the reason: finished, max_turns, budget), each turn's
 model text and its actions with their arguments, each call's verdict (rule,
 reason), approvals asked and answered, starts with their effect, results
 (bounded to `RESULT_CHARS`), schema rejects, aborted turns and what recovery
-found, subagent usage and change sets, budget resumes, todos. Strings are
+found, subagent usage and change sets, budget resumes, todos, operator answers
+and corrections (identity, size, hash in the WAL; their exact text read from the
+agent's input file, actors/agent/operator_input.py) and their deliveries. Strings are
 clipped to `ARG_CHARS`. Secrets stay sealed: the WAL holds terminal input only
 as `{sha256, bytes}` (actors/agent/vault.py), printed as `<sealed N bytes
 sha256:...>`. `--json` prints each record as one JSON object (seq, ts, event,
@@ -29,6 +31,7 @@ import json
 import sys
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any, TextIO
 
 import zmq
@@ -43,6 +46,7 @@ from supervisor.tracetrees import abandoned_of, tree_lines
 FOLLOW_INTERVAL_S = 0.25
 ARG_CHARS = 120
 RESULT_CHARS = 400
+INPUT_EVENTS = frozenset({"operator_answer", "operator_correction"})
 PAGE = 512
 
 
@@ -228,6 +232,15 @@ def _lines(event: str, p: dict[str, Any]) -> list[str]:
             if p.get("note"):
                 line += f", note {value_text(p['note'])}"
             return [line]
+        case "operator_answer":
+            return [f"  {p.get('request')}: operator ANSWERED ({p.get('chars')} characters, "
+                    f"sha256 {str(p.get('sha256'))[:12]})"]
+        case "operator_correction":
+            return [f"CORRECTION {p.get('correction')} by the operator ({p.get('chars')} "
+                    f"characters, sha256 {str(p.get('sha256'))[:12]})"]
+        case "clarification_consumed" | "correction_consumed":
+            what = str(p.get("request") or p.get("correction"))
+            return [f"  {what}: delivered to the model with turn {p.get('turn')}"]
         case "tool_start":
             return [f"  call {cid}: start {p.get('op')}{_effect(p.get('effect'))}"]
         case "tool_result":
@@ -283,9 +296,19 @@ def _subagent_result(cid: object, p: dict[str, Any], r: dict[str, Any]) -> list[
     return lines
 
 
-def render(record: WalRecord, abandoned: bool = False) -> str:
+def _input_text(record: WalRecord, payload: Any, agent_dir: Path | None) -> str | None:
+    """An operator input's exact text, from the agent's input file (never the WAL)."""
+    if agent_dir is None or record.event not in INPUT_EVENTS or not isinstance(payload, dict):
+        return None
+    from actors.agent.operator_input import read_text  # noqa: PLC0415
+
+    return read_text(agent_dir, str(payload.get("file")), str(payload.get("sha256")))
+
+
+def render(record: WalRecord, abandoned: bool = False, agent_dir: Path | None = None) -> str:
     """The record as text: `#seq HH:MM:SS.mmm ` then its lines (`~` instead of
-    `#` for a record a rewind abandoned: off the active branch)."""
+    `#` for a record a rewind abandoned: off the active branch; with `agent_dir`,
+    an operator answer's or correction's exact text from its file)."""
     try:
         payload = record.payload()
     except ValueError:
@@ -298,6 +321,9 @@ def render(record: WalRecord, abandoned: bool = False) -> str:
             body = _lines(record.event, payload)
         except (AttributeError, TypeError, ValueError, KeyError):  # a field of another shape
             body = [f"  {record.event}: {value_text(payload, RESULT_CHARS)}"]
+    text = _input_text(record, payload, agent_dir)
+    if text is not None:
+        body.append(f"    text: {value_text(text, RESULT_CHARS)}")
     if record.origin not in ("", record.stream.removeprefix("agent/")) \
             and record.event != "approval_answer":
         body[0] += f"  [by {record.origin}]"
@@ -306,16 +332,19 @@ def render(record: WalRecord, abandoned: bool = False) -> str:
     return "\n".join([prefix + body[0], *(" " * len(prefix) + line for line in body[1:])])
 
 
-def as_json(record: WalRecord, abandoned: bool = False) -> str:
+def as_json(record: WalRecord, abandoned: bool = False, agent_dir: Path | None = None) -> str:
     try:
         payload: Any = record.payload()
     except ValueError:
         payload = None
-    row = {"seq": record.seq, "ts": record.ts, "stream": record.stream,
+    out = {"seq": record.seq, "ts": record.ts, "stream": record.stream,
            "event": record.event, "origin": record.origin, "payload": payload}
+    text = _input_text(record, payload, agent_dir)
+    if text is not None:
+        out["text"] = text  # from the agent's input file, not the WAL
     if abandoned:
-        row["abandoned"] = True
-    return json.dumps(row)
+        out["abandoned"] = True
+    return json.dumps(out)
 
 
 # --- the command --------------------------------------------------------------------
@@ -336,7 +365,9 @@ def run(state_dir: StateDir, agent: str, *, since: int, follow: bool, json_out: 
             off = abandoned_of(batch)
             for record in batch:
                 gone = record.seq in off
-                out.write((as_json(record, gone) if json_out else render(record, gone)) + "\n")
+                agent_dir = state_dir.agent_dir(agent)
+                out.write((as_json(record, gone, agent_dir) if json_out
+                           else render(record, gone, agent_dir)) + "\n")
                 next_seq = record.seq + 1
             out.flush()
             if not follow:

@@ -16,6 +16,7 @@ import pytest
 
 from actors.agent import generations
 from actors.agent.loop import AgentLoop, Step
+from actors.agent.operator_input import record_answer
 from actors.agent.rebuild import rebuild
 from actors.agent.recordable import recordable_actions, recordable_text
 from actors.agent.settings import Budget, Rule
@@ -194,12 +195,16 @@ def test_approvals_survive_a_restart_and_are_not_asked_twice(state_dir: StateDir
     assert drive(loop) is Step.WAIT  # now the `ask` op's question
     [question] = loop.state.pending_approvals()
     assert question.kind == "clarification"
-    answer_approval(writer.as_origin("operator"), "a1", loop.state,  # type: ignore[arg-type]
-                    question.request, decision="approve", always=False, note="yes")
+    with pytest.raises(LookupError, match="never answers a question"):
+        answer_approval(writer.as_origin("operator"), "a1", loop.state,  # type: ignore[arg-type]
+                        question.request, decision="approve", always=False, note="yes")
+    record_answer(writer.as_origin("operator"), loop.agent_dir, "a1", loop.state,
+                  question.request, text="yes")
     loop.sync()
     assert drive(loop) is Step.DONE
     assert len(events(writer, "approval_requested")) == 2
-    assert events(writer, "tool_result")[1]["result"] == {"answer": "approve", "note": "yes"}
+    assert events(writer, "tool_result")[1]["result"]["answered"] is True
+    assert [p["request"] for p in events(writer, "clarification_consumed")] == [question.request]
 
 
 def test_budget_stop_pauses_and_resume_continues(state_dir: StateDir, tmp_path: Path) -> None:

@@ -34,7 +34,8 @@ payloads: dict[str, st.SearchStrategy[dict[str, Any]]] = {
         ["allow", "ask", "deny"]), "rule": st.just("default"), "request": requests}),
     "approval_requested": st.fixed_dictionaries({
         "request": requests, "call_id": cids, "op": st.sampled_from(["write_file", "ask"]),
-        "pattern": st.sampled_from(["a.md", "*"]), "kind": st.just("permission")}),
+        "pattern": st.sampled_from(["a.md", "*"]),
+        "kind": st.sampled_from(["permission", "clarification"])}),
     "approval_answer": st.fixed_dictionaries({
         "request": requests, "decision": st.sampled_from(["approve", "deny"]),
         "always": st.booleans()}),
@@ -49,6 +50,23 @@ payloads: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "session_exit": st.fixed_dictionaries({"reason": st.sampled_from(
         ["finished", "budget", "max_turns"])}),
     "budget_resumed": st.fixed_dictionaries({"tokens": small}),
+    "operator_answer": st.fixed_dictionaries({"request": requests, "sha256": st.just("s"),
+                                              "chars": small, "file": st.just("f")}),
+    "operator_correction": st.fixed_dictionaries({
+        "correction": st.sampled_from(["k1", "k2"]), "sha256": st.just("s"), "chars": small,
+        "file": st.just("f")}),
+    "clarification_consumed": st.fixed_dictionaries({"request": requests,
+                                                     "turn": st.integers(1, 6)}),
+    "correction_consumed": st.fixed_dictionaries({
+        "correction": st.sampled_from(["k1", "k2"]), "turn": st.integers(1, 6)}),
+    "compaction_recorded": st.fixed_dictionaries({
+        "compaction": st.sampled_from(["m1", "m2", "m3"]), "items": st.integers(-2, 5),
+        "through_turn": st.integers(0, 6), "sha256": st.just("s"), "chars": small,
+        "summary_tokens": small}),
+    "compaction_boundary": st.fixed_dictionaries({
+        "compaction": st.sampled_from(["m1", "m2", "m3"])}),
+    "compaction_abandoned": st.fixed_dictionaries({
+        "compaction": st.sampled_from(["m1", "m2", "m3"])}),
     "unknown_event": st.just({}),
 }
 

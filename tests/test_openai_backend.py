@@ -99,7 +99,7 @@ def test_tool_calls_become_actions(server: Server, monkeypatch: pytest.MonkeyPat
     sent = server.requests[0]
     assert sent["model"] == "test-model"
     assert {t["function"]["name"] for t in sent["tools"]} >= {"read_file", "finish", "ask"}
-    assert server.headers[0]["Authorization"] == "Bearer sk-test"
+    assert {k.lower(): v for k, v in server.headers[0].items()}["authorization"] == "Bearer sk-test"
 
 
 def test_a_500_is_retried_then_the_success_is_used(server: Server) -> None:

@@ -5,6 +5,7 @@ adds an agent to a running runtime, `approve` and `deny` answer it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,9 @@ def test_run_with_8_agents_exits_0_and_leaves_no_process(
     assert "status: reviewed" in notes.read_text()
     release = sorted(state_dir.root.glob("agents/*/workspace/release/NOTES.md"))
     assert len(release) == 2
-    assert (state_dir.approvals_ledger_path.read_text().count("approval_answer")) == 4
+    ledger = state_dir.approvals_ledger_path.read_text()
+    # the release notes are approved; the question is answered (an approval never answers it)
+    assert ledger.count('"approval_answer"') == 2 and ledger.count('"operator_answer"') == 2
 
 
 def test_spawn_approve_and_deny_on_a_running_runtime(
@@ -69,7 +72,14 @@ def test_spawn_approve_and_deny_on_a_running_runtime(
     wait_for(lambda: answered("approve", "req-2.0"), 30, "the release approval")
     again = cli(processes, state_dir, "approve", "extra", "req-2.0")
     assert again.returncode == 1 and "no request req-2.0" in again.stderr  # answered, settled
-    wait_for(lambda: answered("deny", "req-3.0", "--note", "not yet"), 30, "the question")
+    # the question: deny (an approval) never answers it; `answer` does, with its text
+    wait_for(lambda: "is a question" in cli(processes, state_dir, "deny", "extra",
+                                            "req-3.0").stderr, 30, "the question")
+    assert answered("answer", "req-3.0", "not yet")
+    late = cli(processes, state_dir, "answer", "extra", "req-3.0", "again")
+    # settled: refused, as answered (turn still open) or as gone (turn closed)
+    assert late.returncode == 1 and re.search("already answered|no question req-3.0",
+                                              late.stderr), late.stderr
 
     def exited() -> bool:
         children = {c["name"]: c for c in status(processes, state_dir)["children"]}

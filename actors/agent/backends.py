@@ -17,11 +17,14 @@ Actions are validated by the loop, never here: a backend may return anything.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
+from actors.agent.operator_input import Delivered
 from actors.agent.settings import AgentSpec, Task
 from actors.agent.state import AgentState
 
@@ -47,7 +50,18 @@ class Reply:
 class Backend(Protocol):
     name: str
 
-    def next_reply(self, state: AgentState) -> Reply: ...
+    def next_reply(self, state: AgentState, inputs: Sequence[Delivered] = ()) -> Reply: ...
+
+
+def echo(inputs: Sequence[Delivered]) -> str | None:
+    """What a scripted model says it received: each input's kind, identity and the
+    sha256 of the text it was given (never the text: turn records are WAL facts),
+    so a test can count deliveries and check the text arrived intact."""
+    if not inputs:
+        return None
+    return "received " + "; ".join(
+        f"{i.kind} {i.ident} sha256={hashlib.sha256(i.text.encode()).hexdigest()}"
+        for i in inputs)
 
 
 def _size(value: Any) -> int:
@@ -97,7 +111,7 @@ class ScriptedModel:
         self.steps = task.steps
         self.total = len(task.setup) + len(task.steps) * task.repeat
 
-    def next_reply(self, state: AgentState) -> Reply:
+    def next_reply(self, state: AgentState, inputs: Sequence[Delivered] = ()) -> Reply:
         pos = state.cursor
         if pos >= self.total:
             actions: list[Any] = [{"op": "finish", "summary": "script complete"}]
@@ -108,7 +122,7 @@ class ScriptedModel:
             step = self.steps[pos % len(self.steps)]
             values = {"{i}": str(pos // len(self.steps)), **_last_procs(state)}
             actions = [_substitute(step, values)]
-        return Reply(actions=actions, usage=estimate_usage(state, actions))
+        return Reply(actions=actions, text=echo(inputs), usage=estimate_usage(state, actions))
 
 
 class ReplayModel:
@@ -130,7 +144,7 @@ class ReplayModel:
                                 float(usage.get("cost_units", 0.0)))))
         return cls(replies)
 
-    def next_reply(self, state: AgentState) -> Reply:
+    def next_reply(self, state: AgentState, inputs: Sequence[Delivered] = ()) -> Reply:
         if state.model_calls < len(self.replies):
             return self.replies[state.model_calls]
         actions: list[Any] = [{"op": "finish", "summary": "replay ended"}]
@@ -138,9 +152,11 @@ class ReplayModel:
 
 
 def make_backend(
-    spec: AgentSpec, task: Task, read_turns: Callable[[str], Iterable[Any]]
+    spec: AgentSpec, task: Task, read_turns: Callable[[str], Iterable[Any]], *,
+    agent_dir: Path | None = None,
 ) -> Backend:
-    """The backend a spec names; `read_turns(stream)` yields a stream's turn payloads."""
+    """The backend a spec names; `read_turns(stream)` yields a stream's turn payloads;
+    `agent_dir` holds the texts a model's context names (inputs, summaries)."""
     if spec.backend == "replay":
         if not spec.replay_stream:
             from broker.errors import ConfigError  # noqa: PLC0415
@@ -150,5 +166,6 @@ def make_backend(
     if spec.backend == "openai":
         from actors.agent.openai_backend import OpenAIModel  # noqa: PLC0415
 
-        return OpenAIModel(spec.settings.openai, task, spec.model, spec.settings.context_window)
+        return OpenAIModel(spec.settings.openai, task, spec.model, spec.settings.context_window,
+                           agent_dir=agent_dir, compaction=spec.settings.compaction)
     return ScriptedModel(task)

@@ -308,11 +308,16 @@ class Ask(OpBase):
     op: Literal["ask"] = "ask"
     question: Annotated[str, Field(min_length=1, max_length=2000)]
     needs_operator: ClassVar[bool] = True
+    replay_safe: ClassVar[bool] = True  # no effect: run again after a crash, never re-asked
 
 
 def ask(op: Ask, ctx: OpContext) -> Outcome:
     answer = ctx.answer or {}
-    return Done({"answer": answer.get("decision"), "note": answer.get("note")})
+    # the exact answer is not a tool result: it reaches the model once, as user
+    # input with the next model request (actors/agent/operator_input.py)
+    return Done({"answered": answer.get("decision") == "answered",
+                 "request": answer.get("request"),
+                 "delivery": "the operator's answer follows as user input"})
 
 
 class Finish(OpBase):

@@ -7,7 +7,13 @@ Points: `before_tool_call` (the action is decided, nothing of it recorded),
 `before_tool_start` (the handler ran, e.g. procs started a command, and
 nothing of it is recorded), `after_tool_start` (recorded as started, its
 effect not yet applied),
-`after_effect` (effect applied, no `tool_result`), `after_tool_result`.
+`after_effect` (effect applied, no `tool_result`), `after_tool_result`;
+keyed by turn (`t<turn>`, the model turn about to be asked):
+`before_input_consumed` (operator input pending, nothing of its delivery
+recorded), `after_input_consumed` (consumption facts durable, no model
+request yet), `after_model_reply` (the model answered, its `turn` not
+recorded), `after_compaction_recorded` (a compaction's record is durable, its
+boundary is not; actors/agent/compaction.py).
 A fault fires once per agent: a marker file `faults/<point>@<call_id>` in the
 agent's directory is written and fsynced before the kill, so the restarted
 process goes past it. Unset (the normal case), `hit()` costs one dict lookup.
@@ -21,7 +27,8 @@ from pathlib import Path
 
 ENV_FAULT = "CORRAL_AGENT_FAULT"
 POINTS = ("before_tool_call", "before_tool_start", "after_tool_start", "after_effect",
-          "after_tool_result")
+          "after_tool_result", "before_input_consumed", "after_input_consumed",
+          "after_model_reply", "after_compaction_recorded")
 
 
 class Faults:

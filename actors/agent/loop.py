@@ -51,12 +51,22 @@ from typing import Any
 
 import structlog
 
-from actors.agent import catalog, effects, faults, gate, generations, rebuild, workspace
+from actors.agent import (
+    catalog,
+    compaction,
+    effects,
+    faults,
+    gate,
+    generations,
+    operator_input,
+    rebuild,
+    workspace,
+)
 from actors.agent.backends import Backend, make_backend
 from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, is_local, model_for
 from actors.agent.recordable import recordable_actions, recordable_text
 from actors.agent.settings import AgentSpec, load_task, workspace_for
-from actors.agent.state import AgentState, Call, Event, fold_into
+from actors.agent.state import RECENT_MAX, AgentState, Call, Event, fold_into
 from actors.agent.vault import SealedInputMissingError, Vault
 from actors.trees import recorder
 from actors.writer.client import WriterClient, encode_payload
@@ -98,6 +108,7 @@ class AgentLoop:
         self.faults = faults.Faults(self.agent_dir, fault_spec)
         self.effects = effects.EffectJournal(self.agent_dir)
         self.vault = Vault(self.agent_dir)
+        self.summaries = compaction.SummaryCache(self.agent_dir)
         self.log = structlog.get_logger("agent").bind(agent=name)
         self._since_generation = 0
         self._backend: Backend | None = None
@@ -201,7 +212,8 @@ class AgentLoop:
             def read_turns(stream: str) -> list[Any]:
                 return [r.payload() for r in self.writer.read_stream(stream, 1)
                         if r.event == "turn"]
-            self._backend = make_backend(self.spec, self.task, read_turns)
+            self._backend = make_backend(self.spec, self.task, read_turns,
+                                         agent_dir=self.agent_dir)
         return self._backend
 
     def values(self) -> dict[str, int | float]:
@@ -260,14 +272,26 @@ class AgentLoop:
         if not self.budget_left():
             self._exit("budget")
             return Step.PROGRESS
+        deadline_s = float(getattr(self.backend, "deadline_s", 0.0))
+        if compaction.advance(s, self.settings.compaction, summaries=self.summaries,
+                              backend=self.backend, append=self._append, flush=self.flush,
+                              hit=self.faults.hit, recent_max=RECENT_MAX,
+                              busy=lambda: self._busy("model", deadline_s)):
+            return Step.PROGRESS  # the context was compacted (docs/operator-input.md)
+        turn = s.turn + 1
+        # an operator input's consumption is durable before the request it feeds
+        operator_input.consume(s, turn, self._append, self.flush, self.faults.hit)
         if self.spec.backend not in LOCAL_BACKENDS:
             self.flush()  # nothing pending waits on a remote model's answer
+        s = self.state  # (a flush that met the operator's records refolds the state)
+        inputs = operator_input.texts(self.agent_dir, s, turn)
         with self._busy("model", float(getattr(self.backend, "deadline_s", 0.0))):
-            reply = self.backend.next_reply(s)
-        turn = s.turn + 1
+            reply = self.backend.next_reply(s, inputs)
+        self.faults.hit("after_model_reply", f"t{turn}")
         actions = self.vault.seal(recordable_actions(reply.actions))
         payload: dict[str, Any] = {"turn": turn, "actions": actions,
-                                   "usage": reply.usage.as_dict(), "backend": self.backend.name}
+                                   "usage": reply.usage.as_dict(), "backend": self.backend.name,
+                                   "context_tokens": compaction.context_tokens(s)}
         if reply.text:
             payload["text"] = recordable_text(reply.text)
         self._append("turn", payload, key=f"t{turn}:turn", ledger="budget")
@@ -355,8 +379,10 @@ class AgentLoop:
                 return Step.PROGRESS
             if approval.status == "pending":
                 return Step.WAIT
-            answer = {"decision": "approve" if approval.status == "approved" else "deny",
-                      "note": approval.note}
+            answer = ({"decision": "answered", "request": request}
+                      if approval.status == "answered" else
+                      {"decision": "approve" if approval.status == "approved" else "deny",
+                       "note": approval.note})
             if approval.status == "denied" and not op.needs_operator:
                 self._result(call, op, "denied", {"error": "denied by the operator"})
                 return Step.PROGRESS

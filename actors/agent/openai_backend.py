@@ -1,43 +1,65 @@
-"""An OpenAI-compatible chat-completions backend (Ollama, vLLM, llama.cpp
-server, hosted APIs), with tool calling, on the standard library's http.client.
+"""An OpenAI-compatible chat-completions backend (vLLM, Ollama, llama.cpp
+server, hosted APIs: any `base_url`), with tool calling, on the official
+`openai` Python library.
 
 The context is built from the state alone: a system message (the task's
-prompt and the rules of the game), then the recent exchanges the fold keeps
-(each action as an assistant tool call, each result as a tool message), so a
-restarted agent sends the same context. Every registered op is offered as a
-function (its pydantic schema). A reply's tool calls become raw actions
-(`{"op": name, **arguments}`); arguments that are not a JSON object become an
-action the loop rejects (`schema_reject`), never an exception.
+prompt and the rules of the game), the summary of a compaction in effect
+(actors/agent/compaction.py), then the exchanges the fold keeps (each action
+as an assistant tool call, each result as a tool message, each operator input
+already delivered as a user message), and last the operator inputs consumed
+for this very request (actors/agent/operator_input.py), so a restarted agent
+sends the same context. Without compaction the exchanges are the newest
+`agent.context_window`; with it, every exchange since the last boundary.
+Every registered op is offered as a function (its pydantic schema). A reply's
+tool calls become raw actions (`{"op": name, **arguments}`); arguments that
+are not a JSON object become an action the loop rejects (`schema_reject`),
+never an exception. The server's `usage` (prompt and completion tokens) is
+what the budget counts.
 
-Timeouts per request (`timeout_s`); 429 and 5xx answers, timeouts and
-connection errors are retried `max_retries` times with exponential backoff
-(`backoff_base_s * 2**n`, capped, honouring a numeric Retry-After up to the
-cap); then ModelError. The whole call has a deadline
-(`OpenAISettings.call_deadline_s()`):
-every attempt's timeout plus every backoff; a server that trickles its answer
-past it gets ModelTimeoutError (the body is read in chunks against the
-deadline, not only per socket read). The agent's heartbeats go on during the
-call up to that deadline (docs/agents.md, "Long calls"). The key is read from
-the environment variable named by `api_key_env` and never logged.
+The library sends the request (its own retries are off: `max_retries=0`);
+this module keeps corral's guarantees around it. Each attempt has a timeout
+(`timeout_s`); 429 and 5xx answers, timeouts and connection errors are
+retried `max_retries` times with exponential backoff (`backoff_base_s *
+2**n`, capped, honouring a numeric Retry-After up to the cap); then
+ModelError. The whole call has a deadline (`OpenAISettings.call_deadline_s()`):
+every attempt's timeout plus every backoff; the body is streamed in chunks
+and checked against the deadline, so a server that trickles its answer gets
+ModelTimeoutError at it, not only per socket read. The agent's heartbeats go
+on during the call up to that deadline (docs/agents.md, "Long calls"). The key
+is read from the environment variable named by `api_key_env` and never logged
+(nor put in an error: the library's messages are not passed on).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
+import sys
 import time
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
 from urllib.parse import urlsplit
+
+import openai
 
 from actors.agent import catalog
 from actors.agent.backends import Reply, Usage
-from actors.agent.settings import OpenAISettings, Task
+from actors.agent.compaction import Summary, SummaryCache
+from actors.agent.operator_input import Delivered, read_text
+from actors.agent.settings import CompactionSettings, OpenAISettings, Task
 from actors.agent.state import AgentState
 from broker.errors import ModelError
 
+# the HTTP package under the library (httpx, or httpx2 in later versions): its errors
+# can surface while a streamed body is read
+_HTTP = sys.modules[next(c.__module__ for c in openai.DefaultHttpxClient.__mro__
+                         if c.__module__.startswith("httpx")).split(".")[0]]
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 READ_CHUNK_BYTES = 64 * 1024
+NO_KEY = "no-key"  # the library insists on a key; a local server ignores this one
+INPUT_LABEL = {"answer": "The operator's answer to your question {id}",
+               "correction": "A correction from the operator ({id})"}
 
 
 class ModelTimeoutError(ModelError):
@@ -45,9 +67,21 @@ class ModelTimeoutError(ModelError):
     whole call (attempts and backoffs) outlasted `call_deadline_s()`."""
 
 
+class _Retry(Exception):  # noqa: N818 - internal signal, never leaves this module
+    def __init__(self, last: str, retry_after: float | None = None, timed_out: bool = False
+                 ) -> None:
+        super().__init__(last)
+        self.last, self.retry_after, self.timed_out = last, retry_after, timed_out
 
 
-def build_messages(task: Task, state: AgentState, window: int) -> list[dict[str, Any]]:
+def _input_message(kind: str, ident: str, text: str) -> dict[str, Any]:
+    return {"role": "user", "content": f"{INPUT_LABEL.get(kind, kind).format(id=ident)}:\n{text}"}
+
+
+def build_messages(task: Task, state: AgentState, window: int | None, *,
+                   agent_dir: Path | None = None, summary: str | None = None,
+                   inputs: Sequence[Delivered] = ()) -> list[dict[str, Any]]:
+    """The request's messages; `window` None: every exchange the state keeps."""
     system = (
         "You are an agent working in a sandboxed workspace. Act only through the tools. "
         "Paths are relative to the workspace. Call `finish` when the task is done.\n\n"
@@ -55,7 +89,16 @@ def build_messages(task: Task, state: AgentState, window: int) -> list[dict[str,
     )
     messages: list[dict[str, Any]] = [{"role": "system", "content": system},
                                       {"role": "user", "content": task.prompt or task.name}]
-    for item in state.recent[-window:]:
+    if summary is not None:
+        messages.append({"role": "user", "content": "Summary of the session so far "
+                                                    f"(earlier exchanges compacted):\n{summary}"})
+    items = state.recent if window is None else state.recent[-window:]
+    for item in items:
+        if "input" in item:
+            text = (read_text(agent_dir, str(item.get("file")), str(item.get("sha256")))
+                    if agent_dir is not None else "[operator input not available]")
+            messages.append(_input_message(str(item["input"]), str(item.get("id")), text))
+            continue
         if "text" in item and "call_id" not in item:
             messages.append({"role": "assistant", "content": str(item["text"])})
             continue
@@ -72,6 +115,7 @@ def build_messages(task: Task, state: AgentState, window: int) -> list[dict[str,
         else:
             messages.append({"role": "user", "content": json.dumps(
                 {"call_id": call_id, "status": item.get("status"), "result": item.get("result")})})
+    messages.extend(_input_message(i.kind, i.ident, i.text) for i in inputs)
     return messages
 
 
@@ -81,9 +125,11 @@ def parse_reply(body: dict[str, Any]) -> Reply:
         message = body["choices"][0]["message"]
     except (KeyError, IndexError, TypeError) as exc:
         raise ModelError("chat completion without choices[0].message") from exc
+    if not isinstance(message, dict):
+        raise ModelError("chat completion whose choices[0].message is not an object")
     actions: list[Any] = []
     for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
+        function = (call.get("function") if isinstance(call, dict) else None) or {}
         name = function.get("name")
         raw = function.get("arguments") or "{}"
         try:
@@ -94,102 +140,85 @@ def parse_reply(body: dict[str, Any]) -> Reply:
             actions.append({**args, "op": name})
         else:
             actions.append({"op": name, "arguments_not_an_object": True})
-    usage = body.get("usage") or {}
-    tokens_in = int(usage.get("prompt_tokens") or 0)
-    tokens_out = int(usage.get("completion_tokens") or 0)
-    return Reply(actions=actions, text=message.get("content") or None,
+    tokens_in, tokens_out = _usage(body)
+    content = message.get("content")
+    return Reply(actions=actions, text=content if isinstance(content, str) and content else None,
                  usage=Usage(tokens_in, tokens_out, (tokens_in + tokens_out) / 1000))
+
+
+def _usage(body: dict[str, Any]) -> tuple[int, int]:
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    assert isinstance(usage, dict)
+
+    def count(value: Any) -> int:
+        return value if isinstance(value, int) and value >= 0 else 0
+
+    return count(usage.get("prompt_tokens")), count(usage.get("completion_tokens"))
 
 
 class OpenAIModel:
     name = "openai"
 
     def __init__(self, settings: OpenAISettings, task: Task, model: str | None = None,
-                 window: int = 20, sleep: Any = time.sleep) -> None:
+                 window: int = 20, sleep: Any = time.sleep, *, agent_dir: Path | None = None,
+                 compaction: CompactionSettings | None = None) -> None:
         self.settings = settings
         self.task = task
         self.model = model or settings.model
-        self.window = window
+        self.compaction = compaction or CompactionSettings()
+        self.window: int | None = None if self.compaction.window_tokens else window
         self.sleep = sleep
+        self.agent_dir = agent_dir
+        self.summaries = SummaryCache(agent_dir) if agent_dir is not None else None
         parts = urlsplit(settings.base_url.rstrip("/"))
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ModelError(f"invalid base_url {settings.base_url!r}")
-        self.parts = parts
         # named in every failure (without any user:password part of the URL)
         self.url = f"{parts.scheme}://{parts.hostname}" + (
             f":{parts.port}" if parts.port else "") + parts.path
         self.attempts = 0
         self.deadline_s = settings.call_deadline_s()  # the loop declares it as the call's
+        self._client = openai.OpenAI(
+            api_key=os.environ.get(settings.api_key_env) or NO_KEY,
+            base_url=settings.base_url.rstrip("/"), max_retries=0, timeout=settings.timeout_s)
 
-    def next_reply(self, state: AgentState) -> Reply:
-        body = {"model": self.model, "temperature": self.settings.temperature,
-                "messages": build_messages(self.task, state, self.window),
-                "tools": catalog.tool_schemas(), "tool_choice": "auto"}
-        return parse_reply(self.post("/chat/completions", body))
+    def next_reply(self, state: AgentState, inputs: Sequence[Delivered] = ()) -> Reply:
+        summary = self.summaries.get(state.summary) if self.summaries is not None else None
+        messages = build_messages(self.task, state, self.window, agent_dir=self.agent_dir,
+                                  summary=summary, inputs=inputs)
+        return parse_reply(self.complete({
+            "model": self.model, "temperature": self.settings.temperature,
+            "messages": messages, "tools": catalog.tool_schemas(), "tool_choice": "auto"}))
 
-    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        cls = (http.client.HTTPSConnection if self.parts.scheme == "https"
-               else http.client.HTTPConnection)
-        return cls(self.parts.hostname or "", self.parts.port, timeout=timeout_s)
+    def summarize(self, previous: str | None, items: Sequence[dict[str, Any]],
+                  limit: int) -> Summary:
+        """A summary of `items` (and the summary before them) by the summary model."""
+        model = self.compaction.summary_model or self.model
+        prompt = (f"Summarize this part of an agent's session in at most {limit} characters: "
+                  "the decisions, what was changed, what was learnt and what is still open. "
+                  "Plain text.")
+        body = json.dumps({"previous_summary": previous, "exchanges": list(items)},
+                          ensure_ascii=False, default=str)
+        reply = self.complete({"model": model, "temperature": 0.0, "messages": [
+            {"role": "system", "content": prompt}, {"role": "user", "content": body}]})
+        parsed = parse_reply(reply)
+        return Summary((parsed.text or "")[:limit], f"model:{model}",
+                       parsed.usage.tokens_in, parsed.usage.tokens_out)
 
-    def _read(self, response: http.client.HTTPResponse, until: float) -> bytes:
-        """The body, in chunks, ending with ModelTimeoutError at `until` (monotonic)."""
-        chunks: list[bytes] = []
-        while True:
-            if time.monotonic() > until:
-                raise ModelTimeoutError(f"model call ended at its deadline of {self.deadline_s:g}s")
-            chunk = response.read1(READ_CHUNK_BYTES)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.settings.api_key_env)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
+    # --- one call: attempts, backoffs, the deadline ------------------------------------
+    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /chat/completions through the library, within the call's deadline."""
         last = "no attempt"
-        started = time.monotonic()
-        until = started + self.deadline_s
+        until = time.monotonic() + self.deadline_s
+        timed_out = False
         for attempt in range(self.settings.max_retries + 1):
             self.attempts += 1
-            retry_after: float | None = None
-            timed_out = False
             attempt_until = min(until, time.monotonic() + self.settings.timeout_s)
-            conn = self._connection(max(0.001, attempt_until - time.monotonic()))
             try:
-                conn.request("POST", self.parts.path + path, body=data, headers=headers)
-                response = conn.getresponse()
-                try:
-                    payload = self._read(response, attempt_until)
-                except ModelTimeoutError:
-                    if time.monotonic() > until:
-                        raise
-                    raise TimeoutError from None  # this attempt's timeout: retried
-                if response.status == 200:
-                    try:
-                        parsed = json.loads(payload)
-                    except ValueError as exc:
-                        raise ModelError(f"the model server {self.url} sent invalid JSON") \
-                            from exc
-                    if not isinstance(parsed, dict):
-                        raise ModelError(f"the model server {self.url} sent a non-object body")
-                    return parsed
-                last = f"HTTP {response.status}"
-                if response.status not in RETRY_STATUS:
-                    raise ModelError(f"the model server {self.url} answered {last}: "
-                                     f"{payload[:200]!r}")
-                header = response.getheader("Retry-After")
-                if header and header.strip().isdigit():
-                    retry_after = float(header)
-            except TimeoutError:
-                last = f"timeout after {self.settings.timeout_s:g}s"
-                timed_out = True
-            except (ConnectionError, http.client.HTTPException, OSError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            finally:
-                conn.close()
+                return self._attempt(body, attempt_until, until)
+            except _Retry as retry:
+                last, timed_out = retry.last, retry.timed_out
+                retry_after = retry.retry_after
             if attempt < self.settings.max_retries:
                 delay = min(self.settings.backoff_cap_s,
                             retry_after if retry_after is not None
@@ -201,3 +230,38 @@ class OpenAIModel:
                                     f"{self.settings.max_retries + 1} attempts: {last}")
         raise ModelError(f"model server {self.url} failed after "
                          f"{self.settings.max_retries + 1} attempts: {last}")
+
+    def _attempt(self, body: dict[str, Any], attempt_until: float, until: float
+                 ) -> dict[str, Any]:
+        timeout = max(0.001, attempt_until - time.monotonic())
+        create = cast(Any, self._client.chat.completions.with_streaming_response.create)
+        try:
+            with create(**body, timeout=timeout) as response:
+                chunks: list[bytes] = []
+                for chunk in response.iter_bytes():
+                    if time.monotonic() > attempt_until:
+                        if time.monotonic() > until:
+                            raise ModelTimeoutError(
+                                f"model call ended at its deadline of {self.deadline_s:g}s")
+                        raise _Retry(f"timeout after {self.settings.timeout_s:g}s",
+                                     timed_out=True)
+                    chunks.append(chunk)
+        except openai.APIStatusError as exc:
+            status = exc.status_code
+            if status not in RETRY_STATUS:
+                raise ModelError(f"the model server {self.url} answered HTTP {status}: "
+                                 f"{exc.response.content[:200]!r}") from None
+            header = exc.response.headers.get("Retry-After", "")
+            raise _Retry(f"HTTP {status}", float(header) if header.strip().isdigit() else None
+                         ) from None
+        except (openai.APITimeoutError, _HTTP.TimeoutException):
+            raise _Retry(f"timeout after {self.settings.timeout_s:g}s", timed_out=True) from None
+        except (openai.APIConnectionError, _HTTP.HTTPError, OSError) as exc:
+            raise _Retry(f"{type(exc).__name__}") from None
+        try:
+            parsed = json.loads(b"".join(chunks))
+        except ValueError as exc:
+            raise ModelError(f"the model server {self.url} sent invalid JSON") from exc
+        if not isinstance(parsed, dict):
+            raise ModelError(f"the model server {self.url} sent a non-object body")
+        return parsed

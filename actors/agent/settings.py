@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.errors import ConfigError
 from broker.statedir import StateDir
@@ -82,6 +82,30 @@ class OpenAISettings(_Strict):
         return float(self.timeout_s * (self.max_retries + 1) + backoffs)
 
 
+class CompactionSettings(_Strict):
+    """Context compaction (actors/agent/compaction.py): off while `window_tokens`
+    is null. When the model's context passes `trigger_share` of the window, the
+    oldest exchanges are replaced by a summary so that those kept fill at most
+    `keep_share` of it. `summary_model`: the model that summarizes (openai; null:
+    the agent's own)."""
+
+    window_tokens: Annotated[int, Field(ge=1024)] | None = None
+    trigger_share: Annotated[float, Field(gt=0, le=1)] = 0.75
+    keep_share: Annotated[float, Field(gt=0, lt=1)] = 0.3
+    summary_chars: Annotated[int, Field(ge=200, le=100_000)] = 4000
+    summary_model: str | None = None
+
+    @model_validator(mode="after")
+    def _fits(self) -> CompactionSettings:
+        if self.window_tokens is not None and (
+                self.keep_share >= self.trigger_share
+                or 200 + self.summary_chars // 4 >= self.window_tokens * (
+                    self.trigger_share - self.keep_share)):
+            raise ValueError("compaction: keep_share must be below trigger_share, and a "
+                             "summary (summary_chars / 4 tokens) must fit between them")
+        return self
+
+
 class AgentSettings(_Strict):
     """The `agent:` section of the runtime configuration."""
 
@@ -99,6 +123,7 @@ class AgentSettings(_Strict):
     # the longest one model call may take, all retries included (checked against openai)
     max_model_call_s: Annotated[float, Field(gt=0)] = 300.0
     openai: OpenAISettings = OpenAISettings()
+    compaction: CompactionSettings = CompactionSettings()
 
 
 class AgentSpec(_Strict):

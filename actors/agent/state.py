@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from actors.agent import branch_events
 
 Phase = Literal["new", "running", "paused", "finished", "closed"]
-RECENT_MAX = 32
+RECENT_MAX = 256  # a backend keeps its own window; compaction keeps this well below
 RECENT_RESULT_CHARS = 2000
 
 
@@ -49,9 +49,34 @@ class Approval(_Model):
     pattern: str
     kind: str  # "permission" | "clarification"
     question: str | None = None
-    status: Literal["pending", "approved", "denied"] = "pending"
+    status: Literal["pending", "approved", "denied", "answered"] = "pending"
     always: bool = False
     note: str | None = None
+
+
+class PendingInput(_Model):
+    """An operator input (clarification answer, correction) not yet in the
+    model's history: pending, or consumed for model turn `consumed_turn` (the
+    consumption fact is on disk; the turn is not yet). Text: its file only."""
+
+    kind: Literal["answer", "correction"]
+    ident: str  # the request ("req-3.0") or the correction ("k1")
+    sha256: str
+    chars: int
+    file: str
+    consumed_turn: int | None = None
+
+
+class Compaction(_Model):
+    """A compaction's reference: its summary lives in the agent's compaction file
+    (actors/agent/compaction.py), identified by `compaction` and `sha256`."""
+
+    compaction: str  # "m<n>"
+    items: int  # how many of the oldest exchanges of `recent` it replaces
+    through_turn: int
+    sha256: str
+    chars: int
+    tokens: int
 
 
 class BudgetUse(_Model):
@@ -86,6 +111,11 @@ class AgentState(_Model):
     last_op: str | None = None
     exit_reason: str | None = None
     recent: list[dict[str, Any]] = Field(default_factory=list)
+    inputs: list[PendingInput] = Field(default_factory=list)  # actors/agent/operator_input.py
+    corrections: int = 0  # corrections recorded: the next one is k<corrections + 1>
+    summary: Compaction | None = None  # the newest compaction in effect (its boundary folded)
+    compaction_pending: Compaction | None = None  # recorded, boundary not yet: no effect
+    compactions: int = 0  # compactions recorded: the next one is m<compactions + 1>
     last_seq: int = 0
     # workspace trees, rewind and fork (actors/trees, docs/trees.md)
     tree: str | None = None  # the newest workspace tree of the active branch
@@ -164,6 +194,29 @@ def _action(state: AgentState, call: Call) -> Any:
     return state.actions[call.index] if 0 <= call.index < len(state.actions) else None
 
 
+def _add_input(state: AgentState, kind: Literal["answer", "correction"], ident: str,
+               p: dict[str, Any]) -> None:
+    state.inputs.append(PendingInput(kind=kind, ident=ident, sha256=str(p.get("sha256")),
+                                     chars=_int(p.get("chars")), file=str(p.get("file"))))
+
+
+def _int(value: Any, default: int = 0) -> int:
+    """A count from a payload; anything that is not one gives `default`."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _deliver_inputs(state: AgentState) -> None:
+    """A model turn was recorded: the inputs consumed for it join the history."""
+    keep = []
+    for item in state.inputs:
+        if item.consumed_turn is not None and item.consumed_turn <= state.turn:
+            _remember(state, {"turn": state.turn, "input": item.kind, "id": item.ident,
+                              "sha256": item.sha256, "chars": item.chars, "file": item.file})
+        else:
+            keep.append(item)
+    state.inputs = keep
+
+
 def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
     match event:
         case "session_start":
@@ -181,6 +234,7 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
             state.calls = {}
             state.actions = list(actions)
             state.open_turn = state.turn if actions else None
+            _deliver_inputs(state)
             if p.get("text"):
                 _remember(state, {"turn": state.turn, "text": str(p["text"])[:RECENT_RESULT_CHARS]})
         case "tool_call":
@@ -215,8 +269,9 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
                     question=p.get("question"))
         case "approval_answer":
             approval = state.approvals.get(str(p.get("request")))
-            if approval is None or approval.status != "pending":
-                return
+            if approval is None or approval.status != "pending" or \
+                    approval.kind == "clarification":
+                return  # an approval never answers a question
             approved = p.get("decision") == "approve"
             approval.status = "approved" if approved else "denied"
             approval.always = bool(p.get("always")) and approved
@@ -225,6 +280,25 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
             if approval.always and approval.kind == "permission" and grant not in state.grants:
                 state.grants.append(grant)
                 state.grants.sort()
+        case "operator_answer":
+            approval = state.approvals.get(str(p.get("request")))
+            if approval is None or approval.status != "pending" or \
+                    approval.kind != "clarification":
+                return  # an answer never grants a permission
+            approval.status = "answered"
+            _add_input(state, "answer", approval.request, p)
+        case "operator_correction":
+            if state.phase in ("finished", "closed") or any(
+                    i.kind == "correction" and i.consumed_turn is None for i in state.inputs):
+                return  # one pending correction at a time; none after the session's end
+            state.corrections += 1
+            _add_input(state, "correction", str(p.get("correction")), p)
+        case "clarification_consumed" | "correction_consumed":
+            kind = "answer" if event == "clarification_consumed" else "correction"
+            ident = str(p.get("request" if kind == "answer" else "correction"))
+            for item in state.inputs:
+                if item.kind == kind and item.ident == ident and item.consumed_turn is None:
+                    item.consumed_turn = _int(p.get("turn"), state.turn + 1)
         case "tool_start":
             call = state.calls.get(str(p.get("call_id")))
             if call is not None:
@@ -262,6 +336,28 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
             state.exit_reason = reason
             state.phase = ("finished" if reason == "finished"
                            else "paused" if reason == "budget" else "closed")
+        case "compaction_recorded":
+            ident = f"m{state.compactions + 1}"
+            if state.compaction_pending is None and p.get("compaction") == ident:
+                state.compactions += 1
+                state.compaction_pending = Compaction(
+                    compaction=ident, items=max(0, _int(p.get("items"))),
+                    through_turn=_int(p.get("through_turn")), sha256=str(p.get("sha256")),
+                    chars=_int(p.get("chars")), tokens=_int(p.get("summary_tokens")))
+                usage = p.get("usage")
+                if isinstance(usage, dict):  # the summary's model call counts into the budget
+                    state.budget.tokens_used += _int(usage.get("tokens_in")) + _int(
+                        usage.get("tokens_out"))
+        case "compaction_boundary":
+            pending = state.compaction_pending
+            if pending is None or p.get("compaction") != pending.compaction:
+                return  # an orphaned or stale boundary changes nothing
+            del state.recent[: pending.items]
+            state.summary, state.compaction_pending = pending, None
+        case "compaction_abandoned":
+            if state.compaction_pending is not None and \
+                    p.get("compaction") == state.compaction_pending.compaction:
+                state.compaction_pending = None
         case "subagent_usage":  # a child's model usage counts into its parent's budget
             state.budget.tokens_used += int(p.get("tokens", 0))
             state.budget.cost_used += float(p.get("cost_units", 0.0))

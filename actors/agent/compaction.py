@@ -1,0 +1,234 @@
+"""Context compaction: a long session keeps its thread within the model's window.
+
+Before a model request, when the context (estimated: ~4 characters a token,
+the same figure every backend and the benchmark use) passes
+`compaction.trigger_share` of `compaction.window_tokens`, the agent asks for a
+summary of the oldest exchanges (and of the summary before them), so that
+those it keeps fill at most `keep_share` of the window. Then, in this order:
+
+1. the summary is appended to `.corral/agents/<name>/compactions.jsonl`
+   (one JSON line: compaction id, method, range, sizes, summary, sha256;
+   fsynced) -- the seeds' compaction file;
+2. `compaction_recorded` (id `m<n>`, method, `items` and `through_turn`: the
+   range of exchanges it replaces, tokens before and after, the summary's
+   sha256, characters and tokens, the summary call's usage; ledger `budget`)
+   goes to the WAL: the record;
+3. `compaction_boundary {compaction}` goes to the WAL: the boundary. Only
+   this fact changes the context (the fold drops the replaced exchanges and
+   puts the summary in their place).
+
+Killed between 2 and 3, the rebuilt state has the record pending and the
+context unchanged; the next step appends the boundary of that same record (its
+summary read back from the file), so the context equals an uninterrupted
+run's. A record whose summary cannot be read back (file lost or altered) is
+closed with `compaction_abandoned` and a new compaction is made. No fact is
+ever deleted: the raw history stays in the WAL (and the transcript).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from actors.agent.state import AgentState, Compaction
+
+FILE_NAME = "compactions.jsonl"
+CHARS_PER_TOKEN = 4
+SYSTEM_TOKENS = 200  # the system message and the task prompt, as budgeted
+MAX_READ_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Summary:
+    text: str
+    method: str  # "scripted" | "model:<name>"
+    tokens_in: int = 0
+    tokens_out: int = 0
+
+
+def tokens_of(value: Any) -> int:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                          default=str)
+    return len(text) // CHARS_PER_TOKEN + 1
+
+
+def context_tokens(state: AgentState) -> int:
+    """The estimated size of the next request's context: system, summary,
+    exchanges, and the operator inputs consumed for it."""
+    summary = state.summary.tokens if state.summary is not None else 0
+    inputs = sum(i.chars // CHARS_PER_TOKEN + 1 for i in state.inputs
+                 if i.consumed_turn is not None)
+    return SYSTEM_TOKENS + summary + inputs + sum(tokens_of(item) for item in state.recent)
+
+
+def plan(state: AgentState, window: int, keep_share: float) -> int:
+    """How many of the oldest exchanges to replace: the newest ones that fit in
+    `keep_share` of the window are kept (at least one is replaced)."""
+    budget = int(window * keep_share)
+    kept, size = 0, 0
+    for item in reversed(state.recent):
+        size += tokens_of(item)
+        if size > budget:
+            break
+        kept += 1
+    return max(1, len(state.recent) - kept)
+
+
+def due(state: AgentState, window: int | None, trigger_share: float, recent_max: int) -> bool:
+    if window is None or not state.recent:
+        return False
+    return (context_tokens(state) > window * trigger_share
+            or len(state.recent) >= recent_max * 3 // 4)
+
+
+def scripted_summary(previous: str | None, items: Sequence[dict[str, Any]], limit: int) -> str:
+    """A deterministic summary (scripted and replay models): the range, the ops
+    and their outcomes, the newest texts; the previous summary's head folded in."""
+    turns = [int(i.get("turn", 0)) for i in items]
+    ops = Counter(str((i.get("action") or {}).get("op", i.get("input", "text")))
+                  if isinstance(i.get("action") or {}, dict) else "invalid" for i in items)
+    statuses = Counter(str(i.get("status", "-")) for i in items)
+    lines = [f"Turns {min(turns)}-{max(turns)}: {len(items)} exchanges; ops "
+             + ", ".join(f"{k} x{v}" for k, v in sorted(ops.items()))
+             + "; outcomes " + ", ".join(f"{k} x{v}" for k, v in sorted(statuses.items()))]
+    for item in items[-3:]:
+        if "text" in item:
+            lines.append(f"said at turn {item.get('turn')}: {str(item['text'])[:200]}")
+    if previous:
+        lines.append("Before that: " + previous[: limit // 2])
+    return "\n".join(lines)[:limit]
+
+
+# --- the compaction file ----------------------------------------------------------
+def path_of(agent_dir: Path) -> Path:
+    return agent_dir / FILE_NAME
+
+
+def append_record(agent_dir: Path, record: dict[str, Any]) -> None:
+    """One line, fsynced (and its directory on creation), before the WAL names it."""
+    agent_dir.mkdir(parents=True, exist_ok=True)
+    path = path_of(agent_dir)
+    created = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        os.write(fd, json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+                 + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if created:
+        from broker.durable import fsync_dir  # noqa: PLC0415
+
+        fsync_dir(agent_dir)
+
+
+def read_summary(agent_dir: Path, ref: Compaction) -> str | None:
+    """The summary `ref` names, if the file holds a line with its id and hash."""
+    import hashlib  # noqa: PLC0415
+
+    try:
+        fd = os.open(path_of(agent_dir), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_READ_BYTES)
+    for line in reversed(data.splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        if not isinstance(record, dict) or record.get("compaction") != ref.compaction:
+            continue
+        text = record.get("summary")
+        if isinstance(text, str) and hashlib.sha256(text.encode()).hexdigest() == ref.sha256:
+            return text
+    return None
+
+
+class SummaryCache:
+    """Summaries by compaction id, read from the file once per process."""
+
+    def __init__(self, agent_dir: Path) -> None:
+        self.agent_dir = agent_dir
+        self.texts: dict[str, str] = {}
+
+    def get(self, ref: Compaction | None) -> str | None:
+        if ref is None:
+            return None
+        key = f"{ref.compaction}:{ref.sha256}"
+        if key not in self.texts:
+            text = read_summary(self.agent_dir, ref)
+            if text is None:
+                return f"[summary {ref.compaction} unavailable: the compaction file lost it]"
+            self.texts[key] = text
+        return self.texts[key]
+
+
+# --- the loop's step ----------------------------------------------------------------
+def summarize(backend: Any, busy: Any, previous: str | None, items: list[dict[str, Any]],
+              limit: int) -> Summary:
+    """The backend's summary when it makes one (a model call, declared through
+    `busy()` so heartbeats go on), else the deterministic scripted one."""
+    make = getattr(backend, "summarize", None)
+    if callable(make):
+        with busy():
+            made = make(previous, items, limit)
+        if isinstance(made, Summary):
+            return made
+    return Summary(scripted_summary(previous, items, limit), "scripted")
+
+
+def advance(state: AgentState, settings: Any, *, summaries: SummaryCache, backend: Any,
+            append: Any, flush: Any, hit: Any, recent_max: int, busy: Any = None) -> bool:
+    """One compaction step before a model request; False when there is none to do.
+    `append(event, payload, key, ledger)` is the loop's append (folded at once,
+    durable at `flush()`); `busy()` declares the summary's model call. The record
+    is flushed before the boundary is appended: a crash between them leaves the
+    record alone, which changes nothing until its boundary."""
+    agent_dir = summaries.agent_dir
+    pending = state.compaction_pending
+    if pending is not None:  # recorded before a crash: finish that very compaction
+        if read_summary(agent_dir, pending) is None:
+            append("compaction_abandoned", {"compaction": pending.compaction,
+                                            "reason": "summary unreadable"},
+                   f"{pending.compaction}:abandoned", None)
+        else:
+            append("compaction_boundary", {"compaction": pending.compaction},
+                   f"{pending.compaction}:boundary", None)
+        return True
+    if not due(state, settings.window_tokens, settings.trigger_share, recent_max):
+        return False
+    count = plan(state, settings.window_tokens, settings.keep_share)
+    items = state.recent[:count]
+    from contextlib import nullcontext  # noqa: PLC0415
+
+    summary = summarize(backend, busy or nullcontext, summaries.get(state.summary), items,
+                        settings.summary_chars)
+    text = summary.text[: settings.summary_chars]
+    ident = f"m{state.compactions + 1}"
+    import hashlib  # noqa: PLC0415
+
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    before = context_tokens(state)
+    replaced = sum(tokens_of(i) for i in items) + (state.summary.tokens if state.summary else 0)
+    record = {
+        "compaction": ident, "method": summary.method, "items": count,
+        "from_turn": int(items[0].get("turn", 0)), "through_turn": int(items[-1].get("turn", 0)),
+        "previous": state.summary.compaction if state.summary else None,
+        "tokens_before": before, "tokens_after": before - replaced + tokens_of(text),
+        "sha256": sha, "chars": len(text), "summary_tokens": tokens_of(text),
+        "usage": {"tokens_in": summary.tokens_in, "tokens_out": summary.tokens_out,
+                  "cost_units": round((summary.tokens_in + summary.tokens_out) / 1000, 6)},
+    }
+    append_record(agent_dir, {**record, "summary": text})
+    append("compaction_recorded", {**record, "file": FILE_NAME}, f"{ident}:record", "budget")
+    flush()
+    hit("after_compaction_recorded", ident)
+    append("compaction_boundary", {"compaction": ident}, f"{ident}:boundary", None)
+    return True

@@ -1,0 +1,119 @@
+"""Context compaction with the scripted model and a small window, as real
+processes over a real writer: an agent SIGKILLed between a compaction's record
+and its boundary rebuilds a state whose context is the one before the record
+(the orphaned half changes nothing), then finishes that very compaction, and
+ends with the same context (summaries, exchanges, sizes seen by the model) as
+an uninterrupted run; every request's context stays within the window; no
+fact is deleted. The fold's rules as units: a boundary without its record, a
+second record, an abandoned one."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from actors.agent import compaction
+from actors.agent.rebuild import rebuild
+from actors.agent.settings import CompactionSettings, write_spec
+from actors.agent.state import AgentState, fold
+from actors.writer.client import WriterClient
+from broker.statedir import StateDir
+from tests.agentkit import spec, write_task
+from tests.processes import ProcessTracker
+from tests.test_writer import start_writer
+
+WINDOW = 2048
+TEXT = "lorem ipsum dolor sit amet " * 12  # ~80 tokens a result
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def start(processes: ProcessTracker, state_dir: StateDir, name: str, env: dict[str, str]
+          ) -> Any:
+    return processes.spawn(["-m", "actors.agent", "--name", name, "--state-dir",
+                            str(state_dir.root), "--no-broker"], name=name, env=env)
+
+
+def test_killed_between_record_and_boundary_rebuilds_the_uninterrupted_context(
+        processes: ProcessTracker, state_dir: StateDir, ctx: zmq.Context[zmq.Socket[bytes]],
+        tmp_path: Path) -> None:
+    start_writer(processes, state_dir, ctx)
+    task = write_task(tmp_path / "t.yaml", [
+        {"op": "write_file", "path": "f{i}.txt", "content": TEXT},
+        {"op": "read_file", "path": "f{i}.txt"}], repeat=20)
+    settings = {"compaction": CompactionSettings(window_tokens=WINDOW, summary_chars=1000),
+                "snapshot_every": 40}
+    for name in ("ref", "victim"):
+        write_spec(state_dir, name, spec(task, **settings))
+    ref = start(processes, state_dir, "ref", {})
+    victim = start(processes, state_dir, "victim",
+                   {"CORRAL_AGENT_FAULT": "after_compaction_recorded@m2"})
+    assert victim.wait(timeout=60) == -signal.SIGKILL, processes.output("victim")
+    with WriterClient(ctx, state_dir, "probe") as writer:
+        # the orphaned record: the rebuilt context is the one before it
+        records = list(writer.read_stream("agent/victim"))
+        assert records[-1].event == "compaction_recorded"
+        rebuilt = rebuild(writer, state_dir, "victim").state
+        before = fold(AgentState(), [(r.seq, r.event, r.payload()) for r in records[:-1]])
+        assert rebuilt.compaction_pending is not None and rebuilt.compactions == 2
+        assert (rebuilt.recent, rebuilt.summary) == (before.recent, before.summary)
+        assert compaction.context_tokens(rebuilt) == compaction.context_tokens(before)
+    victim = processes.spawn(["-m", "actors.agent", "--name", "victim", "--state-dir",
+                              str(state_dir.root), "--no-broker"], name="victim-again",
+                             env={"CORRAL_AGENT_FAULT": "after_compaction_recorded@m2"})
+    assert victim.wait(timeout=60) == 0, processes.output("victim-again")
+    assert ref.wait(timeout=60) == 0, processes.output("ref")
+    with WriterClient(ctx, state_dir, "probe") as writer:
+        states = {n: rebuild(writer, state_dir, n).state for n in ("ref", "victim")}
+        events = {n: [(r.event, r.payload()) for r in writer.read_stream(f"agent/{n}")]
+                  for n in ("ref", "victim")}
+    r, v = states["ref"], states["victim"]
+    assert r.compactions >= 3 and (v.recent, v.summary, v.compactions) == (
+        r.recent, r.summary, r.compactions)
+    sizes = {n: [p["context_tokens"] for e, p in ev if e == "turn"] for n, ev in events.items()}
+    assert sizes["ref"] == sizes["victim"] and max(sizes["ref"]) <= WINDOW
+    boundaries = {n: [p["compaction"] for e, p in ev if e == "compaction_boundary"]
+                  for n, ev in events.items()}
+    assert boundaries["ref"] == boundaries["victim"] == [f"m{i}" for i in
+                                                        range(1, r.compactions + 1)]
+    # the summaries in the compaction files are the same; every turn is still in the WAL
+    files = {n: [json.loads(x) for x in compaction.path_of(state_dir.agent_dir(n))
+                 .read_text().splitlines()] for n in ("ref", "victim")}
+    assert [f["summary"] for f in files["ref"]] == [f["summary"] for f in files["victim"]]
+    assert [p["turn"] for e, p in events["victim"] if e == "turn"] == list(range(1, r.turn + 1))
+    assert v.summary is not None
+    assert compaction.read_summary(state_dir.agent_dir("victim"), v.summary) == \
+        files["ref"][-1]["summary"]
+
+
+def test_the_fold_takes_a_boundary_only_after_its_record() -> None:
+    items = [{"turn": t, "text": "x" * 40} for t in range(1, 6)]
+    state = AgentState(recent=list(items))
+    record = {"compaction": "m1", "items": 3, "through_turn": 3, "sha256": "s", "chars": 5,
+              "summary_tokens": 2, "usage": {"tokens_in": 10, "tokens_out": 2}}
+    orphan = fold(state, [(1, "compaction_boundary", {"compaction": "m1"})])
+    assert orphan.recent == items and orphan.summary is None  # no record: no effect
+    recorded = fold(state, [(1, "compaction_recorded", record)])
+    assert recorded.recent == items and recorded.compaction_pending is not None
+    assert recorded.budget.tokens_used == 12  # the summary call counts into the budget
+    twice = fold(recorded, [(2, "compaction_recorded", {**record, "compaction": "m2"})])
+    assert twice.compaction_pending == recorded.compaction_pending  # one pending at a time
+    done = fold(recorded, [(2, "compaction_boundary", {"compaction": "m1"})])
+    assert done.recent == items[3:] and done.summary is not None
+    assert done.summary.compaction == "m1" and done.compaction_pending is None
+    stale = fold(done, [(3, "compaction_boundary", {"compaction": "m1"})])
+    assert stale.recent == done.recent
+    dropped = fold(recorded, [(2, "compaction_abandoned", {"compaction": "m1"})])
+    assert dropped.recent == items and dropped.compaction_pending is None
+    assert dropped.compactions == 1  # the next one is m2: its keys are new
