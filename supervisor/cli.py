@@ -11,6 +11,7 @@
     supervisor logs [-f] [--actor A] [--level L] [--since T] [--json]
     supervisor trace AGENT [-f] [--since SEQ] [--json]  an agent's session, readable (trace.py)
     supervisor wal verify ...
+    supervisor fleet up|down|fence ...                  (supervisor/fleetcli.py)
     supervisor run [CONFIG] [--agents N]                (supervisor/run.py)
     supervisor spawn NAME --task FILE [--model M] [--json]   (supervisor/agentcli.py)
     supervisor approve AGENT REQUEST [--always] | deny AGENT REQUEST
@@ -162,6 +163,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="start at this WAL seq (default 1)")
     trace.add_argument("--json", action="store_true", help="one JSON object per record")
     sub.add_parser("wal", help="`wal verify ...`: check the WAL (see wal verify --help)")
+    sub.add_parser("fleet", help="`fleet up|down|fence ...`: a fleet of hosts (docs/fleet.md)")
     _agent_parsers(sub, common, as_json)
     completion = sub.add_parser("completion", help="print a shell completion script")
     completion.add_argument("shell", choices=["bash", "zsh"])
@@ -219,6 +221,10 @@ def _main(argv: list[str]) -> int:
 
         result: int = wal_verify(argv[2:])
         return result
+    if argv[:1] == ["fleet"]:  # supervisor/fleetcli.py (docs/fleet.md)
+        from supervisor.fleetcli import main as fleet_main
+
+        return fleet_main(argv[1:])
     args = _parser().parse_args(argv)
     return HANDLERS[args.command](args)
 

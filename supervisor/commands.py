@@ -29,6 +29,7 @@ def argv_for(spec: ChildSpec, config: Config, state_dir: StateDir) -> list[str]:
     argv = [sys.executable, "-m", _MODULES[spec.kind], "--state-dir", root]
     if spec.kind == "writer":
         argv += log_args(config, config.writer.log_level)
+        argv += config.fleet.writer_args()  # fleet mode: replicate before the ack
     elif spec.kind == "broker":
         argv += log_args(config)
         if config.broker.heartbeat_interval_ms is not None:

@@ -25,6 +25,7 @@ from pydantic import (
 
 from actors.agent.settings import AgentSettings
 from broker.errors import ConfigError
+from supervisor.fleetconfig import FleetConfig
 from supervisor.policy import Policy
 from supervisor.runconfig import RunSettings
 
@@ -187,6 +188,7 @@ class Config(_Strict):
     run: RunSettings = RunSettings()  # `supervisor run`
     metrics: MetricsConfig = MetricsConfig()
     sandbox: SandboxConfig = SandboxConfig()  # procs' command sandbox
+    fleet: FleetConfig = FleetConfig()  # a fleet of hosts on NATS JetStream (docs/fleet.md)
 
     @field_validator("sandbox", mode="before")
     @classmethod

@@ -31,6 +31,7 @@ from actors.writer.groupcommit import Ack, Batch, ManyAck, SyncWorker
 from actors.writer.ledgers import Ledgers
 from actors.writer.payload import check_payload
 from actors.writer.recovery import Recovered, recover
+from actors.writer.replicate import EXIT_FENCED, FencedError, Replicator, add_fleet_arguments
 from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
@@ -115,6 +116,9 @@ class Writer:
         self._limiter = ratelimit.LogLimiter(self.log.warning)
         self._rate_mark = (time.monotonic(), 0)
         self._rate = 0.0
+        # fleet mode: batches go to the host's JetStream stream before their ack
+        self.replicator: Replicator | None = None
+        self.unconfirmed_through = 0  # recovered records not yet known to be in the stream
 
     # --- start-up -------------------------------------------------------------
     def lock(self) -> None:
@@ -227,7 +231,9 @@ class Writer:
     def serve(self, reporter: ControlReporter | None) -> None:
         """Receive, frame and acknowledge until SIGTERM. While one batch is being
         made durable by the sync worker, the next one is received and framed."""
-        self.worker = SyncWorker(self.segment, self.ledgers)
+        replicator = self.replicator
+        self.worker = SyncWorker(self.segment, self.ledgers,
+                                 replicator.replicate if replicator is not None else None)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.worker.fileno(), zmq.POLLIN)
@@ -238,6 +244,9 @@ class Writer:
         max_batch = self.options.max_batch
         self.inflight: Batch | None = None
         self.staged = Batch()
+        if replicator is not None:  # the recovered tail to the stream first (an empty batch)
+            self.unconfirmed_through = self.head
+            self._submit()
         try:
             while not self._stopping:
                 events = dict(poller.poll(100))
@@ -259,12 +268,14 @@ class Writer:
                     self._process(frames)
                 if self.inflight is None:  # the files are quiet: checkpoint if due
                     self._maybe_checkpoint()
-                    if self.staged.bodies:
+                    if self.staged.bodies or self.staged.acks:
                         self._submit()
                 if reporter is not None:
                     reporter.tick(self.values)
                 self._limiter.tick()
             self.log.info("writer_stopping", head_seq=self.head)
+            if replicator is not None:  # a batch waiting for the cluster fails unacked
+                replicator.close(grace_s=2.0)
             if self.inflight is not None:
                 self._finish(self.worker.collect())
             if self.staged.bodies:
@@ -353,6 +364,10 @@ class Writer:
         """Frame one append into the staged batch (or answer a retried key)."""
         key = (msg.origin, msg.key)
         seq = self.dedupe.lookup(msg.origin, msg.key)
+        if seq is not None and seq <= self.unconfirmed_through:  # fleet: with the catch-up
+            self.duplicates_total += 1
+            self.staged.acks.append((ident, msg.msg_id, seq, True))
+            return
         if seq is not None:  # durable already: answer at once
             self.duplicates_total += 1
             self._send_acks([(ident, msg.msg_id, seq, True)])
@@ -467,7 +482,7 @@ class Writer:
     def _submit(self) -> None:
         batch, self.staged = self.staged, Batch()
         batch.seal(self.head + 1)  # the worker is idle: head is the last durable seq
-        if len(batch.lines) == 1:  # a lone append: sync here, no hand-off to wait for
+        if len(batch.lines) == 1 and self.replicator is None:  # a lone append: sync here
             self._finish(self.worker.run_inline(batch))
             return
         self.inflight = batch
@@ -476,6 +491,7 @@ class Writer:
     def _finish(self, batch: Batch) -> None:
         """The batch is durable: index it, remember its keys, acknowledge it."""
         self.inflight = None
+        self.unconfirmed_through = 0  # fleet: everything up to this batch is in the stream
         self.fsyncs_total += 1
         first, offset = batch.segment_first_seq, batch.offset
         for line, (stream, seq, origin, key, ledger) in zip(batch.lines, batch.meta, strict=True):
@@ -644,8 +660,9 @@ class Writer:
         )
 
     def values(self) -> dict[str, int | float]:
+        fleet = self.replicator.values() if self.replicator is not None else {}
         return {**asdict(self.statistics()), **self.fsync_ms.values(),
-                **self.batch_sizes.values()}
+                **self.batch_sizes.values(), **fleet}
 
     def close(self) -> None:
         if self._zap is not None:
@@ -673,6 +690,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
     curve.add_arguments(parser)
     logconfig.add_arguments(parser)
+    add_fleet_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -701,6 +719,11 @@ def main(argv: list[str] | None = None) -> int:
         tcp_endpoints=tuple(args.tcp),
     )
     writer = Writer(state_dir, options)
+    try:
+        writer.replicator = Replicator.from_args(args, state_dir.wal_dir)
+    except ConfigError as exc:
+        print(f"writer: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     signal.signal(signal.SIGTERM, writer.request_stop)
     signal.signal(signal.SIGINT, writer.request_stop)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -708,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         writer.lock()
         writer.recover()
+        if writer.replicator is not None:
+            writer.replicator.start()
         writer.bind(ctx)
         reporter = ControlReporter.from_env(ctx, "writer")
         if reporter is not None:
@@ -721,6 +746,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_CORRUPT
+    except FencedError as exc:
+        log.error("writer_fenced", error=str(exc))
+        print(f"writer: {exc}; nothing more is acknowledged here (docs/fleet.md)",
+              file=sys.stderr)
+        return EXIT_FENCED
     except DurabilityError as exc:
         log.error("wal_write_failed", error=str(exc))
         print(f"writer: {exc}; nothing of the failed batch was acknowledged", file=sys.stderr)
@@ -750,6 +780,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("writer_stopped", head_seq=writer.head)
         return EXIT_OK
     finally:
+        if writer.replicator is not None:
+            writer.replicator.shutdown()
         if reporter is not None:
             reporter.close()
         ctx.destroy(linger=0)
