@@ -29,6 +29,8 @@ from broker.durable import write_atomic
 from broker.errors import ConfigError
 
 CLUSTER_NAME = "corral"
+# nodes started by this process, kept so they are reaped (not collected running)
+_STARTED: dict[int, subprocess.Popen[bytes]] = {}
 MIN_SERVER = (2, 12)  # atomic batches, sync_interval; older servers are refused
 
 
@@ -125,6 +127,7 @@ def start_node(state_root: Path, node: Node) -> Node:
             start_new_session=True, close_fds=True)
     finally:
         log.close()
+    _STARTED[proc.pid] = proc
     started = Node(node.index, node.client_port, node.route_port, proc.pid)
     nodes = [started if n.index == node.index else n for n in read_cluster(state_root)]
     _write_cluster(state_root, nodes)
@@ -195,6 +198,9 @@ def wait_ready(urls: list[str], timeout_s: float) -> None:
 
 def stop_node(node: Node, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
     if node.pid <= 0 or not _alive(node.pid):
+        proc = _STARTED.pop(node.pid, None)
+        if proc is not None:
+            proc.wait(timeout_s)
         return
     os.kill(node.pid, sig)
     deadline = time.monotonic() + timeout_s
@@ -202,6 +208,9 @@ def stop_node(node: Node, sig: int = signal.SIGTERM, timeout_s: float = 10.0) ->
         time.sleep(0.05)
     if _alive(node.pid):
         os.kill(node.pid, signal.SIGKILL)
+    proc = _STARTED.pop(node.pid, None)
+    if proc is not None:
+        proc.wait(timeout_s)
 
 
 def down(state_root: Path) -> int:

@@ -187,7 +187,8 @@ class Replicator:
         self.confirmed_seq = 0  # the last WAL seq known in the stream (for status)
         self.connected = False
         self.fenced = False
-        self.waiting_since: float | None = None  # a batch waits for the stream since then
+        # the batch being replicated was handed over then (None: none is)
+        self.waiting_since: float | None = None
         self.published_total = 0
         self.retries_total = 0
         self._outage_logged = False
@@ -233,9 +234,13 @@ class Replicator:
     def replicate(self, first: int, lines: list[bytes]) -> None:
         """Block until records first..first+len(lines)-1 (and every one before
         them) are in the stream. Raises FencedError, ReplicationStoppedError."""
+        self.waiting_since = time.monotonic()
         future: Future[None] = asyncio.run_coroutine_threadsafe(
             self._replicate(first, lines), self._loop)
-        future.result()
+        try:
+            future.result()
+        finally:
+            self.waiting_since = None
 
     # --- on the event loop ----------------------------------------------------
     async def _disconnect(self) -> None:
@@ -303,7 +308,6 @@ class Replicator:
         from nats.js.errors import APIError  # noqa: PLC0415
 
         delay = 0.05
-        started = time.monotonic()
         while True:
             if self._closing:
                 raise ReplicationStoppedError(
@@ -316,12 +320,11 @@ class Replicator:
                 if exc.err_code == WRONG_LAST_SEQUENCE:
                     self.replicated_seq = None  # another message came first: re-read
                     continue
-                self._unavailable(first, started, f"api error {exc.err_code}")
+                self._unavailable(first, f"api error {exc.err_code}")
             except Exception as exc:  # noqa: BLE001 - unreachable, timed out: retry in order
-                self._unavailable(first, started, type(exc).__name__)
+                self._unavailable(first, type(exc).__name__)
             else:
                 self.connected = True
-                self.waiting_since = None
                 if self._outage_logged:
                     self.log.info("fleet_replication_resumed", replicated_seq=self.replicated_seq)
                     self._outage_logged = False
@@ -345,12 +348,10 @@ class Replicator:
         if done < last:
             await self._publish(first, lines[done + 1 - first:])
 
-    def _unavailable(self, first: int, started: float, reason: str) -> None:
+    def _unavailable(self, first: int, reason: str) -> None:
         self.connected = False
         self.replicated_seq = None  # a timed-out publish may still commit: re-read
         self.retries_total += 1
-        if self.waiting_since is None:
-            self.waiting_since = started
         if not self._outage_logged:
             self._outage_logged = True
             self.log.warning("fleet_replication_waiting", first_seq=first, reason=reason,
