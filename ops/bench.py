@@ -25,6 +25,7 @@ SUITES = {
     "status": "ops.bench_status",
     "decode": "ops.bench_decode",
     "step": "ops.bench_step",
+    "fleet": "ops.bench_fleet",
 }
 
 
