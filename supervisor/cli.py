@@ -1,7 +1,7 @@
 """`supervisor`: corral's operator command line.
 
     supervisor up [--state-dir D] [--config F] [--detach]
-    supervisor status [NAME...] [--json] [--watch]
+    supervisor status [NAME...] [--json] [--watch] [--fleet]
     supervisor stop [NAME] [--timeout-s S] [--json]     the whole tree, or one child
     supervisor start NAME [--json]
     supervisor restart NAME [--json]
@@ -131,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
                             help="show every child, or the named ones")
     status.add_argument("names", nargs="*", metavar="NAME")
     status.add_argument("--watch", action="store_true", help="refresh every second")
+    status.add_argument("--fleet", action="store_true",
+                        help="every host of the fleet (supervisor/fleetctl.py)")
     kill = sub.add_parser("kill", parents=[common, as_json],
                           help="signal a child's process group")
     kill.add_argument("target", metavar="NAME|all")
@@ -266,6 +268,12 @@ def _status(args: argparse.Namespace) -> int:
     # The fast path (docs/supervisor.md): no pydantic, no broker.protocol; the
     # reply is checked by supervisor/statusclient.py.
     from broker.statedir import StateDir
+
+    if args.fleet:  # docs/fleet.md: every host, from the KV bucket
+        from supervisor import fleetctl
+
+        return fleetctl.print_fleet_status(StateDir.at(args.state_dir),
+                                           os.environ.get("CORRAL_FLEET_CONFIG"), args.json)
     from supervisor import client, statusclient, statusfile, statusview
 
     state_dir = StateDir.at(args.state_dir)
@@ -320,6 +328,16 @@ def _status(args: argparse.Namespace) -> int:
 
 def _control(args: argparse.Namespace) -> int:
     from supervisor import ctlcli
+
+    target = getattr(args, "target", None) or ""
+    if ":" in target and args.command in ("kill", "stop", "start"):  # HOST:AGENT (fleet)
+        from broker.statedir import StateDir
+        from supervisor import fleetctl
+
+        return fleetctl.remote_control(StateDir.at(args.state_dir),
+                                       os.environ.get("CORRAL_FLEET_CONFIG"), args.command,
+                                       target, sig=getattr(args, "signal", 15),
+                                       as_json=args.json)
 
     return ctlcli.run(args)
 

@@ -79,7 +79,9 @@ def read_stream(urls: list[str], host: str) -> list[StreamMessage]:
         try:
             js = nc.jetstream(timeout=5)
             info = await js.stream_info(stream_name(host))
-            found = []
+            found: list[StreamMessage] = []
+            if int(info.state.messages) == 0:
+                return found
             for seq in range(int(info.state.first_seq), int(info.state.last_seq) + 1):
                 msg = await js.get_msg(stream_name(host), seq)
                 headers = dict(msg.headers or {})
