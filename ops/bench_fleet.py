@@ -8,6 +8,7 @@ in the same run. Target: fleet_over_local_k64 >= 0.5 (docs/fleet.md)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,101 @@ def jetstream_batches_per_s(urls: list[str], batch_bytes: int, seconds: float) -
     return asyncio.run(go())
 
 
+def stream_leader(urls: list[str], host: str) -> str:
+    import nats
+
+    from actors.writer.replicate import stream_name
+
+    async def go() -> str:
+        nc: Any = await nats.connect(urls)
+        try:
+            info = await nc.jetstream(timeout=5).stream_info(stream_name(host))
+            return str(info.cluster.leader)
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def failure_figures(cluster_root: Path, state_dir: Path, host: str) -> dict[str, float]:
+    """Measured outages on the running fleet writer: the stream leader SIGKILLed
+    (one append's stall), two of three nodes down then back (restart to ack),
+    and a fence (to the writer's exit)."""
+    import threading
+
+    import zmq
+
+    from actors.writer.client import WriterClient
+    from broker.statedir import StateDir
+    from supervisor import fleetcluster
+    from supervisor.fleetcli import fence
+
+    f: dict[str, float] = {}
+    nodes = fleetcluster.read_cluster(cluster_root)
+    urls = [n.url for n in nodes]
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    client = WriterClient(ctx, StateDir.at(state_dir), "bench-faults", timeout_s=1, retries=120)
+    try:
+        client.append("agent/bench-faults", "turn", {"n": 0}, key="f0")
+        leader = stream_leader(urls, host)
+        victim = next(n for n in nodes if f"n{n.index}" == leader)
+        t0 = time.monotonic()
+        fleetcluster.stop_node(victim, signal.SIGKILL)
+        client.append("agent/bench-faults", "turn", {"n": 1}, key="f1")
+        f["leader_kill_to_ack_ms"] = (time.monotonic() - t0) * 1000
+        fleetcluster.start_node(cluster_root, victim)
+        fleetcluster.wait_ready(urls, 30)
+        nodes = fleetcluster.read_cluster(cluster_root)
+        for node in nodes[1:]:
+            fleetcluster.stop_node(node, signal.SIGKILL)
+        done: list[float] = []
+
+        def append_once() -> None:
+            client.append("agent/bench-faults", "turn", {"n": 2}, key="f2")
+            done.append(time.monotonic())
+
+        thread = threading.Thread(target=append_once)
+        thread.start()
+        time.sleep(2.0)  # an outage of two seconds (a measurement, not a synchronisation)
+        acked_during_outage = bool(done)
+        t0 = time.monotonic()
+        for node in nodes[1:]:
+            fleetcluster.start_node(cluster_root, node)
+        thread.join(120)
+        f["majority_back_to_ack_ms"] = (done[0] - t0) * 1000 if done else float("nan")
+        f["acked_without_majority"] = float(acked_during_outage)
+        fleetcluster.wait_ready(urls, 30)
+    finally:
+        client.close()
+        ctx.destroy(linger=0)
+    from actors.writer.replicate import FleetSettings
+
+    t0 = time.monotonic()
+    asyncio.run(fence(FleetSettings(host=host, urls=tuple(urls)), "bench"))
+    f["fence_ms"] = (time.monotonic() - t0) * 1000
+    return f
+
+
+def fenced_append(state_dir: Path) -> None:
+    import zmq
+
+    from actors.writer.client import WriterClient
+    from broker.errors import RequestTimeoutError
+    from broker.statedir import StateDir
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    client = WriterClient(ctx, StateDir.at(state_dir), "bench-fenced", timeout_s=0.5, retries=2)
+    try:
+        client.append("agent/bench-fenced", "turn", {"n": 0}, key="x")
+    except RequestTimeoutError:
+        pass  # never acknowledged: the point
+    else:
+        raise AssertionError("a fenced writer acknowledged an append")
+    finally:
+        client.close()
+        ctx.destroy(linger=0)
+
+
 def run(quick: bool = False) -> dict[str, object]:
     from supervisor import fleetcluster
 
@@ -88,6 +184,12 @@ def run(quick: bool = False) -> dict[str, object]:
                 f["fleet_p50_ms_k64"] = percentile(lat, 50) * 1000
                 f["fleet_p99_ms_k64"] = percentile(lat, 99) * 1000
                 stats = writer_stats(fleet)
+                f.update(failure_figures(cluster_root, fleet, "bench"))
+                t0 = time.monotonic()
+                fenced_append(fleet)  # the next append meets the fence: the writer stops
+                writer.wait(30)
+                f["fenced_append_to_exit_ms"] = (time.monotonic() - t0) * 1000
+                f["fenced_writer_exit_code"] = float(writer.returncode or 0)
             finally:
                 stop(writer)
             batches = max(1, int(stats["batches_total"]))

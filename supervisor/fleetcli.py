@@ -100,7 +100,7 @@ async def fence(settings: FleetSettings, by: str) -> int:
     import nats  # noqa: PLC0415
 
     options = connect_options(settings, f"corral-fence-{by}")
-    options.update(allow_reconnect=False, max_reconnect_attempts=0)
+    options.update(allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet)
     nc = await nats.connect(**options)
     try:
         js = nc.jetstream(timeout=settings.publish_timeout_s * 5)
@@ -110,3 +110,7 @@ async def fence(settings: FleetSettings, by: str) -> int:
         return int(ack.seq)
     finally:
         await nc.close()
+
+
+async def _quiet(exc: Exception) -> None:
+    """nats-py prints every connection error by default; a failure reaches the caller."""

@@ -175,7 +175,8 @@ def wait_ready(urls: list[str], timeout_s: float) -> None:
 
     async def probe(url: str) -> bool:
         try:
-            nc = await nats.connect(url, connect_timeout=1, allow_reconnect=False)
+            nc = await nats.connect(url, connect_timeout=1, allow_reconnect=False,
+                                    error_cb=_quiet)
         except Exception:  # noqa: BLE001 - not up yet
             return False
         try:
@@ -219,3 +220,7 @@ def down(state_root: Path) -> int:
     for node in nodes:
         stop_node(node)
     return len(nodes)
+
+
+async def _quiet(exc: Exception) -> None:
+    """nats-py prints every connection error by default; a failure reaches the caller."""

@@ -140,7 +140,7 @@ async def _connect(config: FleetConfig) -> Any:
 
     cfg = config if config.host else config.model_copy(update={"host": "operator"})
     options = connect_options(settings_of(cfg), "corral-operator")
-    options.update(allow_reconnect=False, max_reconnect_attempts=0)
+    options.update(allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet)
     return await nats.connect(**options)
 
 
@@ -243,3 +243,7 @@ def remote_control(state_dir: StateDir, config_path: str | None, verb: str, targ
         print(f"supervisor: {verb} {target} refused: {reply.get('error')}: "
               f"{reply.get('detail')}", file=sys.stderr)
     return EXIT_OK if reply.get("ok") else EXIT_FAILED
+
+
+async def _quiet(exc: Exception) -> None:
+    """nats-py prints every connection error by default; a failure reaches the caller."""
