@@ -185,6 +185,8 @@ def _agent_parsers(sub: Any, common: argparse.ArgumentParser,
     spawn.add_argument("name")
     spawn.add_argument("--task", required=True, help="task file (YAML)")
     spawn.add_argument("--model", default=None, help="scripted | replay:STREAM | openai[:MODEL]")
+    spawn.add_argument("--host", default=None, metavar="auto|HOST",
+                       help="fleet mode: on HOST, or the least-loaded live host (docs/fleet.md)")
     for verb in ("approve", "deny"):
         answer = sub.add_parser(verb, parents=[common], help=f"{verb} an agent's request")
         answer.add_argument("agent")
@@ -256,6 +258,12 @@ def _agent_command(args: argparse.Namespace) -> int:
     from supervisor import agentcli
 
     state_dir = StateDir.at(args.state_dir)
+    if args.command == "spawn" and args.host is not None:  # fleet placement
+        from supervisor import fleetctl
+
+        return fleetctl.remote_spawn(state_dir, os.environ.get("CORRAL_FLEET_CONFIG"),
+                                     args.name, args.task, args.model, host=args.host,
+                                     as_json=args.json)
     if args.command == "spawn":
         return agentcli.spawn(state_dir, args.name, args.task, args.model, as_json=args.json)
     if args.command == "resume":

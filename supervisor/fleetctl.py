@@ -24,16 +24,23 @@ import signal as signals
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actors.writer.replicate import connect_options
+from broker.durable import write_atomic
 from broker.errors import ConfigError
 from broker.statedir import StateDir
 from supervisor.fleetconfig import FleetConfig
 
+if TYPE_CHECKING:
+    from broker import protocol
+
 MAX_SKEW_S = 30.0
 AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-VERBS = ("kill", "stop", "start")
+VERBS = ("kill", "stop", "start", "spawn")
+REQUIRED = frozenset({"verb", "host", "agent", "signal", "ts", "nonce", "mac"})
+SPAWN_FIELDS = frozenset({"task", "model"})  # spawn only: the task file's text, --model
+MAX_REQUEST_BYTES = 128 * 1024
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 4
 
 
@@ -46,9 +53,10 @@ def _mac(key: bytes, body: dict[str, Any]) -> str:
     return hmac.new(key, text, hashlib.sha256).hexdigest()
 
 
-def sign(key: bytes, verb: str, host: str, agent: str, sig: int = signals.SIGTERM) -> bytes:
+def sign(key: bytes, verb: str, host: str, agent: str, sig: int = signals.SIGTERM,
+         **extra: str | None) -> bytes:
     body = {"verb": verb, "host": host, "agent": agent, "signal": sig,
-            "ts": round(time.time(), 3), "nonce": secrets.token_hex(16)}
+            "ts": round(time.time(), 3), "nonce": secrets.token_hex(16), **extra}
     return json.dumps({**body, "mac": _mac(key, body)}).encode()
 
 
@@ -56,14 +64,14 @@ def verify(data: bytes, host: str, key: bytes | None, seen: dict[str, float]) ->
     """The checked request, or FleetControlError. `seen` remembers nonces."""
     if not key:
         raise FleetControlError("this host has no fleet.operator_key: fleet control is off")
-    if len(data) > 4096:
+    if len(data) > MAX_REQUEST_BYTES:
         raise FleetControlError("request too large")
     try:
         request = json.loads(data)
     except ValueError:
         raise FleetControlError("not JSON") from None
-    if not isinstance(request, dict) or set(request) != {"verb", "host", "agent", "signal",
-                                                         "ts", "nonce", "mac"}:
+    if not isinstance(request, dict) or not set(request) >= REQUIRED \
+            or not set(request) - REQUIRED <= SPAWN_FIELDS:
         raise FleetControlError("malformed request")
     body = {k: v for k, v in request.items() if k != "mac"}
     mac = request["mac"]
@@ -87,6 +95,10 @@ def verify(data: bytes, host: str, key: bytes | None, seen: dict[str, float]) ->
         raise FleetControlError("not an actor name")
     if not isinstance(request["signal"], int) or not 1 <= request["signal"] <= 64:
         raise FleetControlError("bad signal")
+    if request["verb"] == "spawn" and not isinstance(request.get("task"), str):
+        raise FleetControlError("spawn needs the task file's text")
+    if not isinstance(request.get("model"), str | None):
+        raise FleetControlError("bad model")
     return request
 
 
@@ -99,7 +111,12 @@ def carry_out(state_dir: StateDir, request: dict[str, Any]) -> dict[str, Any]:
 
     agent = request["agent"]
     message: client.Request
-    if request["verb"] == "kill":
+    if request["verb"] == "spawn":
+        try:
+            message = _spawn_message(state_dir, agent, request["task"], request.get("model"))
+        except (CorralError, ValueError) as exc:
+            return {"ok": False, "error": "task", "detail": str(exc).splitlines()[0]}
+    elif request["verb"] == "kill":
         message = protocol.SignalRequest(msg_id=new_msg_id("fk"), target=agent,
                                          signal=request["signal"])
     elif request["verb"] == "stop":
@@ -113,6 +130,83 @@ def carry_out(state_dir: StateDir, request: dict[str, Any]) -> dict[str, Any]:
     except CorralError as exc:
         return {"ok": False, "error": "failed", "detail": str(exc)}
     return {"ok": True, "affected": list(getattr(reply, "affected", []) or [agent])}
+
+
+def _spawn_message(state_dir: StateDir, agent: str, task: str,
+                   model: str | None) -> protocol.SpawnRequest:
+    """The task text written under this host's state directory, checked, and the
+    SpawnRequest naming it (as `supervisor spawn` on this host would send)."""
+    from actors.agent.settings import load_task  # noqa: PLC0415
+    from broker import protocol  # noqa: PLC0415
+    from broker.requester import new_msg_id  # noqa: PLC0415
+    from supervisor.agentcli import parse_model  # noqa: PLC0415
+
+    chosen = parse_model(model)
+    directory = state_dir.root / "fleet-tasks"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    path = directory / f"{agent}.yaml"
+    write_atomic(path, task.encode())
+    load_task(path)
+    return protocol.SpawnRequest(msg_id=new_msg_id("fsp"), name=agent, task=str(path),
+                                 backend=chosen["backend"], model=chosen.get("model"),
+                                 replay_stream=chosen.get("replay_stream"))
+
+
+def least_loaded(hosts: list[dict[str, Any]]) -> list[str]:
+    """Live hosts, fewest agents not stopped first (ties by name)."""
+    def load(host: dict[str, Any]) -> int:
+        return sum(1 for c in host["children"] if c.get("kind") == "agent"
+                   and c.get("state") not in ("stopped", "exited", "fatal"))
+    live = [h for h in hosts if not h["stale"]]
+    return [h["host"] for h in sorted(live, key=lambda h: (load(h), h["host"]))]
+
+
+def remote_spawn(state_dir: StateDir, config_path: str | None, name: str, task_file: str,
+                 model: str | None, *, host: str, as_json: bool) -> int:
+    """`supervisor spawn NAME --task FILE --host auto|HOST`: HOST, or the
+    least-loaded live host in the fleet view that accepts it."""
+    try:
+        config = fleet_config(state_dir, config_path)
+        key = Path(config.operator_key).read_bytes().strip() if config.operator_key else b""
+        task = Path(task_file).read_text(encoding="utf-8")
+    except (ConfigError, OSError, UnicodeDecodeError) as exc:
+        print(f"supervisor: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if not key:
+        print("supervisor: fleet.operator_key is not set: fleet control is off",
+              file=sys.stderr)
+        return EXIT_USAGE
+    candidates = least_loaded(fleet_status(config)) if host == "auto" else [host]
+    from supervisor.fleethost import control_subject  # noqa: PLC0415
+
+    async def ask(target: str) -> dict[str, Any]:
+        nc = await _connect(config)
+        try:
+            msg = await nc.request(control_subject(target),
+                                   sign(key, "spawn", target, name, task=task, model=model),
+                                   timeout=10)
+            reply: dict[str, Any] = json.loads(msg.data)
+            return reply
+        finally:
+            await nc.close()
+
+    reply: dict[str, Any] = {"ok": False, "error": "no_host", "detail": "no live host"}
+    for target in candidates:
+        try:
+            reply = asyncio.run(ask(target))
+        except Exception as exc:  # noqa: BLE001 - no responder, timeout: try the next
+            reply = {"ok": False, "error": "no_answer", "detail": type(exc).__name__}
+        reply["host"] = target
+        if reply.get("ok") or host != "auto" or reply.get("error") == "task":
+            break
+    if as_json:
+        print(json.dumps({"command": "spawn", "target": name, **reply}))
+    elif reply.get("ok"):
+        print(f"supervisor: spawned {name} on {reply['host']}")
+    else:
+        print(f"supervisor: spawn {name} refused: {reply.get('error')}: {reply.get('detail')}",
+              file=sys.stderr)
+    return EXIT_OK if reply.get("ok") else EXIT_FAILED
 
 
 # --- the CLI side ------------------------------------------------------------

@@ -28,6 +28,7 @@ from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from supervisor import fleetctl
 from supervisor.fleethost import control_subject
+from tests.agentkit import write_task
 from tests.fleetkit import Cluster, start_cluster, stop_cluster, stream_records
 from tests.processes import ProcessTracker, wait_for
 
@@ -55,7 +56,8 @@ def other_state_dir() -> Iterator[StateDir]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def host_config(state_dir: StateDir, host: str, cluster: Cluster, key: Path) -> Path:
+def host_config(state_dir: StateDir, host: str, cluster: Cluster, key: Path,
+                agents: int = 1) -> Path:
     config = {
         "heartbeat": {"interval_ms": 200, "timeout_s": 5},
         "status_interval_s": 0.3,
@@ -64,7 +66,7 @@ def host_config(state_dir: StateDir, host: str, cluster: Cluster, key: Path) -> 
             {"name": "writer", "kind": "writer", "fatal_exit_codes": [65, 77, 78], **FAST},
             {"name": "broker", "kind": "broker", **FAST},
         ],
-        "agents": {"count": 1, **FAST},
+        "agents": {"count": agents, **FAST},
         "fleet": {"host": host, "urls": cluster.urls, "operator_key": str(key),
                   "host_ttl_s": 6.0},
     }
@@ -105,7 +107,8 @@ def test_fleet_status_and_control_across_hosts(
     tag = uuid.uuid4().hex[:6]
     ha, hb = f"ha{tag}", f"hb{tag}"
     processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
-                     "--config", str(host_config(state_dir, ha, cluster, key))], name="up-a")
+                     "--config", str(host_config(state_dir, ha, cluster, key, agents=2))],
+                    name="up-a")
     up_b = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir",
                             str(other_state_dir.root), "--config",
                             str(host_config(other_state_dir, hb, cluster, key))], name="up-b")
@@ -156,6 +159,17 @@ def test_fleet_status_and_control_across_hosts(
     assert json.loads(stream_records(cluster.urls, hb)[seq])["key"] == "on-b"
     assert all(json.loads(line)["key"] != "on-b"
                for line in stream_records(cluster.urls, ha).values())
+
+    # placement: host A runs 2 agents, host B 1: `--host auto` lands on B
+    task = write_task(state_dir.root.parent / "placed.yaml",
+                      [{"op": "finish", "summary": "done"}])
+    done = cli(processes, state_dir, "spawn", "placed", "--task", str(task), "--host", "auto",
+               "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["host"] == hb
+    wait_for(lambda: "placed" in {c["name"] for c in fleet_view(processes, state_dir)[hb][
+        "children"]}, 20, "the placed agent in host B's status", interval_s=0.3)
+    assert "placed" not in {c["name"] for c in fleet_view(processes, state_dir)[ha]["children"]}
 
     # host B's supervisor SIGKILLed: its entry goes stale, with its age
     up_b.send_signal(signal.SIGKILL)
