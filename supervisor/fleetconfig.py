@@ -42,6 +42,7 @@ class FleetConfig(_Strict):
     replicas: Annotated[int, Field(ge=1, le=5)] = 3
     publish_timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0
     host_ttl_s: Annotated[float, Field(ge=1, le=3600)] = 10.0  # a silent host's entry expires
+    dead_grace_s: Annotated[float, Field(ge=0, le=3600)] = 5.0  # then, this long: dead, fenced
     operator_key: str | None = None  # shared fleet operator secret (a file): HOST:AGENT control
 
     @field_validator("urls")

@@ -157,7 +157,7 @@ def least_loaded(hosts: list[dict[str, Any]]) -> list[str]:
     def load(host: dict[str, Any]) -> int:
         return sum(1 for c in host["children"] if c.get("kind") == "agent"
                    and c.get("state") not in ("stopped", "exited", "fatal"))
-    live = [h for h in hosts if not h["stale"]]
+    live = [h for h in hosts if not h["stale"] and not h.get("dead")]
     return [h["host"] for h in sorted(live, key=lambda h: (load(h), h["host"]))]
 
 
@@ -238,36 +238,55 @@ async def _connect(config: FleetConfig) -> Any:
     return await nats.connect(**options)
 
 
-def fleet_status(config: FleetConfig) -> list[dict[str, Any]]:
-    """Every host's last status entry, with its age."""
+async def read_hosts(js: Any, ttl_s: float) -> list[dict[str, Any]]:
+    """Every host's last status entry, with its age; then the members declared
+    dead whose entry has expired (`dead`, `fenced_by`)."""
+    from nats.js.errors import BucketNotFoundError  # noqa: PLC0415
+
     from supervisor.fleethost import BUCKET  # noqa: PLC0415
+    from supervisor.fleetwatch import MEMBERS, keys_of  # noqa: PLC0415
+
+    hosts: list[dict[str, Any]] = []
+    try:
+        kv = await js.key_value(BUCKET)
+    except BucketNotFoundError:
+        return hosts
+    for key in sorted(await keys_of(kv)):
+        try:
+            entry = await kv.get(key)
+        except Exception:  # noqa: BLE001 - expired meanwhile
+            entry = None
+        if entry is None:
+            continue
+        data = json.loads(entry.value or b"{}")
+        age = time.time() - float(data.get("at", 0))
+        hosts.append({"host": key, "age_s": round(age, 1), "stale": age > ttl_s / 2,
+                      "dead": False, "children": data.get("children", []),
+                      "supervisor_pid": data.get("supervisor_pid")})
+    try:
+        members = await js.key_value(MEMBERS)
+    except BucketNotFoundError:
+        return hosts
+    seen = {h["host"] for h in hosts}
+    for key in sorted(await keys_of(members) - seen):
+        try:
+            data = json.loads((await members.get(key)).value or b"{}")
+        except Exception:  # noqa: BLE001 - deleted meanwhile
+            data = {}
+        if data.get("dead"):
+            hosts.append({"host": key, "age_s": round(time.time() - data.get("at", 0), 1),
+                          "stale": True, "dead": True, "fenced_by": data.get("fenced_by"),
+                          "children": []})
+    return hosts
+
+
+def fleet_status(config: FleetConfig) -> list[dict[str, Any]]:
+    """Every host's last status entry, with its age (and the hosts declared dead)."""
 
     async def go() -> list[dict[str, Any]]:
-        from nats.js.errors import BucketNotFoundError, NoKeysError  # noqa: PLC0415
-
         nc = await _connect(config)
         try:
-            js = nc.jetstream(timeout=5)
-            try:
-                kv = await js.key_value(BUCKET)
-                keys = await kv.keys()
-            except (BucketNotFoundError, NoKeysError):
-                return []
-            hosts = []
-            for key in sorted(keys):
-                try:
-                    entry = await kv.get(key)
-                except Exception:  # noqa: BLE001 - expired meanwhile
-                    entry = None
-                if entry is None:
-                    continue
-                data = json.loads(entry.value or b"{}")
-                age = time.time() - float(data.get("at", 0))
-                stale = age > config.host_ttl_s / 2
-                hosts.append({"host": key, "age_s": round(age, 1), "stale": stale,
-                              "children": data.get("children", []),
-                              "supervisor_pid": data.get("supervisor_pid")})
-            return hosts
+            return await read_hosts(nc.jetstream(timeout=5), config.host_ttl_s)
         finally:
             await nc.close()
 
@@ -290,6 +309,8 @@ def print_fleet_status(state_dir: StateDir, config_path: str | None, as_json: bo
         return EXIT_OK
     for host in hosts:
         mark = f"  STALE ({host['age_s']}s ago)" if host["stale"] else ""
+        if host.get("dead"):
+            mark = f"  DEAD (fenced by {host.get('fenced_by')}, {host['age_s']}s ago)"
         print(f"{host['host']}{mark}")
         for child in host["children"]:
             print(f"  {child.get('name', '?'):24} {child.get('kind', ''):10} "

@@ -36,6 +36,8 @@ from actors.writer.replicate import FleetSettings, connect_options
 from broker.durable import write_atomic
 from broker.statedir import StateDir
 from supervisor.fleetconfig import FleetConfig
+from supervisor.fleetctl import read_hosts
+from supervisor.fleetwatch import Watch
 
 log = structlog.get_logger("supervisor.fleet")
 
@@ -90,6 +92,7 @@ class FleetHost:
         self._wake = asyncio.Event()
         self._seen: dict[str, float] = {}  # nonce -> when (replays refused)
         self.published_total = 0
+        self.watch: Watch | None = None
 
     def start(self) -> None:
         write_fleet_file(self.state_dir, self.config)
@@ -132,6 +135,8 @@ class FleetHost:
             js = nc.jetstream(timeout=5)
             kv = None
             await nc.subscribe(control_subject(self.host), cb=self._on_control)
+            watch = Watch(self.host, self.config.dead_grace_s, self.config.replicas)
+            self.watch = watch
             while True:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=self.config.host_ttl_s / 3)
@@ -142,9 +147,12 @@ class FleetHost:
                 try:
                     if kv is None:
                         kv = await ensure_bucket(js, self.config)
+                    if not watch.registered and not await watch.register(js):
+                        return  # declared dead: this host reports nothing more
                     entry = {**status, "host": self.host, "at": time.time()}
                     await kv.put(self.host, json.dumps(entry).encode())
                     self.published_total += 1
+                    await watch.check(js, kv, await read_hosts(js, self.config.host_ttl_s))
                 except Exception as exc:  # noqa: BLE001 - stale until the cluster is back
                     log.warning("fleet_status_put_failed", error=type(exc).__name__)
         finally:
