@@ -268,7 +268,7 @@ class Writer:
                     self._process(frames)
                 if self.inflight is None:  # the files are quiet: checkpoint if due
                     self._maybe_checkpoint()
-                    if self.staged.bodies or self.staged.acks:
+                    if self.staged.bodies or self.staged.acks or self.staged.many_acks:
                         self._submit()
                 if reporter is not None:
                     reporter.tick(self.values)
@@ -441,10 +441,10 @@ class Writer:
                 return
             self.duplicates_total += len(keys)
             ack: ManyAck = (ident, msg.msg_id, first, len(keys), None, True)
-            if holder is None:
+            if holder is None and first > self.unconfirmed_through:
                 self._send_many_acks([ack])
-            else:
-                holder.many_acks.append(ack)
+            else:  # fleet: a recovered group is answered once it is in the stream too
+                (holder or self.staged).many_acks.append(ack)
             return
         try:
             for item in items:
