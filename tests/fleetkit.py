@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,9 @@ class Cluster:
 
     def stop(self, index: int) -> None:
         fleetcluster.stop_node(self.nodes[index])
+
+    def kill(self, index: int) -> None:
+        fleetcluster.stop_node(self.nodes[index], signal.SIGKILL)
 
     def restart(self, index: int) -> None:
         fleetcluster.start_node(self.root, self.nodes[index])
@@ -90,6 +94,21 @@ def read_stream(urls: list[str], host: str) -> list[StreamMessage]:
                 found.append(StreamMessage(seq, first, last,
                                            (msg.data or b"").splitlines(keepends=True), headers))
             return found
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def stream_leader(urls: list[str], host: str) -> str:
+    """The server name ("nK") leading `host`'s stream."""
+    import nats
+
+    async def go() -> str:
+        nc: Any = await nats.connect(urls, connect_timeout=2)
+        try:
+            info = await nc.jetstream(timeout=5).stream_info(stream_name(host))
+            return str(info.cluster.leader)
         finally:
             await nc.close()
 
