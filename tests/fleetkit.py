@@ -1,6 +1,6 @@
 """Helpers for the fleet tests: a local JetStream cluster started with the real
-`supervisor fleet up` (one per test module: the `cluster` fixture of each
-module calls `start_cluster`/`stop_cluster`), and reading a host's stream back."""
+`supervisor fleet up` (one per test session: the `fleet_cluster` fixture of
+tests/conftest.py), and reading a host's stream back."""
 
 from __future__ import annotations
 

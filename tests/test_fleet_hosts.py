@@ -1,6 +1,6 @@
 """One view of a fleet (docs/fleet.md): two corral hosts (each its own state
 directory and `supervisor up` in fleet mode) on a real 3-node JetStream
-cluster. `status --fleet` shows every host and its children, a silent host is
+fleet_cluster. `status --fleet` shows every host and its children, a silent host is
 marked stale with its age; `supervisor kill HOST:AGENT` reaches the other host
 through NATS request/reply, signed by the fleet operator, and a request not so
 signed is refused."""
@@ -29,22 +29,13 @@ from broker.statedir import StateDir
 from supervisor import fleetctl
 from supervisor.fleethost import control_subject
 from tests.agentkit import write_task
-from tests.fleetkit import Cluster, start_cluster, stop_cluster, stream_records
+from tests.fleetkit import Cluster, read_stream, stream_records
 from tests.processes import ProcessTracker, wait_for
 
 pytestmark = [pytest.mark.fleet, pytest.mark.process]
 
 FAST = {"backoff": {"base_s": 0.05, "cap_s": 0.2, "jitter": 0.0},
         "intensity": {"max_restarts": 5, "period_s": 30}, "shutdown_timeout_s": 3}
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    c = start_cluster(3)
-    try:
-        yield c
-    finally:
-        stop_cluster(c)
 
 
 @pytest.fixture
@@ -56,7 +47,7 @@ def other_state_dir() -> Iterator[StateDir]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def host_config(state_dir: StateDir, host: str, cluster: Cluster, key: Path,
+def host_config(state_dir: StateDir, host: str, fleet_cluster: Cluster, key: Path,
                 agents: int = 1) -> Path:
     config = {
         "heartbeat": {"interval_ms": 200, "timeout_s": 5},
@@ -67,7 +58,7 @@ def host_config(state_dir: StateDir, host: str, cluster: Cluster, key: Path,
             {"name": "broker", "kind": "broker", **FAST},
         ],
         "agents": {"count": agents, **FAST},
-        "fleet": {"host": host, "urls": cluster.urls, "operator_key": str(key),
+        "fleet": {"host": host, "urls": fleet_cluster.urls, "operator_key": str(key),
                   "host_ttl_s": 4.0, "dead_grace_s": 1.0},
     }
     path = state_dir.root.parent / "corral-fleet.yaml"
@@ -100,19 +91,20 @@ def child(host: dict[str, Any], name: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(150)  # two hosts, a host loss and its return (~30 s on a quiet machine)
 def test_fleet_status_and_control_across_hosts(
-        cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
+        fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
         other_state_dir: StateDir) -> None:
+    fleet_cluster.wait_ready()
     key = state_dir.root.parent / "fleet-operator.key"
     key.write_text(secrets.token_hex(32))
     key.chmod(0o600)
     tag = uuid.uuid4().hex[:6]
     ha, hb = f"ha{tag}", f"hb{tag}"
     processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
-                     "--config", str(host_config(state_dir, ha, cluster, key, agents=1))],
+                     "--config", str(host_config(state_dir, ha, fleet_cluster, key, agents=1))],
                     name="up-a")
     up_b = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir",
                             str(other_state_dir.root), "--config",
-                            str(host_config(other_state_dir, hb, cluster, key, agents=0))],
+                            str(host_config(other_state_dir, hb, fleet_cluster, key, agents=0))],
                            name="up-b")
 
     def both_running() -> dict[str, dict[str, Any]] | None:
@@ -139,14 +131,14 @@ def test_fleet_status_and_control_across_hosts(
              20, "host B's broker restarted", interval_s=0.3)
 
     # a request not signed with the operator key is refused by host B
-    forged = asyncio.run(_request(cluster.urls, control_subject(hb),
+    forged = asyncio.run(_request(fleet_cluster.urls, control_subject(hb),
                                   fleetctl.sign(b"not-the-key", "stop", hb, "agent-1")))
     assert forged["ok"] is False and forged["error"] == "forbidden"
     # a replayed (validly signed) request is refused too
     signed = fleetctl.sign(key.read_bytes().strip(), "kill", hb, "nobody")
-    first = asyncio.run(_request(cluster.urls, control_subject(hb), signed))
+    first = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
     assert first["ok"] is False and first["error"] != "forbidden"  # no such child
-    again = asyncio.run(_request(cluster.urls, control_subject(hb), signed))
+    again = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
     assert again["ok"] is False and again["error"] == "forbidden"
 
     # host B's writer replicates its WAL to its own stream, not host A's
@@ -157,9 +149,9 @@ def test_fleet_status_and_control_across_hosts(
         client.close()
     finally:
         ctx.destroy(linger=0)
-    assert json.loads(stream_records(cluster.urls, hb)[seq])["key"] == "on-b"
+    assert json.loads(stream_records(fleet_cluster.urls, hb)[seq])["key"] == "on-b"
     assert all(json.loads(line)["key"] != "on-b"
-               for line in stream_records(cluster.urls, ha).values())
+               for line in stream_records(fleet_cluster.urls, ha).values())
 
     # placement: host A runs an agent, host B none: `--host auto` lands on B
     task = write_task(state_dir.root.parent / "placed.yaml",
@@ -185,17 +177,10 @@ def test_fleet_status_and_control_across_hosts(
     assert dead["fenced_by"] == ha
     text = cli(processes, state_dir, "status", "--fleet")
     assert text.returncode == 0 and f"DEAD (fenced by {ha}" in text.stdout
-    before = stream_records(cluster.urls, hb)
-    # host B comes back: its writer meets the fence and stops (77, fatal): it
-    # acknowledges nothing, so nothing of it runs twice
-    again = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir",
-                             str(other_state_dir.root), "--config",
-                             str(other_state_dir.root.parent / "corral-fleet.yaml")],
-                            name="up-b2")
-    assert again.wait(40) != 0
-    assert "fenced" in (other_state_dir.logs_dir / "writer.log").read_text()
-    assert stream_records(cluster.urls, hb) == before
-    assert fleet_view(processes, state_dir)[hb]["dead"] is True  # not re-registered
+    # B's stream ends with A's fence: a writer of B that comes back meets it at its
+    # first publish and stops (test_fleet_wal.py: test_a_fenced_host_...)
+    fence = read_stream(fleet_cluster.urls, hb)[-1]
+    assert fence.headers["Corral-Fence"].startswith(f"by {ha} ")
 
 
 async def _request(urls: list[str], subject: str, data: bytes) -> dict[str, Any]:
