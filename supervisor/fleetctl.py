@@ -239,8 +239,8 @@ async def _connect(config: FleetConfig) -> Any:
 
 
 async def read_hosts(js: Any, ttl_s: float) -> list[dict[str, Any]]:
-    """Every host's last status entry, with its age; then the members declared
-    dead whose entry has expired (`dead`, `fenced_by`)."""
+    """Every host's last status entry, with its age; then the members whose entry
+    has expired: declared dead (`dead`, `fenced_by`) or not yet (`expired`)."""
     from nats.js.errors import BucketNotFoundError  # noqa: PLC0415
 
     from supervisor.fleethost import BUCKET  # noqa: PLC0415
@@ -277,6 +277,9 @@ async def read_hosts(js: Any, ttl_s: float) -> list[dict[str, Any]]:
             hosts.append({"host": key, "age_s": round(time.time() - data.get("at", 0), 1),
                           "stale": True, "dead": True, "fenced_by": data.get("fenced_by"),
                           "children": []})
+        elif data:  # a member whose entry expired, not (yet) declared dead
+            hosts.append({"host": key, "age_s": None, "stale": True, "dead": False,
+                          "expired": True, "children": []})
     return hosts
 
 
@@ -309,6 +312,8 @@ def print_fleet_status(state_dir: StateDir, config_path: str | None, as_json: bo
         return EXIT_OK
     for host in hosts:
         mark = f"  STALE ({host['age_s']}s ago)" if host["stale"] else ""
+        if host.get("expired"):
+            mark = f"  STALE (silent over {config.host_ttl_s:g}s: its entry expired)"
         if host.get("dead"):
             mark = f"  DEAD (fenced by {host.get('fenced_by')}, {host['age_s']}s ago)"
         print(f"{host['host']}{mark}")
