@@ -28,6 +28,7 @@ SUITES = {
     "storage": "ops.bench_storage",
     "trees": "ops.bench_trees",
     "compaction": "ops.bench_compaction",
+    "fleet": "ops.bench_fleet",
 }
 
 

@@ -3,6 +3,7 @@ child every few hundred milliseconds, then prove that nothing acknowledged was
 lost.
 
     python ops/soak.py --duration S --agents N --kill-interval-ms I [--seed X] [--json]
+    python ops/soak.py --hosts 3 --kill-host-interval-ms I [--duration S]   (ops/soak_fleet.py)
 
 It starts `supervisor up` in a fresh state directory with N agents on the soak
 task (config/tasks/soak.yaml), kills children of every kind (agents, writer,
@@ -295,6 +296,11 @@ def violations(figures: dict[str, object]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--hosts" in argv:  # the fleet soak (ops/soak_fleet.py, docs/fleet.md)
+        from ops import soak_fleet
+
+        return soak_fleet.main(argv)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -1,7 +1,7 @@
 """`supervisor`: corral's operator command line.
 
     supervisor up [--state-dir D] [--config F] [--detach]
-    supervisor status [NAME...] [--json] [--watch]
+    supervisor status [NAME...] [--json] [--watch] [--fleet]
     supervisor stop [NAME] [--timeout-s S] [--json]     the whole tree, or one child
     supervisor start NAME [--json]
     supervisor restart NAME [--json]
@@ -11,6 +11,7 @@
     supervisor logs [-f] [--actor A] [--level L] [--since T] [--json]
     supervisor trace AGENT [-f] [--since SEQ] [--json]  an agent's session, readable (trace.py)
     supervisor wal verify ...
+    supervisor fleet up|down|fence ...                  (supervisor/fleetcli.py)
     supervisor run [CONFIG] [--agents N]                (supervisor/run.py)
     supervisor spawn NAME --task FILE [--model M] [--json]   (supervisor/agentcli.py)
     supervisor approve AGENT REQUEST [--always] | deny AGENT REQUEST
@@ -133,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
                             help="show every child, or the named ones")
     status.add_argument("names", nargs="*", metavar="NAME")
     status.add_argument("--watch", action="store_true", help="refresh every second")
+    status.add_argument("--fleet", action="store_true",
+                        help="every host of the fleet (supervisor/fleetctl.py)")
     kill = sub.add_parser("kill", parents=[common, as_json],
                           help="signal a child's process group")
     kill.add_argument("target", metavar="NAME|all")
@@ -165,6 +168,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="start at this WAL seq (default 1)")
     trace.add_argument("--json", action="store_true", help="one JSON object per record")
     sub.add_parser("wal", help="`wal verify ...`: check the WAL (see wal verify --help)")
+    sub.add_parser("fleet", help="`fleet up|down|fence ...`: a fleet of hosts (docs/fleet.md)")
     _agent_parsers(sub, common, as_json)
     completion = sub.add_parser("completion", help="print a shell completion script")
     completion.add_argument("shell", choices=["bash", "zsh"])
@@ -184,6 +188,8 @@ def _agent_parsers(sub: Any, common: argparse.ArgumentParser,
     spawn.add_argument("name")
     spawn.add_argument("--task", required=True, help="task file (YAML)")
     spawn.add_argument("--model", default=None, help="scripted | replay:STREAM | openai[:MODEL]")
+    spawn.add_argument("--host", default=None, metavar="auto|HOST",
+                       help="fleet mode: on HOST, or the least-loaded live host (docs/fleet.md)")
     for verb in ("approve", "deny"):
         answer = sub.add_parser(verb, parents=[common], help=f"{verb} an agent's request")
         answer.add_argument("agent")
@@ -250,6 +256,10 @@ def _main(argv: list[str]) -> int:
 
         result: int = wal_verify(argv[2:])
         return result
+    if argv[:1] == ["fleet"]:  # supervisor/fleetcli.py (docs/fleet.md)
+        from supervisor.fleetcli import main as fleet_main
+
+        return fleet_main(argv[1:])
     args = _parser().parse_args(argv)
     return HANDLERS[args.command](args)
 
@@ -279,6 +289,12 @@ def _agent_command(args: argparse.Namespace) -> int:
     from supervisor import agentcli
 
     state_dir = StateDir.at(args.state_dir)
+    if args.command == "spawn" and args.host is not None:  # fleet placement
+        from supervisor import fleetctl
+
+        return fleetctl.remote_spawn(state_dir, os.environ.get("CORRAL_FLEET_CONFIG"),
+                                     args.name, args.task, args.model, host=args.host,
+                                     as_json=args.json)
     if args.command == "spawn":
         return agentcli.spawn(state_dir, args.name, args.task, args.model, as_json=args.json)
     if args.command == "resume":
@@ -303,6 +319,12 @@ def _status(args: argparse.Namespace) -> int:
     # The fast path (docs/supervisor.md): no pydantic, no broker.protocol; the
     # reply is checked by supervisor/statusclient.py.
     from broker.statedir import StateDir
+
+    if args.fleet:  # docs/fleet.md: every host, from the KV bucket
+        from supervisor import fleetctl
+
+        return fleetctl.print_fleet_status(StateDir.at(args.state_dir),
+                                           os.environ.get("CORRAL_FLEET_CONFIG"), args.json)
     from supervisor import client, statusclient, statusfile, statusview
 
     state_dir = StateDir.at(args.state_dir)
@@ -357,6 +379,16 @@ def _status(args: argparse.Namespace) -> int:
 
 def _control(args: argparse.Namespace) -> int:
     from supervisor import ctlcli
+
+    target = getattr(args, "target", None) or ""
+    if ":" in target and args.command in ("kill", "stop", "start"):  # HOST:AGENT (fleet)
+        from broker.statedir import StateDir
+        from supervisor import fleetctl
+
+        return fleetctl.remote_control(StateDir.at(args.state_dir),
+                                       os.environ.get("CORRAL_FLEET_CONFIG"), args.command,
+                                       target, sig=getattr(args, "signal", 15),
+                                       as_json=args.json)
 
     return ctlcli.run(args)
 

@@ -30,6 +30,7 @@ def argv_for(spec: ChildSpec, config: Config, state_dir: StateDir) -> list[str]:
     if spec.kind == "writer":
         argv += log_args(config, config.writer.log_level)
         argv += config.storage.writer_args()  # WAL retention and compaction (docs/storage.md)
+        argv += config.fleet.writer_args()  # fleet mode: replicate before the ack
     elif spec.kind == "broker":
         argv += log_args(config)
         if config.broker.heartbeat_interval_ms is not None:

@@ -25,6 +25,7 @@ from pydantic import (
 
 from actors.agent.settings import AgentSettings
 from broker.errors import ConfigError
+from supervisor.fleetconfig import FleetConfig
 from supervisor.policy import Policy
 from supervisor.runconfig import RunSettings
 from supervisor.storage import StorageConfig
@@ -189,6 +190,7 @@ class Config(_Strict):
     metrics: MetricsConfig = MetricsConfig()
     sandbox: SandboxConfig = SandboxConfig()  # procs' command sandbox
     storage: StorageConfig = StorageConfig()  # caps and collection (docs/storage.md)
+    fleet: FleetConfig = FleetConfig()  # a fleet of hosts on NATS JetStream (docs/fleet.md)
 
     @field_validator("sandbox", mode="before")
     @classmethod

@@ -33,6 +33,7 @@ from supervisor import commands, monitor, requests, spawner, statusfile, storage
 from supervisor.children import Child, describe_exit
 from supervisor.config import CORE_KINDS, KIND_ORDER, Config
 from supervisor.control import ControlServer, Incoming
+from supervisor.fleethost import FleetHost, fleet_host
 from supervisor.policy import Exit, GiveUp, Policy, Restart, decide, trim
 
 EXIT_OK = 0
@@ -86,6 +87,7 @@ class Runtime:
         self.gaps = monitor.GapDetector()
         self.listening_since = 0.0  # monotonic: silence before this is not counted
         self.metrics: MetricsServer | None = None  # started by run() when configured
+        self.fleet: FleetHost | None = None  # fleet mode: status to the KV bucket, control
 
     # --- main loop ---------------------------------------------------------------
     def run(self) -> int:
@@ -94,6 +96,7 @@ class Runtime:
         self._start_metrics()
         janitor = storage.Janitor(self.state_dir, self.config.storage)  # caps (docs/storage.md)
         janitor.start()
+        self.fleet = fleet_host(self.config.fleet, self.state_dir)  # docs/fleet.md
         log.info("supervisor_started", state_dir=str(self.state_dir.root),
                  children=len(self.children), endpoint=self.control.endpoint)
         if self.use_zygote and any(c.kind == "agent" for c in self.children.values()):
@@ -138,6 +141,8 @@ class Runtime:
             self._publish_status(time.monotonic())
             if self.metrics is not None:
                 self.metrics.close()
+            if self.fleet is not None:
+                self.fleet.close()
             self.control.close()
             self.ctx.destroy(linger=0)
             signal.set_wakeup_fd(-1)
@@ -587,6 +592,8 @@ class Runtime:
         status = self._status("status-file", now).model_dump(mode="json")
         if self.metrics is not None:
             self.metrics.update(status)
+        if self.fleet is not None:
+            self.fleet.update(status)
         try:
             statusfile.write(self.state_dir.status_path, status)
         except OSError as exc:

@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,3 +31,16 @@ def processes(state_dir: StateDir) -> Iterator[ProcessTracker]:
     leaked = tracker.cleanup()
     if leaked:
         pytest.fail("processes leaked by the test:\n" + "\n".join(leaked))
+
+
+@pytest.fixture(scope="session")
+def fleet_cluster() -> Iterator[Any]:
+    """One local 3-node NATS JetStream cluster for every fleet test of the run
+    (tests/fleetkit.py; each test uses its own host names, so its own streams)."""
+    from tests.fleetkit import start_cluster, stop_cluster
+
+    cluster = start_cluster(3)
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.writer.ledgers import Ledgers
@@ -42,20 +43,26 @@ class Batch:
     segment_first_seq: int = 0
     offset: int = -1
     sync_s: float = 0.0  # the fdatasync's duration (metrics: fsync latency histogram)
+    first_seq: int = 0  # set by seal()
 
     def seal(self, first_seq: int) -> None:
         """Frame every staged body as its final line, naming the batch
         [first_seq, first_seq + n - 1] in each (docs/wal.md, "Torn writes")."""
         last_seq = first_seq + len(self.bodies) - 1
+        self.first_seq = first_seq
         self.lines = [seal(body, crc, first_seq, last_seq) for body, crc in self.bodies]
 
 
 class SyncWorker:
     """One thread that makes batches durable; wakes the loop through a pipe."""
 
-    def __init__(self, segment: ActiveSegment, ledgers: Ledgers) -> None:
+    def __init__(self, segment: ActiveSegment, ledgers: Ledgers,
+                 replicate: Callable[[int, list[bytes]], None] | None = None) -> None:
         self.segment = segment
         self.ledgers = ledgers
+        # fleet mode (actors/writer/replicate.py): after the local fdatasync, before
+        # the ack; it blocks while the cluster is away, so never in the loop's thread
+        self.replicate = replicate
         self._wake_r, self._wake_w = os.pipe()
         self._cond = threading.Condition()
         self._todo: Batch | None = None
@@ -127,6 +134,8 @@ class SyncWorker:
             if meta[4] is not None:
                 self.ledgers.add(meta[4], line)
         self.ledgers.commit()
+        if self.replicate is not None:
+            self.replicate(batch.first_seq, batch.lines)
 
     def close(self) -> None:
         with self._cond:

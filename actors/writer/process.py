@@ -31,6 +31,7 @@ from actors.writer.groupcommit import Ack, Batch, ManyAck, SyncWorker
 from actors.writer.ledgers import Ledgers
 from actors.writer.payload import check_payload
 from actors.writer.recovery import Recovered, recover
+from actors.writer.replicate import EXIT_FENCED, FencedError, Replicator, add_fleet_arguments
 from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
@@ -119,6 +120,9 @@ class Writer:
         self._limiter = ratelimit.LogLimiter(self.log.warning)
         self._rate_mark = (time.monotonic(), 0)
         self._rate = 0.0
+        # fleet mode: batches go to the host's JetStream stream before their ack
+        self.replicator: Replicator | None = None
+        self.unconfirmed_through = 0  # recovered records not yet known to be in the stream
 
     # --- start-up -------------------------------------------------------------
     def lock(self) -> None:
@@ -233,7 +237,9 @@ class Writer:
     def serve(self, reporter: ControlReporter | None) -> None:
         """Receive, frame and acknowledge until SIGTERM. While one batch is being
         made durable by the sync worker, the next one is received and framed."""
-        self.worker = SyncWorker(self.segment, self.ledgers)
+        replicator = self.replicator
+        self.worker = SyncWorker(self.segment, self.ledgers,
+                                 replicator.replicate if replicator is not None else None)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.worker.fileno(), zmq.POLLIN)
@@ -244,6 +250,9 @@ class Writer:
         max_batch = self.options.max_batch
         self.inflight: Batch | None = None
         self.staged = Batch()
+        if replicator is not None:  # the recovered tail to the stream first (an empty batch)
+            self.unconfirmed_through = self.head
+            self._submit()
         try:
             while not self._stopping:
                 events = dict(poller.poll(100))
@@ -266,7 +275,7 @@ class Writer:
                 if self.inflight is None:  # the files are quiet: checkpoint if due
                     self.gc.tick(self)
                     self._maybe_checkpoint()
-                    if self.staged.bodies:
+                    if self.staged.bodies or self.staged.acks or self.staged.many_acks:
                         self._submit()
                 if self.storage_full is not None:
                     self._probe_storage()
@@ -274,6 +283,8 @@ class Writer:
                     reporter.tick(self.values)
                 self._limiter.tick()
             self.log.info("writer_stopping", head_seq=self.head)
+            if replicator is not None:  # a batch waiting for the cluster fails unacked
+                replicator.close(grace_s=2.0)
             if self.inflight is not None:
                 self._finish(self.worker.collect())
             if self.staged.bodies:
@@ -362,6 +373,10 @@ class Writer:
         """Frame one append into the staged batch (or answer a retried key)."""
         key = (msg.origin, msg.key)
         seq = self.dedupe.lookup(msg.origin, msg.key)
+        if seq is not None and seq <= self.unconfirmed_through:  # fleet: with the catch-up
+            self.duplicates_total += 1
+            self.staged.acks.append((ident, msg.msg_id, seq, True))
+            return
         if seq is not None:  # durable already: answer at once
             self.duplicates_total += 1
             self._send_acks([(ident, msg.msg_id, seq, True)])
@@ -441,10 +456,10 @@ class Writer:
                 return
             self.duplicates_total += len(keys)
             ack: ManyAck = (ident, msg.msg_id, first, len(keys), None, True)
-            if holder is None:
+            if holder is None and first > self.unconfirmed_through:
                 self._send_many_acks([ack])
-            else:
-                holder.many_acks.append(ack)
+            else:  # fleet: a recovered group is answered once it is in the stream too
+                (holder or self.staged).many_acks.append(ack)
             return
         try:
             for item in items:
@@ -482,7 +497,9 @@ class Writer:
     def _submit(self) -> None:
         batch, self.staged = self.staged, Batch()
         batch.seal(self.head + 1)  # the worker is idle: head is the last durable seq
-        if len(batch.lines) == 1:  # a lone append: sync here, no hand-off to wait for
+        if len(batch.lines) == 1 and self.replicator is None:
+            # a lone append: sync here, no hand-off to wait for (in fleet mode the
+            # worker thread also publishes it, so it goes through the worker)
             try:
                 self._finish(self.worker.run_inline(batch))
             except DurabilityError as exc:
@@ -541,6 +558,7 @@ class Writer:
     def _finish(self, batch: Batch) -> None:
         """The batch is durable: index it, remember its keys, acknowledge it."""
         self.inflight = None
+        self.unconfirmed_through = 0  # fleet: everything up to this batch is in the stream
         self.fsyncs_total += 1
         first, offset = batch.segment_first_seq, batch.offset
         for line, (stream, seq, origin, key, ledger) in zip(batch.lines, batch.meta, strict=True):
@@ -725,8 +743,9 @@ class Writer:
         full = self.storage_full
         storage = {"storage_full": int(full is not None),
                    "storage_free_bytes": full.free_bytes if full is not None else -1}
+        fleet = self.replicator.values() if self.replicator is not None else {}
         return {**asdict(self.statistics()), **self.fsync_ms.values(),
-                **self.batch_sizes.values(), **storage, **self.gc.values()}
+                **self.batch_sizes.values(), **storage, **self.gc.values(), **fleet}
 
     def close(self) -> None:
         if self._zap is not None:
@@ -761,6 +780,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="streams (fnmatch) that need nothing below the rewind horizon")
     curve.add_arguments(parser)
     logconfig.add_arguments(parser)
+    add_fleet_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -796,6 +816,11 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     writer = Writer(state_dir, options)
+    try:
+        writer.replicator = Replicator.from_args(args, state_dir.wal_dir)
+    except ConfigError as exc:
+        print(f"writer: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     signal.signal(signal.SIGTERM, writer.request_stop)
     signal.signal(signal.SIGINT, writer.request_stop)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -803,6 +828,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         writer.lock()
         writer.recover()
+        if writer.replicator is not None:
+            writer.replicator.start()
         writer.bind(ctx)
         reporter = ControlReporter.from_env(ctx, "writer")
         if reporter is not None:
@@ -816,6 +843,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_CORRUPT
+    except FencedError as exc:
+        log.error("writer_fenced", error=str(exc))
+        print(f"writer: {exc}; nothing more is acknowledged here (docs/fleet.md)",
+              file=sys.stderr)
+        return EXIT_FENCED
     except DurabilityError as exc:
         log.error("wal_write_failed", error=str(exc))
         print(f"writer: {exc}; nothing of the failed batch was acknowledged", file=sys.stderr)
@@ -845,6 +877,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("writer_stopped", head_seq=writer.head)
         return EXIT_OK
     finally:
+        if writer.replicator is not None:
+            writer.replicator.shutdown()
         if reporter is not None:
             reporter.close()
         ctx.destroy(linger=0)

@@ -1,0 +1,403 @@
+"""The writer's replication to NATS JetStream in fleet mode (docs/fleet.md).
+
+After a batch is durable in the local WAL (write + fdatasync) and before it is
+acknowledged, the sync worker hands it to `Replicator.replicate`, which
+returns only once the batch is stored in the host's stream
+`CORRAL_WAL_<host>` (file storage, replicas 3, servers with `sync_interval:
+always`): the fleet ack rule. A batch is one message (split into messages of
+whole records only when it exceeds the server's max payload) on
+`corral.wal.<host>.batch`, headers `Corral-Seq: first-last`, `Nats-Msg-Id:
+<host>:first-last` and `Nats-Expected-Last-Sequence` (the stream sequence
+this writer last stored). So:
+
+- a publish that timed out and committed later is never stored twice (the
+  server answers the retry as a duplicate, or the expectation fails and the
+  writer re-reads the stream's last message and finds its batch there);
+- records reach the stream gapless and in seq order; after a restart or an
+  outage the writer first publishes what the stream lacks from its local WAL;
+- fencing: a host that adopts this host's agents appends a fence message to
+  the stream (`corral.wal.<host>.fence`); every later publish of this writer
+  fails its expectation, the writer reads the fence and stops with
+  `FencedError` (exit 77): nothing more is acknowledged, so nothing runs twice.
+
+While the cluster is unreachable `replicate` keeps retrying (in order, the
+same batch) and the writer acknowledges nothing; `values()` says so in the
+writer's statistics (`fleet_connected`, `fleet_waiting_s`). nats-py is
+asyncio: the client runs on its own event-loop thread; the sync worker waits
+on it. Credentials (a creds file, an nkey seed file, TLS keys) are read by the
+client and never logged; URLs may not carry user:password (config refuses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import re
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from actors.writer.wal import WalRecord, iter_segment, list_segments
+from broker.errors import ConfigError, DurabilityError
+
+HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for a failed Nats-Expected-Last-Sequence
+STREAM_IN_USE = 10058  # a stream of that name exists (with another configuration)
+DUPLICATE_WINDOW_S = 120.0
+EXIT_FENCED = 77
+
+
+class FencedError(DurabilityError):
+    """The host's stream carries a fence: another host adopted this host's agents."""
+
+
+class ReplicationStoppedError(DurabilityError):
+    """The writer stopped while a batch still waited for the stream (not acknowledged)."""
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    host: str
+    urls: tuple[str, ...]
+    creds: str | None = None  # NATS credentials file (JWT + nkey seed)
+    nkey_seed: str | None = None  # nkey seed file
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    replicas: int = 3
+    publish_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not HOST_NAME.match(self.host):
+            raise ConfigError(f"fleet host {self.host!r}: letters, digits, _ and - only")
+        if not self.urls:
+            raise ConfigError("fleet mode needs at least one cluster URL")
+        for url in self.urls:
+            if "@" in url:
+                raise ConfigError("a fleet URL may not carry credentials: use a creds file")
+
+
+def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    """The writer's fleet options (the supervisor passes them from `fleet:`)."""
+    group = parser.add_argument_group("fleet mode (docs/fleet.md)")
+    group.add_argument("--fleet-host", default=None, help="this host's name: fleet mode on")
+    group.add_argument("--fleet-url", action="append", default=[], help="a cluster URL")
+    group.add_argument("--fleet-creds", default=None, help="NATS credentials file")
+    group.add_argument("--fleet-nkey", default=None, help="NATS nkey seed file")
+    group.add_argument("--fleet-tls-ca", default=None)
+    group.add_argument("--fleet-tls-cert", default=None)
+    group.add_argument("--fleet-tls-key", default=None)
+    group.add_argument("--fleet-replicas", type=int, default=3)
+    group.add_argument("--fleet-publish-timeout-s", type=float, default=2.0)
+
+
+def settings_from_args(args: argparse.Namespace) -> FleetSettings | None:
+    if args.fleet_host is None:
+        return None
+    return FleetSettings(
+        host=args.fleet_host, urls=tuple(args.fleet_url), creds=args.fleet_creds,
+        nkey_seed=args.fleet_nkey, tls_ca=args.fleet_tls_ca, tls_cert=args.fleet_tls_cert,
+        tls_key=args.fleet_tls_key, replicas=args.fleet_replicas,
+        publish_timeout_s=args.fleet_publish_timeout_s)
+
+
+def stream_name(host: str) -> str:
+    return f"CORRAL_WAL_{host}"
+
+
+def batch_subject(host: str) -> str:
+    return f"corral.wal.{host}.batch"
+
+
+def fence_subject(host: str) -> str:
+    return f"corral.wal.{host}.fence"
+
+
+def connect_options(settings: FleetSettings, name: str) -> dict[str, Any]:
+    """nats.connect() keyword options for these settings (reconnecting forever)."""
+    options: dict[str, Any] = {
+        "servers": list(settings.urls),
+        "name": name,
+        "connect_timeout": 1,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.25,
+    }
+    if settings.creds:
+        options["user_credentials"] = settings.creds
+    if settings.nkey_seed:
+        options["nkeys_seed"] = settings.nkey_seed
+    if settings.tls_ca or settings.tls_cert:
+        ctx = ssl.create_default_context(cafile=settings.tls_ca)
+        if settings.tls_cert:
+            ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
+        options["tls"] = ctx
+    return options
+
+
+def parse_seq_range(value: str) -> tuple[int, int]:
+    first, _, last = value.partition("-")
+    return int(first), int(last)
+
+
+def local_records(wal_dir: Path, after: int, through: int) -> Iterator[WalRecord]:
+    """The local WAL's records after seq `after` up to `through`, in order."""
+    segments = list_segments(wal_dir)
+    for i, (first, path) in enumerate(segments):
+        nxt = segments[i + 1][0] if i + 1 < len(segments) else None
+        if nxt is not None and nxt <= after + 1:
+            continue
+        for _offset, record in iter_segment(path):
+            if not isinstance(record, WalRecord):
+                return
+            if record.seq > through:
+                return
+            if record.seq > after:
+                yield record
+        del first
+
+
+class Replicator:
+    """Publishes durable batches to the host's stream; see the module docstring."""
+
+    def __init__(self, settings: FleetSettings, wal_dir: Path) -> None:
+        self.settings = settings
+        self.wal_dir = wal_dir
+        self.log: structlog.stdlib.BoundLogger = structlog.get_logger("writer.fleet")
+        self.stream = stream_name(settings.host)
+        self.subject = batch_subject(settings.host)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fleet-nats",
+                                        daemon=True)
+        self._nc: Any = None
+        self._js: Any = None
+        self._closing = False
+        self._max_payload = 1024 * 1024
+        # the stream's position (None: unknown, read it before publishing)
+        self.stream_last: int | None = None
+        self.replicated_seq: int | None = None  # the last WAL seq in the stream
+        self.confirmed_seq = 0  # the last WAL seq known in the stream (for status)
+        self.connected = False
+        self.fenced = False
+        # the batch being replicated was handed over then (None: none is)
+        self.waiting_since: float | None = None
+        self.published_total = 0
+        self.retries_total = 0
+        self._outage_logged = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, wal_dir: Path) -> Replicator | None:
+        settings = settings_from_args(args)
+        return None if settings is None else cls(settings, wal_dir)
+
+    # --- lifecycle (any thread) ---------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """Stop retrying after `grace_s` (a waiting batch then fails unacknowledged)."""
+        def stop() -> None:
+            self._closing = True
+        if grace_s > 0:
+            self._loop.call_soon_threadsafe(self._loop.call_later, grace_s, stop)
+        else:
+            self._closing = True
+
+    def shutdown(self) -> None:
+        self._closing = True
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._disconnect(), self._loop).result(5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    def values(self) -> dict[str, int | float]:
+        waiting = self.waiting_since
+        return {
+            "fleet_connected": int(self.connected),
+            "fleet_fenced": int(self.fenced),
+            "fleet_replicated_seq": self.confirmed_seq,
+            "fleet_waiting_s": round(time.monotonic() - waiting, 3) if waiting else 0.0,
+            "fleet_published_total": self.published_total,
+            "fleet_retries_total": self.retries_total,
+        }
+
+    # --- the hook (the sync worker's thread) ---------------------------------
+    def replicate(self, first: int, lines: list[bytes]) -> None:
+        """Block until records first..first+len(lines)-1 (and every one before
+        them) are in the stream. Raises FencedError, ReplicationStoppedError."""
+        self.waiting_since = time.monotonic()
+        future: Future[None] = asyncio.run_coroutine_threadsafe(
+            self._replicate(first, lines), self._loop)
+        try:
+            future.result()
+        finally:
+            self.waiting_since = None
+
+    # --- on the event loop ----------------------------------------------------
+    async def _disconnect(self) -> None:
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+
+    async def _connect(self) -> Any:
+        if self._nc is not None and self._nc.is_connected:
+            return self._js
+        if self._nc is None:
+            import nats  # noqa: PLC0415 - the fleet extra, only in fleet mode
+
+            async def quiet(exc: Exception) -> None:  # errors are counted, not printed
+                self.connected = False
+
+            self._nc = await nats.connect(
+                **connect_options(self.settings, f"corral-writer-{self.settings.host}"),
+                error_cb=quiet, disconnected_cb=self._on_disconnect)
+            self._js = self._nc.jetstream(timeout=self.settings.publish_timeout_s)
+            self._max_payload = int(self._nc.max_payload) - 4096
+            await self._ensure_stream()
+        if not self._nc.is_connected:
+            raise ConnectionError("reconnecting")
+        return self._js
+
+    async def _on_disconnect(self) -> None:
+        self.connected = False
+
+    async def _ensure_stream(self) -> None:
+        from nats.js.api import StorageType, StreamConfig  # noqa: PLC0415
+        from nats.js.errors import APIError  # noqa: PLC0415
+
+        config = StreamConfig(
+            name=self.stream,
+            subjects=[f"corral.wal.{self.settings.host}.>"],
+            num_replicas=self.settings.replicas,
+            storage=StorageType.FILE,
+            duplicate_window=DUPLICATE_WINDOW_S,
+        )
+        try:
+            await self._js.add_stream(config)
+        except APIError as exc:
+            if exc.err_code != STREAM_IN_USE:
+                raise
+            await self._js.stream_info(self.stream)  # it exists: use it as it is
+
+    async def _load_position(self) -> None:
+        info = await self._js.stream_info(self.stream)
+        last = int(info.state.last_seq)
+        if last == 0:
+            self.stream_last, self.replicated_seq = 0, 0
+            return
+        msg = await self._js.get_msg(self.stream, last)
+        headers = msg.headers or {}
+        if "Corral-Fence" in headers:
+            self.fenced = True
+            raise FencedError(f"host {self.settings.host} is fenced: "
+                              f"{headers['Corral-Fence']}")
+        self.stream_last = last
+        self.replicated_seq = parse_seq_range(headers["Corral-Seq"])[1]
+        self.confirmed_seq = self.replicated_seq
+
+    async def _replicate(self, first: int, lines: list[bytes]) -> None:
+        from nats.js.errors import APIError  # noqa: PLC0415
+
+        delay = 0.05
+        while True:
+            if self._closing:
+                raise ReplicationStoppedError(
+                    f"stopped with seq {first}-{first + len(lines) - 1} not yet in the stream")
+            try:
+                await self._attempt(first, lines)
+            except DurabilityError:
+                raise
+            except APIError as exc:
+                if exc.err_code == WRONG_LAST_SEQUENCE:
+                    self.replicated_seq = None  # another message came first: re-read
+                    continue
+                self._unavailable(first, f"api error {exc.err_code}")
+            except Exception as exc:  # noqa: BLE001 - unreachable, timed out: retry in order
+                self._unavailable(first, type(exc).__name__)
+            else:
+                self.connected = True
+                if self._outage_logged:
+                    self.log.info("fleet_replication_resumed", replicated_seq=self.replicated_seq)
+                    self._outage_logged = False
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _attempt(self, first: int, lines: list[bytes]) -> None:
+        last = first + len(lines) - 1
+        await self._connect()
+        if self.replicated_seq is None:
+            await self._load_position()
+        assert self.replicated_seq is not None
+        if self.replicated_seq > last:  # records this WAL never published
+            raise DurabilityError(
+                f"stream {self.stream} holds seq up to {self.replicated_seq}, beyond "
+                f"this WAL's {last}: it belongs to another WAL (docs/fleet.md)")
+        if self.replicated_seq < first - 1:  # the stream lacks older records
+            await self._publish_local(first - 1)
+        done = self.replicated_seq
+        if done < last:
+            await self._publish(first, lines[done + 1 - first:])
+
+    def _unavailable(self, first: int, reason: str) -> None:
+        self.connected = False
+        self.replicated_seq = None  # a timed-out publish may still commit: re-read
+        self.retries_total += 1
+        if not self._outage_logged:
+            self._outage_logged = True
+            self.log.warning("fleet_replication_waiting", first_seq=first, reason=reason,
+                             stream=self.stream)
+
+    async def _publish_local(self, through: int) -> None:
+        """Publish the local WAL's records the stream lacks, up to `through`."""
+        assert self.replicated_seq is not None
+        chunk: list[bytes] = []
+        chunk_first = self.replicated_seq + 1
+        size = 0
+        for record in local_records(self.wal_dir, self.replicated_seq, through):
+            if chunk and size + len(record.line) > self._max_payload:
+                await self._publish(chunk_first, chunk)
+                chunk, size, chunk_first = [], 0, record.seq
+            chunk.append(record.line)
+            size += len(record.line)
+        if chunk:
+            await self._publish(chunk_first, chunk)
+        if self.replicated_seq < through:
+            raise DurabilityError(f"the local WAL lacks seq {self.replicated_seq + 1}-{through}")
+
+    async def _publish(self, first: int, lines: list[bytes]) -> None:
+        """Publish records first.. as messages of at most max payload, in order."""
+        start = 0
+        while start < len(lines):
+            end, size = start, 0
+            while end < len(lines) and (end == start or size + len(lines[end])
+                                        <= self._max_payload):
+                size += len(lines[end])
+                end += 1
+            a, b = first + start, first + end - 1
+            ack = await self._js.publish(
+                self.subject, b"".join(lines[start:end]),
+                headers={"Nats-Msg-Id": f"{self.settings.host}:{a}-{b}",
+                         "Nats-Expected-Last-Sequence": str(self.stream_last),
+                         "Corral-Seq": f"{a}-{b}"})
+            if ack.duplicate:  # an earlier attempt committed: re-read to be exact
+                self.replicated_seq = None
+                await self._load_position()
+                assert self.replicated_seq is not None
+                if self.replicated_seq < b:
+                    raise DurabilityError(f"duplicate ack for {a}-{b} but the stream ends "
+                                          f"at {self.replicated_seq}")
+            else:
+                self.stream_last, self.replicated_seq = int(ack.seq), b
+            self.confirmed_seq = self.replicated_seq
+            self.published_total += 1
+            start = end

@@ -1,0 +1,116 @@
+"""`supervisor fleet ...`: the local development cluster and fleet operations
+(docs/fleet.md).
+
+    supervisor fleet up [--nodes 3] [--state-dir D] [--json]   a local JetStream cluster
+    supervisor fleet down [--state-dir D]                      stop it (its store stays)
+    supervisor fleet fence HOST [--by NAME] (--config F | --url U ...)
+                                        fence a host: its writer acknowledges nothing more
+
+Exit codes: 0 done; 1 failed (the cluster did not come up, the fence was not
+stored); 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from actors.writer.replicate import FleetSettings, connect_options, fence_subject, stream_name
+from broker.errors import ConfigError
+from broker.statedir import StateDir
+
+PROG = "supervisor fleet"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="verb", required=True)
+    up = sub.add_parser("up", help="start a local JetStream cluster under .corral/fleet/")
+    up.add_argument("--nodes", type=int, default=3)
+    up.add_argument("--state-dir", default=None)
+    up.add_argument("--json", action="store_true")
+    down = sub.add_parser("down", help="stop the local cluster")
+    down.add_argument("--state-dir", default=None)
+    fence = sub.add_parser("fence", help="fence a host (docs/fleet.md, host loss)")
+    fence.add_argument("host")
+    fence.add_argument("--by", default="operator")
+    fence.add_argument("--config", default=None, help="a configuration naming fleet.urls")
+    fence.add_argument("--url", action="append", default=[])
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.verb == "up":
+            return _up(args)
+        if args.verb == "down":
+            from supervisor import fleetcluster  # noqa: PLC0415
+
+            count = fleetcluster.down(StateDir.at(args.state_dir).root)
+            print(f"{PROG}: stopped {count} node(s)")
+            return 0
+        return _fence(args)
+    except ConfigError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _up(args: argparse.Namespace) -> int:
+    from supervisor import fleetcluster  # noqa: PLC0415
+
+    root = StateDir.at(args.state_dir).ensure().root
+    nodes = fleetcluster.up(root, args.nodes)
+    urls = [n.url for n in nodes]
+    if args.json:
+        print(json.dumps({"urls": urls, "pids": [n.pid for n in nodes],
+                          "dir": str(fleetcluster.fleet_dir(root))}))
+    else:
+        print(f"{PROG}: {len(nodes)} node(s) up: {' '.join(urls)}")
+        print("  configure hosts with: fleet: {host: NAME, urls: [" + ", ".join(urls) + "]}")
+    return 0
+
+
+def _fence(args: argparse.Namespace) -> int:
+    urls = list(args.url)
+    settings: dict[str, Any] = {}
+    if args.config:
+        from supervisor.config import load  # noqa: PLC0415
+
+        fleet = load(Path(args.config)).fleet
+        urls = urls or list(fleet.urls)
+        settings = {"creds": fleet.creds, "nkey_seed": fleet.nkey_seed, "tls_ca": fleet.tls.ca,
+                    "tls_cert": fleet.tls.cert, "tls_key": fleet.tls.key}
+    seq = asyncio.run(fence(FleetSettings(host=args.host, urls=tuple(urls), **settings),
+                            args.by))
+    print(f"{PROG}: host {args.host} fenced (stream sequence {seq})")
+    return 0
+
+
+async def fence(settings: FleetSettings, by: str) -> int:
+    """Append the fence to `settings.host`'s stream: its writer's next publish
+    fails its expected-last-sequence, reads the fence, and stops (exit 77)."""
+    import time  # noqa: PLC0415
+
+    import nats  # noqa: PLC0415
+
+    options = connect_options(settings, f"corral-fence-{by}")
+    options.update(allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet)
+    nc = await nats.connect(**options)
+    try:
+        js = nc.jetstream(timeout=settings.publish_timeout_s * 5)
+        ack = await js.publish(fence_subject(settings.host), b"",
+                               stream=stream_name(settings.host),
+                               headers={"Corral-Fence": f"by {by} at {time.time():.3f}"})
+        return int(ack.seq)
+    finally:
+        await nc.close()
+
+
+async def _quiet(exc: Exception) -> None:
+    """nats-py prints every connection error by default; a failure reaches the caller."""

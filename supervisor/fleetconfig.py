@@ -1,0 +1,79 @@
+"""The `fleet:` section of the configuration (docs/fleet.md): this host's name
+and the NATS cluster it replicates to. With `host` unset (the default) the
+runtime is one host on its own and nothing here is used.
+
+    fleet:
+      host: h1                       # this host's name in the fleet
+      urls: [nats://10.0.0.1:4222]   # the cluster (no user:password in a URL)
+      creds: /etc/corral/nats.creds  # NATS credentials file (JWT + nkey seed), or
+      nkey_seed: /etc/corral/nkey    # an nkey seed file
+      tls: {ca: ..., cert: ..., key: ...}
+      replicas: 3
+
+Credentials are paths: the writer's client reads them; neither the argv nor
+a log line ever carries a secret (`writer_args`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+HostName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class FleetTls(_Strict):
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+class FleetConfig(_Strict):
+    host: HostName | None = None  # None: fleet mode off
+    urls: list[Annotated[str, Field(pattern=r"^(nats|tls)://[^@/\s]+$")]] = Field(
+        default_factory=list)
+    creds: str | None = None
+    nkey_seed: str | None = None
+    tls: FleetTls = FleetTls()
+    replicas: Annotated[int, Field(ge=1, le=5)] = 3
+    publish_timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+    host_ttl_s: Annotated[float, Field(ge=1, le=3600)] = 10.0  # a silent host's entry expires
+    dead_grace_s: Annotated[float, Field(ge=0, le=3600)] = 5.0  # then, this long: dead, fenced
+    operator_key: str | None = None  # shared fleet operator secret (a file): HOST:AGENT control
+
+    @field_validator("urls")
+    @classmethod
+    def _no_secrets(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if "@" in url:
+                raise ValueError("a fleet URL may not carry credentials: use creds")
+        return urls
+
+    @model_validator(mode="after")
+    def _urls_with_host(self) -> FleetConfig:
+        if self.host is not None and not self.urls:
+            raise ValueError("fleet.host is set: fleet.urls must name the cluster")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.host is not None
+
+    def writer_args(self) -> list[str]:
+        """The writer's `--fleet-*` options (paths only, never a secret)."""
+        if self.host is None:
+            return []
+        args = ["--fleet-host", self.host, "--fleet-replicas", str(self.replicas),
+                "--fleet-publish-timeout-s", str(self.publish_timeout_s)]
+        for url in self.urls:
+            args += ["--fleet-url", url]
+        for flag, value in (("--fleet-creds", self.creds), ("--fleet-nkey", self.nkey_seed),
+                            ("--fleet-tls-ca", self.tls.ca), ("--fleet-tls-cert", self.tls.cert),
+                            ("--fleet-tls-key", self.tls.key)):
+            if value is not None:
+                args += [flag, value]
+        return args

@@ -1,0 +1,369 @@
+"""The fleet's operator commands across hosts (docs/fleet.md, "One view"):
+`supervisor status --fleet [--json]` reads every host's entry in the KV
+bucket; `supervisor kill|stop|start HOST:AGENT` sends a signed request to
+that host's supervisor over NATS request/reply.
+
+A request is JSON `{verb, host, agent, signal, ts, nonce}` and `mac`,
+HMAC-SHA256 of the canonical JSON (sorted keys, no spaces) under the fleet
+operator key (`fleet.operator_key`, a file every host and the operator hold,
+like `keys/operator.key` on one host). The host refuses a bad MAC, a
+timestamp more than 30 s away, a nonce it has seen, another host's name, an
+unknown verb or a name that is not an actor name; it then asks its own control
+socket as the local operator (`carry_out`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import signal as signals
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from actors.writer.replicate import connect_options
+from broker.durable import write_atomic
+from broker.errors import ConfigError
+from broker.statedir import StateDir
+from supervisor.fleetconfig import FleetConfig
+
+if TYPE_CHECKING:
+    from broker import protocol
+
+MAX_SKEW_S = 30.0
+AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+VERBS = ("kill", "stop", "start", "spawn")
+REQUIRED = frozenset({"verb", "host", "agent", "signal", "ts", "nonce", "mac"})
+SPAWN_FIELDS = frozenset({"task", "model"})  # spawn only: the task file's text, --model
+MAX_REQUEST_BYTES = 128 * 1024
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 4
+
+
+class FleetControlError(Exception):
+    """A control request refused (its reason is in the message)."""
+
+
+def _mac(key: bytes, body: dict[str, Any]) -> str:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, text, hashlib.sha256).hexdigest()
+
+
+def sign(key: bytes, verb: str, host: str, agent: str, sig: int = signals.SIGTERM,
+         **extra: str | None) -> bytes:
+    body = {"verb": verb, "host": host, "agent": agent, "signal": sig,
+            "ts": round(time.time(), 3), "nonce": secrets.token_hex(16), **extra}
+    return json.dumps({**body, "mac": _mac(key, body)}).encode()
+
+
+def verify(data: bytes, host: str, key: bytes | None, seen: dict[str, float]) -> dict[str, Any]:
+    """The checked request, or FleetControlError. `seen` remembers nonces."""
+    if not key:
+        raise FleetControlError("this host has no fleet.operator_key: fleet control is off")
+    if len(data) > MAX_REQUEST_BYTES:
+        raise FleetControlError("request too large")
+    try:
+        request = json.loads(data)
+    except ValueError:
+        raise FleetControlError("not JSON") from None
+    if not isinstance(request, dict) or not set(request) >= REQUIRED \
+            or not set(request) - REQUIRED <= SPAWN_FIELDS:
+        raise FleetControlError("malformed request")
+    body = {k: v for k, v in request.items() if k != "mac"}
+    mac = request["mac"]
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(key, body)):
+        raise FleetControlError("bad signature: not the fleet operator")
+    now = time.time()
+    ts, nonce = request["ts"], request["nonce"]
+    if not isinstance(ts, int | float) or abs(now - ts) > MAX_SKEW_S:
+        raise FleetControlError("stale or future timestamp")
+    for old, at in list(seen.items()):
+        if now - at > 2 * MAX_SKEW_S:
+            del seen[old]
+    if not isinstance(nonce, str) or nonce in seen:
+        raise FleetControlError("replayed request")
+    seen[nonce] = now
+    if request["host"] != host:
+        raise FleetControlError(f"addressed to {request['host']!r}, this is {host!r}")
+    if request["verb"] not in VERBS:
+        raise FleetControlError(f"unknown verb {request['verb']!r}")
+    if not isinstance(request["agent"], str) or not AGENT_NAME.match(request["agent"]):
+        raise FleetControlError("not an actor name")
+    if not isinstance(request["signal"], int) or not 1 <= request["signal"] <= 64:
+        raise FleetControlError("bad signal")
+    if request["verb"] == "spawn" and not isinstance(request.get("task"), str):
+        raise FleetControlError("spawn needs the task file's text")
+    if not isinstance(request.get("model"), str | None):
+        raise FleetControlError("bad model")
+    return request
+
+
+def carry_out(state_dir: StateDir, request: dict[str, Any]) -> dict[str, Any]:
+    """Ask this host's control socket, as its operator (blocking)."""
+    from broker import protocol  # noqa: PLC0415
+    from broker.errors import CorralError, RemoteError  # noqa: PLC0415
+    from broker.requester import new_msg_id  # noqa: PLC0415
+    from supervisor import client  # noqa: PLC0415
+
+    agent = request["agent"]
+    message: client.Request
+    if request["verb"] == "spawn":
+        try:
+            message = _spawn_message(state_dir, agent, request["task"], request.get("model"))
+        except (CorralError, ValueError) as exc:
+            return {"ok": False, "error": "task", "detail": str(exc).splitlines()[0]}
+    elif request["verb"] == "kill":
+        message = protocol.SignalRequest(msg_id=new_msg_id("fk"), target=agent,
+                                         signal=request["signal"])
+    elif request["verb"] == "stop":
+        message = protocol.StopRequest(msg_id=new_msg_id("fs"), target=agent)
+    else:
+        message = protocol.StartRequest(msg_id=new_msg_id("fa"), target=agent)
+    try:
+        reply = client.ask(state_dir, message, timeout_s=5)
+    except RemoteError as exc:
+        return {"ok": False, "error": exc.code, "detail": exc.detail}
+    except CorralError as exc:
+        return {"ok": False, "error": "failed", "detail": str(exc)}
+    return {"ok": True, "affected": list(getattr(reply, "affected", []) or [agent])}
+
+
+def _spawn_message(state_dir: StateDir, agent: str, task: str,
+                   model: str | None) -> protocol.SpawnRequest:
+    """The task text written under this host's state directory, checked, and the
+    SpawnRequest naming it (as `supervisor spawn` on this host would send)."""
+    from actors.agent.settings import load_task  # noqa: PLC0415
+    from broker import protocol  # noqa: PLC0415
+    from broker.requester import new_msg_id  # noqa: PLC0415
+    from supervisor.agentcli import parse_model  # noqa: PLC0415
+
+    chosen = parse_model(model)
+    directory = state_dir.root / "fleet-tasks"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    path = directory / f"{agent}.yaml"
+    write_atomic(path, task.encode())
+    load_task(path)
+    return protocol.SpawnRequest(msg_id=new_msg_id("fsp"), name=agent, task=str(path),
+                                 backend=chosen["backend"], model=chosen.get("model"),
+                                 replay_stream=chosen.get("replay_stream"))
+
+
+def least_loaded(hosts: list[dict[str, Any]]) -> list[str]:
+    """Live hosts, fewest agents not stopped first (ties by name)."""
+    def load(host: dict[str, Any]) -> int:
+        return sum(1 for c in host["children"] if c.get("kind") == "agent"
+                   and c.get("state") not in ("stopped", "exited", "fatal"))
+    live = [h for h in hosts if not h["stale"] and not h.get("dead")]
+    return [h["host"] for h in sorted(live, key=lambda h: (load(h), h["host"]))]
+
+
+def remote_spawn(state_dir: StateDir, config_path: str | None, name: str, task_file: str,
+                 model: str | None, *, host: str, as_json: bool) -> int:
+    """`supervisor spawn NAME --task FILE --host auto|HOST`: HOST, or the
+    least-loaded live host in the fleet view that accepts it."""
+    try:
+        config = fleet_config(state_dir, config_path)
+        key = Path(config.operator_key).read_bytes().strip() if config.operator_key else b""
+        task = Path(task_file).read_text(encoding="utf-8")
+    except (ConfigError, OSError, UnicodeDecodeError) as exc:
+        print(f"supervisor: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if not key:
+        print("supervisor: fleet.operator_key is not set: fleet control is off",
+              file=sys.stderr)
+        return EXIT_USAGE
+    candidates = least_loaded(fleet_status(config)) if host == "auto" else [host]
+    from supervisor.fleethost import control_subject  # noqa: PLC0415
+
+    async def ask(target: str) -> dict[str, Any]:
+        nc = await _connect(config)
+        try:
+            msg = await nc.request(control_subject(target),
+                                   sign(key, "spawn", target, name, task=task, model=model),
+                                   timeout=10)
+            reply: dict[str, Any] = json.loads(msg.data)
+            return reply
+        finally:
+            await nc.close()
+
+    reply: dict[str, Any] = {"ok": False, "error": "no_host", "detail": "no live host"}
+    for target in candidates:
+        try:
+            reply = asyncio.run(ask(target))
+        except Exception as exc:  # noqa: BLE001 - no responder, timeout: try the next
+            reply = {"ok": False, "error": "no_answer", "detail": type(exc).__name__}
+        reply["host"] = target
+        if reply.get("ok") or host != "auto" or reply.get("error") == "task":
+            break
+    if as_json:
+        print(json.dumps({"command": "spawn", "target": name, **reply}))
+    elif reply.get("ok"):
+        print(f"supervisor: spawned {name} on {reply['host']}")
+    else:
+        print(f"supervisor: spawn {name} refused: {reply.get('error')}: {reply.get('detail')}",
+              file=sys.stderr)
+    return EXIT_OK if reply.get("ok") else EXIT_FAILED
+
+
+# --- the CLI side ------------------------------------------------------------
+def fleet_config(state_dir: StateDir, config_path: str | None) -> FleetConfig:
+    """The fleet configuration: a config file's `fleet:`, else this host's run/fleet.json."""
+    if config_path is not None:
+        from supervisor.config import load  # noqa: PLC0415
+
+        config = load(Path(config_path)).fleet
+    else:
+        path = state_dir.run_dir / "fleet.json"
+        try:
+            config = FleetConfig.model_validate_json(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"no fleet configuration ({path}: {exc}); pass --config") from None
+    if not config.urls:
+        raise ConfigError("the fleet configuration names no cluster URLs")
+    return config
+
+
+async def _connect(config: FleetConfig) -> Any:
+    import nats  # noqa: PLC0415
+
+    from supervisor.fleethost import settings_of  # noqa: PLC0415
+
+    cfg = config if config.host else config.model_copy(update={"host": "operator"})
+    options = connect_options(settings_of(cfg), "corral-operator")
+    options.update(allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet)
+    return await nats.connect(**options)
+
+
+async def read_hosts(js: Any, ttl_s: float) -> list[dict[str, Any]]:
+    """Every host's last status entry, with its age; then the members whose entry
+    has expired: declared dead (`dead`, `fenced_by`) or not yet (`expired`)."""
+    from nats.js.errors import BucketNotFoundError  # noqa: PLC0415
+
+    from supervisor.fleethost import BUCKET  # noqa: PLC0415
+    from supervisor.fleetwatch import MEMBERS, keys_of  # noqa: PLC0415
+
+    hosts: list[dict[str, Any]] = []
+    try:
+        kv = await js.key_value(BUCKET)
+    except BucketNotFoundError:
+        return hosts
+    for key in sorted(await keys_of(kv)):
+        try:
+            entry = await kv.get(key)
+        except Exception:  # noqa: BLE001 - expired meanwhile
+            entry = None
+        if entry is None:
+            continue
+        data = json.loads(entry.value or b"{}")
+        age = time.time() - float(data.get("at", 0))
+        hosts.append({"host": key, "age_s": round(age, 1), "stale": age > ttl_s / 2,
+                      "dead": False, "children": data.get("children", []),
+                      "supervisor_pid": data.get("supervisor_pid")})
+    try:
+        members = await js.key_value(MEMBERS)
+    except BucketNotFoundError:
+        return hosts
+    seen = {h["host"] for h in hosts}
+    for key in sorted(await keys_of(members) - seen):
+        try:
+            data = json.loads((await members.get(key)).value or b"{}")
+        except Exception:  # noqa: BLE001 - deleted meanwhile
+            data = {}
+        if data.get("dead"):
+            hosts.append({"host": key, "age_s": round(time.time() - data.get("at", 0), 1),
+                          "stale": True, "dead": True, "fenced_by": data.get("fenced_by"),
+                          "children": []})
+        elif data:  # a member whose entry expired, not (yet) declared dead
+            hosts.append({"host": key, "age_s": None, "stale": True, "dead": False,
+                          "expired": True, "children": []})
+    return hosts
+
+
+def fleet_status(config: FleetConfig) -> list[dict[str, Any]]:
+    """Every host's last status entry, with its age (and the hosts declared dead)."""
+
+    async def go() -> list[dict[str, Any]]:
+        nc = await _connect(config)
+        try:
+            return await read_hosts(nc.jetstream(timeout=5), config.host_ttl_s)
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def print_fleet_status(state_dir: StateDir, config_path: str | None, as_json: bool) -> int:
+    try:
+        config = fleet_config(state_dir, config_path)
+        hosts = fleet_status(config)
+    except ConfigError as exc:
+        print(f"supervisor: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - the cluster is away
+        print(f"supervisor: the fleet's cluster did not answer ({type(exc).__name__})",
+              file=sys.stderr)
+        return EXIT_NO_ANSWER
+    if as_json:
+        print(json.dumps({"hosts": hosts}))
+        return EXIT_OK
+    for host in hosts:
+        mark = f"  STALE ({host['age_s']}s ago)" if host["stale"] else ""
+        if host.get("expired"):
+            mark = f"  STALE (silent over {config.host_ttl_s:g}s: its entry expired)"
+        if host.get("dead"):
+            mark = f"  DEAD (fenced by {host.get('fenced_by')}, {host['age_s']}s ago)"
+        print(f"{host['host']}{mark}")
+        for child in host["children"]:
+            print(f"  {child.get('name', '?'):24} {child.get('kind', ''):10} "
+                  f"{child.get('state', '?'):10} pid {child.get('pid') or '-'}")
+    if not hosts:
+        print("no host has reported")
+    return EXIT_OK
+
+
+def remote_control(state_dir: StateDir, config_path: str | None, verb: str, target: str, *,
+                   sig: int, as_json: bool) -> int:
+    host, _, agent = target.partition(":")
+    try:
+        config = fleet_config(state_dir, config_path)
+        key = Path(config.operator_key).read_bytes().strip() if config.operator_key else b""
+    except (ConfigError, OSError) as exc:
+        print(f"supervisor: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if not key:
+        print("supervisor: fleet.operator_key is not set: fleet control is off",
+              file=sys.stderr)
+        return EXIT_USAGE
+    from supervisor.fleethost import control_subject  # noqa: PLC0415
+
+    async def go() -> dict[str, Any]:
+        nc = await _connect(config)
+        try:
+            msg = await nc.request(control_subject(host), sign(key, verb, host, agent, sig),
+                                   timeout=10)
+            reply: dict[str, Any] = json.loads(msg.data)
+            return reply
+        finally:
+            await nc.close()
+
+    try:
+        reply = asyncio.run(go())
+    except Exception as exc:  # noqa: BLE001 - no responder, timeout, cluster away
+        print(f"supervisor: host {host} did not answer ({type(exc).__name__})", file=sys.stderr)
+        return EXIT_NO_ANSWER
+    if as_json:
+        print(json.dumps({"command": verb, "target": target, **reply}))
+    elif reply.get("ok"):
+        print(f"{verb} {target}: done")
+    else:
+        print(f"supervisor: {verb} {target} refused: {reply.get('error')}: "
+              f"{reply.get('detail')}", file=sys.stderr)
+    return EXIT_OK if reply.get("ok") else EXIT_FAILED
+
+
+async def _quiet(exc: Exception) -> None:
+    """nats-py prints every connection error by default; a failure reaches the caller."""

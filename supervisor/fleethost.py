@@ -1,0 +1,193 @@
+"""A host supervisor's part in the fleet (docs/fleet.md, "One view"): in fleet
+mode the supervisor starts one `FleetHost`, a thread with its own asyncio
+loop and NATS connection, that
+
+- puts the supervisor's status (what `supervisor status --json` shows, plus
+  the host's name and the time) into the KV bucket `corral_hosts` under the
+  host's name at every status interval; the bucket's TTL (`fleet.host_ttl_s`)
+  makes a silent host's entry expire, so `status --fleet` marks it stale and
+  host-loss detection can see it go;
+- answers control requests on `corral.ctl.<host>` (NATS request/reply):
+  `kill`, `stop`, `start` of one child, each signed by the fleet operator
+  (HMAC-SHA256 with the shared `fleet.operator_key`, a timestamp within 30 s,
+  a nonce never seen before; `fleetctl.sign`). A valid request is carried out
+  through the host's own control socket as the local operator, so it gets
+  exactly the checks and answers of `supervisor kill NAME` on that host.
+
+It also writes `run/fleet.json` (the cluster URLs and credential *paths*, no
+secret) so `supervisor status --fleet` and `supervisor kill HOST:AGENT` on
+this host need no other configuration. Nothing here ever stops the
+supervisor: a cluster that is away only makes the entry go stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from actors.writer.replicate import FleetSettings, connect_options
+from broker.durable import write_atomic
+from broker.statedir import StateDir
+from supervisor.fleetconfig import FleetConfig
+from supervisor.fleetctl import read_hosts
+from supervisor.fleetwatch import Watch
+
+log = structlog.get_logger("supervisor.fleet")
+
+BUCKET = "corral_hosts"
+CONTROL_VERBS = frozenset({"kill", "stop", "start"})
+
+
+def settings_of(config: FleetConfig) -> FleetSettings:
+    assert config.host is not None
+    return FleetSettings(host=config.host, urls=tuple(config.urls), creds=config.creds,
+                         nkey_seed=config.nkey_seed, tls_ca=config.tls.ca,
+                         tls_cert=config.tls.cert, tls_key=config.tls.key,
+                         replicas=config.replicas,
+                         publish_timeout_s=config.publish_timeout_s)
+
+
+def control_subject(host: str) -> str:
+    return f"corral.ctl.{host}"
+
+
+def write_fleet_file(state_dir: StateDir, config: FleetConfig) -> Path:
+    """run/fleet.json: how this host reaches the cluster (paths, never secrets)."""
+    path = state_dir.run_dir / "fleet.json"
+    data = config.model_dump(mode="json")
+    write_atomic(path, json.dumps(data).encode())
+    return path
+
+
+async def ensure_bucket(js: Any, config: FleetConfig) -> Any:
+    from nats.js.api import KeyValueConfig, StorageType  # noqa: PLC0415
+    from nats.js.errors import BucketNotFoundError  # noqa: PLC0415
+
+    try:
+        return await js.key_value(BUCKET)
+    except BucketNotFoundError:
+        return await js.create_key_value(KeyValueConfig(
+            bucket=BUCKET, history=1, ttl=config.host_ttl_s, replicas=config.replicas,
+            storage=StorageType.FILE))
+
+
+class FleetHost:
+    def __init__(self, config: FleetConfig, state_dir: StateDir) -> None:
+        assert config.host is not None
+        self.config = config
+        self.host = config.host
+        self.state_dir = state_dir
+        self._status: dict[str, Any] | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fleet-host",
+                                        daemon=True)
+        self._task: asyncio.Future[None] | None = None
+        self._wake = asyncio.Event()
+        self._seen: dict[str, float] = {}  # nonce -> when (replays refused)
+        self.published_total = 0
+        self.watch: Watch | None = None
+
+    def start(self) -> None:
+        write_fleet_file(self.state_dir, self.config)
+        self._thread.start()
+        self._task = asyncio.run_coroutine_threadsafe(self._main(), self._loop)  # type: ignore[assignment]
+
+    def update(self, status: dict[str, Any]) -> None:
+        """The supervisor's newest status (called at every status interval)."""
+        self._status = status
+        self._loop.call_soon_threadsafe(self._wake.set)
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def stop() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    # --- on the loop ----------------------------------------------------------
+    async def _main(self) -> None:
+        import nats  # noqa: PLC0415 - the fleet extra
+
+        options = connect_options(settings_of(self.config), f"corral-host-{self.host}")
+        while True:
+            try:
+                nc = await nats.connect(**options)
+                break
+            except Exception as exc:  # noqa: BLE001 - the cluster is away: try again
+                log.warning("fleet_connect_failed", error=type(exc).__name__)
+                await asyncio.sleep(1)
+        try:
+            js = nc.jetstream(timeout=5)
+            kv = None
+            await nc.subscribe(control_subject(self.host), cb=self._on_control)
+            watch = Watch(self.host, self.config.dead_grace_s, self.config.replicas)
+            self.watch = watch
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.config.host_ttl_s / 3)
+                self._wake.clear()
+                status = self._status
+                if status is None:
+                    continue
+                try:
+                    if kv is None:
+                        kv = await ensure_bucket(js, self.config)
+                    if not watch.registered and not await watch.register(js):
+                        return  # declared dead: this host reports nothing more
+                    entry = {**status, "host": self.host, "at": time.time()}
+                    await kv.put(self.host, json.dumps(entry).encode())
+                    self.published_total += 1
+                    await watch.check(js, kv, await read_hosts(js, self.config.host_ttl_s))
+                except Exception as exc:  # noqa: BLE001 - stale until the cluster is back
+                    log.warning("fleet_status_put_failed", error=type(exc).__name__)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+    async def _on_control(self, msg: Any) -> None:
+        from supervisor import fleetctl  # noqa: PLC0415
+
+        try:
+            request = fleetctl.verify(msg.data, self.host, self._operator_key(), self._seen)
+        except fleetctl.FleetControlError as exc:
+            log.warning("fleet_control_refused", reason=str(exc)[:200])
+            await msg.respond(json.dumps({"ok": False, "error": "forbidden",
+                                          "detail": str(exc)}).encode())
+            return
+        log.info("fleet_control", verb=request["verb"], agent=request["agent"])
+        reply = await asyncio.get_running_loop().run_in_executor(
+            None, fleetctl.carry_out, self.state_dir, request)
+        await msg.respond(json.dumps(reply).encode())
+
+    def _operator_key(self) -> bytes | None:
+        path = self.config.operator_key
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes().strip()
+        except OSError:
+            return None
+
+
+def fleet_host(config: FleetConfig, state_dir: StateDir) -> FleetHost | None:
+    """The started FleetHost in fleet mode (`fleet.host` set), else None."""
+    if not config.enabled:
+        return None
+    host = FleetHost(config, state_dir)
+    host.start()
+    return host

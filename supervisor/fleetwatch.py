@@ -1,0 +1,139 @@
+"""Host loss: declaring a silent host dead and fencing it (docs/fleet.md).
+
+Every host supervisor registers in the KV bucket `corral_members` (no TTL) and
+keeps its status entry alive in `corral_hosts` (TTL `fleet.host_ttl_s`). Each
+live host runs `Watch.check` at every status round: a member whose status
+entry has been gone for `fleet.dead_grace_s` is dead. The live host first in
+`least_loaded` order (fewest agents, then name) fences it: it appends a fence
+to the dead host's stream with `Nats-Expected-Last-Sequence` set to the
+stream's last sequence, so of two hosts that race, one fence is stored and the
+other fails its expectation; then it marks the member `dead` (with
+`fenced_by` and the time). From then on the dead host's writer acknowledges
+nothing (its next publish meets the fence, it exits 77), so a host that comes
+back runs nothing twice. A host that finds itself marked dead at start-up
+does not re-register.
+
+Not built yet: adopting the dead host's agents on live hosts (state from its
+stream, workspace from the newest tree); the fence is the part that makes
+such an adoption safe.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import structlog
+
+from actors.writer.replicate import fence_subject, stream_name
+
+log = structlog.get_logger("supervisor.fleet")
+
+MEMBERS = "corral_members"
+
+
+async def members_bucket(js: Any, replicas: int) -> Any:
+    from nats.js.api import KeyValueConfig, StorageType  # noqa: PLC0415
+    from nats.js.errors import BucketNotFoundError  # noqa: PLC0415
+
+    try:
+        return await js.key_value(MEMBERS)
+    except BucketNotFoundError:
+        return await js.create_key_value(KeyValueConfig(
+            bucket=MEMBERS, history=1, replicas=replicas, storage=StorageType.FILE))
+
+
+async def keys_of(kv: Any) -> set[str]:
+    from nats.js.errors import NoKeysError  # noqa: PLC0415
+
+    try:
+        return set(await kv.keys())
+    except NoKeysError:
+        return set()
+
+
+async def fence_host(js: Any, dead: str, by: str) -> bool:
+    """Append the fence to `dead`'s stream if nobody else did first; True if ours
+    was stored (or the stream was already fenced by `by`)."""
+    from nats.js.errors import APIError, NotFoundError  # noqa: PLC0415
+
+    stream = stream_name(dead)
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        return False  # it never wrote: nothing to fence (its writer creates the stream)
+    last = int(info.state.last_seq)
+    if last:
+        msg = await js.get_msg(stream, last)
+        fenced = (msg.headers or {}).get("Corral-Fence")
+        if fenced is not None:
+            return bool(fenced.startswith(f"by {by} "))
+    try:
+        await js.publish(fence_subject(dead), b"", stream=stream, headers={
+            "Corral-Fence": f"by {by} at {time.time():.3f}",
+            "Nats-Expected-Last-Sequence": str(last)})
+    except APIError as exc:
+        log.info("fleet_fence_lost_race", host=dead, error=str(exc)[:200])
+        return False
+    return True
+
+
+class Watch:
+    """Per host supervisor: registration, and the dead-host check."""
+
+    def __init__(self, host: str, grace_s: float, replicas: int) -> None:
+        self.host = host
+        self.grace_s = grace_s
+        self.replicas = replicas
+        self.members: Any = None
+        self.missing_since: dict[str, float] = {}
+        self.registered = False
+        self.declared: list[str] = []
+
+    async def register(self, js: Any) -> bool:
+        """Register this host; False if the fleet declared it dead (fenced)."""
+        from nats.js.errors import KeyNotFoundError  # noqa: PLC0415
+
+        self.members = await members_bucket(js, self.replicas)
+        try:
+            entry = await self.members.get(self.host)
+            if json.loads(entry.value or b"{}").get("dead"):
+                log.error("fleet_host_declared_dead", host=self.host,
+                          detail="fenced by the fleet: start it under a new host name")
+                return False
+        except KeyNotFoundError:
+            pass
+        await self.members.put(self.host, json.dumps(
+            {"host": self.host, "since": time.time()}).encode())
+        self.registered = True
+        return True
+
+    async def check(self, js: Any, hosts_kv: Any, hosts: list[dict[str, Any]]) -> None:
+        """Declare dead (and fence) the members silent for longer than the grace."""
+        from supervisor.fleetctl import least_loaded  # noqa: PLC0415
+
+        if not self.registered:
+            return
+        now = time.monotonic()
+        live = await keys_of(hosts_kv)
+        for member in await keys_of(self.members):
+            if member == self.host or member in live:
+                self.missing_since.pop(member, None)
+                continue
+            entry = await self.members.get(member)
+            if json.loads(entry.value or b"{}").get("dead"):
+                continue
+            since = self.missing_since.setdefault(member, now)
+            if now - since < self.grace_s:
+                continue
+            order = least_loaded(hosts)
+            if not order or order[0] != self.host:
+                continue  # another live host adopts
+            if await fence_host(js, member, self.host):
+                await self.members.put(member, json.dumps(
+                    {"host": member, "dead": True, "fenced_by": self.host,
+                     "at": time.time()}).encode())
+                self.declared.append(member)
+                log.warning("fleet_host_declared_dead", host=member, fenced_by=self.host,
+                            expired_s=round(now - since, 1))

@@ -1,0 +1,131 @@
+"""Helpers for the fleet tests: a local JetStream cluster started with the real
+`supervisor fleet up` (one per test session: the `fleet_cluster` fixture of
+tests/conftest.py), and reading a host's stream back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from actors.writer.replicate import parse_seq_range, stream_name
+from supervisor import fleetcluster
+
+
+@dataclass
+class Cluster:
+    root: Path  # the state directory holding fleet/
+
+    @property
+    def nodes(self) -> list[fleetcluster.Node]:
+        return fleetcluster.read_cluster(self.root)
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    def url_args(self) -> list[str]:
+        return [a for u in self.urls for a in ("--fleet-url", u)]
+
+    def stop(self, index: int) -> None:
+        fleetcluster.stop_node(self.nodes[index])
+
+    def kill(self, index: int) -> None:
+        fleetcluster.stop_node(self.nodes[index], signal.SIGKILL)
+
+    def restart(self, index: int) -> None:
+        fleetcluster.start_node(self.root, self.nodes[index])
+
+    def wait_ready(self, timeout_s: float = 30) -> None:
+        fleetcluster.wait_ready(self.urls, timeout_s)
+
+
+def start_cluster(nodes: int = 3) -> Cluster:
+    root = Path(tempfile.mkdtemp(prefix="corral-fleet-", dir="/tmp")) / ".corral"
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "fleet", "up", "--nodes", str(nodes),
+         "--state-dir", str(root), "--json"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["urls"]) == nodes
+    return Cluster(root)
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    subprocess.run([sys.executable, "-m", "supervisor.cli", "fleet", "down", "--state-dir",
+                    str(cluster.root)], capture_output=True, timeout=60, check=False)
+    fleetcluster.down(cluster.root)  # again, in case the CLI could not
+    shutil.rmtree(cluster.root.parent, ignore_errors=True)
+
+
+@dataclass
+class StreamMessage:
+    stream_seq: int
+    first: int
+    last: int
+    lines: list[bytes]
+    headers: dict[str, str]
+
+
+def read_stream(urls: list[str], host: str) -> list[StreamMessage]:
+    """Every message of `host`'s stream, in order (fences have first = last = 0)."""
+    import nats
+
+    async def go() -> list[StreamMessage]:
+        nc: Any = await nats.connect(urls, connect_timeout=2)
+        try:
+            js = nc.jetstream(timeout=5)
+            info = await js.stream_info(stream_name(host))
+            found: list[StreamMessage] = []
+            if int(info.state.messages) == 0:
+                return found
+            for seq in range(int(info.state.first_seq), int(info.state.last_seq) + 1):
+                msg = await js.get_msg(stream_name(host), seq)
+                headers = dict(msg.headers or {})
+                first, last = (parse_seq_range(headers["Corral-Seq"])
+                               if "Corral-Seq" in headers else (0, 0))
+                found.append(StreamMessage(seq, first, last,
+                                           (msg.data or b"").splitlines(keepends=True), headers))
+            return found
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def stream_leader(urls: list[str], host: str) -> str:
+    """The server name ("nK") leading `host`'s stream."""
+    import nats
+
+    async def go() -> str:
+        nc: Any = await nats.connect(urls, connect_timeout=2)
+        try:
+            info = await nc.jetstream(timeout=5).stream_info(stream_name(host))
+            return str(info.cluster.leader)
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def stream_records(urls: list[str], host: str) -> dict[int, bytes]:
+    """WAL seq -> the record line, for every record in the stream (asserting that
+    records arrive gapless and in order, none twice)."""
+    records: dict[int, bytes] = {}
+    expected = 1
+    for msg in read_stream(urls, host):
+        if msg.first == 0:
+            continue
+        assert msg.first == expected, (msg.first, expected)
+        assert len(msg.lines) == msg.last - msg.first + 1
+        for offset, line in enumerate(msg.lines):
+            records[msg.first + offset] = line
+        expected = msg.last + 1
+    return records

@@ -1,0 +1,196 @@
+"""One view of a fleet (docs/fleet.md): two corral hosts (each its own state
+directory and `supervisor up` in fleet mode) on a real 3-node JetStream
+fleet_cluster. `status --fleet` shows every host and its children, a silent host is
+marked stale with its age; `supervisor kill HOST:AGENT` reaches the other host
+through NATS request/reply, signed by the fleet operator, and a request not so
+signed is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+import zmq
+
+from actors.writer.client import WriterClient
+from broker.statedir import StateDir
+from supervisor import fleetctl
+from supervisor.fleethost import control_subject
+from tests.agentkit import write_task
+from tests.fleetkit import Cluster, read_stream, stream_records
+from tests.processes import ProcessTracker, wait_for
+
+pytestmark = [pytest.mark.fleet, pytest.mark.process]
+
+FAST = {"backoff": {"base_s": 0.05, "cap_s": 0.2, "jitter": 0.0},
+        "intensity": {"max_restarts": 5, "period_s": 30}, "shutdown_timeout_s": 3}
+
+
+@pytest.fixture
+def other_state_dir() -> Iterator[StateDir]:
+    root = Path(tempfile.mkdtemp(prefix="corral-", dir="/tmp"))
+    try:
+        yield StateDir(root / ".corral").ensure()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def host_config(state_dir: StateDir, host: str, fleet_cluster: Cluster, key: Path,
+                agents: int = 1) -> Path:
+    config = {
+        "heartbeat": {"interval_ms": 200, "timeout_s": 5},
+        "status_interval_s": 0.3,
+        "broker": {"heartbeat_interval_ms": 200, "heartbeat_misses": 5},
+        "children": [
+            {"name": "writer", "kind": "writer", "fatal_exit_codes": [65, 77, 78], **FAST},
+            {"name": "broker", "kind": "broker", **FAST},
+        ],
+        "agents": {"count": agents, **FAST},
+        "fleet": {"host": host, "urls": fleet_cluster.urls, "operator_key": str(key),
+                  "host_ttl_s": 5.0, "dead_grace_s": 1.0},
+    }
+    path = state_dir.root.parent / "corral-fleet.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def cli(processes: ProcessTracker, state_dir: StateDir,
+        *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", *args, "--state-dir", str(state_dir.root)],
+        env=processes.env(), capture_output=True, text=True, timeout=30, check=False)
+
+
+def fleet_view_cli(processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
+    done = cli(processes, state_dir, "status", "--fleet", "--json")
+    assert done.returncode == 0, done.stderr
+    return {h["host"]: h for h in json.loads(done.stdout)["hosts"]}
+
+
+def fleet_view(_processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
+    """The same view, asked in this process (the polls need no interpreter each)."""
+    config = fleetctl.fleet_config(state_dir, None)
+    return {h["host"]: h for h in fleetctl.fleet_status(config)}
+
+
+def child(host: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in host["children"] if c["name"] == name)
+
+
+@pytest.mark.timeout(150)  # two hosts, a host loss and its return (~30 s on a quiet machine)
+def test_fleet_status_and_control_across_hosts(
+        fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
+        other_state_dir: StateDir) -> None:
+    fleet_cluster.wait_ready()
+    key = state_dir.root.parent / "fleet-operator.key"
+    key.write_text(secrets.token_hex(32))
+    key.chmod(0o600)
+    tag = uuid.uuid4().hex[:6]
+    ha, hb = f"ha{tag}", f"hb{tag}"
+    processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                     "--config", str(host_config(state_dir, ha, fleet_cluster, key, agents=1))],
+                    name="up-a")
+    up_b = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir",
+                            str(other_state_dir.root), "--config",
+                            str(host_config(other_state_dir, hb, fleet_cluster, key, agents=0))],
+                           name="up-b")
+
+    def both_running() -> dict[str, dict[str, Any]] | None:
+        view = fleet_view(processes, state_dir) if (state_dir.run_dir / "fleet.json").exists() \
+            else {}
+        hosts = [view.get(ha), view.get(hb)]
+        if all(h is not None and h["children"] and
+               all(c["state"] == "running" for c in h["children"]) for h in hosts):
+            return view
+        return None
+
+    wait_for(both_running, 40, "both hosts running in the fleet view", interval_s=0.3)
+    view = fleet_view_cli(processes, state_dir)  # the real command
+    assert {c["name"] for c in view[ha]["children"]} == {"writer", "broker", "agent-1"}
+    assert {c["name"] for c in view[hb]["children"]} == {"writer", "broker"}
+    assert not view[ha]["stale"] and not view[hb]["stale"]
+    restarts = child(view[hb], "broker")["restarts"]
+
+    # host A's operator kills a child of host B; B's supervisor restarts it
+    done = cli(processes, state_dir, "kill", f"{hb}:broker", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["ok"] is True
+    wait_for(lambda: child(fleet_view(processes, state_dir)[hb], "broker")["restarts"] > restarts,
+             20, "host B's broker restarted", interval_s=0.3)
+
+    # a request not signed with the operator key is refused by host B
+    forged = asyncio.run(_request(fleet_cluster.urls, control_subject(hb),
+                                  fleetctl.sign(b"not-the-key", "stop", hb, "agent-1")))
+    assert forged["ok"] is False and forged["error"] == "forbidden"
+    # a replayed (validly signed) request is refused too
+    signed = fleetctl.sign(key.read_bytes().strip(), "kill", hb, "nobody")
+    first = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
+    assert first["ok"] is False and first["error"] != "forbidden"  # no such child
+    again = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
+    assert again["ok"] is False and again["error"] == "forbidden"
+
+    # host B's writer replicates its WAL to its own stream, not host A's
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        client = WriterClient(ctx, other_state_dir, "t1")
+        seq = client.append("agent/t1", "turn", {"n": 1}, key="on-b").seq
+        client.close()
+    finally:
+        ctx.destroy(linger=0)
+    assert json.loads(stream_records(fleet_cluster.urls, hb)[seq])["key"] == "on-b"
+    assert all(json.loads(line)["key"] != "on-b"
+               for line in stream_records(fleet_cluster.urls, ha).values())
+
+    # placement: host A runs an agent, host B none: `--host auto` lands on B
+    task = write_task(state_dir.root.parent / "placed.yaml",
+                      [{"op": "finish", "summary": "done"}])
+    done = cli(processes, state_dir, "spawn", "placed", "--task", str(task), "--host", "auto",
+               "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["host"] == hb
+    wait_for(lambda: "placed" in {c["name"] for c in fleet_view(processes, state_dir)[hb][
+        "children"]}, 20, "the placed agent in host B's status", interval_s=0.3)
+    assert "placed" not in {c["name"] for c in fleet_view(processes, state_dir)[ha]["children"]}
+
+    # host B's supervisor SIGKILLed: its entry goes stale, with its age
+    up_b.send_signal(signal.SIGKILL)
+    up_b.wait(10)
+    stale = wait_for(lambda: fleet_view(processes, state_dir).get(hb, {}).get("stale") and
+                     fleet_view(processes, state_dir)[hb], 20, "host B marked stale",
+                     interval_s=0.2)
+    assert stale.get("dead") or stale.get("expired") or stale["age_s"] > 2.5
+    # its entry expires; after the grace host A declares it dead and fences its stream
+    dead = wait_for(lambda: fleet_view(processes, state_dir).get(hb, {}).get("dead") and
+                    fleet_view(processes, state_dir)[hb], 30, "host B declared dead",
+                    interval_s=0.3)
+    assert dead["fenced_by"] == ha
+    text = cli(processes, state_dir, "status", "--fleet")
+    assert text.returncode == 0 and f"DEAD (fenced by {ha}" in text.stdout
+    # B's stream ends with A's fence: a writer of B that comes back meets it at its
+    # first publish and stops (test_fleet_wal.py: test_a_fenced_host_...)
+    fence = read_stream(fleet_cluster.urls, hb)[-1]
+    assert fence.headers["Corral-Fence"].startswith(f"by {ha} ")
+
+
+async def _request(urls: list[str], subject: str, data: bytes) -> dict[str, Any]:
+    import nats
+
+    nc = await nats.connect(urls)
+    try:
+        msg = await nc.request(subject, data, timeout=10)
+        reply: dict[str, Any] = json.loads(msg.data)
+        return reply
+    finally:
+        await nc.close()
