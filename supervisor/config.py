@@ -25,6 +25,7 @@ from pydantic import (
 
 from actors.agent.settings import AgentSettings
 from broker.errors import ConfigError
+from supervisor.automationconfig import AutomationConfig
 from supervisor.policy import Policy
 from supervisor.runconfig import RunSettings
 from supervisor.storage import StorageConfig
@@ -49,6 +50,7 @@ KIND_ORDER: tuple[ChildKind, ...] = ("writer", "broker", "procs", "subagents", "
 CORE_KINDS: frozenset[str] = frozenset({"writer", "broker"})
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 PositiveS = Annotated[float, Field(gt=0)]
+
 
 
 class _Strict(BaseModel):
@@ -189,6 +191,7 @@ class Config(_Strict):
     metrics: MetricsConfig = MetricsConfig()
     sandbox: SandboxConfig = SandboxConfig()  # procs' command sandbox
     storage: StorageConfig = StorageConfig()  # caps and collection (docs/storage.md)
+    automation: AutomationConfig = AutomationConfig()  # schedules and hooks
 
     @field_validator("sandbox", mode="before")
     @classmethod
