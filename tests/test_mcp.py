@@ -1,0 +1,173 @@
+"""MCP servers through procs and the gate (actors/procs/mcpbridge.py,
+actors/agent/mcp_ops.py), with real processes: a stdio server written here
+with the SDK's server side runs in the agent's sandbox; its tools are listed,
+called through the gate (allowed, denied by an `mcp:` rule, asked and approved
+by the operator), their arguments checked against the tool's input schema,
+every call recorded; a hostile server (a huge schema, huge results, a crash)
+gets typed refusals and the runtime goes on."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from actors.agent.settings import Permissions, Rule
+from tests.processes import wait_for
+from tests.security.stack import Runtime, shared  # noqa: F401 - the fixture
+
+SERVER = """
+    import os
+    from mcp.server.mcpserver import MCPServer
+    from mcp.types import ToolAnnotations
+
+    server = MCPServer("t")
+
+    @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+    def echo(text: str) -> str:
+        return f"echo:{text} cwd={os.getcwd()} key={os.environ.get('OPENAI_API_KEY')}"
+
+    @server.tool()
+    def write_note(name: str, body: str) -> str:
+        with open(name, "w") as f:
+            f.write(body)
+        return "wrote " + name
+
+    @server.tool()
+    def danger() -> str:
+        return "should never run"
+
+    @server.tool()
+    def big(n: int) -> str:
+        return "x" * n
+
+    @server.tool()
+    def crash() -> str:
+        os._exit(3)
+
+    server.run()
+"""
+
+WIDE = """
+    import anyio
+    from mcp import types
+    from mcp.server.lowlevel.server import Server
+    from mcp.server.stdio import stdio_server
+
+    async def list_tools(ctx, params):
+        props = {f"f{i}": {"type": "string", "description": "x" * 100} for i in range(2000)}
+        return types.ListToolsResult(tools=[types.Tool(
+            name="wide", input_schema={"type": "object", "properties": props})])
+
+    async def call_tool(ctx, params):
+        return types.CallToolResult(content=[types.TextContent(type="text", text="no")])
+
+    server = Server("wide", on_list_tools=list_tools, on_call_tool=call_tool)
+
+    async def main():
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    anyio.run(main)
+"""
+
+
+def _install(rt: Runtime, agent: str) -> Path:
+    """The servers' scripts in the agent's workspace (what its sandbox shows)
+    and config/mcp.yaml naming them."""
+    workspace = rt.state.agent_dir(agent) / "workspace"
+    workspace.mkdir(parents=True, exist_ok=True)
+    (workspace / "server.py").write_text(textwrap.dedent(SERVER))
+    (workspace / "wide.py").write_text(textwrap.dedent(WIDE))
+    (rt.state.config_dir / "mcp.yaml").write_text(yaml.safe_dump({"mcp": [
+        {"name": "t", "command": [sys.executable, str(workspace / "server.py")],
+         "call_timeout_s": 20},
+        {"name": "wide", "command": [sys.executable, str(workspace / "wide.py")]},
+    ]}))
+    return workspace
+
+
+def _outcomes(rt: Runtime, agent: str) -> dict[str, dict[str, Any]]:
+    """call_id -> {status, result, decision, rule} from the agent's stream."""
+    out: dict[str, dict[str, Any]] = {}
+    for record in rt.writer.read_stream(f"agent/{agent}"):
+        p = record.payload()
+        if not isinstance(p, dict) or "call_id" not in p:
+            continue
+        entry = out.setdefault(str(p["call_id"]), {})
+        if record.event == "permission":
+            entry.update(decision=p["decision"], rule=p["rule"])
+        elif record.event == "tool_result":
+            entry.update(status=p["status"], result=p["result"])
+    return out
+
+
+def test_an_mcp_tool_is_called_through_the_gate_denied_and_approved(
+        shared: Runtime) -> None:  # noqa: F811 - the fixture
+    rt = shared
+    workspace = _install(rt, "mcp-a")
+    steps = [
+        {"op": "mcp_tools", "server": "t"},
+        {"op": "mcp_call", "server": "t", "tool": "echo", "arguments": {"text": "hi"}},
+        {"op": "mcp_call", "server": "t", "tool": "write_note",
+         "arguments": {"name": "note.txt", "body": "approved"}},
+        {"op": "mcp_call", "server": "t", "tool": "danger", "arguments": {}},
+        {"op": "mcp_call", "server": "t", "tool": "echo", "arguments": {"text": 5}},
+        {"op": "mcp_call", "server": "nope", "tool": "echo", "arguments": {}},
+        {"op": "finish", "summary": "done"},
+    ]
+    agent = rt.start_agent("mcp-a", steps, approval_poll_ms=20, permissions=Permissions(
+        rules=[Rule(op="mcp:t/danger", decision="deny"),
+               Rule(op="mcp:t/write_*", decision="ask")]))
+    wait_for(lambda: _outcomes(rt, "mcp-a").get("3.0", {}).get("decision") == "ask", 60,
+             "the write_note call to ask the operator")
+    rt.writer.append("agent/mcp-a", "approval_answer", {
+        "request": "req-3.0", "decision": "approve", "always": False, "note": None,
+        "op": "mcp_call", "pattern": "mcp:t/write_note"},
+        key="answer:mcp-a:req-3.0", ledger="approvals", origin="operator")
+    assert agent.wait(60) == 0, rt.processes.output("mcp-a")
+    calls = _outcomes(rt, "mcp-a")
+
+    listed = calls["1.0"]["result"]["tools"]
+    hints = {t["name"]: (t["read_only"], t["idempotent"]) for t in listed}
+    assert hints["echo"] == (True, False) and hints["write_note"] == (False, False)
+    echo = calls["2.0"]
+    assert (echo["status"], echo["decision"]) == ("ok", "allow")
+    text = echo["result"]["content"][0]["text"]
+    # it ran in the agent's sandbox: its workspace, no model key
+    assert text == f"echo:hi cwd={workspace} key=None"
+    assert (calls["3.0"]["status"], calls["3.0"]["rule"]) == ("ok", "rules[1]")
+    assert (workspace / "note.txt").read_text() == "approved"
+    assert (calls["4.0"]["decision"], calls["4.0"]["status"]) == ("deny", "denied")
+    rejected = calls["5.0"]
+    assert rejected["status"] == "error" and rejected["result"]["error"] == "schema_reject"
+    assert rejected["result"]["errors"] == ["text: type"]  # value-free
+    assert calls["6.0"]["result"]["error"] == "unknown_server"
+
+
+def test_a_hostile_mcp_server_gets_typed_refusals(shared: Runtime) -> None:  # noqa: F811
+    rt = shared
+    _install(rt, "mcp-h")
+    steps = [
+        {"op": "mcp_call", "server": "t", "tool": "big", "arguments": {"n": 1_000_000}},
+        {"op": "mcp_call", "server": "t", "tool": "crash", "arguments": {}},
+        {"op": "mcp_call", "server": "t", "tool": "echo", "arguments": {"text": "again"}},
+        {"op": "mcp_call", "server": "t", "tool": "big", "arguments": {"n": 6_000_000}},
+        {"op": "mcp_tools", "server": "wide"},
+        {"op": "mcp_call", "server": "wide", "tool": "wide", "arguments": {}},
+        {"op": "finish", "summary": "done"},
+    ]
+    agent = rt.start_agent("mcp-h", steps)
+    assert agent.wait(90) == 0, rt.processes.output("mcp-h")
+    calls = _outcomes(rt, "mcp-h")
+    errors = {cid: (c["status"], c["result"].get("error")) for cid, c in calls.items()}
+    assert errors["1.0"] == ("error", "result_too_large")  # bounded by size
+    assert errors["2.0"] == ("error", "server_failed")  # it died in the call
+    assert calls["3.0"]["status"] == "ok"  # started again for the next call
+    assert calls["3.0"]["result"]["content"][0]["text"].startswith("echo:again")
+    assert errors["4.0"] == ("error", "result_too_large")  # a line past the transport's bound
+    assert errors["5.0"] == ("error", "schema_too_large")
+    assert errors["6.0"] == ("error", "schema_too_large")
