@@ -105,8 +105,11 @@ def _outcomes(rt: Runtime, agent: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def test_an_mcp_tool_is_called_through_the_gate_denied_and_approved(
+def test_an_mcp_tool_through_the_gate_and_a_hostile_server_refused(
         shared: Runtime) -> None:  # noqa: F811 - the fixture
+    """One agent (each server instance costs a few seconds of SDK start): the
+    gate (allow, `mcp:` deny rule, `mcp:` ask rule approved by the operator),
+    the schema check, then the hostile cases."""
     rt = shared
     workspace = _install(rt, "mcp-a")
     steps = [
@@ -117,18 +120,27 @@ def test_an_mcp_tool_is_called_through_the_gate_denied_and_approved(
         {"op": "mcp_call", "server": "t", "tool": "danger", "arguments": {}},
         {"op": "mcp_call", "server": "t", "tool": "echo", "arguments": {"text": 5}},
         {"op": "mcp_call", "server": "nope", "tool": "echo", "arguments": {}},
+        # hostile: a result past the bound, a crash in a call, a line past the
+        # transport's bound, a schema past the bound
+        {"op": "mcp_call", "server": "t", "tool": "big", "arguments": {"n": 1_000_000}},
+        {"op": "mcp_call", "server": "t", "tool": "crash", "arguments": {}},
+        {"op": "mcp_call", "server": "t", "tool": "echo", "arguments": {"text": "again"}},
+        {"op": "mcp_call", "server": "t", "tool": "big", "arguments": {"n": 6_000_000}},
+        {"op": "mcp_tools", "server": "wide"},
+        {"op": "mcp_call", "server": "wide", "tool": "wide", "arguments": {}},
         {"op": "finish", "summary": "done"},
     ]
     agent = rt.start_agent("mcp-a", steps, approval_poll_ms=20, permissions=Permissions(
         rules=[Rule(op="mcp:t/danger", decision="deny"),
                Rule(op="mcp:t/write_*", decision="ask")]))
-    wait_for(lambda: _outcomes(rt, "mcp-a").get("3.0", {}).get("decision") == "ask", 60,
+    wait_for(lambda: _outcomes(rt, "mcp-a").get("3.0", {}).get("decision") == "ask", 90,
              "the write_note call to ask the operator")
+    assert not (workspace / "note.txt").exists()  # nothing runs before the answer
     rt.writer.append("agent/mcp-a", "approval_answer", {
         "request": "req-3.0", "decision": "approve", "always": False, "note": None,
         "op": "mcp_call", "pattern": "mcp:t/write_note"},
         key="answer:mcp-a:req-3.0", ledger="approvals", origin="operator")
-    assert agent.wait(60) == 0, rt.processes.output("mcp-a")
+    assert agent.wait(120) == 0, rt.processes.output("mcp-a")
     calls = _outcomes(rt, "mcp-a")
 
     listed = calls["1.0"]["result"]["tools"]
@@ -147,27 +159,11 @@ def test_an_mcp_tool_is_called_through_the_gate_denied_and_approved(
     assert rejected["result"]["errors"] == ["text: type"]  # value-free
     assert calls["6.0"]["result"]["error"] == "unknown_server"
 
-
-def test_a_hostile_mcp_server_gets_typed_refusals(shared: Runtime) -> None:  # noqa: F811
-    rt = shared
-    _install(rt, "mcp-h")
-    steps = [
-        {"op": "mcp_call", "server": "t", "tool": "big", "arguments": {"n": 1_000_000}},
-        {"op": "mcp_call", "server": "t", "tool": "crash", "arguments": {}},
-        {"op": "mcp_call", "server": "t", "tool": "echo", "arguments": {"text": "again"}},
-        {"op": "mcp_call", "server": "t", "tool": "big", "arguments": {"n": 6_000_000}},
-        {"op": "mcp_tools", "server": "wide"},
-        {"op": "mcp_call", "server": "wide", "tool": "wide", "arguments": {}},
-        {"op": "finish", "summary": "done"},
-    ]
-    agent = rt.start_agent("mcp-h", steps)
-    assert agent.wait(90) == 0, rt.processes.output("mcp-h")
-    calls = _outcomes(rt, "mcp-h")
     errors = {cid: (c["status"], c["result"].get("error")) for cid, c in calls.items()}
-    assert errors["1.0"] == ("error", "result_too_large")  # bounded by size
-    assert errors["2.0"] == ("error", "server_failed")  # it died in the call
-    assert calls["3.0"]["status"] == "ok"  # started again for the next call
-    assert calls["3.0"]["result"]["content"][0]["text"].startswith("echo:again")
-    assert errors["4.0"] == ("error", "result_too_large")  # a line past the transport's bound
-    assert errors["5.0"] == ("error", "schema_too_large")
-    assert errors["6.0"] == ("error", "schema_too_large")
+    assert errors["7.0"] == ("error", "result_too_large")  # bounded by size
+    assert errors["8.0"] == ("error", "server_failed")  # it died in the call
+    assert calls["9.0"]["status"] == "ok"  # started again for the next call
+    assert calls["9.0"]["result"]["content"][0]["text"].startswith("echo:again")
+    assert errors["10.0"] == ("error", "result_too_large")  # a line past the transport's bound
+    assert errors["11.0"] == ("error", "schema_too_large")
+    assert errors["12.0"] == ("error", "schema_too_large")

@@ -32,7 +32,7 @@ from broker.statedir import StateDir
 
 ServerName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_\-]{0,31}$")]
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,128}$")]
-LIST_DEADLINE_S = 30.0
+LIST_DEADLINE_S = 90.0  # procs may first import the SDK (seconds) and start the server
 CALL_DEADLINE_S = 660.0  # the longest `call_timeout_s` (600) + start + margins
 MAX_ERRORS = 20
 

@@ -131,6 +131,7 @@ class ProcsHost:
         self._deferred: list[_Deferred] = []
         self.counters = Counters()
         self.mcp = McpBridge(self)  # MCP servers, one instance per sender (mcpbridge.py)
+        self.mcp.warm()
         self.sandbox_error: str | None = None
         self._check_sandbox()
         lifeline.become_subreaper()

@@ -52,7 +52,8 @@ MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
 MAX_DESCRIPTION_CHARS = 1024
 MAX_RESULT_BYTES = 256 * 1024
-START_TIMEOUT_S = 20.0
+START_TIMEOUT_S = 30.0  # a server's initialize and tools/list
+IMPORT_MARGIN_S = 30.0  # the SDK's first import in procs takes seconds
 REMEMBERED_CALLS = 256
 REPLY_MARGIN_S = 5.0
 
@@ -288,6 +289,12 @@ class McpBridge:
         self._entries: dict[str, registries.McpServerEntry] = {}
         self._error: str | None = None
 
+    def warm(self) -> None:
+        """Import the SDK in the background when servers are installed (its
+        first import takes seconds): called once when procs starts."""
+        if self.entries():
+            threading.Thread(target=_import_sdk, daemon=True, name="mcp-import").start()
+
     def entries(self) -> dict[str, registries.McpServerEntry]:
         path = self.host.state.config_dir / "mcp.yaml"
         try:
@@ -329,7 +336,7 @@ class McpBridge:
         instance = self._instance(sender, entry)
         if message.action == "list":
             future: Future[Any] = instance.ready
-            timeout_s = START_TIMEOUT_S + REPLY_MARGIN_S
+            timeout_s = IMPORT_MARGIN_S + START_TIMEOUT_S + REPLY_MARGIN_S
         else:
             try:
                 arguments = json.loads(message.arguments)
@@ -349,7 +356,8 @@ class McpBridge:
                 inner.add_done_callback(lambda f: _copy(f, future))
 
             instance.ready.add_done_callback(after_ready)
-            timeout_s = START_TIMEOUT_S + entry.call_timeout_s + REPLY_MARGIN_S
+            timeout_s = (IMPORT_MARGIN_S + START_TIMEOUT_S + entry.call_timeout_s
+                         + REPLY_MARGIN_S)
         msg_id = message.msg_id
         self.host.defer(sender, msg_id, future.done, lambda: self._reply(msg_id, future),
                         timeout_s=timeout_s)
@@ -383,6 +391,11 @@ class McpBridge:
         for instance in self.instances.values():
             instance.dead.wait(3)
         self.instances.clear()
+
+
+def _import_sdk() -> None:
+    with contextlib.suppress(Exception):
+        import mcp.client.session  # noqa: F401, PLC0415
 
 
 def _copy(source: Future[Any], target: Future[Any]) -> None:
