@@ -167,3 +167,33 @@ def test_an_mcp_tool_through_the_gate_and_a_hostile_server_refused(
     assert errors["10.0"] == ("error", "result_too_large")  # a line past the transport's bound
     assert errors["11.0"] == ("error", "schema_too_large")
     assert errors["12.0"] == ("error", "schema_too_large")
+
+
+def test_mcp_rules_hints_and_replay_safety_units(tmp_path: Path) -> None:
+    """The gate's names for MCP calls, and replay safety from the noted hints."""
+    from actors.agent import gate
+    from actors.agent.mcp_ops import McpCall, _note_hints
+    from actors.agent.settings import AgentSettings
+    from broker.statedir import StateDir
+
+    settings = AgentSettings(permissions=Permissions(default="ask", rules=[
+        Rule(op="mcp:files/delete", decision="deny"),
+        Rule(op="mcp:files/*", decision="allow"),
+        Rule(op="mcp_call", decision="deny"),
+    ]))
+    call = McpCall(server="files", tool="read", arguments={})
+    assert call.gate_op() == "mcp:files/read" and gate.pattern_of(call) == "mcp:files/read"
+    assert gate.permission(call, settings) == ("allow", "rules[1]")
+    assert gate.permission(McpCall(server="files", tool="delete"), settings) == (
+        "deny", "rules[0]")
+    assert gate.permission(McpCall(server="web", tool="get"), settings) == ("deny", "rules[2]")
+    state = StateDir(tmp_path / ".corral").ensure()
+    state.agent_dir("a").mkdir(parents=True)
+    _note_hints(state, "a", "files", [{"name": "read", "read_only": True},
+                                      {"name": "sum", "idempotent": True},
+                                      {"name": "delete"}])
+    safe = {tool: McpCall.replay_safe_for({"op": "mcp_call", "server": "files", "tool": tool},
+                                          state, "a")
+            for tool in ("read", "sum", "delete", "unknown")}
+    assert safe == {"read": True, "sum": True, "delete": False, "unknown": False}
+    assert McpCall.replay_safe_for("not an action", state, "a") is False
