@@ -89,6 +89,7 @@ def _stop(processes: ProcessTracker, state_dir: StateDir, up: Any) -> None:
     assert up.wait(timeout=30) == 0
 
 
+@pytest.mark.timeout(150)  # two supervisor starts and stops, an agent: slow on a loaded host
 def test_a_schedule_fires_across_a_supervisor_restart_by_its_missed_policy(
         processes: ProcessTracker, state_dir: StateDir, writer: WriterClient) -> None:
     config = _config(state_dir)
@@ -161,6 +162,7 @@ class _Notifier(BaseHTTPRequestHandler):
         return
 
 
+@pytest.mark.timeout(120)
 def test_hooks_post_once_per_event_after_a_500_and_run_commands_in_the_sandbox(
         processes: ProcessTracker, state_dir: StateDir, writer: WriterClient) -> None:
     _Notifier.seen = []
@@ -217,3 +219,26 @@ def test_hooks_post_once_per_event_after_a_500_and_run_commands_in_the_sandbox(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_every_hook_event_comes_from_its_fact() -> None:
+    """The WAL records (and the supervisor's give-up) each hook event is made of."""
+    from supervisor.automation import events_of, loopback_or_allowed
+
+    def kind(stream: str, event: str, payload: Any) -> str | None:
+        found = events_of(stream, event, 7, 1.0, payload)
+        return None if found is None else found.event
+
+    assert kind("agent/a", "approval_requested", {"request": "req-1.0"}) == "approval_requested"
+    assert kind("agent/a", "session_exit", {"reason": "finished"}) == "agent_finished"
+    assert kind("agent/a", "session_exit", {"reason": "max_turns"}) == "agent_finished"
+    assert kind("agent/a", "session_exit", {"reason": "budget"}) == "budget_paused"
+    assert kind("subagents/a", "subagent_ended", {"status": "ok"}) == "changeset_ready"
+    assert kind("agent/a", "tool_result", {"status": "ok"}) is None
+    assert kind("agent/a", "session_exit", ["not", "a", "map"]) is None
+    assert kind("procs/a", "subagent_ended", {}) is None
+    assert loopback_or_allowed("http://127.0.0.2:9/x", []) is None
+    assert loopback_or_allowed("http://[::1]:9/x", []) is None
+    assert loopback_or_allowed("http://hooks.example:9/x", ["hooks.example"]) is None
+    assert loopback_or_allowed("http://10.0.0.1/x", []) is not None
+    assert loopback_or_allowed("http://localhost.evil.example/x", []) is not None

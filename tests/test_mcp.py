@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from actors.agent.settings import Permissions, Rule
@@ -51,27 +52,29 @@ SERVER = """
     server.run()
 """
 
+# hostile and hand-written (no SDK: it starts in milliseconds): a valid
+# handshake, then a 200 KB input schema
 WIDE = """
-    import anyio
-    from mcp import types
-    from mcp.server.lowlevel.server import Server
-    from mcp.server.stdio import stdio_server
+    import json, sys
 
-    async def list_tools(ctx, params):
-        props = {f"f{i}": {"type": "string", "description": "x" * 100} for i in range(2000)}
-        return types.ListToolsResult(tools=[types.Tool(
-            name="wide", input_schema={"type": "object", "properties": props})])
-
-    async def call_tool(ctx, params):
-        return types.CallToolResult(content=[types.TextContent(type="text", text="no")])
-
-    server = Server("wide", on_list_tools=list_tools, on_call_tool=call_tool)
-
-    async def main():
-        async with stdio_server() as (read, write):
-            await server.run(read, write, server.create_initialization_options())
-
-    anyio.run(main)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "id" not in request:
+            continue
+        if request["method"] == "initialize":
+            result = {"protocolVersion": request["params"]["protocolVersion"],
+                      "capabilities": {"tools": {}},
+                      "serverInfo": {"name": "wide", "version": "1"}}
+        elif request["method"] == "tools/list":
+            props = {f"f{i}": {"type": "string", "description": "x" * 100}
+                     for i in range(2000)}
+            result = {"tools": [{"name": "wide", "inputSchema": {
+                "type": "object", "properties": props}}]}
+        else:
+            result = {"content": [{"type": "text", "text": "no"}]}
+        sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": request["id"],
+                                     "result": result}) + "\\n")
+        sys.stdout.flush()
 """
 
 
@@ -105,6 +108,7 @@ def _outcomes(rt: Runtime, agent: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+@pytest.mark.timeout(180)  # three SDK server starts: seconds each on a loaded host
 def test_an_mcp_tool_through_the_gate_and_a_hostile_server_refused(
         shared: Runtime) -> None:  # noqa: F811 - the fixture
     """One agent (each server instance costs a few seconds of SDK start): the
