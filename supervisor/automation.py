@@ -65,6 +65,9 @@ ENV_CLOCK_OFFSET_FILE = "CORRAL_TEST_CLOCK_OFFSET_FILE"
 MAX_SLOTS_PER_TICK = 100_000  # a cron walk over a long downtime is bounded
 MAX_RESPONSE_BYTES = 64 * 1024
 BACKOFF_CAP_S = 30.0
+# the hooks' watermark is recorded at most this often: after a restart at most
+# this much of the agents' streams is read again (nothing is delivered twice)
+WATERMARK_EVERY_S = 10.0
 PIPELINE_NOT_WIRED = "pipeline runs are not wired yet (the pipeline runner, issue 15 item 1)"
 
 
@@ -314,6 +317,7 @@ class Hooks:
         self.known: set[str] = set()  # every delivery recorded due
         self.watermark: int | None = None
         self.watermark_at = 0.0
+        self.base: int | None = None  # where streams not watched yet are read from
         self.cursors: dict[str, int] = {}
         self.http_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hook-http")
         self.command_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hook-cmd")
@@ -336,7 +340,7 @@ class Hooks:
         if self.due:
             log.info("hook_deliveries_resumed", count=len(self.due))
 
-    def tick(self, writer: WriterClient, agents: frozenset[str],
+    def tick(self, writer: WriterClient, agents_now: Callable[[], frozenset[str]],
              gave_up: list[tuple[str, str, str, float]]) -> None:
         hooks = {n: h for n, h in self.registry.refresh().items() if h.enabled}
         self._settle(writer)
@@ -346,13 +350,23 @@ class Hooks:
             self.watermark, self.watermark_at = head, time.monotonic()
             log.info("hooks_watermark_started", seq=head)
         events: list[HookEvent] = []
-        round_head = self.watermark
+        if self.base is None:
+            self.base = self.watermark
+        # the head first, the names after: every record at or below the head was
+        # appended by an agent already named (names are set before an agent runs)
+        round_head = writer.read_page(HOOKS_STREAM, 1, 1).head_seq
+        agents = agents_now()
+        if not hooks:  # nothing listens: skip the streams, only move the watermark
+            self.cursors.clear()
+            self.base = round_head
+            agents = frozenset()
         for name in sorted(agents):
             for stream in (f"agent/{name}", f"subagents/{name}"):
-                cursor = self.cursors.get(stream, self.watermark + 1)
+                # a stream first watched now (an agent spawned since) is read from
+                # the base: its records may be older than the moving watermark
+                cursor = self.cursors.get(stream, self.base + 1)
                 while True:
                     page = writer.read_page(stream, cursor, 256)
-                    round_head = max(round_head, page.head_seq)
                     for line in page.records:
                         rec = _parse(line)
                         if rec is None:
@@ -391,7 +405,8 @@ class Hooks:
                         "attempts": 0, "error": "the hook is no longer installed"})
                     continue
                 self._submit(delivery, payload, hook)
-        if round_head > self.watermark and time.monotonic() - self.watermark_at >= 1.0:
+        if round_head > self.watermark and \
+                time.monotonic() - self.watermark_at >= WATERMARK_EVERY_S:
             writer.append(HOOKS_STREAM, "hooks_watermark", {"seq": round_head},
                           key=f"wm:{round_head}")
             self.watermark, self.watermark_at = round_head, time.monotonic()
@@ -507,7 +522,9 @@ class Automation:
         self.keyring = keyring
         self.spawns: queue.Queue[SpawnOrder] = queue.Queue()
         self.gave_up: queue.Queue[tuple[str, str, str, float]] = queue.Queue()
-        self.agents: frozenset[str] = frozenset()
+        self.agents: frozenset[str] = frozenset()  # set by the supervisor's loop (`service`)
+        self.children_seen = -1
+        self.names_due = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="automation", daemon=True)
 
@@ -550,7 +567,7 @@ class Automation:
                             pending_gave_up.append(self.gave_up.get_nowait())
                         except queue.Empty:
                             break
-                    hooks.tick(writer, self.agents, pending_gave_up)
+                    hooks.tick(writer, lambda: self.agents, pending_gave_up)
                     pending_gave_up = []
                 except Exception as exc:  # noqa: BLE001 - the writer restarts, a bad file: go on
                     log.warning("automation_tick_failed",
@@ -573,9 +590,10 @@ def service(rt: Runtime, now: float) -> None:
     from supervisor import requests  # noqa: PLC0415
 
     auto = rt.automation
-    names = frozenset(n for n, c in rt.children.items() if c.kind == "agent")
-    if names != auto.agents:
-        auto.agents = names
+    if len(rt.children) != auto.children_seen or now >= auto.names_due:
+        # the agents' names, when the children changed (or once a second)
+        auto.children_seen, auto.names_due = len(rt.children), now + 1.0
+        auto.agents = frozenset(n for n, c in rt.children.items() if c.kind == "agent")
     while True:
         try:
             order = auto.spawns.get_nowait()
@@ -592,3 +610,4 @@ def service(rt: Runtime, now: float) -> None:
         else:
             log.info("schedule_spawned", schedule=order.schedule, agent=order.name)
         auto.agents = frozenset(n for n, c in rt.children.items() if c.kind == "agent")
+        auto.children_seen = len(rt.children)
