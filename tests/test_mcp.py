@@ -35,7 +35,15 @@ SERVER = """
     def write_note(name: str, body: str) -> str:
         with open(name, "w") as f:
             f.write(body)
+        with open("calls.txt", "a") as f:
+            f.write("wrote\\n")
         return "wrote " + name
+
+    @server.tool(annotations=ToolAnnotations(idempotentHint=True))
+    def count() -> str:
+        with open("calls.txt", "a") as f:
+            f.write("called\\n")
+        return "counted"
 
     @server.tool()
     def danger() -> str:
@@ -171,6 +179,43 @@ def test_an_mcp_tool_through_the_gate_and_a_hostile_server_refused(
     assert errors["10.0"] == ("error", "result_too_large")  # a line past the transport's bound
     assert errors["11.0"] == ("error", "schema_too_large")
     assert errors["12.0"] == ("error", "schema_too_large")
+
+
+@pytest.mark.timeout(180)
+def test_an_agent_killed_in_mcp_calls_never_calls_a_tool_twice(
+        shared: Runtime) -> None:  # noqa: F811 - the fixture
+    """SIGKILLed in each call after the tool answered and before the result was
+    durable (the loop appends `tool_start` and `tool_result` together for an op
+    served by another actor): the restarted agent runs the call again under the
+    same msg_id and procs answers from memory, so the server is called once per
+    call, idempotent or not."""
+    from actors.agent.settings import AgentSettings, AgentSpec, write_spec
+    from tests.agentkit import write_task
+
+    rt = shared
+    workspace = _install(rt, "mcp-r")
+    task = write_task(rt.tmp / "mcp-r.yaml", [
+        {"op": "mcp_call", "server": "t", "tool": "count", "arguments": {}},
+        {"op": "mcp_call", "server": "t", "tool": "write_note",
+         "arguments": {"name": "n.txt", "body": "x"}},
+        {"op": "finish", "summary": "done"},
+    ])
+    write_spec(rt.state, "mcp-r", AgentSpec(task=str(task), settings=AgentSettings()))
+    env = {"CORRAL_AGENT_FAULT": "after_tool_start@1.0,after_tool_start@2.0"}
+    codes = []
+    for run in range(3):
+        agent = rt.processes.spawn(["-m", "actors.agent", "--name", "mcp-r", "--state-dir",
+                                    rt.root], name=f"mcp-r{run}", env=env)
+        codes.append(agent.wait(90))
+        if codes[-1] == 0:
+            break
+    assert codes == [-9, -9, 0], rt.processes.output("mcp-r2")
+    results = {p["call_id"]: p for e, p in  # type: ignore[index]
+               ((r.event, r.payload()) for r in rt.writer.read_stream("agent/mcp-r"))
+               if e == "tool_result"}
+    assert results["1.0"]["result"]["content"][0]["text"] == "counted"
+    assert results["2.0"]["result"]["content"][0]["text"] == "wrote n.txt"
+    assert (workspace / "calls.txt").read_text() == "called\nwrote\n"  # once each
 
 
 def test_mcp_rules_hints_and_replay_safety_units(tmp_path: Path) -> None:
