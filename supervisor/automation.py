@@ -318,6 +318,7 @@ class Hooks:
         self.watermark: int | None = None
         self.watermark_at = 0.0
         self.base: int | None = None  # where streams not watched yet are read from
+        self.recorded = False  # a watermark is in the WAL (none is written before a hook)
         self.cursors: dict[str, int] = {}
         self.http_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hook-http")
         self.command_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hook-cmd")
@@ -337,6 +338,7 @@ class Hooks:
                 self.due.pop(str(p.get("delivery")), None)
             elif record.event == "hooks_watermark" and isinstance(p.get("seq"), int):
                 self.watermark = max(self.watermark or 0, p["seq"])
+                self.recorded = True
         if self.due:
             log.info("hook_deliveries_resumed", count=len(self.due))
 
@@ -344,9 +346,11 @@ class Hooks:
              gave_up: list[tuple[str, str, str, float]]) -> None:
         hooks = {n: h for n, h in self.registry.refresh().items() if h.enabled}
         self._settle(writer)
-        if self.watermark is None:
+        if self.watermark is None:  # the first start: history before it fires nothing
             head = writer.read_page(HOOKS_STREAM, 1, 1).head_seq
-            writer.append(HOOKS_STREAM, "hooks_watermark", {"seq": head}, key=f"wm:{head}")
+            if hooks:
+                writer.append(HOOKS_STREAM, "hooks_watermark", {"seq": head}, key=f"wm:{head}")
+                self.recorded = True
             self.watermark, self.watermark_at = head, time.monotonic()
             log.info("hooks_watermark_started", seq=head)
         events: list[HookEvent] = []
@@ -405,11 +409,14 @@ class Hooks:
                         "attempts": 0, "error": "the hook is no longer installed"})
                     continue
                 self._submit(delivery, payload, hook)
-        if round_head > self.watermark and \
+        if round_head > self.watermark and (hooks or self.recorded) and \
                 time.monotonic() - self.watermark_at >= WATERMARK_EVERY_S:
             writer.append(HOOKS_STREAM, "hooks_watermark", {"seq": round_head},
                           key=f"wm:{round_head}")
+            self.recorded = True
             self.watermark, self.watermark_at = round_head, time.monotonic()
+        elif not hooks and not self.recorded:  # never recorded: nothing to catch up on
+            self.watermark = round_head
 
     def _submit(self, delivery: str, payload: dict[str, Any],
                 hook: registries.HookEntry) -> None:
