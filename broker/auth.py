@@ -41,6 +41,7 @@ What each identity may do (docs/protocol.md, "Authentication"):
                  be `A` at the broker and on the control socket
     procs        append to `procs/<session>` with origin `procs/<session>`
     subagents    append to `subagents/<parent>` with origin `subagents`
+    automation   append to `automation/...` with origin `automation` (schedules, hooks)
     everyone     read streams, ping, stats, `status` on the control socket
 
 Errors: `AuthError` (a CorralError) for a credential that cannot be made or
@@ -75,9 +76,10 @@ ENV_CREDENTIAL_FD = "CORRAL_CREDENTIAL_FD"  # the number of the inherited fd, no
 OPERATOR = "operator"
 PROCS = "procs"
 SUBAGENTS = "subagents"
+AUTOMATION = "automation"  # the supervisor's schedules and hooks (supervisor/automation.py)
 # names no agent may take: runtime roles, and the origins they append under
 RESERVED = frozenset({OPERATOR, PROCS, SUBAGENTS, "writer", "broker", "supervisor",
-                      "zygote", "changesets"})
+                      "zygote", "changesets", AUTOMATION})
 # facts only the operator may append: answers, budget resumes, and any later
 # operator input (a new kind of operator fact must be added here)
 OPERATOR_EVENTS = frozenset({"approval_answer", "budget_resumed", "operator_answer",
@@ -441,6 +443,9 @@ def append_refusal(user: str, stream: str, origin: str, event: str) -> str | Non
             return None
     elif user == SUBAGENTS:
         if stream.startswith("subagents/") and origin == SUBAGENTS:
+            return None
+    elif user == AUTOMATION:
+        if stream.startswith("automation/") and origin == AUTOMATION:
             return None
     elif user not in RESERVED and stream == f"agent/{user}" and origin == user:
         return None

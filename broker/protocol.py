@@ -487,6 +487,31 @@ class ProcOutput(_Message):
     eof: bool = False  # ended and every byte of the log has been returned
 
 
+class McpRequest(_Message):
+    """Ask procs for the tools of an installed MCP server (`list`) or call one
+    (`call`, `arguments` a JSON object). procs runs one instance of each server
+    per sender, in the sender's sandbox (actors/procs/mcpbridge.py)."""
+
+    kind: Literal["mcp_request"] = "mcp_request"
+    msg_id: MsgId
+    action: Literal["list", "call"]
+    server: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_\-]{0,31}$")]
+    tool: Annotated[str, Field(min_length=1, max_length=128)] | None
+    arguments: Annotated[bytes, Field(max_length=256 * 1024)]
+
+
+class McpReply(_Message):
+    """`body`: JSON, `{"tools": [...]}` for a list, the tool's result for a call;
+    refused: `ok` false, `error` a code (docs/mcp.md) and `detail`."""
+
+    kind: Literal["mcp_reply"] = "mcp_reply"
+    msg_id: MsgId
+    ok: bool
+    error: Annotated[str, Field(max_length=64)] | None
+    detail: Annotated[str, Field(max_length=2000)]
+    body: Annotated[bytes, Field(max_length=512 * 1024)]
+
+
 # --- subagents: isolated children and their change sets (the `subagents` actor) -
 SubagentId = Annotated[str, Field(pattern=r"^s-[0-9a-f]{12}$")]
 SubagentRef = Annotated[str, Field(pattern=r"^(s-[0-9a-f]{12}|latest)$")]  # latest: the newest
@@ -581,6 +606,8 @@ Message = Annotated[
     | SessionEnd
     | ProcStatus
     | ProcOutput
+    | McpRequest
+    | McpReply
     | SpawnSubagent
     | SubagentChanges
     | ApplySubagent
@@ -603,7 +630,7 @@ REPLY_KINDS = frozenset(
     {
         "error", "pong", "append_ok", "records", "stats", "ready", "heartbeat",
         "status_reply", "ack", "proc_status", "proc_output", "subagent_reply",
-        "reload_reply", "append_many_ok",
+        "reload_reply", "append_many_ok", "mcp_reply",
     }
 )
 REQUEST_KINDS = frozenset(
@@ -613,7 +640,7 @@ REQUEST_KINDS = frozenset(
         "remove_request", "reload_request", "spawn_request", "bash", "bash_start",
         "bash_poll", "bash_kill", "terminal_start", "terminal_input", "terminal_read",
         "terminal_end", "session_end", "spawn_subagent", "subagent_changes",
-        "apply_subagent",
+        "apply_subagent", "mcp_request",
     }
 )
 

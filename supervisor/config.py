@@ -25,6 +25,7 @@ from pydantic import (
 
 from actors.agent.settings import AgentSettings
 from broker.errors import ConfigError
+from supervisor.automationconfig import AutomationConfig
 from supervisor.fleetconfig import FleetConfig
 from supervisor.policy import Policy
 from supervisor.runconfig import RunSettings
@@ -50,6 +51,7 @@ KIND_ORDER: tuple[ChildKind, ...] = ("writer", "broker", "procs", "subagents", "
 CORE_KINDS: frozenset[str] = frozenset({"writer", "broker"})
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 PositiveS = Annotated[float, Field(gt=0)]
+
 
 
 class _Strict(BaseModel):
@@ -191,6 +193,7 @@ class Config(_Strict):
     sandbox: SandboxConfig = SandboxConfig()  # procs' command sandbox
     storage: StorageConfig = StorageConfig()  # caps and collection (docs/storage.md)
     fleet: FleetConfig = FleetConfig()  # a fleet of hosts on NATS JetStream (docs/fleet.md)
+    automation: AutomationConfig = AutomationConfig()  # schedules and hooks
 
     @field_validator("sandbox", mode="before")
     @classmethod

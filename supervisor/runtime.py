@@ -29,7 +29,7 @@ from broker import lifeline, protocol
 from broker.control import ENV_HEARTBEAT_TIMEOUT
 from broker.errors import SpawnError
 from broker.statedir import StateDir
-from supervisor import commands, monitor, requests, spawner, statusfile, storage
+from supervisor import automation, commands, monitor, requests, spawner, statusfile, storage
 from supervisor.children import Child, describe_exit
 from supervisor.config import CORE_KINDS, KIND_ORDER, Config
 from supervisor.control import ControlServer, Incoming
@@ -88,6 +88,8 @@ class Runtime:
         self.listening_since = 0.0  # monotonic: silence before this is not counted
         self.metrics: MetricsServer | None = None  # started by run() when configured
         self.fleet: FleetHost | None = None  # fleet mode: status to the KV bucket, control
+        self.automation = automation.Automation(state_dir, config.automation,
+                                                self.control.zap.keyring)
 
     # --- main loop ---------------------------------------------------------------
     def run(self) -> int:
@@ -97,6 +99,7 @@ class Runtime:
         janitor = storage.Janitor(self.state_dir, self.config.storage)  # caps (docs/storage.md)
         janitor.start()
         self.fleet = fleet_host(self.config.fleet, self.state_dir)  # docs/fleet.md
+        self.automation.start()
         log.info("supervisor_started", state_dir=str(self.state_dir.root),
                  children=len(self.children), endpoint=self.control.endpoint)
         if self.use_zygote and any(c.kind == "agent" for c in self.children.values()):
@@ -138,6 +141,7 @@ class Runtime:
                         self.control.handling_failed(incoming)
         finally:
             janitor.stop()
+            self.automation.close()
             self._publish_status(time.monotonic())
             if self.metrics is not None:
                 self.metrics.close()
@@ -194,6 +198,7 @@ class Runtime:
             self._advance_stop(now)
         else:
             self._advance_start(now)
+            automation.service(self, now)
         if now >= self._next_status:
             self._next_status = now + self.config.status_interval_s
             self.sampler.sample(self.children.values())
@@ -426,6 +431,7 @@ class Runtime:
             child.state = "fatal"
             log.error("child_gave_up", child=child.name, kind=child.kind, reason=decision.reason,
                       last_exit=child.last_exit)
+            self.automation.child_gave_up(child.name, child.kind, decision.reason)
             if child.kind in CORE_KINDS:
                 code = EXIT_WAL_CORRUPT if (child.kind == "writer"
                                             and record.code == EXIT_WAL_CORRUPT) else (
@@ -444,6 +450,7 @@ class Runtime:
         self.stopping = True
         self.exit_code = code
         self.stop_phase = len(KIND_ORDER) - 1
+        self.automation.close(timeout_s=0)  # no more schedules or hooks; joined at the end
         self.fork_queue.clear()
         for child in self.children.values():
             child.restart_at = None

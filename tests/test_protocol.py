@@ -226,6 +226,19 @@ BUILDERS: dict[str, st.SearchStrategy[p._Message]] = {
             tokens_used=st.integers(0, 2**40), cost_used=st.floats(0, 1e9),
         ),
     },
+    **{  # MCP servers through procs (docs/mcp.md)
+        "mcp_request": st.builds(
+            p.McpRequest, msg_id=msg_ids, action=st.sampled_from(["list", "call"]),
+            server=st.from_regex(r"\A[a-z0-9][a-z0-9_\-]{0,31}\Z"),
+            tool=st.none() | st.text(min_size=1, max_size=20),
+            arguments=st.binary(max_size=64),
+        ),
+        "mcp_reply": st.builds(
+            p.McpReply, msg_id=msg_ids, ok=st.booleans(),
+            error=st.none() | st.text(max_size=20), detail=st.text(max_size=50),
+            body=st.binary(max_size=64),
+        ),
+    },
 }
 MESSAGES = st.one_of(*BUILDERS.values())
 
@@ -439,6 +452,8 @@ TEMPLATES: list[p._Message] = [
     p.SubagentChanges(msg_id="m", parent="a", subagent_id="latest"),
     p.ApplySubagent(msg_id="m", parent="a", subagent_id="latest"),
     p.SubagentReply(msg_id="m", subagent_id="s-0123456789ab", state="running"),
+    p.McpRequest(msg_id="m", action="call", server="s", tool="t", arguments=b"{}"),
+    p.McpReply(msg_id="m", ok=True, error=None, detail="", body=b"{}"),
 ]
 
 

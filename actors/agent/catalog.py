@@ -8,7 +8,10 @@ language models and the loop all read the registry.
 
 from __future__ import annotations
 
-from actors.agent import builtin_ops  # noqa: F401 - registers the file, memory, ask, finish ops
+from actors.agent import (
+    builtin_ops,  # noqa: F401 - registers the file, memory, ask, finish ops
+    mcp_ops,  # noqa: F401 - mcp_tools, mcp_call (MCP servers via procs)
+)
 from actors.agent.ops import (
     handler_for,
     model_for,

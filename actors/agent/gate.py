@@ -68,6 +68,8 @@ def pattern_of(op: OpBase, ws: Path | None = None) -> str:
     command = op.gate_command()
     if command is not None:
         return command
+    if op.gate_op() != op.op:  # an MCP call: its server and tool
+        return op.gate_op()
     path = op.gate_path()
     if path is not None and ws is not None:
         with contextlib.suppress(PathRefusedError):
@@ -78,6 +80,9 @@ def pattern_of(op: OpBase, ws: Path | None = None) -> str:
 def _op_matches(rule: Rule, op: str) -> bool:
     if rule.op in ("*", op):
         return True
+    if op.startswith("mcp:"):  # `mcp:<server>/<tool>` (globs allowed) or `mcp_call`: all
+        return rule.op == "mcp_call" or (rule.op.startswith("mcp:")
+                                         and fnmatchcase(op, rule.op))
     # a command rule on one command op holds for all of them
     return rule.command is not None and rule.op in COMMAND_OPS and op in COMMAND_OPS
 
@@ -117,7 +122,7 @@ def permission(op: OpBase, settings: AgentSettings, ws: Path | None = None) -> t
     path = op.gate_path()
     if path is not None and ws is not None:
         path = workspace.normalise(ws, path or ".")
-    return permission_at(op.op, path, op.gate_command(), settings)
+    return permission_at(op.gate_op(), path, op.gate_command(), settings)
 
 
 def visible(op_name: str, rel: str, settings: AgentSettings, rule: str | None) -> bool:
@@ -137,7 +142,7 @@ def decide(
 ) -> GateDecision:
     """The gate's verdict for one validated op."""
     pattern = pattern_of(op, ws)
-    if op.op in settings.exclude:
+    if op.op in settings.exclude or op.gate_op() in settings.exclude:
         return GateDecision("excluded", "exclude", pattern, "op disabled by configuration")
     try:
         path = gate_path(op, ws)
@@ -146,7 +151,7 @@ def decide(
                             want_dir=False if op.mutates else None)
     except PathRefusedError as exc:
         return GateDecision("refused", "confinement", pattern, exc.reason)
-    decision, rule = permission_at(op.op, path, op.gate_command(), settings)
+    decision, rule = permission_at(op.gate_op(), path, op.gate_command(), settings)
     if decision == "deny":
         return GateDecision("deny", rule, pattern, "denied by rule")
     if op.needs_operator:

@@ -259,7 +259,8 @@ class AgentLoop:
             self._session_start(resumed=False)
             return Step.PROGRESS
         if s.open_turn is not None:
-            dangling = [c for c in s.started_unsettled() if not _replay_safe(c)]
+            dangling = [c for c in s.started_unsettled()
+                        if not _replay_safe(c, s, self.state_dir, self.name)]
             if dangling:
                 self._abort(dangling)
                 return Step.PROGRESS
@@ -506,6 +507,9 @@ class AgentLoop:
                          ops=[f"{c['call_id']} {c['op']}" for c in calls])
 
 
-def _replay_safe(call: Call) -> bool:
+def _replay_safe(call: Call, s: AgentState, state_dir: StateDir, agent: str) -> bool:
     model = model_for(call.op) if call.op else None
-    return model is not None and model.replay_safe
+    if model is None:
+        return False
+    action = s.actions[call.index] if 0 <= call.index < len(s.actions) else None
+    return model.replay_safe or model.replay_safe_for(action, state_dir, agent)

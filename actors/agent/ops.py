@@ -74,6 +74,17 @@ class OpBase(BaseModel):
         value = getattr(self, self.command_field) if self.command_field else None
         return value if isinstance(value, str) else None
 
+    def gate_op(self) -> str:
+        """The name permission rules match: the op's, or a finer one (an MCP
+        call is `mcp:<server>/<tool>`, actors/agent/mcp_ops.py)."""
+        return self.op
+
+    @classmethod
+    def replay_safe_for(cls, action: Any, state_dir: StateDir, agent: str) -> bool:
+        """Whether this raw action is replay-safe when the op as a whole is not
+        (an MCP tool the server annotated idempotent or read-only)."""
+        return False
+
 
 @dataclass(frozen=True)
 class OpContext:

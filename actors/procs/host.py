@@ -33,6 +33,7 @@ from actors.procs import launch, sandbox
 from actors.procs.command import Command, read_exit_file, wrapper_argv
 from actors.procs.facts import Facts, sha256
 from actors.procs.job import SANDBOX_KEY, Job
+from actors.procs.mcpbridge import McpBridge
 from actors.procs.registry import Entry, JobKind, Registry, read_end_file, write_end_file
 from actors.procs.terminal import Terminal
 from broker import lifeline, protocol
@@ -129,6 +130,8 @@ class ProcsHost:
         self._by_pid: dict[int, Job] = {}
         self._deferred: list[_Deferred] = []
         self.counters = Counters()
+        self.mcp = McpBridge(self)  # MCP servers, one instance per sender (mcpbridge.py)
+        self.mcp.warm()
         self.sandbox_error: str | None = None
         self._check_sandbox()
         lifeline.become_subreaper()
@@ -439,6 +442,7 @@ class ProcsHost:
 
     def shutdown(self) -> None:
         """SIGTERM to procs: end every job (no orphans), then return."""
+        self.mcp.shutdown()
         for job in self.jobs.values():
             if job.running:
                 job.kill("shutdown")

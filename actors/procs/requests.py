@@ -160,6 +160,8 @@ def _dispatch(host: ProcsHost, sender: str, message: protocol.Message) -> protoc
         case protocol.SessionEnd():
             _session_end(host, sender, message)
             return None
+        case protocol.McpRequest():
+            return host.mcp.handle(sender, message)
         case _:
             raise RefusedError(Code.UNEXPECTED_MESSAGE, f"procs does not serve {message.kind}")
 
@@ -168,6 +170,8 @@ def _session_end(host: ProcsHost, sender: str, message: protocol.SessionEnd) -> 
     jobs = [j for j in host.jobs.values() if j.entry.session == message.session]
     for job in jobs:
         job.kill("session_end")
+    if message.session == sender:
+        host.mcp.end_session(sender)  # its MCP servers too
     session, msg_id = message.session, message.msg_id
 
     def ready() -> bool:

@@ -1,0 +1,244 @@
+"""Schedules and hooks (supervisor/automation.py) in a real `supervisor up`:
+a schedule's missed slots across a supervisor restart follow its policy
+(skip or run once), under a fake clock the test moves (no sleeps); a fire is
+never doubled by a further restart; a hook posts once per event to an HTTP
+server of the test, retried after a 500, and a hook command runs in procs'
+sandbox. The cron walk itself is checked as a pure function."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+import zmq
+
+from actors.registries import ScheduleEntry
+from actors.writer.client import WriterClient
+from broker.statedir import StateDir
+from supervisor.automation import ENV_CLOCK_OFFSET_FILE, due_slots
+from tests.agentkit import write_task
+from tests.processes import ProcessTracker, wait_for
+from tests.test_supervisor_process import cli
+from tests.test_supervisor_run import fast_config
+
+
+def _entry(missed: str) -> ScheduleEntry:
+    return ScheduleEntry(name="s", cron="*/10 * * * *", task="/t.yaml", missed=missed)  # type: ignore[arg-type]
+
+
+def test_due_slots_fire_live_slots_and_apply_the_missed_policy() -> None:
+    t0 = 1_800_000_000.0  # a multiple of 600: a slot of */10
+    assert due_slots(_entry("skip"), t0, t0 + 599, 60).fire is None
+    live = due_slots(_entry("skip"), t0, t0 + 601, 60)
+    assert (live.fire, live.catchup, live.skipped) == (t0 + 600, False, [])
+    # three slots passed while down (the newest 5 minutes ago: older than the grace)
+    once = due_slots(_entry("run_once"), t0, t0 + 2100, 60)
+    assert (once.fire, once.catchup, once.missed, once.skipped) == (t0 + 1800, True, 3, [])
+    skip = due_slots(_entry("skip"), t0, t0 + 2100, 60)
+    assert skip.fire is None and skip.skipped == [t0 + 600, t0 + 1200, t0 + 1800]
+    # missed ones and a live one: skip records the missed, the live one fires
+    both = due_slots(_entry("skip"), t0, t0 + 1801, 60)
+    assert both.fire == t0 + 1800 and both.skipped == [t0 + 600, t0 + 1200]
+
+
+@pytest.fixture
+def writer(state_dir: StateDir) -> Iterator[WriterClient]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    client = WriterClient(ctx, state_dir, "operator", timeout_s=1.0, retries=1)
+    yield client
+    client.close()
+    ctx.destroy(linger=0)
+
+
+def _facts(writer: WriterClient, stream: str) -> list[tuple[str, dict[str, Any]]]:
+    try:
+        return [(r.event, r.payload()) for r in writer.read_stream(stream)]  # type: ignore[misc]
+    except Exception:  # noqa: BLE001 - the writer is not up (between two supervisors)
+        return []
+
+
+def _config(state_dir: StateDir, *kinds: str) -> Path:
+    """The fast configuration with only the children of `kinds` besides the core."""
+    path = fast_config(state_dir)
+    config = yaml.safe_load(path.read_text())
+    config["automation"] = {"tick_s": 0.05, "catchup_grace_s": 60}
+    config["children"] = [c for c in config["children"]
+                          if c["kind"] in ("writer", "broker", *kinds)]
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _up(processes: ProcessTracker, state_dir: StateDir, config: Path, name: str,
+        env: dict[str, str]) -> Any:
+    up = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                          "--config", str(config)], name=name, env=env)
+    wait_for(lambda: up.poll() is None and cli(processes, state_dir, "status").returncode == 0,
+             30, "the supervisor")
+    return up
+
+
+def _stop(processes: ProcessTracker, state_dir: StateDir, up: Any) -> None:
+    assert cli(processes, state_dir, "stop").returncode == 0
+    assert up.wait(timeout=30) == 0
+
+
+@pytest.mark.timeout(150)  # two supervisor starts and stops, an agent: slow on a loaded host
+def test_a_schedule_fires_across_a_supervisor_restart_by_its_missed_policy(
+        processes: ProcessTracker, state_dir: StateDir, writer: WriterClient) -> None:
+    config = _config(state_dir)
+    clock = state_dir.root.parent / "clock-offset"
+    clock.write_text("0")
+    env = {ENV_CLOCK_OFFSET_FILE: str(clock)}
+    task = write_task(state_dir.root.parent / "quick.yaml", [{"op": "finish", "summary": "ok"}])
+    schedules = state_dir.config_dir / "schedules.yaml"
+    entries = [{"name": "once", "cron": "*/10 * * * *", "task": str(task), "missed": "run_once"},
+               {"name": "skip", "cron": "*/10 * * * *", "task": str(task), "missed": "skip"}]
+    schedules.write_text(yaml.safe_dump({"schedules": entries}))
+
+    def facts(event: str, schedule: str) -> list[dict[str, Any]]:
+        return [p for e, p in _facts(writer, "automation/schedules")
+                if e == event and p["schedule"] == schedule]
+
+    up = _up(processes, state_dir, config, "up1", env)
+    wait_for(lambda: facts("schedule_armed", "once") and facts("schedule_armed", "skip"), 20,
+             "both schedules armed")
+    armed = facts("schedule_armed", "once")[0]["since"]
+    assert facts("schedule_fired", "once") == []  # nothing due yet
+    # the clock reaches the next slot while it runs: both fire on time, once each
+    first_slot = (armed // 600 + 1) * 600
+    clock.write_text(repr(first_slot + 0.2 - time.time()))
+    wait_for(lambda: facts("schedule_fired", "once") and facts("schedule_fired", "skip"), 20,
+             "the live slot")
+    live = facts("schedule_fired", "skip")[0]
+    assert (live["slot"], live["catchup"]) == (first_slot, False)
+    agent = facts("schedule_fired", "once")[0]["agent"]
+
+    def ended(name: str) -> bool:
+        return any(e == "session_exit" and p.get("reason") == "finished"
+                   for e, p in _facts(writer, f"agent/{name}"))
+
+    wait_for(lambda: ended(agent), 30, f"the scheduled agent {agent} to run its task")
+    _stop(processes, state_dir, up)
+
+    # 25 minutes pass while the supervisor is down: two slots of */10; a schedule
+    # added last is armed in the same pass that checks the others
+    clock.write_text(repr(first_slot + 1500 - time.time()))
+    schedules.write_text(yaml.safe_dump({"schedules": [*entries, {
+        "name": "late", "cron": "*/10 * * * *", "task": str(task)}]}))
+    up = _up(processes, state_dir, config, "up2", env)
+    wait_for(lambda: facts("schedule_armed", "late"), 20, "the pass after the restart")
+    fired = facts("schedule_fired", "once")
+    assert len(fired) == 2 and fired[1]["catchup"] is True  # one run for both missed slots
+    assert (fired[1]["slot"], fired[1]["missed"]) == (first_slot + 1200, 2)
+    skipped = facts("schedule_skipped", "skip")
+    assert len(skipped) == 1 and skipped[0]["count"] == 2
+    assert len(facts("schedule_fired", "skip")) == 1  # the first slot never fires twice
+    _stop(processes, state_dir, up)
+
+
+class _Notifier(BaseHTTPRequestHandler):
+    """Answers 500 to the first POST of each idempotency key, 200 after."""
+
+    seen: list[dict[str, Any]]
+    lock = threading.Lock()
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.lock:
+            first = not any(b["id"] == body["id"] for b in self.seen)
+            self.seen.append(body)
+        self.send_response(500 if first else 200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_args: Any) -> None:
+        return
+
+
+@pytest.mark.timeout(120)
+def test_hooks_post_once_per_event_after_a_500_and_run_commands_in_the_sandbox(
+        processes: ProcessTracker, state_dir: StateDir, writer: WriterClient) -> None:
+    _Notifier.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Notifier)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/notify"
+        root = state_dir.root
+        (state_dir.config_dir / "hooks.yaml").write_text(yaml.safe_dump({"hooks": [
+            {"name": "notify", "on": ["agent_finished", "approval_requested"], "url": url,
+             "retries": 3, "backoff_s": 0.05, "timeout_s": 5},
+            {"name": "script", "on": ["agent_finished"], "timeout_s": 20,
+             "command": f'printf %s "$CORRAL_HOOK_EVENT" > event.json; '
+                        f'ls -A {root} > statedir.txt; echo "$OPENAI_API_KEY" > key.txt'},
+            {"name": "outside", "on": ["agent_finished"], "url": "http://192.0.2.1:9/x",
+             "retries": 0},
+        ]}))
+        up = _up(processes, state_dir, _config(state_dir, "procs"), "up",
+                 {"OPENAI_API_KEY": "sk-hook-test-key"})
+        task = write_task(state_dir.root.parent / "ask.yaml", [
+            {"op": "ask", "question": "ship it?"}, {"op": "finish", "summary": "done"}])
+        assert cli(processes, state_dir, "spawn", "worker", "--task", str(task)).returncode == 0
+
+        def outcomes() -> dict[str, tuple[str, dict[str, Any]]]:
+            return {p["delivery"]: (e, p) for e, p in _facts(writer, "automation/hooks")
+                    if e in ("hook_delivered", "hook_failed")}
+
+        wait_for(lambda: len(outcomes()) == 1, 30, "the approval hook delivered")
+        assert cli(processes, state_dir, "approve", "worker", "req-1.0").returncode == 0
+        wait_for(lambda: len(outcomes()) == 4, 40, "every hook's outcome")
+        done = outcomes()
+        by_hook = {p["hook"] + "/" + p["event"]: (e, p) for e, p in done.values()}
+        event, posted = by_hook["notify/agent_finished"]
+        assert event == "hook_delivered" and posted["attempts"] == 2  # a 500, then 200
+        assert by_hook["notify/approval_requested"][0] == "hook_delivered"
+        assert by_hook["script/agent_finished"][0] == "hook_delivered"
+        refused = by_hook["outside/agent_finished"]
+        assert refused[0] == "hook_failed" and "neither loopback" in refused[1]["error"]
+        # once per event: each delivery id was posted twice (500, then 200), no more
+        ids = [b["id"] for b in _Notifier.seen]
+        assert sorted(ids) == sorted(2 * [d for d in done if d.startswith("notify:")])
+        finished = next(b for b in _Notifier.seen if b["event"] == "agent_finished")
+        assert finished["agent"] == "worker" and finished["detail"]["reason"] == "finished"
+        # the command ran in procs' sandbox: state directory hidden, no model key
+        workspace = state_dir.agent_dir("automation") / "workspace"
+        ran = json.loads((workspace / "event.json").read_text())
+        assert ran["event"] == "agent_finished" and ran["agent"] == "worker"
+        # only the way down to its own workspace is there: no keys, no WAL
+        assert (workspace / "statedir.txt").read_text().split() == ["agents"]
+        assert (workspace / "key.txt").read_text().strip() == ""
+        _stop(processes, state_dir, up)
+        assert len(_Notifier.seen) == len(ids)  # nothing delivered again at the stop
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_every_hook_event_comes_from_its_fact() -> None:
+    """The WAL records (and the supervisor's give-up) each hook event is made of."""
+    from supervisor.automation import events_of, loopback_or_allowed
+
+    def kind(stream: str, event: str, payload: Any) -> str | None:
+        found = events_of(stream, event, 7, 1.0, payload)
+        return None if found is None else found.event
+
+    assert kind("agent/a", "approval_requested", {"request": "req-1.0"}) == "approval_requested"
+    assert kind("agent/a", "session_exit", {"reason": "finished"}) == "agent_finished"
+    assert kind("agent/a", "session_exit", {"reason": "max_turns"}) == "agent_finished"
+    assert kind("agent/a", "session_exit", {"reason": "budget"}) == "budget_paused"
+    assert kind("subagents/a", "subagent_ended", {"status": "ok"}) == "changeset_ready"
+    assert kind("agent/a", "tool_result", {"status": "ok"}) is None
+    assert kind("agent/a", "session_exit", ["not", "a", "map"]) is None
+    assert kind("procs/a", "subagent_ended", {}) is None
+    assert loopback_or_allowed("http://127.0.0.2:9/x", []) is None
+    assert loopback_or_allowed("http://[::1]:9/x", []) is None
+    assert loopback_or_allowed("http://hooks.example:9/x", ["hooks.example"]) is None
+    assert loopback_or_allowed("http://10.0.0.1/x", []) is not None
+    assert loopback_or_allowed("http://localhost.evil.example/x", []) is not None
