@@ -444,6 +444,9 @@ def append_refusal(user: str, stream: str, origin: str, event: str) -> str | Non
             return None
     elif user not in RESERVED and stream == f"agent/{user}" and origin == user:
         return None
+    elif (user not in RESERVED and stream == "config/registries" and origin == user
+          and event == "config_generation"):
+        return None  # a registry op's generation fact (actors/registries/store.py)
     return f"{user} may not append to {stream} under origin {origin}"
 
 

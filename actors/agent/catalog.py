@@ -18,6 +18,7 @@ from actors.agent.ops import (
     warm,
 )
 from actors.procs import ops as procs_ops  # noqa: F401 - bash, bash_*, terminal_*
+from actors.registries import ops as registry_ops  # noqa: F401 - pipeline_install, ...
 from actors.subagents import ops as subagent_ops  # noqa: F401 - spawn/changes/apply
 
 warm()  # build the union once here, so a zygote-forked agent inherits it
