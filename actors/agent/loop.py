@@ -334,7 +334,7 @@ class AgentLoop:
             except SealedInputMissingError as exc:
                 parsed = Rejected(str(action.get("op")), [str(exc)])
             if call is None:
-                if track.halted(s.pipeline):  # a failed pipeline step: the rest never runs
+                if track.halted_before(s.pipeline, index):  # a pipeline step failed
                     self._append("turn_aborted", {"turn": turn, "reason": "halted", "calls": []},
                                  key=f"t{turn}:aborted")
                     return Step.PROGRESS

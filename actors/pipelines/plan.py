@@ -113,6 +113,11 @@ def _walk(steps: list[Any], env: _Env) -> Iterator[_Instance]:
                 env.keys[step.output] = step.output + env.suffix
         elif isinstance(step, ForStep):
             items = env.whole(step.for_.items)
+            if isinstance(items, str):  # an input is a string: a JSON list there
+                try:
+                    items = json.loads(items)
+                except ValueError:
+                    pass
             if not isinstance(items, list):
                 raise _FailedError(f"step {step.id}: loop items are {type(items).__name__}, "
                               "not a list")

@@ -80,5 +80,7 @@ def on_aborted(track: PipelineTrack | None, index: int, applied: bool) -> None:
         track.outputs[meta.output] = {"status": "applied", "result": {"effect_applied": True}}
 
 
-def halted(track: PipelineTrack | None) -> bool:
-    return track is not None and track.halted is not None
+def halted_before(track: PipelineTrack | None, index: int) -> bool:
+    """Whether the open turn's step at `index` must not run: a step before it
+    failed and halted the pipeline (the rest of its batch never runs)."""
+    return track is not None and track.halted is not None and index in track.batch
