@@ -14,6 +14,7 @@ what makes a restarted runner land exactly on its first unsettled step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -114,10 +115,8 @@ def _walk(steps: list[Any], env: _Env) -> Iterator[_Instance]:
         elif isinstance(step, ForStep):
             items = env.whole(step.for_.items)
             if isinstance(items, str):  # an input is a string: a JSON list there
-                try:
+                with contextlib.suppress(ValueError):
                     items = json.loads(items)
-                except ValueError:
-                    pass
             if not isinstance(items, list):
                 raise _FailedError(f"step {step.id}: loop items are {type(items).__name__}, "
                               "not a list")
