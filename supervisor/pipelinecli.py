@@ -45,6 +45,17 @@ def _fail(message: str, code: int = EXIT_FAILED) -> int:
     return code
 
 
+def quiet_logs() -> None:
+    """Library events (a generation written) are for logs, not for the operator's
+    terminal: only warnings, to stderr."""
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
 def parse_inputs(pairs: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for pair in pairs:

@@ -47,6 +47,7 @@ def dispatch(args: argparse.Namespace) -> int:
     from broker.statedir import StateDir  # noqa: PLC0415
     from supervisor import pipelinecli as cli  # noqa: PLC0415
 
+    cli.quiet_logs()
     state_dir = StateDir.at(args.state_dir)
     if args.command == "pipeline":
         if args.pipeline_command == "check":
