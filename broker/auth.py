@@ -447,6 +447,9 @@ def append_refusal(user: str, stream: str, origin: str, event: str) -> str | Non
     elif (user not in RESERVED and stream == "config/registries" and origin == user
           and event == "config_generation"):
         return None  # a registry op's generation fact (actors/registries/store.py)
+    elif (user not in RESERVED and origin.startswith(f"{user}.pl-")
+          and stream == f"agent/{origin}"):
+        return None  # the agent's in-process pipeline runner (actors/pipelines/ops.py)
     return f"{user} may not append to {stream} under origin {origin}"
 
 

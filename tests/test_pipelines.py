@@ -186,3 +186,53 @@ def test_a_raw_write_into_config_is_refused(state_dir: StateDir, tmp_path: Path)
     assert perms[0]["decision"] == "refused"
     assert registry.read_text() == "entries: []\n"
     assert summary(writer)["status"] == "failed"
+
+
+def test_pipeline_run_from_an_agent_returns_outputs_and_resumes_by_call(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    from actors.pipelines import ops as pipeline_ops  # noqa: PLC0415
+    from actors.registries import store  # noqa: PLC0415
+    from tests.agentkit import spec, write_task  # noqa: PLC0415
+
+    text = yaml.safe_dump({"name": "greet", "inputs": ["who"], "steps": [
+        {"id": "g", "op": "write_file", "output": "g",
+         "args": {"path": "greeting.txt", "content": "hi ${inputs.who}"}}],
+        "outputs": {"bytes": "${outputs.g.result.bytes}"}})
+    writer = FakeWriter()
+    task = write_task(tmp_path / "t.yaml", [
+        {"op": "write_file", "path": "greet.yaml", "content": text},
+        {"op": "pipeline_install", "path": "greet.yaml"},
+        {"op": "pipeline_run", "name": "greet", "inputs": {"who": "you"}},
+        {"op": "finish", "summary": "done"}])
+    loop = AgentLoop("a1", state_dir, spec(task), writer.as_origin("a1"))  # type: ignore[arg-type]
+    loop.rebuild()
+    assert drive(loop) is Step.DONE
+    results = [p for e, p in writer.events("agent/a1") if e == "tool_result"]
+    run = results[2]
+    assert run["status"] == "ok", run
+    assert run["result"]["outputs"] == {"bytes": len("hi you")}
+    runner_name = run["result"]["runner"]
+    assert runner_name == "a1.pl-3.0"
+    workspace = state_dir.agent_dir("a1") / "workspace"
+    assert (workspace / "greeting.txt").read_text() == "hi you"  # the agent's workspace
+    nested = writer.events(f"agent/{runner_name}")
+    assert [e for e, _ in nested].count("tool_result") == 2  # the step, then finish
+    # the call run again (a crash before its result): the same runner, nothing repeated
+    ctx = loop._context(None, "3.0")
+    again = pipeline_ops.pipeline_run(pipeline_ops.PipelineRun(name="greet",
+                                                               inputs={"who": "you"}), ctx)
+    assert again.ok and again.result["outputs"] == {"bytes": 6}  # type: ignore[union-attr]
+    assert writer.events(f"agent/{runner_name}") == nested
+    assert store.newest(state_dir, "pipelines").names() == ["greet"]
+
+
+def test_the_writer_lets_an_agent_append_only_to_its_own_runners() -> None:
+    from broker import auth  # noqa: PLC0415
+
+    assert auth.append_refusal("a1", "agent/a1.pl-3.0", "a1.pl-3.0", "turn") is None
+    assert auth.append_refusal("a1", "agent/a2.pl-3.0", "a2.pl-3.0", "turn")
+    assert auth.append_refusal("a1", "agent/a1.pl-3.0", "a1", "turn")
+    assert auth.append_refusal("a1", "agent/a1.pl-3.0", "a1.pl-3.0", "approval_answer")
+    assert auth.append_refusal("a1", "config/registries", "a1", "config_generation") is None
+    assert auth.append_refusal("a1", "config/registries", "a1", "turn")
+    assert auth.append_refusal("a1", "config/registries", "a2", "config_generation")
