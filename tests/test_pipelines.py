@@ -190,9 +190,9 @@ def test_a_raw_write_into_config_is_refused(state_dir: StateDir, tmp_path: Path)
 
 def test_pipeline_run_from_an_agent_returns_outputs_and_resumes_by_call(
         state_dir: StateDir, tmp_path: Path) -> None:
-    from actors.pipelines import ops as pipeline_ops  # noqa: PLC0415
-    from actors.registries import store  # noqa: PLC0415
-    from tests.agentkit import spec, write_task  # noqa: PLC0415
+    from actors.pipelines import ops as pipeline_ops
+    from actors.registries import store
+    from tests.agentkit import spec, write_task
 
     text = yaml.safe_dump({"name": "greet", "inputs": ["who"], "steps": [
         {"id": "g", "op": "write_file", "output": "g",
@@ -227,7 +227,7 @@ def test_pipeline_run_from_an_agent_returns_outputs_and_resumes_by_call(
 
 
 def test_the_writer_lets_an_agent_append_only_to_its_own_runners() -> None:
-    from broker import auth  # noqa: PLC0415
+    from broker import auth
 
     assert auth.append_refusal("a1", "agent/a1.pl-3.0", "a1.pl-3.0", "turn") is None
     assert auth.append_refusal("a1", "agent/a2.pl-3.0", "a2.pl-3.0", "turn")
