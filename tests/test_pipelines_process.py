@@ -61,6 +61,7 @@ def start_runner(processes: ProcessTracker, state_dir: StateDir, name: str,
                             str(state_dir.root), "--no-broker"], name=name, env=env)
 
 
+@pytest.mark.timeout(120)  # six process starts: slow on a loaded host
 def test_a_runner_killed_at_every_step_resumes_and_never_repeats_a_settled_step(
         processes: ProcessTracker, state_dir: StateDir,
         ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

@@ -69,6 +69,9 @@ class _AsRunner:
         return self.writer.append(stream, event, payload, key=key, ledger=ledger,
                                   origin=self.origin)
 
+    def append_many(self, stream: str, records: list[Any]) -> Any:
+        return self.writer.append_many(stream, records, origin=self.origin)
+
     def __getattr__(self, name: str) -> Any:  # reads, timeouts: the agent's client
         return getattr(self.writer, name)
 
