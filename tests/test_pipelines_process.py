@@ -37,7 +37,9 @@ pytestmark = pytest.mark.process
 
 # four independent steps: the runner batches them in one turn, so the call ids
 # below are fixed: s0..s3 are 1.0..1.3; after the abort at 1.1 the rest is
-# turn 2 (s1..s3 = 2.0..2.2); after the applied abort at 2.0, turn 3 (s2, s3)
+# turn 2 (s1..s3 = 2.0..2.2); after the applied abort at 2.0, turn 3 (s2, s3);
+# s2 has no named output, so its result rides with the next group: killed
+# after it, the result is lost and the applied abort settles s2; turn 4 is s3
 STEPS = [
     {"id": "s0", "op": "write_file", "args": {"path": "tally.txt", "content": "0"}},
     {"id": "s1", "op": "edit_file", "args": {"path": "tally.txt", "old": "0", "new": "01"}},
@@ -45,7 +47,7 @@ STEPS = [
     {"id": "s3", "op": "edit_file", "args": {"path": "tally.txt", "old": "01", "new": "013"}},
 ]
 FAULTS = ("before_tool_call@1.0,after_tool_start@1.1,after_effect@2.0,"
-          "after_tool_result@3.0,before_tool_start@3.1")
+          "after_tool_result@3.0,before_tool_start@4.0")
 
 
 @pytest.fixture
@@ -102,7 +104,8 @@ def test_a_runner_killed_at_every_step_resumes_and_never_repeats_a_settled_step(
         assert settled == {s["id"]: 1 for s in STEPS}  # each step settled exactly once
         aborted = [c["effect_applied"] for e, p in events if e == "turn_aborted"
                    for c in p["calls"]]
-        assert aborted == [False, True]  # killed before the effect, then after it
+        # killed before the effect, after it, and after a result not yet durable
+        assert aborted == [False, True, True]
         final = rebuild(writer, state_dir, "victim").state
         assert final.phase == "finished" and final.pipeline is not None
         assert final.pipeline.done == len(STEPS) and final.pipeline.halted is None

@@ -454,9 +454,10 @@ class AgentLoop:
             except OSError as exc:
                 outcome = Done({"error": exc.strerror or type(exc).__name__}, ok=False)
         self.faults.hit("after_effect", cid)
+        may_wait = track.result_may_wait(self.state.pipeline, call.index)
         self._result(call, op, outcome.status or ("ok" if outcome.ok else "error"),
                      outcome.result)
-        if effect is not None or not local:
+        if not local or (effect is not None and not may_wait):
             self.flush()  # the result of an effect is durable before anything else
         self.faults.hit("after_tool_result", cid)
         for j, (event, payload) in enumerate(outcome.facts):

@@ -80,6 +80,19 @@ def on_aborted(track: PipelineTrack | None, index: int, applied: bool) -> None:
         track.outputs[meta.output] = {"status": "applied", "result": {"effect_applied": True}}
 
 
+def result_may_wait(track: PipelineTrack | None, index: int) -> bool:
+    """Whether the result of the open turn's step at `index` (a local op) may
+    join the next group of facts rather than be made durable on its own: no
+    later step reads it (it has no named output). Lost in a crash, the step is
+    found started without a result, and the agent's rule settles it from the
+    file digests (applied: never run again) or issues it again (not applied),
+    so the run goes on exactly as it would have."""
+    if track is None:
+        return False
+    meta = track.batch.get(index)
+    return meta is not None and meta.output is None
+
+
 def halted_before(track: PipelineTrack | None, index: int) -> bool:
     """Whether the open turn's step at `index` must not run: a step before it
     failed and halted the pipeline (the rest of its batch never runs)."""
