@@ -9,8 +9,10 @@ to the writer, exactly as an agent process runs them. An op's / a step's
 time is the time from the previous `tool_result` to its own (everything the
 loop does for it: the turn when there is one, tool_call, permission,
 tool_start, the write, tool_result). Target: step_ms_p50 <= agent_op_ms_p50.
-The pipeline's gain is that independent steps ride in one `turn` (a batch
-of up to 16 steps), where the agent records a model turn for each op.
+Where a step saves: independent steps ride in one `turn` (a batch of up to
+16), where the agent records a model turn for each op; and a step's result
+that no later step reads is made durable with the next step's facts rather
+than by an fdatasync of its own (docs/pipelines.md).
 """
 
 from __future__ import annotations
