@@ -5,7 +5,8 @@ nothing recorded) resumes at its first unsettled step, never repeats a settled
 one, and leaves what an uninterrupted run leaves. Under a supervisor: a
 pipeline installed with `registry apply` runs with `pipeline run --wait` as a
 supervised child seen by `status`; a bad file is refused before anything is
-spawned; `registry restore` gives the earlier content back."""
+spawned; `registry restore` gives the earlier content back; an agent of the
+authenticated runtime installs a pipeline and runs it with `pipeline_run`."""
 
 from __future__ import annotations
 
@@ -165,5 +166,21 @@ def test_install_run_supervised_and_restore_through_the_cli(
     restored = cli(processes, state_dir, "registry", "restore", str(installed_at))
     assert restored.returncode == 0, restored.stderr
     assert store.newest(state_dir, "pipelines").names() == ["hello"]
+
+    # an agent under the authenticated runtime: its registry op records a generation
+    # and its pipeline_run appends to its own runner's stream (the writer's rules)
+    task = tmp_path / "agent.yaml"
+    task.write_text(yaml.safe_dump({"name": "installer", "setup": [
+        {"op": "write_file", "path": "bye.yaml",
+         "content": HELLO.replace("hello", "bye")},
+        {"op": "pipeline_install", "path": "bye.yaml"},
+        {"op": "pipeline_run", "name": "bye", "inputs": {"who": "agent"}},
+        {"op": "finish", "summary": "done"}]}))
+    assert cli(processes, state_dir, "spawn", "installer", "--task", str(task)).returncode == 0
+    wait_for(lambda: children(processes, state_dir).get("installer", {}).get("last_exit")
+             == "exit 0", 60, "the installing agent to finish")
+    assert store.newest(state_dir, "pipelines").names() == ["hello", "bye"]
+    workspace = state_dir.agent_dir("installer") / "workspace"
+    assert (workspace / "bye.txt").read_text() == "bye agent"
     assert cli(processes, state_dir, "stop").returncode == 0
     assert up.wait(timeout=30) == 0
