@@ -77,7 +77,9 @@ class _AsRunner:
 
 
 def runner_name(agent: str, call_id: str) -> str:
-    return check_actor_name(f"{agent}.pl-{call_id}")
+    """`<agent>.pl-<call>`; a call id on a rewound branch (`r<seq>:4.0`) is
+    spelled `r<seq>-4.0` (an actor name has no colon)."""
+    return check_actor_name(f"{agent}.pl-{call_id.replace(':', '-')}")
 
 
 def pipeline_run(op: PipelineRun, ctx: OpContext) -> Outcome:
