@@ -69,6 +69,9 @@ def test_ops_write_generations_and_a_restore_gives_the_earlier_content(
     assert materialised["entries"][0]["enabled"] is False
     assert not list(store.directory(state_dir, "pipelines").glob("pending-*"))
 
+    # a rewind of another session's agent restores nothing (a1 made every change)
+    assert store.restore_registries(state_dir, writer.as_origin("operator"), facts[0][0],
+                                    changed_by="someone-else") == []
     # restore to just after the install: pipelines and schedules go back, hooks and
     # mcp already hold their content then; nothing is deleted
     restore_at = facts[3][0]

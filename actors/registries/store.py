@@ -235,12 +235,18 @@ def commit(state_dir: StateDir, writer: Any, registry: str, change: Change, *, k
 
 
 def restore_registries(state_dir: StateDir, writer: Any, seq: int, *,
-                       actor: str = "operator", key_prefix: str = "") -> list[Generation]:
+                       actor: str = "operator", key_prefix: str = "",
+                       changed_by: str | None = None) -> list[Generation]:
     """Make every registry's content at `seq` its newest content again, as a new
     generation (old generations stay); registries already equal are left
-    alone. Returns the generations written."""
+    alone. With `changed_by` (a session's agent, for its rewind), only the
+    registries that actor changed after `seq` are restored. Returns the
+    generations written."""
     written = []
     for registry in schemas.REGISTRIES:
+        if changed_by is not None and not any(
+                g.seq > seq and g.actor == changed_by for g in history(state_dir, registry)):
+            continue
         target = at(state_dir, registry, seq)
         if newest(state_dir, registry).entries == target.entries:
             continue
