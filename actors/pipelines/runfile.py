@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from actors.agent.settings import AgentSettings
+from actors.agent.settings import AgentSettings, CompactionSettings
 from actors.pipelines import dsl
 from broker.errors import ConfigError
 from broker.statedir import StateDir
@@ -82,9 +82,11 @@ def read(path: str | Path) -> RunFile:
 def runner_settings(settings: AgentSettings) -> AgentSettings:
     """A runner's agent settings: the configuration's gate (rules, exclusions,
     budget) as they are, a turn bound that a bounded pipeline cannot reach
-    (one turn per batch, at most one per step instance), and `pipeline_run`
-    excluded (no nested launch, whatever the file says)."""
+    (one turn per batch, at most one per step instance), `pipeline_run`
+    excluded (no nested launch, whatever the file says), compaction off."""
     exclude = list(settings.exclude)
     if "pipeline_run" not in exclude:
         exclude.append("pipeline_run")
-    return settings.model_copy(update={"max_turns": dsl.MAX_INSTANCES + 2, "exclude": exclude})
+    # no context compaction: a pipeline has no model context to keep small
+    return settings.model_copy(update={"max_turns": dsl.MAX_INSTANCES + 2, "exclude": exclude,
+                                       "compaction": CompactionSettings()})
