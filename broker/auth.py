@@ -449,6 +449,12 @@ def append_refusal(user: str, stream: str, origin: str, event: str) -> str | Non
             return None
     elif user not in RESERVED and stream == f"agent/{user}" and origin == user:
         return None
+    elif (user not in RESERVED and stream == "config/registries" and origin == user
+          and event == "config_generation"):
+        return None  # a registry op's generation fact (actors/registries/store.py)
+    elif (user not in RESERVED and origin.startswith(f"{user}.pl-")
+          and stream == f"agent/{origin}"):
+        return None  # the agent's in-process pipeline runner (actors/pipelines/ops.py)
     return f"{user} may not append to {stream} under origin {origin}"
 
 

@@ -341,7 +341,7 @@ class SpawnRequest(_Message):
     msg_id: MsgId
     name: ActorName
     task: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
-    backend: Literal["scripted", "replay", "openai"] = "scripted"
+    backend: Literal["scripted", "replay", "openai", "pipeline"] = "scripted"
     model: Annotated[str, Field(max_length=256)] | None = None
     replay_stream: StreamName | None = None
 

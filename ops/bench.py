@@ -29,6 +29,7 @@ SUITES = {
     "trees": "ops.bench_trees",
     "compaction": "ops.bench_compaction",
     "fleet": "ops.bench_fleet",
+    "pipeline": "ops.bench_pipeline",
 }
 
 

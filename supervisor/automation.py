@@ -46,7 +46,7 @@ import structlog
 import zmq
 from croniter import croniter
 
-from actors import registries
+from actors.registries import entries as registries
 from broker import auth, protocol
 from broker.statedir import StateDir
 from supervisor.automationconfig import AutomationConfig

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from broker.statedir import private_umask
+from supervisor import pipelineparse
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -170,6 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("wal", help="`wal verify ...`: check the WAL (see wal verify --help)")
     sub.add_parser("fleet", help="`fleet up|down|fence ...`: a fleet of hosts (docs/fleet.md)")
     _agent_parsers(sub, common, as_json)
+    pipelineparse.add_parsers(sub, common, as_json)
     completion = sub.add_parser("completion", help="print a shell completion script")
     completion.add_argument("shell", choices=["bash", "zsh"])
     return parser
@@ -262,6 +264,10 @@ def _main(argv: list[str]) -> int:
         return fleet_main(argv[1:])
     args = _parser().parse_args(argv)
     return HANDLERS[args.command](args)
+
+
+def _pipeline_command(args: argparse.Namespace) -> int:
+    return pipelineparse.dispatch(args)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -468,6 +474,8 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "completion": _completion,
     "du": _storage,
     "gc": _storage,
+    "pipeline": _pipeline_command,
+    "registry": _pipeline_command,
 }
 
 

@@ -176,9 +176,16 @@ def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float) -> Reply:
         return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE,
                       "spawn needs the task file's absolute path")
     try:
-        load_task(msg.task)
+        settings = rt.config.agent
+        if msg.backend == "pipeline":  # a pipeline runner: its task is the run file
+            from actors.pipelines import runfile  # noqa: PLC0415
+
+            runfile.read(msg.task).parsed()
+            settings = runfile.runner_settings(settings)
+        else:
+            load_task(msg.task)
         spec = AgentSpec(task=msg.task, backend=msg.backend, model=msg.model,
-                         replay_stream=msg.replay_stream, settings=rt.config.agent)
+                         replay_stream=msg.replay_stream, settings=settings)
         write_spec(rt.state_dir, name, spec)
     except ConfigError as exc:
         return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE, str(exc)[:1900])

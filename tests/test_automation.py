@@ -19,7 +19,7 @@ import pytest
 import yaml
 import zmq
 
-from actors.registries import ScheduleEntry
+from actors.registries.entries import ScheduleEntry
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from supervisor.automation import ENV_CLOCK_OFFSET_FILE, due_slots
@@ -192,7 +192,7 @@ def test_hooks_post_once_per_event_after_a_500_and_run_commands_in_the_sandbox(
                     if e in ("hook_delivered", "hook_failed")}
 
         wait_for(lambda: len(outcomes()) == 1, 30, "the approval hook delivered")
-        assert cli(processes, state_dir, "approve", "worker", "req-1.0").returncode == 0
+        assert cli(processes, state_dir, "answer", "worker", "req-1.0", "yes").returncode == 0
         wait_for(lambda: len(outcomes()) == 4, 40, "every hook's outcome")
         done = outcomes()
         by_hook = {p["hook"] + "/" + p["event"]: (e, p) for e, p in done.values()}

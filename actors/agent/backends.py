@@ -45,6 +45,7 @@ class Reply:
     actions: list[Any] = field(default_factory=list)
     text: str | None = None
     usage: Usage = Usage()
+    meta: list[Any] | None = None  # a pipeline runner's step of each action (recorded)
 
 
 class Backend(Protocol):
@@ -163,6 +164,10 @@ def make_backend(
 
             raise ConfigError("backend replay needs replay_stream")
         return ReplayModel.from_turns(read_turns(spec.replay_stream))
+    if spec.backend == "pipeline":
+        from actors.pipelines.backend import PipelineModel  # noqa: PLC0415
+
+        return PipelineModel.from_file(spec.task)
     if spec.backend == "openai":
         from actors.agent.openai_backend import OpenAIModel  # noqa: PLC0415
 

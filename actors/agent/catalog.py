@@ -20,7 +20,9 @@ from actors.agent.ops import (
     tool_schemas,
     warm,
 )
+from actors.pipelines import ops as pipeline_ops  # noqa: F401 - pipeline_run
 from actors.procs import ops as procs_ops  # noqa: F401 - bash, bash_*, terminal_*
+from actors.registries import ops as registry_ops  # noqa: F401 - pipeline_install, ...
 from actors.subagents import ops as subagent_ops  # noqa: F401 - spawn/changes/apply
 
 warm()  # build the union once here, so a zygote-forked agent inherits it

@@ -65,9 +65,10 @@ from actors.agent import (
 from actors.agent.backends import Backend, make_backend
 from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, is_local, model_for
 from actors.agent.recordable import recordable_actions, recordable_text
-from actors.agent.settings import AgentSpec, load_task, workspace_for
+from actors.agent.settings import AgentSpec, Task, load_task, workspace_for
 from actors.agent.state import RECENT_MAX, AgentState, Call, Event, fold_into
 from actors.agent.vault import SealedInputMissingError, Vault
+from actors.pipelines import track
 from actors.trees import recorder
 from actors.writer.client import WriterClient, encode_payload
 from broker import protocol
@@ -99,7 +100,8 @@ class AgentLoop:
         self.settings = spec.settings
         self.writer = writer
         self.stream = rebuild.stream_of(name)
-        self.task = load_task(spec.task)
+        # a pipeline runner's task is its run file, read by its backend
+        self.task = Task() if spec.backend == "pipeline" else load_task(spec.task)
         self.workspace = workspace_for(state_dir, name, spec)
         self.workspace.mkdir(parents=True, exist_ok=True)
         self.memory_dir = state_dir.memory_dir / name
@@ -295,6 +297,8 @@ class AgentLoop:
                                    "context_tokens": compaction.context_tokens(s)}
         if reply.text:
             payload["text"] = recordable_text(reply.text)
+        if reply.meta is not None:
+            payload["pipeline"] = reply.meta
         self._append("turn", payload, key=f"t{turn}:turn", ledger="budget")
         return Step.PROGRESS
 
@@ -331,6 +335,10 @@ class AgentLoop:
             except SealedInputMissingError as exc:
                 parsed = Rejected(str(action.get("op")), [str(exc)])
             if call is None:
+                if track.halted_before(s.pipeline, index):  # a pipeline step failed
+                    self._append("turn_aborted", {"turn": turn, "reason": "halted", "calls": []},
+                                 key=f"t{turn}:aborted")
+                    return Step.PROGRESS
                 self.faults.hit("before_tool_call", cid)
                 self._append("tool_call", {
                     "call_id": cid, "turn": turn, "index": index,
@@ -413,7 +421,8 @@ class AgentLoop:
                          max_result_chars=self.settings.max_result_chars, answer=answer,
                          peer=self.peer, path_visible=visible,
                          call_id=self.state.branch + call_id if call_id else call_id,
-                         max_command_timeout_s=self.settings.max_command_timeout_s)
+                         max_command_timeout_s=self.settings.max_command_timeout_s,
+                         writer=self.writer)
 
     def _dispatch(self, call: Call, op: OpBase, answer: dict[str, Any] | None) -> None:
         cid = call.call_id
@@ -446,9 +455,10 @@ class AgentLoop:
             except OSError as exc:
                 outcome = Done({"error": exc.strerror or type(exc).__name__}, ok=False)
         self.faults.hit("after_effect", cid)
+        may_wait = track.result_may_wait(self.state.pipeline, call.index)
         self._result(call, op, outcome.status or ("ok" if outcome.ok else "error"),
                      outcome.result)
-        if effect is not None or not local:
+        if not local or (effect is not None and not may_wait):
             self.flush()  # the result of an effect is durable before anything else
         self.faults.hit("after_tool_result", cid)
         for j, (event, payload) in enumerate(outcome.facts):

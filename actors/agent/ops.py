@@ -102,6 +102,7 @@ class OpContext:
     # (search results, directory entries); None shows everything
     path_visible: Callable[[str], bool] | None = None
     max_command_timeout_s: float = 600.0  # a command's timeout is clipped to this
+    writer: Any = None  # the agent's WriterClient: registry ops record their generation
 
 
 @dataclass(frozen=True)

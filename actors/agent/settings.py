@@ -26,7 +26,7 @@ from broker.statedir import StateDir
 _SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 Decision = Literal["allow", "ask", "deny"]
-BackendName = Literal["scripted", "replay", "openai"]
+BackendName = Literal["scripted", "replay", "openai", "pipeline"]
 
 
 class _Strict(BaseModel):

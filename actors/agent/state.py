@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.agent import branch_events
+from actors.pipelines import track
 
 Phase = Literal["new", "running", "paused", "finished", "closed"]
 RECENT_MAX = 256  # a backend keeps its own window; compaction keeps this well below
@@ -122,6 +123,7 @@ class AgentState(_Model):
     branch: str = ""  # "" or "r<seq>:" after a rewind: prefixes idempotency keys
     last_rewind: dict[str, Any] | None = None
     forked_from: dict[str, Any] | None = None
+    pipeline: track.PipelineTrack | None = None  # a pipeline runner's progress
 
     # --- views ---------------------------------------------------------------
     def pending_approvals(self) -> list[Approval]:
@@ -235,6 +237,7 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
             state.actions = list(actions)
             state.open_turn = state.turn if actions else None
             _deliver_inputs(state)
+            state.pipeline = track.on_turn(state.pipeline, p.get("pipeline"))
             if p.get("text"):
                 _remember(state, {"turn": state.turn, "text": str(p["text"])[:RECENT_RESULT_CHARS]})
         case "tool_call":
@@ -250,6 +253,7 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
                 return
             call.settled, call.status = True, "rejected"
             state.counts.rejects += 1
+            track.on_settled(state.pipeline, call.index, "rejected", p.get("errors"))
             state.cursor += 1
             _remember(state, {"turn": state.turn, "call_id": call.call_id,
                               "action": _action(state, call), "status": "rejected",
@@ -310,6 +314,7 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
                 return
             call.settled, call.status = True, str(p.get("status"))
             state.counts.tool_results += 1
+            track.on_settled(state.pipeline, call.index, call.status, p.get("result"))
             state.cursor += 1
             _remember(state, {"turn": state.turn, "call_id": call.call_id,
                               "action": _action(state, call), "status": call.status,
@@ -324,6 +329,10 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
                 return  # late or stale: that turn is already closed
             for item in p.get("calls") or []:
                 applied = isinstance(item, dict) and item.get("effect_applied") is True
+                aborted = state.calls.get(str(item.get("call_id"))) if isinstance(
+                    item, dict) else None
+                if aborted is not None:
+                    track.on_aborted(state.pipeline, aborted.index, applied)
                 state.counts.aborted += 1
                 if applied:
                     state.cursor += 1

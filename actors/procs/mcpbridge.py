@@ -2,7 +2,7 @@
 
 An agent reaches an MCP server only through procs (`mcp_request`, answered by
 `mcp_reply`). procs runs one instance of each installed server
-(`config/mcp.yaml`, actors/registries.py) per *sender*, the actor the broker
+(`config/mcp.yaml`, actors/registries/entries.py) per *sender*, the actor the broker
 authenticated: the server runs in that session's sandbox (its workspace, the
 state directory hidden, a clean environment), so an agent can neither reach
 another agent's server nor its files.
@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
-from actors import registries
 from actors.procs import sandbox
+from actors.registries import entries as registries
 from broker import protocol
 
 if TYPE_CHECKING:

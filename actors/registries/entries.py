@@ -3,7 +3,8 @@ hooks and MCP servers (`.corral/config/schedules.yaml`, `hooks.yaml`,
 `mcp.yaml`), as strict pydantic models, and a bounded loader for each file.
 
 The files are materialised from seq-keyed config generations by the registry
-layer (issue 15, item 2) and changed only by their ops; this module only reads
+layer (actors/registries/store.py) and changed only by their ops; the
+registry ops validate entries with these models (schemas.ENTRY_MODELS); this module only reads
 what is there. A file that is missing is an empty registry; a file that does
 not parse, or an entry that does not validate, is refused as a whole
 (`RegistryError`, naming the file and the entry): the runtime keeps the last
@@ -23,7 +24,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from croniter import croniter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from actors.registries.base import Entry
 
 MAX_FILE_BYTES = 1024 * 1024
 MAX_ENTRIES = 256
@@ -39,10 +42,7 @@ class RegistryError(ValueError):
     """A registry file that cannot be used; the message names file and entry."""
 
 
-class _Entry(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    name: str
+_Entry = Entry  # actors/registries/base.py
 
 
 E = TypeVar("E", bound=_Entry)

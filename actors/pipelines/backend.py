@@ -1,0 +1,62 @@
+"""The pipeline runner's "model": the backend of an agent whose spec names a
+pipeline run file (backend `pipeline`). It decides nothing: each reply is the
+next batch of the pipeline's steps (actors/pipelines/plan.py) from the fold of
+the runner's own stream, and at the end a `finish` whose summary holds the
+status and outputs. So a pipeline step goes through exactly what an agent's
+op goes through (the loop: validation, the gate, approvals, recording,
+recovery), and no model is called: its usage is zero.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from actors.agent.backends import Reply, Usage
+from actors.agent.operator_input import Delivered
+from actors.agent.state import AgentState
+from actors.pipelines import dsl, plan, runfile
+
+SUMMARY_CHARS = 3900
+
+
+@dataclass
+class PipelineModel:
+    run: runfile.RunFile
+    pipeline: dsl.Pipeline
+    max_batch: int = plan.DEFAULT_BATCH
+    name: str = "pipeline"
+    deadline_s: float = 0.0
+
+    @classmethod
+    def from_file(cls, path: str) -> PipelineModel:
+        run = runfile.read(path)
+        return cls(run, run.parsed())
+
+    def next_reply(self, state: AgentState, inputs: Sequence[Delivered] = ()) -> Reply:
+        """The next batch; operator inputs (corrections, notes) are for a model
+        and do not steer a pipeline: they stay in the stream, unread here."""
+        del inputs
+        track = state.pipeline
+        if track is not None and track.halted is not None:
+            return self._finish("failed", f"step {track.halted} ended {track.halt_status}",
+                                state)
+        batch = plan.next_batch(self.pipeline, self.run.inputs, track, self.max_batch)
+        if batch.failure is not None:
+            return self._finish("failed", batch.failure, state)
+        if batch.finished:
+            return self._finish("ok", None, state)
+        return Reply(actions=list(batch.actions), usage=Usage(), meta=batch.metas)
+
+    def _finish(self, status: str, error: str | None, state: AgentState) -> Reply:
+        summary: dict[str, Any] = {"pipeline": self.pipeline.name, "status": status}
+        if error is not None:
+            summary["error"] = error
+        summary["outputs"] = plan.outputs_of(self.pipeline, self.run.inputs, state.pipeline)
+        text = json.dumps(summary, ensure_ascii=False, sort_keys=True)
+        if len(text) > SUMMARY_CHARS:  # the outputs stay readable from the run's state
+            summary["outputs"] = {"truncated": True}
+            text = json.dumps(summary, ensure_ascii=False, sort_keys=True)[:SUMMARY_CHARS]
+        return Reply(actions=[{"op": "finish", "summary": text}], usage=Usage())

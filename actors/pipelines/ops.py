@@ -1,0 +1,128 @@
+"""The agent op `pipeline_run`: run an installed pipeline and return its outputs.
+
+    pipeline_run  name, inputs={}, wait_s=600
+
+The run happens in the agent's own process, as a nested runner: the same
+`AgentLoop` with the pipeline backend, named `<agent>.pl-<call id>`, on its
+own stream `agent/<agent>.pl-<call>` (the writer lets an agent append there
+under that origin: broker/auth.py), working in the agent's workspace under
+the agent's own gate settings (its spec: rules, exclusions, budget). So
+every step is gated, recorded and recovered exactly like a
+`supervisor pipeline run` step, and `supervisor trace`/`approve` work on the
+runner's name. It is not a child process: a pipeline is bounded and makes no
+model calls, so a fork, a spawn round-trip and a second credential would
+only add latency; the cost is that a crash of the agent stops its runner
+too, and both resume together.
+
+`replay_safe`: the runner is keyed by the call, so an agent that crashed
+while the pipeline ran runs the call again and the runner rebuilds from its
+stream and goes on at its first unsettled step (never repeating one). A
+pipeline cannot call `pipeline_run` (the DSL refuses it and a runner's
+settings exclude it), so runs never nest.
+
+A step that waits for the operator keeps the call waiting (up to `wait_s`);
+past it the result is `timeout` with the runner's name, and the run stays
+where it is.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
+from actors.agent.settings import AgentSettings, AgentSpec, read_spec
+from actors.pipelines import report, runfile
+from actors.registries import schemas, store
+from broker.errors import ConfigError, StateDirError
+from broker.statedir import check_actor_name
+
+InputValue = Annotated[str, Field(max_length=65536)]
+
+
+class PipelineRun(OpBase):
+    """Run an installed pipeline with the given inputs; returns its outputs."""
+
+    op: Literal["pipeline_run"] = "pipeline_run"
+    name: schemas.EntryName
+    inputs: dict[str, InputValue] = Field(default_factory=dict)
+    wait_s: Annotated[float, Field(gt=0, le=3600)] = 600.0
+    replay_safe: ClassVar[bool] = True
+
+    def deadline_s(self, ctx: OpContext) -> float:
+        return self.wait_s + 30.0  # the wait, plus the appends of the last step
+
+
+@dataclass
+class _AsRunner:
+    """The agent's writer client appending as its runner (its own origin, so
+    the runner's idempotency keys are its own)."""
+
+    writer: Any
+    origin: str
+
+    def append(self, stream: str, event: str, payload: Any, *, key: str,
+               ledger: Any = None) -> Any:
+        return self.writer.append(stream, event, payload, key=key, ledger=ledger,
+                                  origin=self.origin)
+
+    def append_many(self, stream: str, records: list[Any]) -> Any:
+        return self.writer.append_many(stream, records, origin=self.origin)
+
+    def __getattr__(self, name: str) -> Any:  # reads, timeouts: the agent's client
+        return getattr(self.writer, name)
+
+
+def runner_name(agent: str, call_id: str) -> str:
+    """`<agent>.pl-<call>`; a call id on a rewound branch (`r<seq>:4.0`) is
+    spelled `r<seq>-4.0` (an actor name has no colon)."""
+    return check_actor_name(f"{agent}.pl-{call_id.replace(':', '-')}")
+
+
+def pipeline_run(op: PipelineRun, ctx: OpContext) -> Outcome:
+    from actors.agent.loop import AgentLoop, Step  # noqa: PLC0415 - the loop imports the ops
+
+    if ctx.writer is None or ctx.call_id is None:
+        return Done({"error": "pipeline_run needs the agent's writer"}, ok=False)
+    try:
+        name = runner_name(ctx.agent, ctx.call_id)
+        entry = store.newest(ctx.state_dir, "pipelines").get(op.name)
+        if entry is None:
+            return Done({"error": f"no installed pipeline {op.name!r}"}, ok=False)
+        run = runfile.RunFile(pipeline=op.name, source=f"registry:{op.name}",
+                              text=str(entry["text"]), inputs=op.inputs)
+        runfile.check_inputs(run.parsed(), op.inputs)
+        path = runfile.path_for(ctx.state_dir, name)
+        if path.exists():  # the call run again after a crash: the same run goes on
+            run = runfile.read(path)
+        else:
+            runfile.write(ctx.state_dir, name, run)
+        parent = read_spec(ctx.state_dir, ctx.agent)
+    except (ConfigError, StateDirError, store.RegistryError) as exc:
+        return Done({"error": str(exc)[:2000]}, ok=False)
+    settings = runfile.runner_settings(parent.settings if parent else AgentSettings())
+    spec = AgentSpec(task=str(path), backend="pipeline", workspace=str(ctx.workspace),
+                     settings=settings)
+    loop = AgentLoop(name, ctx.state_dir, spec, _AsRunner(ctx.writer, name),  # type: ignore[arg-type]
+                     peer=ctx.peer)
+    loop.rebuild()
+    deadline = time.monotonic() + op.wait_s
+    while True:
+        step = loop.step()
+        if step is Step.DONE:
+            break
+        if step is Step.WAIT:
+            if time.monotonic() > deadline:
+                return Done({"runner": name, "error": f"still waiting after {op.wait_s:g}s "
+                             f"(supervisor approve {name} ...)", "timeout": True},
+                            ok=False, status="timeout")
+            time.sleep(settings.approval_poll_ms / 1000)
+            loop.sync()
+    result = report.summarise(run, loop.state)
+    return Done({"runner": name, **result}, ok=result["status"] == "ok")
+
+
+register(PipelineRun, pipeline_run)

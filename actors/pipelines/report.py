@@ -1,0 +1,38 @@
+"""What a pipeline run came to, read from its runner's stream: the status
+(`ok`, `failed`, or the runner's phase while it is not over) and the declared
+outputs, computed from the fold and the run file the same way the runner
+computes them (actors/pipelines/plan.py), so every reader agrees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.agent.rebuild import rebuild
+from actors.agent.state import AgentState
+from actors.pipelines import plan, runfile
+from broker.statedir import StateDir
+
+
+def summarise(run: runfile.RunFile, state: AgentState) -> dict[str, Any]:
+    pipeline = run.parsed()
+    track = state.pipeline
+    out: dict[str, Any] = {"pipeline": pipeline.name, "steps_settled": track.done if track else 0}
+    if track is not None and track.halted is not None:
+        out.update(status="failed", error=f"step {track.halted} ended {track.halt_status}")
+    elif state.phase == "finished":
+        batch = plan.next_batch(pipeline, run.inputs, track)
+        out["status"] = "failed" if batch.failure else "ok"
+        if batch.failure:
+            out["error"] = batch.failure
+    else:
+        out["status"] = state.phase
+    out["outputs"] = plan.outputs_of(pipeline, run.inputs, track)
+    return out
+
+
+def outcome(writer: Any, state_dir: StateDir, runner: str) -> dict[str, Any] | None:
+    """The run's summary once its runner's session is over; None before."""
+    state = rebuild(writer, state_dir, runner).state
+    if state.phase not in ("finished", "closed"):
+        return None
+    return summarise(runfile.read(runfile.path_for(state_dir, runner)), state)

@@ -1,0 +1,12 @@
+"""The base of every registry entry: a strict, closed, frozen pydantic model
+with a `name` unique within its registry (each registry narrows the name)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Entry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str

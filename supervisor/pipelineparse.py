@@ -1,0 +1,61 @@
+"""The argument parsers of `supervisor pipeline ...` and `supervisor registry ...`
+(their work is in supervisor/pipelinecli.py, imported only when one runs, so
+the CLI's other commands do not load it)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+REGISTRIES = ("pipelines", "schedules", "hooks", "mcp")
+
+
+def _seq(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a WAL seq (a whole number >= 1)")
+    return int(text)
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser,
+                as_json: argparse.ArgumentParser) -> None:
+    pipeline = sub.add_parser("pipeline", help="run or check a pipeline (docs/pipelines.md)")
+    verbs = pipeline.add_subparsers(dest="pipeline_command", required=True, metavar="VERB")
+    run = verbs.add_parser("run", parents=[common, as_json],
+                           help="run a pipeline file or an installed pipeline")
+    run.add_argument("target", metavar="NAME|FILE")
+    run.add_argument("--input", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--runner", default=None, help="the runner's actor name")
+    run.add_argument("--wait", action="store_true", help="wait for the end, print outputs")
+    run.add_argument("--timeout-s", type=float, default=600.0, help="with --wait")
+    check = verbs.add_parser("check", parents=[common], help="check a pipeline file")
+    check.add_argument("file")
+    registry = sub.add_parser("registry", help="the config registries (docs/registries.md)")
+    rverbs = registry.add_subparsers(dest="registry_command", required=True, metavar="VERB")
+    show = rverbs.add_parser("show", parents=[common], help="entries (at a seq)")
+    show.add_argument("registry", nargs="?", choices=REGISTRIES)
+    show.add_argument("--seq", type=_seq, default=None)
+    apply = rverbs.add_parser("apply", parents=[common],
+                              help="run a registry op (pipeline_install, hook_add, ...)")
+    apply.add_argument("op")
+    apply.add_argument("--args", default="{}", help="the op's arguments as a JSON object")
+    restore = rverbs.add_parser("restore", parents=[common],
+                                help="make every registry as it was at SEQ (new generations)")
+    restore.add_argument("seq", type=_seq)
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    from broker.statedir import StateDir  # noqa: PLC0415
+    from supervisor import pipelinecli as cli  # noqa: PLC0415
+
+    cli.quiet_logs()
+    state_dir = StateDir.at(args.state_dir)
+    if args.command == "pipeline":
+        if args.pipeline_command == "check":
+            return cli.check(args.file)
+        return cli.run(state_dir, args.target, args.input, runner=args.runner, wait=args.wait,
+                       timeout_s=args.timeout_s, as_json=args.json)
+    if args.registry_command == "show":
+        return cli.registry_show(state_dir, args.registry, args.seq)
+    if args.registry_command == "apply":
+        return cli.registry_apply(state_dir, args.op, args.args)
+    return cli.registry_restore(state_dir, args.seq)
