@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -154,6 +155,51 @@ def run_corral(agents: int, steps: int) -> dict[str, Any]:
     # the writer's CPU over the whole run (its idle start-up is negligible)
     merged["writer_cpu_s"] = (after.user + after.system) - (before.user + before.system)
     return merged
+
+
+# --- the disk's floor under a step ---------------------------------------------------
+
+FLOOR_ROUNDS = 100  # each system's floor, alternating, per round of the benchmark
+
+
+def _append_sync(fd: int, data: bytes) -> None:
+    os.write(fd, data)
+    os.fdatasync(fd)
+
+
+def sync_floor_ms(directory: Path, rounds: int) -> dict[str, list[float]]:
+    """The synchronous disk work alone of one step, no CPU work around it, on
+    the disk the runs use, alternating so that load falls on both alike:
+
+    - corral: the effect journal's entry (temp, fsync, rename), an append +
+      fdatasync (the group: turn .. tool_start), the file (temp, fsync, rename,
+      directory fsync), an append + fdatasync (tool_result): five syncs;
+    - LangGraph (SQLite WAL, synchronous=FULL): the file, then one append +
+      fsync of the WAL at the checkpoint's commit: three syncs.
+    """
+    wal = os.open(directory / "wal", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    record = b"x" * 600
+    times: dict[str, list[float]] = {"corral": [], "langgraph": []}
+    try:
+        for i in range(rounds):
+            started = time.perf_counter()
+            journal = directory / f"{i}.json"
+            with open(journal.with_name(journal.name + ".tmp"), "wb") as f:
+                f.write(record)
+                f.flush()
+                os.fsync(f.fileno())
+            journal.with_name(journal.name + ".tmp").replace(journal)
+            _append_sync(wal, record)
+            _write(directory, f"c{i}.txt", i)
+            _append_sync(wal, record)
+            times["corral"].append((time.perf_counter() - started) * 1000)
+            started = time.perf_counter()
+            _write(directory, f"l{i}.txt", i)
+            _append_sync(wal, record)
+            times["langgraph"].append((time.perf_counter() - started) * 1000)
+    finally:
+        os.close(wal)
+    return times
 
 
 # --- LangGraph ---------------------------------------------------------------------
@@ -374,11 +420,19 @@ def run(quick: bool = False) -> dict[str, object]:
     # load falls on all of them alike
     ones: dict[str, list[dict[str, Any]]] = {name: [] for name in present}
     manys: dict[str, list[dict[str, Any]]] = {name: [] for name in present}
+    floors: dict[str, list[float]] = {"corral": [], "langgraph": []}
     for _ in range(rounds):
         for name in present:
             ones[name].append(_one_run(name, 1, steps))
+        with temp_state_root() as root:
+            for name, times in sync_floor_ms(root, FLOOR_ROUNDS).items():
+                floors[name].extend(times)
         for name in present:
             manys[name].append(_one_run(name, AGENTS, steps))
+    # what the disk alone makes a step cost (no CPU work): five syncs in a corral
+    # step, three under a LangGraph super-step; same disk, same run
+    for name, times in floors.items():
+        figures[f"{name}_sync_floor_ms_p50"] = round(percentile(times, 50), 2)
     for name in present:
         one, many = _pooled(ones[name]), _pooled(manys[name])
         figures[f"{name}_step_ms_p50"] = round(percentile(one["step_ms"], 50), 2)
