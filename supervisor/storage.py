@@ -13,6 +13,9 @@ and the non-WAL half of `supervisor gc`:
   (`memory/`, `approvals.jsonl`), the config tier and operator evidence are
   never candidates at all.
 
+The trees store (`trees/packs/`) is collected by reachability in
+actors/trees/collect.py, after the WAL pass (fewer records, fewer roots).
+
 The WAL half (retention and compaction) runs in the writer
 (actors/writer/walgc.py): `gc` asks it through `run/gc.request` and waits for
 `run/gc.result.json`."""
@@ -32,6 +35,7 @@ from typing import Annotated
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.trees import collect as trees_collect
 from broker.durable import write_atomic
 from broker.statedir import StateDir
 
@@ -116,6 +120,8 @@ class Usage:
     sessions: dict[str, SessionUsage] = field(default_factory=dict)
     max_bytes: int = 0
     over_cap: bool = False
+    tree_packs: int = 0  # packs of the trees store (trees/packs/*.pack)
+    tree_pack_bytes: int = 0
 
 
 def du(state_dir: StateDir, config: StorageConfig) -> Usage:
@@ -141,6 +147,7 @@ def du(state_dir: StateDir, config: StorageConfig) -> Usage:
         s.workspace = tree_bytes(session_dir / "workspace")
         s.other = max(0, s.total - s.procs - s.generations - s.workspace)
         usage.sessions[session_dir.name] = s
+    usage.tree_packs, usage.tree_pack_bytes = trees_collect.pack_usage(state_dir)
     usage.over_cap = bool(config.max_bytes) and usage.total_bytes > config.max_bytes
     return usage
 
@@ -165,6 +172,7 @@ class GcReport:
     running_jobs_kept: int = 0
     wal: dict[str, object] | None = None  # the writer's pass (actors/writer/walgc.py)
     wal_note: str = ""
+    trees: dict[str, object] | None = None  # actors/trees/collect.py's pass
     bytes_before: int = 0
     bytes_after: int = 0
     over_cap_after: bool = False
@@ -288,12 +296,14 @@ def request_wal_pass(state_dir: StateDir, dry_run: bool, timeout_s: float
 
 
 def gc(state_dir: StateDir, config: StorageConfig, *, dry_run: bool,
-       wal: bool = True, timeout_s: float = 120.0) -> GcReport:
+       wal: bool = True, timeout_s: float = 120.0, trees: bool = True) -> GcReport:
     report = GcReport(dry_run=dry_run, bytes_before=du(state_dir, config).total_bytes)
     collect_jobs(state_dir, config, report)
     collect_generations(state_dir, config, report)
     if wal:
         report.wal, report.wal_note = request_wal_pass(state_dir, dry_run, timeout_s)
+    if trees:
+        report.trees = trees_collect.as_dict(trees_collect.collect(state_dir, dry_run=dry_run))
     after = du(state_dir, config)
     report.bytes_after = after.total_bytes
     report.over_cap_after = after.over_cap
@@ -342,7 +352,7 @@ class Janitor:
                 if why is None:
                     continue
                 report = gc(self.state_dir, self.config, dry_run=False, wal=why == "max_bytes",
-                            timeout_s=self.config.interval_s)
+                            timeout_s=self.config.interval_s, trees=why == "max_bytes")
                 self.passes += 1
                 self._log.info("storage_gc_ran", cap=why, jobs_removed=report.jobs_removed,
                                generations_removed=report.generations_removed,

@@ -41,7 +41,8 @@ def _print_usage(usage: storage.Usage) -> None:
     print(f"{usage.state_dir}: {_mib(usage.total_bytes)}{cap}{over}")
     for tier, size in sorted(usage.tiers.items(), key=lambda kv: -kv[1]):
         print(f"  {tier:<14} {_mib(size):>12}")
-    print(f"  (WAL {_mib(usage.wal_bytes)})")
+    print(f"  (WAL {_mib(usage.wal_bytes)}; trees store {usage.tree_packs} packs, "
+          f"{_mib(usage.tree_pack_bytes)})")
     for name, s in sorted(usage.sessions.items(), key=lambda kv: -kv[1].total):
         pin = " pinned" if s.pinned else ""
         print(f"  session {name}: {_mib(s.total)} (jobs {_mib(s.procs)}, generations "
@@ -60,5 +61,11 @@ def _print_gc(report: storage.GcReport) -> None:
               f"{len(wal.get('segments_compacted') or [])}")  # type: ignore[arg-type]
     else:
         print(f"  WAL: {report.wal_note}")
+    if report.trees is not None:
+        t = report.trees
+        print(f"  trees: {t.get('objects_removed')} of {t.get('objects_before')} objects "
+              f"{verb}, packs rewritten {len(t.get('packs_rewritten') or [])}, "  # type: ignore[arg-type]
+              f"removed {len(t.get('packs_removed') or [])}"  # type: ignore[arg-type]
+              + (f"; {t['error']}" if t.get("error") else ""))
     print(f"  {_mib(report.bytes_before)} -> {_mib(report.bytes_after)}"
           + ("  still OVER CAP" if report.over_cap_after else ""))

@@ -311,11 +311,13 @@ class AgentLoop:
         }, key=f"s{segment}:start")
 
     def _record_tree(self) -> bool:
-        """At a turn boundary: append `workspace_tree` if the workspace changed."""
-        fact = self.trees.fact(self.state)
-        if fact is None:
-            return False
-        self._append(*fact)
+        """At a turn boundary: append `workspace_tree` if the workspace changed
+        (under the trees' collection lease until the fact is durable)."""
+        with self.trees.lease():
+            fact = self.trees.fact(self.state)
+            if fact is None:
+                return False
+            self._append(*fact)
         return True
 
     def _exit(self, reason: str, summary: str = "") -> None:

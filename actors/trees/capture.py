@@ -10,7 +10,9 @@ and empty directories (as git does). Every entry is lstat'ed at its
 directory's fd (the floor of any capture, git's included); what happens next
 follows the stat cache (actors/trees/statcache.py): an unchanged directory
 keeps its tree digest, an unchanged file its content digest, and only the
-rest is read, hashed and staged.
+rest is read, hashed and staged. A cached digest the store no longer holds
+(a collection removed it: the capture that cached it was never named by a
+fact) is a miss: read and stored again (actors/trees/collect.py).
 
 `Capturer.capture()` returns the root tree's digest; the trees and every new
 blob are in the store, durably (one pack), when it returns, so the caller
@@ -53,6 +55,7 @@ class Capturer:
 
     def capture(self) -> Captured:
         stamp = fs_now_ns(self.stamp_dir)
+        self.store.validate()  # a collection since the last capture: index again
         self._new: dict[str, bytes] = {}
         self._seen: set[str] = set()
         self._changed: list[str] = []
@@ -109,7 +112,8 @@ class Capturer:
             self._seen.add(rel)
             cached = self.cache.dirs.get(rel)
             if (cached is not None and cached.signature == signature and cached.subdirs == subs
-                    and cached.max_time_ns < self.cache.stamp_ns):
+                    and cached.max_time_ns < self.cache.stamp_ns
+                    and self.store.has(cached.digest)):
                 return cached.digest
             return self._rebuild(fd, rel, signature, subs, cached)
         finally:
@@ -136,7 +140,8 @@ class Capturer:
             if not stat.S_ISREG(mode):
                 continue  # fifo, socket, device: not workspace content
             hit = old.get(name)
-            if hit is not None and hit[0] == ident and self.cache.trusted(ident):
+            if (hit is not None and hit[0] == ident and self.cache.trusted(ident)
+                    and self.store.has(hit[1])):
                 d = hit[1]
             else:
                 got = _read(fd, name)

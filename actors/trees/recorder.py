@@ -10,6 +10,7 @@ store before the fact is appended (actors/trees/capture.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -20,6 +21,7 @@ from actors.agent.state import AgentState
 from actors.trees.capture import Capturer
 from actors.trees.statcache import StatCache
 from actors.trees.store import ObjectStore, packs_dir
+from actors.trees.store import lease as store_lease
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 
@@ -49,6 +51,11 @@ class TreeRecorder:
     def __init__(self, state_dir: StateDir, name: str, workspace: Path) -> None:
         self.state_dir, self.name, self.workspace = state_dir, name, workspace
         self._capturer: Capturer | None = None
+
+    def lease(self) -> contextlib.AbstractContextManager[None]:
+        """Held from the capture until its fact is appended: no collection
+        (actors/trees/collect.py) runs in between."""
+        return store_lease(packs_dir(self.state_dir.root))
 
     def fact(self, state: AgentState) -> tuple[str, dict[str, Any], str] | None:
         """(event, payload, key) of the `workspace_tree` to append, None if unchanged."""

@@ -115,10 +115,11 @@ def rewind(writer: WriterClient, state_dir: StateDir, name: str, *,
     grants = [list(g) for g in fold(AgentState(), active).grants]
     ws = _workspace(state_dir, name)
     store = store_for(state_dir, name)
-    current = capturer_for(state_dir, name, ws, store).capture().digest
-    intent = {"version": INTENT_VERSION, "agent": name, "from_seq": head_seq, "to_seq": cut,
-              "to_turn": to_turn, "tree": target, "from_tree": current, "grants": grants}
-    write_atomic(intent_path(state_dir, name), json.dumps(intent).encode())
+    with store.lease():  # until the intent names what the capture stored
+        current = capturer_for(state_dir, name, ws, store).capture().digest
+        intent = {"version": INTENT_VERSION, "agent": name, "from_seq": head_seq, "to_seq": cut,
+                  "to_turn": to_turn, "tree": target, "from_tree": current, "grants": grants}
+        write_atomic(intent_path(state_dir, name), json.dumps(intent).encode())
     fault("rewind:after_intent")
     return _finish(writer, state_dir, name, intent, current)
 

@@ -20,15 +20,27 @@ next append truncates it away. Readers index every pack's complete objects
 (headers only, seeking over the data), remembering where each pack ended,
 so a refresh reads only what was appended since; an object is checked
 against its name whenever it is read (`CorruptObjectError`, never returned).
+
+Collection (actors/trees/collect.py) replaces a pack by a repacked one
+(rename) or removes it, under the pack's `flock` and while it holds the
+collection lease (`trees/collect.lock`) exclusively. So a pack's identity
+(device, inode) is remembered: `validate()` (a stat per pack) drops the
+whole index when a pack was replaced or removed and indexes again, an
+append that waited for the lock of a file renamed away opens the new one,
+and a read that finds an object missing or damaged validates and tries once
+more. A capture holds the lease shared (`lease()`) from its walk until the
+fact naming its tree is durable, so a collection never runs between an
+object written (or found already stored) and the fact that names it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from broker.durable import fsync_dir
@@ -37,6 +49,7 @@ from broker.errors import CorralError
 MAGIC = b"CTPK1\n"
 _HEAD = struct.Struct(">32sQ")
 SUFFIX = ".pack"
+LEASE_NAME = "collect.lock"  # in trees/: captures hold it shared, a collection exclusively
 MAX_OBJECT_BYTES = 1 << 34
 
 
@@ -53,12 +66,55 @@ def packs_dir(root: Path) -> Path:
     return root / "trees" / "packs"
 
 
+@contextlib.contextmanager
+def lease(packs: Path, exclusive: bool = False) -> Iterator[None]:
+    """The collection lease of the store at `packs`: shared while a capture
+    goes from its walk to the durable fact naming its tree, exclusive for a
+    collection pass. Released when the block ends (or the process dies)."""
+    packs.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(packs.parent / LEASE_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
 class ObjectStore:
     def __init__(self, directory: Path, writer: str = "shared") -> None:
         self.directory = directory
         self.writer = writer
         self._index: dict[str, tuple[Path, int, int]] = {}
         self._ends: dict[str, int] = {}  # pack name -> end of its last complete object
+        self._ids: dict[str, tuple[int, int]] = {}  # pack name -> (device, inode) indexed
+        self.refresh()
+
+    def lease(self) -> contextlib.AbstractContextManager[None]:
+        """The collection lease, shared (see `lease`)."""
+        return lease(self.directory)
+
+    def validate(self) -> bool:
+        """Index again from scratch when a pack indexed was replaced or removed
+        (a collection ran); True when it did. A stat per pack."""
+        for name, known in list(self._ids.items()):
+            try:
+                same = identity(os.stat(self.directory / name)) == known
+            except FileNotFoundError:
+                same = False
+            if not same:
+                self._reset()
+                return True
+        return False
+
+    def _reset(self) -> None:
+        self._index.clear()
+        self._ends.clear()
+        self._ids.clear()
         self.refresh()
 
     def refresh(self) -> None:
@@ -79,7 +135,14 @@ class ObjectStore:
         except OSError:
             return start
         with f:
-            size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            size = st.st_size
+            known = self._ids.get(path.name)
+            if known is not None and known != identity(st):
+                f.close()
+                self._reset()  # replaced by a collection: every offset may be wrong
+                return self._ends.get(path.name, 0)
+            self._ids[path.name] = identity(st)
             if start == 0:
                 if f.read(len(MAGIC)) != MAGIC:
                     return 0
@@ -105,21 +168,29 @@ class ObjectStore:
         if where is None:
             self.refresh()
             where = self._index.get(digest)
+        if where is None and self.validate():
+            where = self._index.get(digest)
         if where is None:
             raise CorruptObjectError(f"object {digest[:16]} is not in {self.directory}")
-        path, offset, length = where
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read(length)
-        if len(data) != length or digest_of(data) != digest:
-            raise CorruptObjectError(f"object {digest[:16]} in {path.name} is damaged")
+        data = _read_at(*where)
+        if (data is None or digest_of(data) != digest) and self.validate():
+            where = self._index.get(digest)  # the pack was repacked: its offsets moved
+            if where is None:
+                raise CorruptObjectError(f"object {digest[:16]} is not in {self.directory}")
+            data = _read_at(*where)
+        if data is None or digest_of(data) != digest:
+            raise CorruptObjectError(f"object {digest[:16]} in {where[0].name} is damaged")
         return data
 
     def put_many(self, objects: Iterable[tuple[str, bytes]]) -> int:
         """Append the objects the store lacks to this writer's pack, durably;
-        return how many."""
+        return how many. Deduplicated against the index as validated now:
+        under the lease (`lease()`) no collection removes what it names
+        before the lease ends."""
+        self.validate()
+        given = list(objects)
         new: dict[str, bytes] = {}
-        for digest, data in objects:
+        for digest, data in given:
             if digest not in self._index and digest not in new:
                 new[digest] = data
         if not new:
@@ -131,6 +202,19 @@ class ObjectStore:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            mine = identity(os.fstat(fd))
+            try:
+                renamed = mine != identity(os.stat(path))
+            except FileNotFoundError:
+                renamed = True
+            known = self._ids.get(path.name)
+            if renamed or (known is not None and known != mine):
+                # a collection replaced or removed the pack since we looked: the
+                # index may name objects it removed; index again, decide again
+                os.close(fd)
+                fd = -1
+                self._reset()
+                return self.put_many(given)
             size = os.fstat(fd).st_size
             end = self._scan(path) if size else 0
             if size and end == 0:
@@ -151,8 +235,10 @@ class ObjectStore:
                 written = os.pwrite(fd, view, offset)
                 view, offset = view[written:], offset + written
             os.fdatasync(fd)
+            self._ids[path.name] = identity(os.fstat(fd))
         finally:
-            os.close(fd)  # releases the lock
+            if fd >= 0:
+                os.close(fd)  # releases the lock
         if size == 0:
             fsync_dir(self.directory)  # the new pack's name
             if created_dir:
@@ -165,3 +251,13 @@ class ObjectStore:
 
     def statistics(self) -> dict[str, int]:
         return {"objects": len(self._index), "packs": len(self._ends)}
+
+
+def _read_at(path: Path, offset: int, length: int) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+    except OSError:
+        return None
+    return data if len(data) == length else None
