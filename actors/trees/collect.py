@@ -23,7 +23,8 @@ fact naming its tree is appended (actors/agent/loop.py, rewind.py): no fact
 can be on its way while roots are read, and a capture waits for the pass.
 Each pack is rewritten under its own `flock` (the lock its writer takes to
 append), and everything appended after the end this pass indexed before it
-read the roots is kept, whoever appended it. A capture's stat cache may name
+read the roots (the end of the last complete object) is kept, whoever
+appended it. A capture's stat cache may name
 objects no fact names (a capture never recorded); the capturer checks that
 the store holds a cached digest before trusting it (actors/trees/capture.py).
 
@@ -341,11 +342,10 @@ def collect(state_dir: StateDir, *, dry_run: bool = False, hook: Hook | None = N
             report.temp_files_removed += 1
             if not dry_run:
                 leftover.unlink(missing_ok=True)
-        ends = {}  # before the index: whatever is past these ends is kept unread
-        for name in _pack_names(directory):
-            with contextlib.suppress(FileNotFoundError):
-                ends[name] = os.stat(directory / name).st_size
         store = ObjectStore(directory)
+        # what the index holds ends there in each pack: anything appended later (a
+        # torn tail is overwritten from the last complete object on) is kept unread
+        ends = store.ends()
         purged = Purged(read_purges(state_dir.root))
         try:
             streams, purged_seen = wal_events(state_dir, purged)

@@ -249,6 +249,10 @@ class ObjectStore:
         self._ends[path.name] = pos
         return len(new)
 
+    def ends(self) -> dict[str, int]:
+        """Per pack, the end of the last complete object indexed."""
+        return dict(self._ends)
+
     def statistics(self) -> dict[str, int]:
         return {"objects": len(self._index), "packs": len(self._ends)}
 
