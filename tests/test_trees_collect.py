@@ -285,3 +285,23 @@ def test_sigkill_at_each_step_of_a_repack_leaves_a_readable_store(
     store = fresh(state_dir)
     assert not any(store.has(d) for d, _ in garbage)
     assert collect.collect(state_dir).objects_removed == 0
+
+
+def test_forged_roots_are_counted_never_fatal(state_dir: StateDir, tmp_path: Path) -> None:
+    good = _tree_of_text(state_dir, "kept\n")
+    forged = b'{"version": 1, "entries": [["../x", 33188, "' + b"0" * 64 + b'", 1]]}'
+    not_a_tree = b"plain bytes, not a tree\n"
+    store_for(state_dir, "a2").put_many([(digest_of(forged), forged),
+                                         (digest_of(not_a_tree), not_a_tree)])
+    writer = _writer_with_tree("a2", good)
+    for i, digest in enumerate([digest_of(forged), digest_of(not_a_tree), "f" * 64, "short"]):
+        writer.append("agent/a2", "workspace_tree", {"turn": i + 1, "tree": digest},
+                      key=f"x{i}:tree")
+    writer.append("agent/a2", "rewind", {"to_seq": "nonsense"}, key="r:1")
+    dump_wal(state_dir, writer)
+    (state_dir.agent_dir("a2")).mkdir(parents=True, exist_ok=True)
+    (state_dir.agent_dir("a2") / "rewind.json").write_bytes(b"[not, an intent")
+    report = collect.collect(state_dir)
+    assert not report.error and report.missing == 3  # the forged tree, the blob, the absent one
+    store = fresh(state_dir)
+    assert store.get(good) and store.get(digest_of(not_a_tree)) == not_a_tree

@@ -89,7 +89,7 @@ class TreesReport:
     dry_run: bool
     roots: int = 0
     reachable: int = 0
-    missing: int = 0  # named by a root, not in the store (or damaged)
+    missing: int = 0  # named by a root (or a tree), not in the store, damaged or no tree
     packs_before: int = 0
     packs_after: int = 0
     objects_before: int = 0
@@ -203,7 +203,7 @@ def closure(store: ObjectStore, roots: set[str], report: TreesReport) -> set[str
         reachable.add(digest)
         try:
             entries = tree.decode(store.get(digest))
-        except (CorruptObjectError, ValueError):
+        except (CorruptObjectError, tree.TreeFormatError):  # a record is input like any other
             report.missing += 1
             continue
         for entry in entries.values():
