@@ -305,3 +305,23 @@ def test_forged_roots_are_counted_never_fatal(state_dir: StateDir, tmp_path: Pat
     assert not report.error and report.missing == 3  # the forged tree, the blob, the absent one
     store = fresh(state_dir)
     assert store.get(good) and store.get(digest_of(not_a_tree)) == not_a_tree
+
+
+def test_the_runtimes_janitor_collects_the_store_over_max_bytes(state_dir: StateDir,
+                                                                tmp_path: Path) -> None:
+    from supervisor.storage import Janitor, StorageConfig
+    from tests.processes import wait_for
+
+    writer = FakeWriter()
+    loop = start(state_dir, writer, "a1", write_task(tmp_path / "t.yaml", STEPS))
+    assert drive(loop) is Step.DONE
+    rewinding.rewind(writer, state_dir, "a1", to_turn=2)  # type: ignore[arg-type]
+    dump_wal(state_dir, writer)
+    assert fresh(state_dir).has(blob("three\n"))
+    janitor = Janitor(state_dir, StorageConfig(max_bytes=1, interval_s=0.05))
+    janitor.start()
+    try:
+        wait_for(lambda: janitor.passes >= 1, 20, "a janitor pass")
+    finally:
+        janitor.stop()
+    assert not fresh(state_dir).has(blob("three\n")) and fresh(state_dir).has(blob("two\n"))
