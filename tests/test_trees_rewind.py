@@ -199,3 +199,39 @@ def test_fold_equals_fresh_replay_of_the_active_branch(
         assert built == replayed(writer, name)
         assert built == rebuild(writer, state_dir, name,  # type: ignore[arg-type]
                                 use_generations=False).state
+
+
+def test_rewind_restores_the_registries_the_session_changed_after_the_cut(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    """Registries are config generations (actors/registries/store.py): a rewind
+    to turn 2 takes back the hook the session added at turn 3 (as a new
+    generation, the old ones kept) and keeps the pipeline installed at turn 2;
+    a registry the operator changed is not the session's to take back."""
+    import yaml
+
+    from actors.registries import store
+
+    pipe = {"name": "hello", "steps": [
+        {"id": "w", "op": "write_file", "args": {"path": "hello.txt", "content": "hi"}}]}
+    task = write_task(tmp_path / "t.yaml", [
+        {"op": "write_file", "path": "hello.yaml", "content": yaml.safe_dump(pipe)},
+        {"op": "pipeline_install", "path": "hello.yaml"},
+        {"op": "hook_add", "entry": {"name": "notify", "on": ["agent_finished"],
+                                     "url": "http://127.0.0.1:9/x"}},
+        {"op": "finish", "summary": "done"},
+    ])
+    writer = FakeWriter()
+    loop = start(state_dir, writer, "a1", task)
+    assert drive(loop) is Step.DONE
+    assert [e["name"] for e in store.newest(state_dir, "hooks").entries] == ["notify"]
+    hooks_before = len(store.history(state_dir, "hooks"))
+    done = rewinding.rewind(writer.as_origin("operator"), state_dir, "a1",  # type: ignore[arg-type]
+                            to_turn=2)
+    assert not done.noop
+    assert store.newest(state_dir, "hooks").entries == []  # taken back, as a new generation
+    assert len(store.history(state_dir, "hooks")) == hooks_before + 1
+    assert [e["name"] for e in store.newest(state_dir, "pipelines").entries] == ["hello"]
+    assert "notify" not in (state_dir.config_dir / "hooks.yaml").read_text()
+    again = rewinding.rewind(writer.as_origin("operator"), state_dir, "a1",  # type: ignore[arg-type]
+                             to_turn=2)
+    assert again.noop and len(store.history(state_dir, "hooks")) == hooks_before + 1

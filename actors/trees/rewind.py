@@ -27,8 +27,8 @@ Persist-tier data is never reverted: memory lives outside the workspace
 (`.corral/memory/`), `approvals.jsonl` is an append-only ledger, and the
 record carries the `--always` grants of the state it leaves, which the fold
 keeps. Registries under `.corral/config/` become seq-keyed config
-generations (issue 15): `restore_config_generations` is where their restore
-to the cut goes.
+generations: `restore_config_generations` restores those the session's agent
+changed after the cut (before the rewind fact, idempotently).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Any
 
 from actors.agent.settings import read_spec, workspace_for
 from actors.agent.state import AgentState, fold
+from actors.registries.store import restore_registries
 from actors.trees import branch, restore
 from actors.trees.recorder import capturer_for, fault, store_for
 from actors.writer.client import WriterClient
@@ -77,10 +78,14 @@ def state_at(events: list[branch.Event], seq: int) -> AgentState:
     return fold(AgentState(), [e for e in branch.active(events) if e[0] <= seq])
 
 
-def restore_config_generations(state_dir: StateDir, to_seq: int) -> None:
-    """Hook: the registries under `.corral/config/` back to their generation at
-    `to_seq` (issue 15's config generations; wired at merge). Nothing yet."""
-    del state_dir, to_seq
+def restore_config_generations(writer: WriterClient, state_dir: StateDir, name: str,
+                               to_seq: int) -> None:
+    """The registries under `.corral/config/` that the session's agent changed
+    after `to_seq`, back to their generation at `to_seq`, each as a new
+    generation (actors/registries/store.py; old ones stay). Idempotent: a
+    registry already equal to its content at the cut is left alone, so a
+    rewind retried after a crash writes nothing twice."""
+    restore_registries(state_dir, writer, to_seq, changed_by=name, key_prefix=f"rewind:{name}")
 
 
 def _workspace(state_dir: StateDir, name: str) -> Path:
@@ -133,7 +138,7 @@ def _finish(writer: WriterClient, state_dir: StateDir, name: str, intent: dict[s
         done = restore.restore(ws, store, current, intent["tree"],
                                capturer_for(state_dir, name, ws, store).guard)
     fault("rewind:after_restore")
-    restore_config_generations(state_dir, int(intent["to_seq"]))
+    restore_config_generations(writer, state_dir, name, int(intent["to_seq"]))
     writer.append(f"agent/{name}", "rewind", {
         "to_seq": intent["to_seq"], "to_turn": intent["to_turn"], "from_seq": intent["from_seq"],
         "tree": intent["tree"], "from_tree": intent["from_tree"], "grants": intent["grants"],
