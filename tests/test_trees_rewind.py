@@ -235,3 +235,49 @@ def test_rewind_restores_the_registries_the_session_changed_after_the_cut(
     again = rewinding.rewind(writer.as_origin("operator"), state_dir, "a1",  # type: ignore[arg-type]
                              to_turn=2)
     assert again.noop and len(store.history(state_dir, "hooks")) == hooks_before + 1
+
+
+def test_a_rewound_questions_answer_never_enters_later_context(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    """Issue 14 with rewind: the answer to a question asked at turn 3 is off the
+    active branch after a rewind to turn 2; the question asked again waits for
+    a new answer, and only the new one reaches the model (the scripted model
+    echoes the sha256 of each input it received)."""
+    import hashlib
+
+    from actors.agent.operator_input import record_answer
+
+    task = write_task(tmp_path / "t.yaml", [
+        {"op": "write_file", "path": "a.txt", "content": "one\n"},
+        {"op": "write_file", "path": "b.txt", "content": "two\n"},
+        {"op": "ask", "question": "which colour?"},
+        {"op": "write_file", "path": "c.txt", "content": "three\n"},
+        {"op": "finish", "summary": "done"},
+    ])
+    writer = FakeWriter()
+    loop = start(state_dir, writer, "a1", task)
+
+    def answer(text: str) -> str:
+        assert drive(loop) is Step.WAIT
+        state = rebuild(writer, state_dir, "a1").state  # type: ignore[arg-type]
+        [question] = [a for a in state.pending_approvals() if a.kind == "clarification"]
+        record_answer(writer.as_origin("operator"), state_dir.agent_dir("a1"), "a1", state,
+                      question.request, text=text)
+        loop.sync()
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def received(sha: str, after: int = 0) -> int:
+        return sum(1 for s, e, p in branch.active(events(writer, "a1"))
+                   if s > after and e == "turn" and f"sha256={sha}" in (p.get("text") or ""))
+
+    old = answer("blue, the rewound answer")
+    assert drive(loop) is Step.DONE
+    assert received(old) == 1
+    rewinding.rewind(writer.as_origin("operator"), state_dir, "a1",  # type: ignore[arg-type]
+                     to_turn=2)
+    loop = start(state_dir, writer, "a1")
+    assert not loop.state.inputs and received(old) == 0  # off the active branch
+    new = answer("green, the answer after the rewind")
+    assert drive(loop) is Step.DONE
+    cut = next(r.seq for r in writer.records if r.event == "rewind")
+    assert received(new) == 1 and received(old, after=cut) == 0

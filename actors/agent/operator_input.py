@@ -104,6 +104,14 @@ def read_text(agent_dir: Path, file: str, sha256: str) -> str:
     return text
 
 
+def _branch(state: Any) -> str:
+    """The active branch's key prefix ("" before any rewind; actors/trees/branch.py):
+    after a rewind, a question asked again under the same request id, or the
+    next correction under a reused id, is a new input, not a duplicate of the
+    abandoned one."""
+    return str(getattr(state, "branch", "") or "")
+
+
 def record_answer(writer: _Appender, agent_dir: Path, agent: str, state: Any, request: str,
                   *, text: str) -> str:
     """The operator's answer to a pending clarification: file, then the WAL fact.
@@ -120,7 +128,7 @@ def record_answer(writer: _Appender, agent_dir: Path, agent: str, state: Any, re
         raise InputRefusedError(f"question {request} of {agent} is already {approval.status}")
     ref = write_text(agent_dir, "answer", request, check_text(text))
     ok = writer.append(f"agent/{agent}", "operator_answer", {"request": request, **ref},
-                       key=f"answer:{agent}:{request}", ledger="approvals")
+                       key=f"answer:{agent}:{_branch(state)}{request}", ledger="approvals")
     if getattr(ok, "duplicate", False):
         raise InputRefusedError(f"question {request} of {agent} was answered already")
     return f"answered {agent} {request} ({ref['chars']} characters, sha256 {ref['sha256'][:12]})"
@@ -143,7 +151,7 @@ def record_correction(writer: _Appender, agent_dir: Path, agent: str, state: Any
     ref = write_text(agent_dir, "correction", ident, check_text(text))
     ok = writer.append(f"agent/{agent}", "operator_correction",
                        {"correction": ident, "segment": state.segment, **ref},
-                       key=f"correct:{agent}:{ident}")
+                       key=f"correct:{agent}:{_branch(state)}{ident}")
     if getattr(ok, "duplicate", False):
         raise InputRefusedError(f"another correction {ident} of {agent} was recorded at the "
                                 "same time; nothing was recorded")
