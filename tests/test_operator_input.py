@@ -236,7 +236,7 @@ def test_trace_shows_the_exact_text_from_the_file_and_the_wal_only_its_hash(
     assert CORRECTION[:20] not in json.dumps(record.payload())  # the fact: hash and size
     text = trace.render(record, agent_dir=agent_dir)
     assert "CORRECTION k1" in text and CORRECTION[:40] in text
-    assert json.loads(trace.as_json(record, agent_dir))["text"] == CORRECTION
+    assert json.loads(trace.as_json(record, agent_dir=agent_dir))["text"] == CORRECTION
     assert "text:" not in trace.render(record)  # without the agent's files: hash and size
     consumed = trace.render(_record("correction_consumed", {"correction": "k1", "turn": 4}))
     assert "k1: delivered to the model with turn 4" in consumed
