@@ -168,14 +168,16 @@ def test_background_command_is_polled_by_cursor_and_refusals_are_typed(stack: St
         stack.client.poll("p-0000000000000000")
     assert info.value.code == "not_found"
     other = ProcsClient(stack.peer, "agent-2")
-    with pytest.raises(RemoteError):
-        other.poll(started.proc_id)  # another session's job is not visible
+    with pytest.raises(RemoteError) as info:
+        other.poll(started.proc_id)  # another session is not agent-1's to name
+    assert info.value.code == "forbidden"
     with pytest.raises(RemoteError) as info:
         stack.client.start("true", "relative/dir")
     assert info.value.code == "invalid_message"
     again = stack.client.start("echo once >> once.txt", str(stack.workdir), msg_id="fixed-id")
-    # a resend under the same msg_id (from a reconnected peer) finds the same job
-    resender = BrokerPeer(stack.ctx, stack.state, "agent-1-b", heartbeat_interval_s=0.2)
+    # a resend under the same msg_id (from another connection: the operator's,
+    # which may act on any session) finds the same job
+    resender = BrokerPeer(stack.ctx, stack.state, "operator", heartbeat_interval_s=0.2)
     try:
         same = ProcsClient(resender, SESSION).start("echo once >> once.txt", str(stack.workdir),
                                                     msg_id="fixed-id")
@@ -283,7 +285,7 @@ def test_agent_sigkilled_restarted_agent_reads_every_byte(stack: Stack) -> None:
         "import sys, zmq; from broker.statedir import StateDir; "
         "from broker.peer import BrokerPeer; from actors.procs.client import ProcsClient; "
         f"st = StateDir.at({str(stack.state.root)!r}); ctx = zmq.Context(); "
-        "c = ProcsClient(BrokerPeer(ctx, st, 'agent-1-old'), 'agent-1'); "
+        "c = ProcsClient(BrokerPeer(ctx, st, 'operator'), 'agent-1'); "
         "[c.start(f'for i in $(seq 1 40); do echo {n}-$i; sleep 0.01; done', "
         f"{str(stack.workdir)!r}) for n in range(3)]; "
         "print('started', flush=True); import time; time.sleep(300)"
@@ -363,8 +365,8 @@ def test_a_start_resent_after_procs_forgot_the_job_is_answered_from_its_files(
     (agent_dir / ".terminals" / f"{term.proc_id}.end").unlink()
     stack.start_procs()
     # the agent that resends is a new process (a peer ignores replies to msg_ids it
-    # already finished)
-    restarted = BrokerPeer(stack.ctx, stack.state, "agent-1-b", heartbeat_interval_s=0.2)
+    # already finished): here the operator's connection, which may act on any session
+    restarted = BrokerPeer(stack.ctx, stack.state, "operator", heartbeat_interval_s=0.2)
     client = ProcsClient(restarted, SESSION)
     data, last = read_all(client, first.proc_id)  # a poll finds the forgotten job
     assert (last.state, last.exit_code, data) == ("exited", 3, b"")

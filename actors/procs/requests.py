@@ -13,6 +13,7 @@ import structlog
 from actors.procs.facts import sha256
 from actors.procs.host import SETTLE_MARGIN_S, ProcsHost, RefusedError
 from actors.procs.job import Job
+from actors.procs.ownership import session_refusal
 from actors.procs.registry import JobKind
 from actors.procs.terminal import InputRefusedError, Terminal
 from broker import protocol, ratelimit
@@ -20,6 +21,7 @@ from broker import protocol, ratelimit
 Code = protocol.ErrorCode
 log = structlog.get_logger("procs")
 _limiter = ratelimit.LogLimiter(log.warning)
+_refusals = ratelimit.LogLimiter(log.warning, summary_event="session_refusals_suppressed")
 Request = (
     protocol.Bash | protocol.BashStart | protocol.BashPoll | protocol.BashKill
     | protocol.TerminalStart | protocol.TerminalInput | protocol.TerminalRead
@@ -99,7 +101,22 @@ def handle(host: ProcsHost, sender: str, message: protocol.Message) -> None:
         host.peer.send(sender, reply)
 
 
+def _check_session(sender: str, message: protocol.Message) -> None:
+    """Refuse (`forbidden`) a request naming a session the sender may not act on
+    (actors/procs/ownership.py), before anything is started, read or ended."""
+    if not isinstance(message, Request):
+        return
+    refusal = session_refusal(sender, message.session, message.kind)
+    if refusal is None:
+        return
+    if _refusals.allow():
+        log.warning("session_refused", sender=sender, session=message.session,
+                    kind=message.kind, msg_id=message.msg_id)
+    raise RefusedError(Code.FORBIDDEN, refusal)
+
+
 def _dispatch(host: ProcsHost, sender: str, message: protocol.Message) -> protocol.Message | None:
+    _check_session(sender, message)
     match message:
         case protocol.Ping(msg_id=msg_id):
             return protocol.Pong(msg_id=msg_id, actor=host.peer.name, pid=os.getpid())
@@ -170,8 +187,7 @@ def _session_end(host: ProcsHost, sender: str, message: protocol.SessionEnd) -> 
     jobs = [j for j in host.jobs.values() if j.entry.session == message.session]
     for job in jobs:
         job.kill("session_end")
-    if message.session == sender:
-        host.mcp.end_session(sender)  # its MCP servers too
+    host.mcp.end_session(message.session)  # its MCP servers too (keyed by sender = session)
     session, msg_id = message.session, message.msg_id
 
     def ready() -> bool:
