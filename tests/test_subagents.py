@@ -28,6 +28,7 @@ import pytest
 import zmq
 
 from actors import zygote
+from actors.agent import operator_input
 from actors.agent.ops import OpContext
 from actors.agent.rebuild import rebuild
 from actors.agent.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
@@ -43,7 +44,6 @@ from broker.errors import PathRefusedError, RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
 from broker.statedir import StateDir
-from supervisor.agentcli import answer_approval
 from tests.processes import MARKER_ENV, ProcessTracker, wait_for
 
 CHILD_TASK = """
@@ -294,8 +294,9 @@ class Rig:
     def answer(self, child: str) -> None:
         state = rebuild(self.writer, self.state_dir, child).state
         [request] = state.pending_approvals()
-        answer_approval(self.writer, child, state, request.request, decision="approve",
-                        always=False, note=None)
+        # the child's `ask` is a question: the operator answers it (not an approval)
+        operator_input.record_answer(self.writer, self.state_dir.agent_dir(child), child,
+                                     state, request.request, text="go on")
 
     def changes(self, subagent_id: str) -> protocol.SubagentReply:
         reply = self.request(protocol.SubagentChanges(

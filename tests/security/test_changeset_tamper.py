@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import zmq
 
+from actors.agent import operator_input
 from actors.agent.rebuild import rebuild
 from actors.agent.settings import AgentSpec, write_spec
 from actors.changesets import manifest as mf
@@ -32,7 +33,6 @@ from broker.errors import ChangeSetRefusedError, RemoteError, RequestTimeoutErro
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
 from broker.statedir import StateDir
-from supervisor.agentcli import answer_approval
 from tests.agentkit import tree
 from tests.processes import ProcessTracker, wait_for
 
@@ -134,8 +134,10 @@ def test_sets_changed_after_build_are_refused_as_tampered(
         rewrite_consistently(sets / one)
         replace_a_blob(sets / two)
         request = asked()[0]["request"]
-        answer_approval(writer, "agent-1", rebuild(writer, state_dir, "agent-1").state, request,
-                        decision="approve", always=False, note=None)
+        # the parent's `ask` is a question: the operator answers it (not an approval)
+        operator_input.record_answer(writer, state_dir.agent_dir("agent-1"), "agent-1",
+                                     rebuild(writer, state_dir, "agent-1").state, request,
+                                     text="applied as reviewed")
         assert agent.wait(60) == 0, processes.output("agent")
         results = [r.payload() for r in writer.read_stream("agent/agent-1")
                    if r.event == "tool_result"]
