@@ -8,9 +8,13 @@ broker names each peer by the name its connection authenticated as,
 broker/auth.py; only operator connections name themselves). A session is
 named after its agent (docs/procs.md). The rule:
 
-- an agent `A` acts on session `A` only; a subagent child `P.<id>` on
-  `P.<id>` only (its parent's session is not its own, nor the other way
-  round); `automation` (the supervisor's hook commands) on `automation`;
+- an agent `A` acts on session `A`, and on the sessions of the pipeline
+  runners it runs in its own process (`A.pl-<call>`, actors/pipelines/ops.py:
+  their steps reach procs through A's connection; the writer lets A append
+  under those names the same way, broker/auth.py), nothing else;
+- a subagent child `P.<id>` on `P.<id>` only (its parent's session is not its
+  own, nor the other way round); `automation` (the supervisor's hook
+  commands) on `automation`;
 - `subagents` (the subagents host) ends the sessions of children:
   `session_end` on a child's name (`<parent>.<id>`), nothing else. It holds
   the key that mints every child's credential, so it could act as any child
@@ -28,6 +32,7 @@ from __future__ import annotations
 from broker import auth
 
 CHILD_ACTIONS = frozenset({"session_end"})  # what the subagents host may do to a child
+RUNNER_INFIX = ".pl-"  # an in-process pipeline runner: `<agent>.pl-<call>` (runner_name)
 
 
 def session_refusal(sender: str, session: str, kind: str) -> str | None:
@@ -38,4 +43,6 @@ def session_refusal(sender: str, session: str, kind: str) -> str | None:
         if kind in CHILD_ACTIONS:
             return None
         return f"the subagents host may only end a child's session, not send {kind}"
+    if sender not in auth.RESERVED and session.startswith(sender + RUNNER_INFIX):
+        return None
     return f"session {session} is not {sender}'s"

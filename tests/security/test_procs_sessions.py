@@ -140,12 +140,14 @@ def test_a_hostile_agent_cannot_start_read_type_into_or_end_another_agents_jobs(
 def test_the_session_rule() -> None:
     allowed = [("agent-1", "agent-1", "bash"), ("agent-1.c", "agent-1.c", "terminal_input"),
                ("automation", "automation", "bash"), ("operator", "agent-2", "bash_kill"),
-               ("subagents", "agent-1.c", "session_end")]
+               ("subagents", "agent-1.c", "session_end"), ("agent-1", "agent-1.pl-4.0", "bash")]
     refused = [("agent-1", "agent-2", "bash_poll"), ("agent-1", "agent-1.c", "bash_kill"),
                ("agent-1.c", "agent-1", "terminal_read"), ("agent-1.c", "agent-1.d", "bash"),
                ("subagents", "agent-1", "session_end"), ("subagents", "agent-1.c", "bash"),
                ("subagents", "subagents.x", "bash_start"), ("procs", "agent-1", "bash"),
-               ("automation", "agent-1", "bash"), ("agent-1", "operator", "bash")]
+               ("automation", "agent-1", "bash"), ("agent-1", "operator", "bash"),
+               ("agent-1", "agent-2.pl-4.0", "bash"), ("agent-1.c", "agent-1.pl-4.0", "bash"),
+               ("agent-1.pl-4.0", "agent-1", "bash"), ("subagents", "subagents.pl-1", "bash")]
     assert [session_refusal(*case) for case in allowed] == [None] * len(allowed)
     assert all(session_refusal(*case) for case in refused)
     # every request naming a session is one procs checks: a new one must be added
