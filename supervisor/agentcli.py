@@ -101,7 +101,8 @@ def answer_approval(writer: WriterClient, agent: str, state: AgentState, request
     writer.append(f"agent/{agent}", "approval_answer", {
         "request": request, "decision": decision, "always": always, "note": note,
         "op": approval.op, "pattern": approval.pattern,
-    }, key=f"answer:{agent}:{request}", ledger="approvals")
+    }, key=(f"answer:{state.session}:{request}" if state.session  # requests repeat
+            else f"answer:{agent}:{request}"), ledger="approvals")  # from session to session
     scope = f" (always: {approval.op} {approval.pattern})" if always else ""
     verb = "approved" if decision == "approve" else "denied"
     return f"{verb} {agent} {request}: {approval.op} {approval.pattern}{scope}"
@@ -189,7 +190,8 @@ def resume(state_dir: StateDir, agent: str, tokens: int, cost_units: float) -> i
             return _fail(f"agent {agent} is {state.phase}, not paused on its budget")
         writer.append(f"agent/{agent}", "budget_resumed",
                       {"tokens": tokens, "cost_units": cost_units, "segment": state.segment},
-                      key=f"resume:{agent}:s{state.segment}", ledger="budget")
+                      key=(f"resume:{state.session}:s{state.segment}" if state.session
+                           else f"resume:{agent}:s{state.segment}"), ledger="budget")
         print(f"supervisor: resumed {agent}: +{tokens} tokens, +{cost_units:g} cost units")
         return EXIT_OK
 

@@ -19,6 +19,7 @@
     supervisor rewind REF --to-turn N | --to-seq S      (supervisor/treecli.py)
     supervisor fork REF --name NEW [--at-turn N]
     supervisor answer AGENT REQUEST TEXT | correct AGENT TEXT   (or --file F)
+    supervisor sessions list|show|label|archive|unarchive|reindex|purge ...  (sessionscli.py)
     supervisor completion bash|zsh                      a shell completion script
 
 Exit codes: 0 done; 1 refused (an unknown name, a child that cannot do that)
@@ -45,7 +46,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from broker.statedir import private_umask
-from supervisor import pipelineparse
+from supervisor import pipelineparse, sessionscli
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -172,6 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("fleet", help="`fleet up|down|fence ...`: a fleet of hosts (docs/fleet.md)")
     _agent_parsers(sub, common, as_json)
     pipelineparse.add_parsers(sub, common, as_json)
+    sessionscli.add_parser(sub, common)
     completion = sub.add_parser("completion", help="print a shell completion script")
     completion.add_argument("shell", choices=["bash", "zsh"])
     return parser
@@ -476,6 +478,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "gc": _storage,
     "pipeline": _pipeline_command,
     "registry": _pipeline_command,
+    "sessions": sessionscli.run,
 }
 
 

@@ -34,6 +34,7 @@ from actors.agent import catalog
 from actors.agent.rebuild import rebuild, tail
 from actors.agent.settings import AgentSpec, write_spec
 from actors.agent.state import AgentState
+from actors.sessions.ids import new_session_id
 from broker.errors import ConfigError, CorralError, StateDirError
 from broker.statedir import StateDir
 from supervisor import client
@@ -66,7 +67,8 @@ def prepare(config: config_mod.Config, config_path: Path, state_dir: StateDir,
     for i, name in enumerate(names):
         write_spec(state_dir, name, AgentSpec(task=str(tasks[i % len(tasks)]),
                                               backend=config.run.backend,
-                                              settings=config.agent))
+                                              settings=config.agent,
+                                              session=new_session_id()))
     path = state_dir.config_dir / "run.yaml"
     path.write_text(yaml.safe_dump(effective.model_dump(mode="json"), sort_keys=False))
     return path, names

@@ -15,7 +15,8 @@ reason), approvals asked and answered, starts with their effect, results
 found, subagent usage and change sets, budget resumes, todos, operator answers
 and corrections (identity, size, hash in the WAL; their exact text read from the
 agent's input file, actors/agent/operator_input.py) and their deliveries. Strings are
-clipped to `ARG_CHARS`. Secrets stay sealed: the WAL holds terminal input only
+clipped to `ARG_CHARS`. The records of a purged session are never shown
+(actors/sessions/purged.py). Secrets stay sealed: the WAL holds terminal input only
 as `{sha256, bytes}` (actors/agent/vault.py), printed as `<sealed N bytes
 sha256:...>`. `--json` prints each record as one JSON object (seq, ts, event,
 origin, payload as stored: the same sealed values).
@@ -36,6 +37,7 @@ from typing import Any, TextIO
 
 import zmq
 
+from actors.sessions.purged import purged_of, visible
 from actors.writer.client import WriterClient
 from actors.writer.wal import TornTail, WalRecord, iter_segment, list_segments
 from broker.errors import CorralError
@@ -186,6 +188,9 @@ def _effect(effect: object) -> str:
 def _lines(event: str, p: dict[str, Any]) -> list[str]:
     cid = p.get("call_id", "")
     match event:
+        case "session_started":
+            return [f"SESSION {p.get('session')} (number {p.get('number')}, previous "
+                    f"{p.get('previous') or '-'})"]
         case "session_start":
             how = "resumed" if p.get("resumed") else "started"
             return [f"session {p.get('segment')} {how}: task {p.get('task')}, "
@@ -363,12 +368,15 @@ def run(state_dir: StateDir, agent: str, *, since: int, follow: bool, json_out: 
             print(f"supervisor: no record of {stream} yet; waiting for it", file=sys.stderr)
         while True:
             off = abandoned_of(batch)
+            hidden = purged_of(state_dir.root, stream)  # purged sessions: never shown
             for record in batch:
+                next_seq = record.seq + 1
+                if not visible(record.seq, hidden):
+                    continue
                 gone = record.seq in off
                 agent_dir = state_dir.agent_dir(agent)
                 out.write((as_json(record, gone, agent_dir) if json_out
                            else render(record, gone, agent_dir)) + "\n")
-                next_seq = record.seq + 1
             out.flush()
             if not follow:
                 return 0

@@ -28,10 +28,19 @@ def resolve_ref(state_dir: StateDir, ref: str) -> str:
     """The agent a session reference names. Today a reference is the agent's
     name; the sessions resolver (full id / prefix / name -> session, agent
     stream) plugs in here, the one place that reads a REF."""
+    from actors.sessions.resolve import SessionPurgingError, SessionRefError, resolve
     from broker.statedir import check_actor_name
 
-    del state_dir
-    return check_actor_name(ref)
+    try:
+        found = resolve(state_dir.root, ref)
+    except SessionPurgingError:
+        raise
+    except SessionRefError:
+        return check_actor_name(ref)  # an agent the index has no session of
+    if resolve(state_dir.root, found.agent).session_id != found.session_id:
+        raise SessionRefError(f"session {found.session_id} is not the newest of agent "
+                              f"{found.agent}: rewind and fork take an agent's newest session")
+    return found.agent
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> int:

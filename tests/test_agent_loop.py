@@ -64,8 +64,8 @@ def test_scripted_task_runs_to_finish(state_dir: StateDir, tmp_path: Path) -> No
     assert tree(loop.workspace) == {"tally.txt": "start+1+2+3\n"}
     assert (state_dir.memory_dir / "a1" / "m.md").read_text() == "remembered"
     kinds = [e for e, _ in writer.events(STREAM) if e != "workspace_tree"]  # docs/trees.md
-    assert kinds[0] == "session_start" and kinds[-1] == "session_exit"
-    assert kinds[1:7] == ["turn", "tool_call", "permission", "tool_start", "tool_result", "turn"]
+    assert kinds[:2] == ["session_started", "session_start"] and kinds[-1] == "session_exit"
+    assert kinds[2:8] == ["turn", "tool_call", "permission", "tool_start", "tool_result", "turn"]
     assert all(r.ledger == "budget" for r in writer.records if r.event == "turn")
 
 

@@ -68,6 +68,9 @@ payloads: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "compaction_abandoned": st.fixed_dictionaries({
         "compaction": st.sampled_from(["m1", "m2", "m3"])}),
     "unknown_event": st.just({}),
+    "session_started": st.fixed_dictionaries({"session": st.sampled_from(
+        ["01M8P3CHSKDGX7TXF1G4A3MHT5", "01M8P3CHSKDGX7TXF1G4A3MHT6", "not-an-id"]),
+        "number": st.integers(1, 3)}),
 }
 
 event = st.sampled_from(sorted(payloads)).flatmap(
@@ -118,3 +121,21 @@ def test_scripted_placeholders_name_the_newest_proc_ids_of_the_recent_context() 
     state.cursor = 2
     [action] = model.next_reply(state).actions
     assert action == {"op": "bash_poll", "proc_id": "p-2222222222222222", "note": "pass 1"}
+
+
+@settings(max_examples=100, deadline=None)
+@given(streams, streams)
+def test_the_fold_of_a_stream_is_the_fold_of_its_newest_session(
+        older: list[tuple[int, str, Any]], newer: list[tuple[int, str, Any]]) -> None:
+    """Whatever came before, `session_started` starts the state afresh."""
+    sid = "01M8P3CHSKDGX7TXF1G4A3MHT9"
+    shift = len(older) + 1
+    start = [(shift, "session_started", {"session": sid, "number": 2})]
+    tail = [(seq + shift, name, p) for seq, name, p in newer]
+    alone = fold(AgentState(), [(1, "session_started", {"session": sid, "number": 2}),
+                                *[(seq + 1, name, p) for seq, name, p in newer]])
+    after = fold(AgentState(), [*older, *start, *tail])
+    assert after.session == sid or any(name == "session_started" for _, name, _ in newer)
+    if not any(name == "session_started" for _, name, _ in newer):
+        assert after.model_dump(exclude={"last_seq", "session_seq"}) == alone.model_dump(
+            exclude={"last_seq", "session_seq"})

@@ -71,5 +71,10 @@ def apply(state: AgentState, seq: int, event: str, p: dict[str, Any]) -> None:
             state.counts.events = 0
             state.forked_from = {k: p.get(k) for k in (
                 "parent_agent", "parent_session", "point_seq", "point_turn", "source_digest")}
+            session = p.get("session")  # the fork is a session of its own (docs/sessions.md)
+            if isinstance(session, str) and len(session) == 26 and session.isalnum():
+                state.session, state.session_no, state.session_seq = session, 1, seq
+                source = p.get("parent_agent")
+                state.parent_agent = source if isinstance(source, str) else None
         case _:
             return

@@ -66,9 +66,19 @@ from actors.agent.backends import Backend, make_backend
 from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, is_local, model_for
 from actors.agent.recordable import recordable_actions, recordable_text
 from actors.agent.settings import AgentSpec, Task, load_task, workspace_for
-from actors.agent.state import RECENT_MAX, AgentState, Call, Event, fold_into
+from actors.agent.state import (
+    RECENT_MAX,
+    SESSION_STARTED,
+    AgentState,
+    Call,
+    Event,
+    fold_into,
+)
 from actors.agent.vault import SealedInputMissingError, Vault
 from actors.pipelines import track
+from actors.sessions.lifecycle import session_to_start
+from actors.sessions.purged import purged_of
+from actors.sessions.transcript import Transcript
 from actors.trees import recorder
 from actors.writer.client import WriterClient, encode_payload
 from broker import protocol
@@ -111,6 +121,10 @@ class AgentLoop:
         self.effects = effects.EffectJournal(self.agent_dir)
         self.vault = Vault(self.agent_dir)
         self.summaries = compaction.SummaryCache(self.agent_dir)
+        self.transcript = Transcript(state_dir.root)
+        self._restarted = False  # rebuilt an open session: the next step records a segment
+        self._first_rebuild = True
+        self._purged: set[str] = set()  # ids of purged sessions: never begun again
         self.log = structlog.get_logger("agent").bind(agent=name)
         self._since_generation = 0
         self._backend: Backend | None = None
@@ -138,6 +152,10 @@ class AgentLoop:
         self.state = done.state
         self.rebuild_ms = done.elapsed_ms
         self._since_generation = done.tail_events
+        # the process's first rebuild (a later one only refolds): a new run segment
+        self._restarted = self._first_rebuild and self.state.phase == "running"
+        self._first_rebuild = False
+        self._purged = {p.session_id for p in purged_of(self.state_dir.root, self.stream)}
         self.log.info("state_rebuilt", generation_seq=done.from_generation,
                       tail_events=done.tail_events, elapsed_ms=done.elapsed_ms,
                       phase=self.state.phase, turn=self.state.turn)
@@ -169,9 +187,12 @@ class AgentLoop:
             self._append(event, payload, key)  # the WAL vouches for the file's content
 
     def _append(self, event: str, payload: dict[str, Any], key: str,
-                ledger: protocol.LedgerName | None = None) -> None:
+                ledger: protocol.LedgerName | None = None, *, scoped: bool = True) -> None:
         """Fold a fact now and keep it pending; `flush()` makes it durable."""
-        key = self.state.branch + key  # a rewound branch runs its turns again under new keys
+        if scoped:
+            if self.state.session is not None:
+                key = f"{self.state.session}.{key}"  # keys repeat from session to session
+            key = self.state.branch + key  # a rewound branch runs its turns again under new keys
         body = encode_payload(payload)
         if not self._pending:
             self._pending_base = self.state.last_seq
@@ -248,6 +269,12 @@ class AgentLoop:
 
     def _step(self) -> Step:
         s = self.state
+        wanted = self.spec.session if self.spec.session not in self._purged else None
+        begin = session_to_start(s, wanted)
+        if begin is not None:
+            self._session_started(begin)
+            return Step.PROGRESS
+        restarted, self._restarted = self._restarted, False
         if s.open_turn is None or s.phase != "running":
             self.vault.clear()  # it keeps texts only for an open turn of a running session
         if s.phase in ("finished", "closed"):
@@ -259,6 +286,9 @@ class AgentLoop:
             return Step.PROGRESS
         if s.phase == "new":
             self._session_start(resumed=False)
+            return Step.PROGRESS
+        if restarted and s.phase == "running":
+            self._session_start(resumed=True, reason="restart")  # a new run segment
             return Step.PROGRESS
         if s.open_turn is not None:
             dangling = [c for c in s.started_unsettled()
@@ -292,6 +322,7 @@ class AgentLoop:
             reply = self.backend.next_reply(s, inputs)
         self.faults.hit("after_model_reply", f"t{turn}")
         actions = self.vault.seal(recordable_actions(reply.actions))
+        self.transcript.record(s, turn, self.backend, reply, actions)
         payload: dict[str, Any] = {"turn": turn, "actions": actions,
                                    "usage": reply.usage.as_dict(), "backend": self.backend.name,
                                    "context_tokens": compaction.context_tokens(s)}
@@ -302,9 +333,20 @@ class AgentLoop:
         self._append("turn", payload, key=f"t{turn}:turn", ledger="budget")
         return Step.PROGRESS
 
-    def _session_start(self, *, resumed: bool) -> None:
+    def _session_started(self, session: str) -> None:
+        """Begin a new session of this agent's stream (actors/sessions/lifecycle.py)."""
+        self._append(SESSION_STARTED, {
+            "session": session, "agent": self.name, "number": self.state.session_no + 1,
+            "previous": self.state.session, "parent_agent": self.spec.parent_agent,
+        }, key=f"session:{session}", scoped=False)
+        self.log.info("session_started", session=session, number=self.state.session_no)
+
+    def _session_start(self, *, resumed: bool, reason: str | None = None) -> None:
         segment = self.state.segment + 1
+        self.transcript.begin_segment(self.state.session, segment)
         self._append("session_start", {
+            "session": self.state.session,
+            "reason": reason or ("budget" if resumed else "start"),
             "segment": segment, "resumed": resumed, "backend": self.spec.backend,
             "task": Path(self.spec.task).name, "workspace": str(self.workspace),
             "max_turns": self.settings.max_turns,
@@ -422,9 +464,18 @@ class AgentLoop:
                          state_dir=self.state_dir,
                          max_result_chars=self.settings.max_result_chars, answer=answer,
                          peer=self.peer, path_visible=visible,
-                         call_id=self.state.branch + call_id if call_id else call_id,
+                         call_id=self._op_call_id(
+                             self.state.branch + call_id if call_id else call_id),
                          max_command_timeout_s=self.settings.max_command_timeout_s,
                          writer=self.writer)
+
+    def _op_call_id(self, call_id: str | None) -> str | None:
+        """The call id ops key their requests by (procs' msg ids, subagents): the
+        stream's first session keeps `<turn>.<index>` (tasks name proc ids by it);
+        a later one is `n<number>.<turn>.<index>`, so no two sessions share one."""
+        if call_id is None or self.state.session_no <= 1:
+            return call_id
+        return f"n{self.state.session_no}.{call_id}"
 
     def _dispatch(self, call: Call, op: OpBase, answer: dict[str, Any] | None) -> None:
         cid = call.call_id

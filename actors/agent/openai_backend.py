@@ -186,9 +186,11 @@ class OpenAIModel:
         summary = self.summaries.get(state.summary) if self.summaries is not None else None
         messages = build_messages(self.task, state, self.window, agent_dir=self.agent_dir,
                                   summary=summary, inputs=inputs)
-        return parse_reply(self.complete({
-            "model": self.model, "temperature": self.settings.temperature,
-            "messages": messages, "tools": catalog.tool_schemas(), "tool_choice": "auto"}))
+        body = {"model": self.model, "temperature": self.settings.temperature,
+                "messages": messages, "tools": catalog.tool_schemas(), "tool_choice": "auto"}
+        self.last_request = body  # the session's transcript records both (actors/sessions)
+        self.last_response = self.complete(body)
+        return parse_reply(self.last_response)
 
     def summarize(self, previous: str | None, items: Sequence[dict[str, Any]],
                   limit: int) -> Summary:

@@ -135,6 +135,8 @@ class AgentSpec(_Strict):
     replay_stream: str | None = None  # replay: the stream whose replies are played
     workspace: str | None = None  # None: .corral/agents/<name>/workspace/
     settings: AgentSettings = AgentSettings()
+    session: str | None = None  # the session to run (actors/sessions/lifecycle.py)
+    parent_agent: str | None = None  # a subagent's parent (the session's lineage)
 
 
 class Task(_Strict):

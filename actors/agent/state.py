@@ -4,7 +4,9 @@
 same events always give the same state, and folding a generation's state with
 the events after its seq gives what folding every event from the first gives
 (tests/test_agent_state.py). Events at or below `last_seq` are skipped, so a
-replayed tail is harmless.
+replayed tail is harmless. A `session_started` fact begins a new session of
+the stream: the state starts afresh from it, so the fold of a stream is the
+fold of its newest session.
 
 What the state holds is bounded (the open turn, pending approvals, grants, a
 window of recent exchanges for a model's context), so a snapshot's size does
@@ -13,6 +15,7 @@ not grow with history. Event payloads are documented in docs/agents.md.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -21,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from actors.agent import branch_events
 from actors.pipelines import track
 
+SESSION_STARTED = "session_started"
+_SESSION_ID = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")  # actors/sessions/ids.py
 Phase = Literal["new", "running", "paused", "finished", "closed"]
 RECENT_MAX = 256  # a backend keeps its own window; compaction keeps this well below
 RECENT_RESULT_CHARS = 2000
@@ -96,6 +101,10 @@ class Counts(_Model):
 
 
 class AgentState(_Model):
+    session: str | None = None  # the session id (`session_started`); None before one
+    session_no: int = 0  # 1 for the stream's first session, 2 for its second, ...
+    session_seq: int = 0  # the seq of the session's `session_started`
+    parent_agent: str | None = None
     phase: Phase = "new"
     segment: int = 0
     turn: int = 0
@@ -153,12 +162,30 @@ def fold_into(state: AgentState, events: Iterable[Event]) -> None:
     for seq, event, payload in events:
         if seq <= state.last_seq:
             continue
-        if event in branch_events.EVENTS:
+        if event == SESSION_STARTED:
+            _begin_session(state, seq, payload if isinstance(payload, dict) else {})
+        elif event in branch_events.EVENTS:
             branch_events.apply(state, seq, event, payload if isinstance(payload, dict) else {})
         else:
             _apply(state, event, payload if isinstance(payload, dict) else {})
         state.last_seq = seq
         state.counts.events += 1
+
+
+def _begin_session(state: AgentState, seq: int, p: dict[str, Any]) -> None:
+    """A new session of the stream: the state starts afresh from this fact (the
+    fold of a stream is the fold of its newest session; docs/sessions.md)."""
+    session = p.get("session")
+    if not isinstance(session, str) or not _SESSION_ID.fullmatch(session):
+        return  # not a session id: ignored, as any malformed fact is
+    number = p.get("number")
+    parent = p.get("parent_agent")
+    fresh = AgentState(
+        session=session, session_seq=seq,
+        session_no=number if type(number) is int and number > 0 else state.session_no + 1,
+        parent_agent=parent if isinstance(parent, str) else None)
+    for field in AgentState.model_fields:
+        setattr(state, field, getattr(fresh, field))
 
 
 def _remember(state: AgentState, item: dict[str, Any]) -> None:

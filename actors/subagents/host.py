@@ -175,6 +175,7 @@ class SubagentsHost:
         backend = parent_spec.backend if parent_spec is not None else "scripted"
         write_spec(self.state, name, AgentSpec(
             task=task, backend=backend, workspace=str(directory / "work"),
+            parent_agent=message.parent,
             settings=settings.model_copy(update={"budget": budget})))
         child = ChildRecord(subagent_id=subagent_id, parent=message.parent, name=name,
                             directory=str(directory), workspace=str(workspace), task=task)

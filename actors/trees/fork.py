@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actors.agent.settings import read_spec, spec_path, write_spec
+from actors.sessions.ids import new_session_id
 from actors.trees import branch, restore, tree
 from actors.trees.recorder import fault, store_for
 from actors.trees.rewind import RewindError, read_events, state_at
@@ -151,10 +152,11 @@ def fork(writer: WriterClient, state_dir: StateDir, source: str, new: str, *,
         memory = state_dir.memory_dir / source
         if memory.is_dir():  # persist tier: the parent's memory as it is now (never reverted)
             shutil.copytree(memory, state_dir.memory_dir / new, symlinks=True)
-        write_spec(state_dir, new, spec.model_copy(update={"workspace": None}))
+        write_spec(state_dir, new, spec.model_copy(update={"workspace": None, "session": None}))
         fault("fork:before_fact")
         writer.append(f"agent/{new}", branch.FORK, {
-            "parent_agent": source, "parent_session": None, "point_seq": cut,
+            "parent_agent": source, "parent_session": state.session,
+            "session": new_session_id(), "point_seq": cut,
             "point_turn": turn, "source_digest": source_digest, "tree": target,
             "state": dumped,
         }, key=f"fork:{new}", origin="operator")

@@ -1,0 +1,281 @@
+"""Purging one session (docs/sessions.md, "Purge"; saved-files.txt's rules).
+
+    preview(root, id)        what would go; changes nothing
+    purge(root, id, confirm) journal -> stage -> remove -> drop the rows
+
+What a session owns: its directory `.corral/sessions/<id>/` (transcripts)
+and the snapshot generations of its agent that hold this session's state
+(`agents/<agent>/state/generations/gen-*.json`, `state/snapshot.json` whose
+`state.session` is the id). Never the agent's workspace, memory, other
+sessions, parents or children: those belong to the agent or to them.
+
+The confirmed purge, each step durable before the next:
+
+1. `purge_journal` row (state `journaled`) with the session's stream and seq
+   range; from now on every reader hides the range (actors/sessions/purged.py)
+   and the resolver refuses the session;
+2. the owned files are renamed into `.corral/purge-staging/<id>/` (same file
+   system, so a rename), fsynced (`staged`);
+3. the staging tree is removed without following links: every directory is
+   opened `O_NOFOLLOW | O_DIRECTORY` and walked by its fd (`files_removed`);
+4. one transaction deletes the session's rows (sessions, segments, labels,
+   archive) and marks the journal `done`: the index row goes last.
+
+A purge stopped at any point (SIGKILL included) is previewed and retried with
+the same command: each step is redone from what is on disk. The journal row
+stays (`done`) for WAL compaction, which removes the range's records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from actors.sessions import index
+from actors.sessions.ids import STAGING_DIR, is_session_id, session_dir, staging_dir
+from broker.durable import fsync_dir
+
+FAULT_ENV = "CORRAL_PURGE_FAULT"  # tests: SIGKILL right after the named step
+STEPS = ("journaled", "staged", "files_removed", "done")
+MAX_ENTRIES = 100_000
+
+
+class PurgeRefusedError(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class Plan:
+    session_id: str
+    agent: str
+    stream: str
+    first_seq: int
+    last_seq: int
+    step: str | None  # the journal's state, None before the purge began
+    entries: list[dict[str, Any]] = field(default_factory=list)  # what is still on disk
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"session_id": self.session_id, "agent": self.agent, "stream": self.stream,
+                "first_seq": self.first_seq, "last_seq": self.last_seq,
+                "journal": self.step, "entries": self.entries}
+
+
+def _fault(step: str) -> None:
+    if os.environ.get(FAULT_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _generation_files(root: Path, agent: str, session_id: str) -> list[Path]:
+    """The agent's generation files that hold this session's state."""
+    state = root / "agents" / agent / "state"
+    found: list[Path] = []
+    candidates = [state / "snapshot.json"]
+    with contextlib.suppress(OSError):
+        candidates += sorted((state / "generations").iterdir())
+    for path in candidates:
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > 64 << 20:
+                continue
+            data = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        inner = data.get("state") if isinstance(data, dict) else None
+        if isinstance(inner, dict) and inner.get("session") == session_id:
+            found.append(path)
+    return found
+
+
+def _walk(top: Path, base: Path) -> list[dict[str, Any]]:
+    """Entries under `top` (itself included), never following a link; refuses
+    what a session's files never are (links, devices, multi-linked files,
+    another file system)."""
+    try:
+        st_top = os.lstat(top)
+    except FileNotFoundError:
+        return []
+    out: list[dict[str, Any]] = []
+    stack = [(top, st_top)]
+    while stack:
+        path, st = stack.pop()
+        rel = str(path.relative_to(base))
+        if stat.S_ISLNK(st.st_mode):
+            raise PurgeRefusedError("unproved_boundary", f"{rel} is a symbolic link")
+        if st.st_dev != st_top.st_dev:
+            raise PurgeRefusedError("unproved_boundary", f"{rel} is on another file system")
+        if stat.S_ISDIR(st.st_mode):
+            out.append({"path": rel, "type": "dir"})
+            for entry in sorted(os.scandir(path), key=lambda e: e.name):
+                stack.append((Path(entry.path), entry.stat(follow_symlinks=False)))
+        elif stat.S_ISREG(st.st_mode):
+            if st.st_nlink > 1:
+                raise PurgeRefusedError("unproved_boundary", f"{rel} has other hard links")
+            out.append({"path": rel, "type": "file", "bytes": st.st_size})
+        else:
+            raise PurgeRefusedError("unproved_boundary", f"{rel} is not a file or directory")
+        if len(out) > MAX_ENTRIES:
+            raise PurgeRefusedError("unproved_boundary", "more entries than a purge takes")
+    return sorted(out, key=lambda e: str(e["path"]))
+
+
+def _entries(root: Path, plan: Plan) -> list[dict[str, Any]]:
+    live = _walk(session_dir(root, plan.session_id), root)
+    for path in _generation_files(root, plan.agent, plan.session_id):
+        live += _walk(path, root)
+    return live + _walk(staging_dir(root, plan.session_id), root)
+
+
+def plan_for(root: Path, session_id: str) -> Plan:
+    """What a purge of `session_id` (a full id) would do, or is doing."""
+    if not is_session_id(session_id):
+        raise PurgeRefusedError("not_full_id", f"{session_id!r} is not a full session id")
+    conn = index.open_index(root)
+    try:
+        journal = index.journal_row(conn, session_id)
+        if journal is not None:
+            if journal["state"] == "done":
+                raise PurgeRefusedError("purged", f"session {session_id} is already purged")
+            agent = str(journal["stream"]).removeprefix(index.AGENT_PREFIX)
+            plan = Plan(session_id, agent, str(journal["stream"]), int(journal["first_seq"]),
+                        int(journal["last_seq"]), str(journal["state"]))
+        else:
+            row = index.session_row(conn, session_id)
+            if row is None:
+                raise PurgeRefusedError("unknown", f"no session {session_id}")
+            plan = Plan(session_id, str(row["agent"]), str(row["stream"]),
+                        int(row["first_seq"]), int(row["last_seq"]), None)
+    finally:
+        conn.close()
+    plan.entries = _entries(root, plan)
+    return plan
+
+
+def refusal(root: Path, session_id: str, *, supervised: bool) -> PurgeRefusedError | None:
+    """Why a session that is not being purged yet may not be: unarchived,
+    running, waiting for the operator."""
+    conn = index.open_index(root)
+    try:
+        row = index.session_row(conn, session_id)
+    finally:
+        conn.close()
+    if row is None:
+        return PurgeRefusedError("unknown", f"no session {session_id}")
+    if not row["archived"]:
+        return PurgeRefusedError("not_archived", f"session {session_id} is not archived: "
+                                 f"`supervisor sessions archive {session_id}` first")
+    if row["status"] in ("open", "paused") and supervised:
+        return PurgeRefusedError("running", f"session {session_id} is not over and a "
+                                 "supervisor runs: stop it first")
+    if int(row["pending_input"]):
+        return PurgeRefusedError("pending_input", f"session {session_id} waits for the "
+                                 "operator (an unanswered request, or paused on its budget)")
+    return None
+
+
+def purge(root: Path, session_id: str, *, supervised: bool) -> Plan:
+    """Purge the session (or finish an interrupted purge of it)."""
+    plan = plan_for(root, session_id)
+    conn = index.connect(root)
+    try:
+        if plan.step is None:
+            refused = refusal(root, session_id, supervised=supervised)
+            if refused is not None:
+                raise refused
+            with index.transaction(conn):
+                conn.execute("INSERT INTO purge_journal VALUES(?,?,?,?,?,?,NULL)", (
+                    session_id, plan.stream, plan.first_seq, plan.last_seq, "journaled",
+                    time.time()))
+            plan.step = "journaled"
+            _fault("journaled")
+        if plan.step == "journaled":
+            _stage(root, plan)
+            _set_step(conn, session_id, "staged")
+            plan.step = "staged"
+            _fault("staged")
+        if plan.step == "staged":
+            _remove_tree(staging_dir(root, session_id))
+            _set_step(conn, session_id, "files_removed")
+            plan.step = "files_removed"
+            _fault("files_removed")
+        if plan.step == "files_removed":
+            with index.transaction(conn):
+                for table in ("segments", "labels", "archive"):
+                    conn.execute(f"DELETE FROM {table} WHERE session_id=?",  # noqa: S608
+                                 (session_id,))
+                conn.execute("DELETE FROM sessions WHERE session_id=?", (session_id,))
+                conn.execute("UPDATE purge_journal SET state='done', finished_at=? "
+                             "WHERE session_id=?", (time.time(), session_id))
+            plan.step = "done"
+    finally:
+        conn.close()
+    plan.entries = []
+    return plan
+
+
+def _set_step(conn: Any, session_id: str, step: str) -> None:
+    with index.transaction(conn):
+        conn.execute("UPDATE purge_journal SET state=? WHERE session_id=?", (step, session_id))
+
+
+def _stage(root: Path, plan: Plan) -> None:
+    """Rename every owned file into the staging directory (redone from what is
+    left after a stop: a rename already made is not made again)."""
+    staged = staging_dir(root, plan.session_id)
+    staged.mkdir(parents=True, exist_ok=True)
+    fsync_dir(root / STAGING_DIR)
+    moves: list[tuple[Path, Path]] = []
+    live = session_dir(root, plan.session_id)
+    if os.path.lexists(live):
+        _walk(live, root)  # refuses a link or a foreign entry before anything moves
+        moves.append((live, staged / "session"))
+    gens = staged / "generations"
+    for path in _generation_files(root, plan.agent, plan.session_id):
+        gens.mkdir(exist_ok=True)
+        moves.append((path, gens / path.name))  # gen-<seq>.json, snapshot.json: distinct
+    for source, target in moves:
+        os.rename(source, target)
+        _fault("staging")
+        fsync_dir(source.parent)
+    fsync_dir(staged)
+    if gens.exists():
+        fsync_dir(gens)
+
+
+def _remove_tree(top: Path) -> None:
+    """Remove `top` and everything in it, through directory fds opened with
+    O_NOFOLLOW: a link is unlinked itself, never followed."""
+    try:
+        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        _empty_dir(fd)
+    finally:
+        os.close(fd)
+    os.rmdir(top)
+    fsync_dir(top.parent)
+
+
+def _empty_dir(fd: int) -> None:
+    for name in os.listdir(fd):
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            try:
+                _empty_dir(child)
+            finally:
+                os.close(child)
+            os.rmdir(name, dir_fd=fd)
+        else:
+            os.unlink(name, dir_fd=fd)
+            _fault("removing")
+    os.fsync(fd)
