@@ -120,7 +120,7 @@ def test_every_file_of_a_full_session_is_classified(
              "--state-dir", str(state_dir.root)],
             env=processes.env(), capture_output=True, text=True, timeout=150, check=False)
         assert done.returncode == 0, (attempt, done.stdout + done.stderr)
-        assert "1/1 agents finished" in done.stdout and "approved agent-1" in done.stdout
+        assert "1/1 agents finished" in done.stdout  # the ask answered by run's rules
     listed = cli(processes, state_dir, "sessions", "list", "--agent", "agent-1", "--json")
     assert listed.returncode == 0, listed.stderr
     sessions = json.loads(listed.stdout)

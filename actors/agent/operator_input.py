@@ -112,6 +112,13 @@ def _branch(state: Any) -> str:
     return str(getattr(state, "branch", "") or "")
 
 
+def _scoped(state: Any, key: str) -> str:
+    """Requests and corrections are numbered afresh in each session: the key
+    names the session (docs/sessions.md)."""
+    session = getattr(state, "session", None)
+    return f"{session}.{key}" if isinstance(session, str) else key
+
+
 def record_answer(writer: _Appender, agent_dir: Path, agent: str, state: Any, request: str,
                   *, text: str) -> str:
     """The operator's answer to a pending clarification: file, then the WAL fact.
@@ -128,7 +135,8 @@ def record_answer(writer: _Appender, agent_dir: Path, agent: str, state: Any, re
         raise InputRefusedError(f"question {request} of {agent} is already {approval.status}")
     ref = write_text(agent_dir, "answer", request, check_text(text))
     ok = writer.append(f"agent/{agent}", "operator_answer", {"request": request, **ref},
-                       key=f"answer:{agent}:{_branch(state)}{request}", ledger="approvals")
+                       key=_scoped(state, f"answer:{agent}:{_branch(state)}{request}"),
+                       ledger="approvals")
     if getattr(ok, "duplicate", False):
         raise InputRefusedError(f"question {request} of {agent} was answered already")
     return f"answered {agent} {request} ({ref['chars']} characters, sha256 {ref['sha256'][:12]})"
@@ -151,7 +159,7 @@ def record_correction(writer: _Appender, agent_dir: Path, agent: str, state: Any
     ref = write_text(agent_dir, "correction", ident, check_text(text))
     ok = writer.append(f"agent/{agent}", "operator_correction",
                        {"correction": ident, "segment": state.segment, **ref},
-                       key=f"correct:{agent}:{_branch(state)}{ident}")
+                       key=_scoped(state, f"correct:{agent}:{_branch(state)}{ident}"))
     if getattr(ok, "duplicate", False):
         raise InputRefusedError(f"another correction {ident} of {agent} was recorded at the "
                                 "same time; nothing was recorded")
