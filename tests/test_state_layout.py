@@ -1,12 +1,10 @@
 """docs/state-layout.md classifies every path under `.corral/`: a full session
 (every op, a terminal, a background command, a subagent whose change set is
 applied, an operator answer, a second `supervisor run` in the same
-directory (a second session of the same agent), the session commands) run by the real runtime,
-then every file left under `.corral/` must match a row of the document's
-table (its patterns are parsed from the document itself).
-
-Rewind and fork (issue 13 items 3 and 4) are not in this session yet: they
-are not on main when this test was written; their files get rows when they land.
+directory (a second session of the same agent), the session commands, then
+a rewind and a fork of the stopped session) run by the real runtime, then
+every file left under `.corral/` must match a row of the document's table
+(its patterns are parsed from the document itself).
 """
 
 from __future__ import annotations
@@ -19,11 +17,13 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
+import zmq
 
 from broker.statedir import StateDir
 from tests.processes import REPO_ROOT, ProcessTracker
 from tests.test_supervisor_process import cli
 from tests.test_supervisor_run import fast_config
+from tests.test_writer import start_writer
 
 pytestmark = pytest.mark.process
 
@@ -142,4 +142,16 @@ def test_every_file_of_a_full_session_is_classified(
     assert len(files) > 20
     assert (state_dir.root / "sessions" / sessions[1]["session_id"] / "transcript.jsonl"
             ).exists()
+    # a rewind and a fork of the stopped session, with the writer alone running
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        start_writer(processes, state_dir, ctx)
+        rewound = cli(processes, state_dir, "rewind", "agent-1", "--to-turn", "5")
+        assert rewound.returncode == 0, rewound.stdout + rewound.stderr
+        forked = cli(processes, state_dir, "fork", "agent-1", "--name", "forked",
+                     "--at-turn", "3")
+        assert forked.returncode == 0, forked.stdout + forked.stderr
+    finally:
+        ctx.destroy(linger=0)
+    assert (state_dir.agent_dir("forked") / "workspace").is_dir()
     assert unclassified(state_dir.root, rows) == []
