@@ -11,7 +11,9 @@ drained once per loop turn by `service`.
   computed from its anchor (its last fired or skipped slot, else when it was
   armed), all recorded in the stream `automation/schedules`; a slot is fired
   by appending `schedule_fired` (key `fire:<name>:<slot>`, so never twice)
-  before the agent `<name>-<slot as YYYYmmddHHMMSS>` is spawned. Slots older
+  before the agent `<name>-<slot as YYYYmmddHHMMSS>` is spawned (a pipeline
+  schedule: its run file is written first, then the fact, then the runner of
+  that name is spawned with backend `pipeline`). Slots older
   than `catchup_grace_s` passed while nothing ran them: `missed: skip` records
   `schedule_skipped`, `run_once` fires one catch-up.
 - Hooks (`config/hooks.yaml`): the agents' streams are read from a watermark
@@ -48,6 +50,7 @@ from croniter import croniter
 
 from actors.registries import entries as registries
 from broker import auth, protocol
+from broker.errors import CorralError
 from broker.statedir import StateDir
 from supervisor.automationconfig import AutomationConfig
 
@@ -62,13 +65,15 @@ SCHEDULES_STREAM = "automation/schedules"
 HOOKS_STREAM = "automation/hooks"
 # tests only: a file holding seconds added to the wall clock the schedules see
 ENV_CLOCK_OFFSET_FILE = "CORRAL_TEST_CLOCK_OFFSET_FILE"
+# tests only (an injected fault): the supervisor's loop takes no spawn orders, as
+# if it died between a fire's fact and its spawn
+ENV_HOLD_SPAWNS = "CORRAL_TEST_SCHEDULE_HOLD_SPAWNS"
 MAX_SLOTS_PER_TICK = 100_000  # a cron walk over a long downtime is bounded
 MAX_RESPONSE_BYTES = 64 * 1024
 BACKOFF_CAP_S = 30.0
 # the hooks' watermark is recorded at most this often: after a restart at most
 # this much of the agents' streams is read again (nothing is delivered twice)
 WATERMARK_EVERY_S = 10.0
-PIPELINE_NOT_WIRED = "pipeline runs are not wired yet (the pipeline runner, issue 15 item 1)"
 
 
 def clock() -> float:
@@ -154,6 +159,37 @@ def due_slots(entry: registries.ScheduleEntry, anchor: float, now: float,
     return due
 
 
+def prepare_pipeline_run(state_dir: StateDir, entry: registries.ScheduleEntry,
+                         runner: str) -> Path:
+    """The run file of a pipeline schedule's slot, as `supervisor pipeline run`
+    writes it: the pipeline (an installed one by name, or an absolute file
+    path), checked with its inputs. Written once: a tick retried after the
+    fact's reply was lost keeps the file the fact was recorded with."""
+    from actors.pipelines import runfile  # noqa: PLC0415
+    from actors.registries import store  # noqa: PLC0415
+    from supervisor.pipelinecli import resolve  # noqa: PLC0415
+
+    path = runfile.path_for(state_dir, runner)
+    if path.exists():
+        runfile.read(path).parsed()
+        return path
+    target = entry.pipeline or ""
+    if not target.startswith("/"):  # never a file relative to the supervisor's cwd
+        gen = store.newest(state_dir, "pipelines")
+        installed = gen.get(target)
+        if installed is None:
+            raise LookupError(f"no installed pipeline {target!r} "
+                              f"(installed: {', '.join(gen.names()) or 'none'})")
+        text, source = str(installed["text"]), f"registry:{target}@{gen.seq}"
+    else:
+        text, source = resolve(state_dir, target)
+    run = runfile.RunFile(pipeline="", source=source, text=text, inputs=entry.inputs)
+    pipeline = run.parsed()
+    runfile.check_inputs(pipeline, entry.inputs)
+    return runfile.write(state_dir, runner,
+                         run.model_copy(update={"pipeline": pipeline.name}))
+
+
 class Scheduler:
     def __init__(self, state_dir: StateDir, config: AutomationConfig,
                  spawns: queue.Queue[SpawnOrder]) -> None:
@@ -179,7 +215,7 @@ class Scheduler:
                 if record.event == "schedule_fired":
                     self.last_fire[name] = p
         for p in self.last_fire.values():  # fired, then the supervisor died before the spawn
-            if p.get("action") == "spawn" and p.get("agent") and p.get("task") and not (
+            if p.get("started") and p.get("agent") and p.get("task") and not (
                     self.state_dir.config_dir / "agents" / f"{p['agent']}.json").exists():
                 log.info("schedule_spawn_resumed", schedule=p["schedule"], agent=p["agent"])
                 self.spawns.put(SpawnOrder(p["agent"], p["task"], p.get("backend", "scripted"),
@@ -223,21 +259,27 @@ class Scheduler:
             payload.update(agent=slot_name(entry.name, slot), task=entry.task,
                            backend=entry.backend, model=entry.model, started=True)
         else:
-            payload.update(pipeline=entry.pipeline, inputs=entry.inputs, started=False,
-                           reason=PIPELINE_NOT_WIRED)
+            runner = slot_name(entry.name, slot)
+            payload.update(pipeline=entry.pipeline, inputs=entry.inputs, runner=runner)
+            try:  # the run file before the fact: a restart after the fact finds it
+                run_path = prepare_pipeline_run(self.state_dir, entry, runner)
+            except (CorralError, LookupError, OSError, ValueError) as exc:
+                payload.update(started=False, reason=str(exc).splitlines()[0][:500])
+            else:
+                payload.update(agent=runner, task=str(run_path), backend="pipeline",
+                               model=None, started=True)
         writer.append(SCHEDULES_STREAM, "schedule_fired", payload,
                       key=f"fire:{entry.name}:{int(slot)}")
         self.anchors[entry.name] = slot
         self.last_fire[entry.name] = payload
         log.info("schedule_fired", schedule=entry.name, slot=payload["slot_utc"],
                  catchup=due.catchup, action=entry.action)
-        if entry.action == "spawn":
-            assert entry.task is not None
-            self.spawns.put(SpawnOrder(payload["agent"], entry.task, entry.backend,
-                                       entry.model, entry.name))
+        if payload["started"]:
+            self.spawns.put(SpawnOrder(payload["agent"], payload["task"], payload["backend"],
+                                       payload["model"], entry.name))
         else:
-            log.warning("schedule_pipeline_not_wired", schedule=entry.name,
-                        pipeline=entry.pipeline)
+            log.warning("schedule_pipeline_refused", schedule=entry.name,
+                        pipeline=entry.pipeline, reason=payload["reason"])
 
 
 # --- hooks ------------------------------------------------------------------------
@@ -601,7 +643,7 @@ def service(rt: Runtime, now: float) -> None:
         # the agents' names, when the children changed (or once a second)
         auto.children_seen, auto.names_due = len(rt.children), now + 1.0
         auto.agents = frozenset(n for n, c in rt.children.items() if c.kind == "agent")
-    while True:
+    while not os.environ.get(ENV_HOLD_SPAWNS):
         try:
             order = auto.spawns.get_nowait()
         except queue.Empty:

@@ -3,7 +3,9 @@ a schedule's missed slots across a supervisor restart follow its policy
 (skip or run once), under a fake clock the test moves (no sleeps); a fire is
 never doubled by a further restart; a hook posts once per event to an HTTP
 server of the test, retried after a 500, and a hook command runs in procs'
-sandbox. The cron walk itself is checked as a pure function."""
+sandbox. A pipeline schedule starts its runner (backend `pipeline`) once, also
+when the supervisor stopped between the fire's fact and the start. The cron
+walk itself is checked as a pure function."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import zmq
 from actors.registries.entries import ScheduleEntry
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
-from supervisor.automation import ENV_CLOCK_OFFSET_FILE, due_slots
+from supervisor.automation import ENV_CLOCK_OFFSET_FILE, ENV_HOLD_SPAWNS, due_slots
 from tests.agentkit import write_task
 from tests.processes import ProcessTracker, wait_for
 from tests.test_supervisor_process import cli
@@ -140,6 +142,80 @@ def test_a_schedule_fires_across_a_supervisor_restart_by_its_missed_policy(
     skipped = facts("schedule_skipped", "skip")
     assert len(skipped) == 1 and skipped[0]["count"] == 2
     assert len(facts("schedule_fired", "skip")) == 1  # the first slot never fires twice
+    _stop(processes, state_dir, up)
+
+
+HELLO = """\
+name: hello
+inputs: [who]
+steps:
+  - id: greet
+    op: write_file
+    args: {path: "hello.txt", content: "hello ${inputs.who}"}
+    output: greet
+outputs: {bytes: "${outputs.greet.result.bytes}"}
+"""
+
+
+@pytest.mark.timeout(150)  # two supervisor starts and stops, a runner: slow on a loaded host
+def test_a_pipeline_schedule_starts_its_runner_once_across_a_restart_after_the_fact(
+        processes: ProcessTracker, state_dir: StateDir, writer: WriterClient,
+        tmp_path: Path) -> None:
+    from actors.pipelines import report
+
+    config = _config(state_dir)
+    clock = tmp_path / "clock-offset"
+    clock.write_text("0")
+    env = {ENV_CLOCK_OFFSET_FILE: str(clock)}
+    # the fault: the supervisor takes no spawn order, as if it died after the fact
+    up = _up(processes, state_dir, config, "up1", {**env, ENV_HOLD_SPAWNS: "1"})
+    source = tmp_path / "hello.yaml"
+    source.write_text(HELLO)
+    installed = cli(processes, state_dir, "registry", "apply", "pipeline_install",
+                    "--args", json.dumps({"path": str(source)}))
+    assert installed.returncode == 0, installed.stderr
+    (state_dir.config_dir / "schedules.yaml").write_text(yaml.safe_dump({"schedules": [
+        {"name": "greet", "cron": "*/10 * * * *", "action": "pipeline", "pipeline": "hello",
+         "inputs": {"who": "cron"}},
+        {"name": "ghost", "cron": "*/10 * * * *", "action": "pipeline", "pipeline": "nope"},
+    ]}))
+
+    def fired(schedule: str) -> list[dict[str, Any]]:
+        return [p for e, p in _facts(writer, "automation/schedules")
+                if e == "schedule_fired" and p["schedule"] == schedule]
+
+    def armed() -> list[dict[str, Any]]:
+        return [p for e, p in _facts(writer, "automation/schedules") if e == "schedule_armed"]
+
+    wait_for(lambda: len(armed()) == 2, 20, "both schedules armed")
+    slot = (max(p["since"] for p in armed()) // 600 + 1) * 600
+    clock.write_text(repr(slot + 0.2 - time.time()))
+    wait_for(lambda: fired("greet") and fired("ghost"), 20, "the slot")
+    fact = fired("greet")[0]
+    runner = fact["runner"]
+    assert (fact["started"], fact["backend"], fact["slot"]) == (True, "pipeline", slot)
+    assert runner == fact["agent"] == "greet-" + time.strftime("%Y%m%d%H%M%S",
+                                                               time.gmtime(slot))
+    refused = fired("ghost")[0]  # an unknown pipeline: recorded, never started
+    assert refused["started"] is False and "no installed pipeline 'nope'" in refused["reason"]
+    spec = state_dir.config_dir / "agents" / f"{runner}.json"
+    assert not spec.exists()  # the fact is there, the start is not
+    _stop(processes, state_dir, up)
+
+    up = _up(processes, state_dir, config, "up2", env)
+    wait_for(lambda: report.outcome(writer, state_dir, runner) is not None, 60,
+             f"the runner {runner} started after the restart to end")
+    done = report.outcome(writer, state_dir, runner)
+    assert done is not None and done["status"] == "ok"
+    assert done["outputs"] == {"bytes": len("hello cron")}
+    workspace = state_dir.agent_dir(runner) / "workspace"
+    assert (workspace / "hello.txt").read_text() == "hello cron"
+    # started once: one greet call in the runner's stream, one fire of the slot
+    greets = [p for e, p in _facts(writer, f"agent/{runner}")
+              if e == "tool_start" and p.get("op") == "write_file"]
+    assert len(greets) == 1
+    assert len(fired("greet")) == 1 and len(fired("ghost")) == 1
+    assert [f.name for f in (state_dir.config_dir / "agents").glob("ghost-*")] == []
     _stop(processes, state_dir, up)
 
 
