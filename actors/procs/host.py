@@ -29,7 +29,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict
 
 from actors.agent.settings import read_spec, workspace_for
-from actors.procs import launch, sandbox
+from actors.procs import launch, ownership, sandbox
 from actors.procs.command import Command, read_exit_file, wrapper_argv
 from actors.procs.facts import Facts, sha256
 from actors.procs.job import SANDBOX_KEY, Job
@@ -233,9 +233,13 @@ class ProcsHost:
                                f"cwd {cwd!r} is not an absolute path to a directory")
 
     def workspace_of(self, session: str) -> str:
-        """The session's workspace (real path): its spec's, or the default."""
+        """The session's workspace (real path): its spec's, or the default; a
+        pipeline runner without a spec of its own has its agent's
+        (ownership.owner_of)."""
         try:
             spec = read_spec(self.state, session)
+            if spec is None and (owner := ownership.owner_of(session)) != session:
+                session, spec = owner, read_spec(self.state, owner)
         except ConfigError as exc:
             raise RefusedError(protocol.ErrorCode.INVALID_MESSAGE, str(exc)) from exc
         path = (workspace_for(self.state, session, spec) if spec is not None
@@ -258,7 +262,18 @@ class ProcsHost:
         hidden = tuple(os.path.realpath(p) for p in (str(self.state.root), *policy.hide)
                        if os.path.isdir(p))
         return sandbox.Confinement(workspace=workspace, hidden=hidden,
-                                   network=policy.network_for(session))
+                                   network=policy.network_for(self._policy_name(session)))
+
+    def _policy_name(self, session: str) -> str:
+        """The name the sandbox policy is matched against: the session's, or for a
+        runner without a spec of its own, its agent's."""
+        owner = ownership.owner_of(session)
+        if owner == session:
+            return session
+        try:
+            return session if read_spec(self.state, session) is not None else owner
+        except ConfigError:
+            return session
 
     def start_command(
         self, session: str, msg_id: str, command: str, *, cwd: str, cap: int | None,

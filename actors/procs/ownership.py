@@ -35,6 +35,17 @@ CHILD_ACTIONS = frozenset({"session_end"})  # what the subagents host may do to 
 RUNNER_INFIX = ".pl-"  # an in-process pipeline runner: `<agent>.pl-<call>` (runner_name)
 
 
+def owner_of(session: str) -> str:
+    """The agent whose workspace, spec and network policy a session uses: an
+    in-process pipeline runner `A.pl-<call>` (no spec of its own) is its agent
+    `A`'s; any other session is its own. A runner's call id has no `.pl-`
+    (runner_name), so the agent is what precedes the last one. Only `A` (or
+    the operator) may name `A.pl-*` (session_refusal), so this grants nothing
+    `A` does not have."""
+    agent, infix, call = session.rpartition(RUNNER_INFIX)
+    return agent if infix and agent and call else session
+
+
 def session_refusal(sender: str, session: str, kind: str) -> str | None:
     """None when `sender` may send a request of `kind` naming `session`; else why not."""
     if sender in (session, auth.OPERATOR):
