@@ -158,6 +158,13 @@ def test_an_mcp_tool_through_the_gate_and_a_hostile_server_refused(
     listed = calls["1.0"]["result"]["tools"]
     hints = {t["name"]: (t["read_only"], t["idempotent"]) for t in listed}
     assert hints["echo"] == (True, False) and hints["write_note"] == (False, False)
+    # the listing was noted for the openai backend's typed functions (mcp_functions)
+    from actors.agent import mcp_functions
+
+    noted = mcp_functions.read_tools(rt.state.agent_dir("mcp-a"))["t"]
+    assert {"echo", "write_note"} <= {t["name"] for t in noted}
+    offered = mcp_functions.offer({"t": True}, rt.state.agent_dir("mcp-a")).targets
+    assert offered["mcp__t__echo"] == ("t", "echo")
     echo = calls["2.0"]
     assert (echo["status"], echo["decision"]) == ("ok", "allow")
     text = echo["result"]["content"][0]["text"]

@@ -25,6 +25,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import jsonschema
 from pydantic import Field
 
+from actors.agent import mcp_functions
 from actors.agent.ops import Done, OpBase, OpContext, register
 from broker import protocol
 from broker.errors import CorralError
@@ -118,6 +119,7 @@ def _tools(ctx: OpContext, server: str) -> list[dict[str, Any]] | Done:
     if not isinstance(tools, list):
         return Done({"error": "bad_reply", "detail": "procs sent no tool list"}, ok=False)
     _note_hints(ctx.state_dir, ctx.agent, server, tools)
+    mcp_functions.note_tools(ctx.state_dir.agent_dir(ctx.agent), server, tools)
     return tools
 
 

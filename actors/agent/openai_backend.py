@@ -10,7 +10,9 @@ already delivered as a user message), and last the operator inputs consumed
 for this very request (actors/agent/operator_input.py), so a restarted agent
 sends the same context. Without compaction the exchanges are the newest
 `agent.context_window`; with it, every exchange since the last boundary.
-Every registered op is offered as a function (its pydantic schema). A reply's
+Every registered op is offered as a function (its pydantic schema), and each
+listed tool of an installed, enabled MCP server as `mcp__<server>__<tool>`
+(actors/agent/mcp_functions.py: a call of one becomes an `mcp_call`). A reply's
 tool calls become raw actions (`{"op": name, **arguments}`); arguments that
 are not a JSON object become an action the loop rejects (`schema_reject`),
 never an exception. The server's `usage` (prompt and completion tokens) is
@@ -32,6 +34,7 @@ is read from the environment variable named by `api_key_env` and never logged
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -43,7 +46,7 @@ from urllib.parse import urlsplit
 
 import openai
 
-from actors.agent import catalog
+from actors.agent import catalog, mcp_functions
 from actors.agent.backends import Reply, Usage
 from actors.agent.compaction import Summary, SummaryCache
 from actors.agent.operator_input import Delivered, read_text
@@ -169,6 +172,9 @@ class OpenAIModel:
         self.window: int | None = None if self.compaction.window_tokens else window
         self.sleep = sleep
         self.agent_dir = agent_dir
+        # the MCP servers' registry (config/mcp.yaml): agent_dir is <root>/agents/<name>
+        self.config_dir = (agent_dir.parent.parent / "config" if agent_dir is not None
+                           else None)
         self.summaries = SummaryCache(agent_dir) if agent_dir is not None else None
         parts = urlsplit(settings.base_url.rstrip("/"))
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -186,11 +192,19 @@ class OpenAIModel:
         summary = self.summaries.get(state.summary) if self.summaries is not None else None
         messages = build_messages(self.task, state, self.window, agent_dir=self.agent_dir,
                                   summary=summary, inputs=inputs)
+        offer = (mcp_functions.offer(mcp_functions.installed(self.config_dir), self.agent_dir)
+                 if self.config_dir is not None and self.agent_dir is not None
+                 else mcp_functions.Offer())
         body = {"model": self.model, "temperature": self.settings.temperature,
-                "messages": messages, "tools": catalog.tool_schemas(), "tool_choice": "auto"}
+                "messages": messages, "tools": catalog.tool_schemas() + offer.functions,
+                "tool_choice": "auto"}
         self.last_request = body  # the session's transcript records both (actors/sessions)
         self.last_response = self.complete(body)
-        return parse_reply(self.last_response)
+        reply = parse_reply(self.last_response)
+        if not offer.targets:
+            return reply
+        return dataclasses.replace(reply, actions=[mcp_functions.to_action(a, offer.targets)
+                                                   for a in reply.actions])
 
     def summarize(self, previous: str | None, items: Sequence[dict[str, Any]],
                   limit: int) -> Summary:
