@@ -104,7 +104,7 @@ def test_an_undeliverable_reply_is_not_bounced_between_broker_and_procs(
         workdir.mkdir()
         ghost = dealer(ctx, state_dir.endpoint("broker"), b"ghost")
         ghost.send_multipart([b"procs", protocol.encode(protocol.Bash(
-            msg_id="ghost-1", session="ghost", command="sleep 1", cwd=str(workdir),
+            msg_id="ghost-1", session="ghost", command="sleep 3", cwd=str(workdir),
             timeout_s=30))])
         ghost.close(linger=5000)  # the request has left; the ghost is gone before the reply
         wait_for(lambda: [r for r in log_events(state_dir, "broker", "route_failed")
