@@ -8,10 +8,12 @@ the snapshot (the `Checkpoint` it will write, the ledgers written since the
 last sync, the index entries appended to the page cache by
 `StreamIndex.write_pending`) and this thread does, in order: fdatasync the
 ledgers, fsync the index files and their directory (`sync_files`, the helper
-storage collection uses for the index files it rewrites), then write the
-checkpoint atomically. The loop collects the outcome on a later turn; on a
-failure it gives the ledgers and the index entries back (they are synced again
-at the next checkpoint) and no checkpoint names them.
+storage collection uses for the index files it rewrites), then validate and
+write the checkpoint atomically (its idempotency windows make the validation
+and the JSON a few milliseconds, kept off the loop too). The loop collects
+the outcome on a later turn; on a failure it gives the ledgers and the index
+entries back (they are synced again at the next checkpoint) and no
+checkpoint names them.
 
 One job at a time, and while one runs the loop changes no index file (no
 flush; storage collection waits: `busy`). A crash at any point leaves the
@@ -29,6 +31,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from actors.writer import checkpoint
 from actors.writer.ledgers import Ledgers
@@ -45,7 +48,11 @@ class Job:
     index: Unsynced
     index_dir: Path
     path: Path
-    checkpoint: checkpoint.Checkpoint
+    fields: dict[str, Any]  # the checkpoint's values, validated into one in the thread
+
+    @property
+    def head_seq(self) -> int:
+        return int(self.fields["head_seq"])
 
 
 @dataclass
@@ -99,7 +106,7 @@ class CheckpointThread:
                 self._index_jobs += 1
                 _fault_point(f"index_synced:{self._index_jobs}")
             outcome.stage = "checkpoint_write"
-            checkpoint.save(job.path, job.checkpoint)
+            checkpoint.save(job.path, checkpoint.Checkpoint(**job.fields))
             outcome.stage = ""
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, which decides
             outcome.error = exc

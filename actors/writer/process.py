@@ -25,7 +25,7 @@ from types import FrameType
 import structlog
 import zmq
 
-from actors.writer import buckets, checkpoint, diskfull
+from actors.writer import buckets, diskfull
 from actors.writer.checkpointsync import CheckpointThread, Job, Outcome
 from actors.writer.dedupe import DEFAULT_WINDOW
 from actors.writer.groupcommit import Ack, Batch, ManyAck, SyncWorker
@@ -687,7 +687,7 @@ class Writer:
             return
         self.checkpointer.start(Job(
             ledgers, unsynced, self.state_dir.stream_index_dir, self.state_dir.checkpoint_path,
-                checkpoint.Checkpoint(
+                dict(
                     head_seq=self.head,
                     segment_first_seq=self.head_segment if self.head else self.segment.first_seq,
                     offset=self.head_end_offset,
@@ -695,7 +695,7 @@ class Writer:
                     dedupe=self.dedupe.dump(),
                     index_counts=self.index.counts(),
                     ledger_sizes=self.ledgers.sizes(),
-                    ledger_last_seq=self.ledger_last_seq,
+                    ledger_last_seq=dict(self.ledger_last_seq),  # the loop goes on changing it
                     storage_epoch=self.gc.epoch,
                 )))
         if wait:
@@ -715,7 +715,7 @@ class Writer:
             if self._derived_failing is not None:
                 self.log.info(f"{self._derived_failing[0]}_recovered")
                 self._derived_failing = None
-            self._checkpoint_head = job.checkpoint.head_seq
+            self._checkpoint_head = job.head_seq
             return
         if outcome.stage != "checkpoint_write":  # the index entries were not made durable
             self.index.revert(job.index)
