@@ -171,9 +171,10 @@ def sync_floor_ms(directory: Path, rounds: int) -> dict[str, list[float]]:
     """The synchronous disk work alone of one step, no CPU work around it, on
     the disk the runs use, alternating so that load falls on both alike:
 
-    - corral: the effect journal's entry (temp, fsync, rename), an append +
-      fdatasync (the group: turn .. tool_start), the file (temp, fsync, rename,
-      directory fsync), an append + fdatasync (tool_result): five syncs;
+    - corral: the effect journal's entry (temp, rename; not fsynced), an
+      append + fdatasync (the group: turn .. tool_start), the file (temp,
+      fsync, rename, directory fsync), an append + fdatasync (tool_result):
+      four syncs;
     - LangGraph (SQLite WAL, synchronous=FULL): the file, then one append +
       fsync of the WAL at the checkpoint's commit: three syncs.
     """
@@ -186,8 +187,6 @@ def sync_floor_ms(directory: Path, rounds: int) -> dict[str, list[float]]:
             journal = directory / f"{i}.json"
             with open(journal.with_name(journal.name + ".tmp"), "wb") as f:
                 f.write(record)
-                f.flush()
-                os.fsync(f.fileno())
             journal.with_name(journal.name + ".tmp").replace(journal)
             _append_sync(wal, record)
             _write(directory, f"c{i}.txt", i)

@@ -6,13 +6,21 @@ cuts one on purpose).
     .corral/agents/<name>/effects/<call_id>.json
         {"call_id", "action_sha", "label", "before_sha", "after_sha", "result"}
 
-Written (temp, fsync, rename) before the write is applied. When the loop is
+Written (temp, rename; not fsynced) before the write is applied. When the loop is
 about to apply a write for a call id whose entry names the same action and
 target, and the target already has the entry's after-digest, the effect is
 there: the loop records it and does not apply it again. Only the last
 `KEEP_TURNS` turns' entries are kept (a lost tail is short), so the journal
 does not grow with history. Derived and local: deleting it only removes this
-protection."""
+protection.
+
+Why no fsync (docs/performance.md, "The effect journal's fsync"): a crash
+of processes keeps the page cache, so the entry is there for every WAL cut
+that is not a power loss; after a power loss on a disk that honours fsync,
+the WAL still holds `tool_start` (durable before the effect, with the
+path and both digests) and recovery settles the call by the abort rule; on
+a disk that lost an acknowledged WAL tail at a power loss, the entry's own
+fsync went to the same lying disk after it, so it promised nothing more."""
 
 from __future__ import annotations
 
@@ -61,9 +69,7 @@ class EffectJournal:
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(entry.__dict__, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
+        tmp.replace(path)  # whole or absent for a reader; durable as the page cache is
 
     def prune(self, turn: int) -> None:
         """Drop entries of turns older than `turn - KEEP_TURNS`."""

@@ -78,6 +78,30 @@ class Ledgers:
                 raise DurabilityError(f"ledger {self.paths[name]}: {exc}") from exc
         self._unsynced.clear()
 
+    def take_unsynced(self) -> list[str]:
+        """The ledgers written since the last sync, forgotten here: the caller
+        syncs them off the loop (`sync_named`) or gives them back on failure."""
+        names = sorted(self._unsynced)
+        self._unsynced.clear()
+        return names
+
+    def restore_unsynced(self, names: list[str]) -> None:
+        for name in names:
+            self._unsynced.add(name)
+
+    def sync_named(self, names: list[str]) -> None:
+        """fdatasync the named ledgers through fds of their own (safe in another
+        thread while the loop's fds keep appending); DurabilityError on failure."""
+        for name in names:
+            try:
+                fd = os.open(self.paths[name], os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise DurabilityError(f"ledger {self.paths[name]}: {exc}") from exc
+
     def check(self, name: str, start_offset: int = 0, start_last_seq: int = 0) -> LedgerCheck:
         """Check every line from `start_offset` (a checkpointed size, where the
         ledger's last seq was `start_last_seq`): each must be a whole record of

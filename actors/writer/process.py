@@ -25,7 +25,8 @@ from types import FrameType
 import structlog
 import zmq
 
-from actors.writer import buckets, checkpoint, diskfull
+from actors.writer import buckets, diskfull
+from actors.writer.checkpointsync import CheckpointThread, Job, Outcome
 from actors.writer.dedupe import DEFAULT_WINDOW
 from actors.writer.groupcommit import Ack, Batch, ManyAck, SyncWorker
 from actors.writer.ledgers import Ledgers
@@ -182,6 +183,7 @@ class Writer:
         # writer answers: start-up does not wait for it.
         self._checkpoint_head = rec.head_seq - rec.scanned_records
         self._checkpoint_at = 0.0
+        self.checkpointer = CheckpointThread(self.ledgers)  # syncs and writes it off the loop
         self.log.info(
             "wal_recovered",
             head_seq=self.head,
@@ -272,8 +274,10 @@ class Writer:
                             parts.append(sock.recv())
                         frames.append((auth.user_of(head), parts))
                     self._process(frames)
+                self._collect_checkpoint()
                 if self.inflight is None:  # the files are quiet: checkpoint if due
-                    self.gc.tick(self)
+                    if not self.checkpointer.busy:  # collection changes index files
+                        self.gc.tick(self)
                     self._maybe_checkpoint()
                     if self.staged.bodies or self.staged.acks or self.staged.many_acks:
                         self._submit()
@@ -655,33 +659,35 @@ class Writer:
         if behind >= self.options.checkpoint_records or (
             behind and time.monotonic() - self._checkpoint_at >= self.options.checkpoint_interval_s
         ):
-            self._checkpoint()
+            self._checkpoint(wait=False)
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, wait: bool = True) -> None:
         """Make the ledgers durable, flush the stream index, then replace the
         checkpoint. The index and the checkpoint are derived files: when either
         cannot be written the writer logs it once and serves on; no checkpoint
         names index entries that are not on disk, so a restart rebuilds what is
         missing from the WAL (docs/wal.md). The ledgers are fdatasynced here, not
-        per batch: the checkpoint names their sizes as durable."""
+        per batch: the checkpoint names their sizes as durable. The loop only
+        takes the snapshot and appends the index entries to the page cache; the
+        syncs and the write run in the checkpoint thread (actors/writer/
+        checkpointsync.py), collected on a later turn unless `wait`."""
+        if self.checkpointer.busy:
+            if not wait:
+                return
+            self._checkpoint_done(self.checkpointer.wait())
         self._checkpoint_at = time.monotonic()
-        try:
-            self.ledgers.sync()
-        except DurabilityError as exc:  # a full disk: no checkpoint until it syncs
-            if diskfull.space_errno(exc) is None:
-                raise
-            self._derived_failed("ledger_sync", str(exc), str(exc.__cause__))
-            return
-        failures = self.index.flush(fsync=True)
+        ledgers = self.ledgers.take_unsynced()
+        failures, unsynced = self.index.write_pending()
         if failures:  # the entries stay in memory
+            self.index.revert(unsynced)
+            self.ledgers.restore_unsynced(ledgers)
             failed = failures[0]
             self._derived_failed("stream_index_write", str(failed.path), failed.error,
                                  streams=len(failures))
             return
-        try:
-            checkpoint.save(
-                self.state_dir.checkpoint_path,
-                checkpoint.Checkpoint(
+        self.checkpointer.start(Job(
+            ledgers, unsynced, self.state_dir.stream_index_dir, self.state_dir.checkpoint_path,
+                dict(
                     head_seq=self.head,
                     segment_first_seq=self.head_segment if self.head else self.segment.first_seq,
                     offset=self.head_end_offset,
@@ -689,17 +695,42 @@ class Writer:
                     dedupe=self.dedupe.dump(),
                     index_counts=self.index.counts(),
                     ledger_sizes=self.ledgers.sizes(),
-                    ledger_last_seq=self.ledger_last_seq,
+                    ledger_last_seq=dict(self.ledger_last_seq),  # the loop goes on changing it
                     storage_epoch=self.gc.epoch,
-                ),
-            )
-        except OSError as exc:
-            self._derived_failed("checkpoint_write", str(self.state_dir.checkpoint_path), str(exc))
+                )))
+        if wait:
+            self._checkpoint_done(self.checkpointer.wait())
+
+    def _collect_checkpoint(self) -> None:
+        outcome = self.checkpointer.poll()
+        if outcome is not None:
+            self._checkpoint_done(outcome)
+
+    def _checkpoint_done(self, outcome: Outcome | None) -> None:
+        """A checkpoint job ended: note it, or give back what it could not sync."""
+        if outcome is None:
             return
-        if self._derived_failing is not None:
-            self.log.info(f"{self._derived_failing[0]}_recovered")
-            self._derived_failing = None
-        self._checkpoint_head = self.head
+        job, exc = outcome.job, outcome.error
+        if exc is None:
+            if self._derived_failing is not None:
+                self.log.info(f"{self._derived_failing[0]}_recovered")
+                self._derived_failing = None
+            self._checkpoint_head = job.head_seq
+            return
+        if outcome.stage != "checkpoint_write":  # the index entries were not made durable
+            self.index.revert(job.index)
+        if outcome.stage == "ledger_sync":
+            self.ledgers.restore_unsynced(job.ledgers)
+            if not isinstance(exc, DurabilityError) or diskfull.space_errno(exc) is None:
+                raise exc
+            self._derived_failed("ledger_sync", str(exc), str(exc.__cause__))
+        elif outcome.stage == "stream_index_write":
+            self._derived_failed("stream_index_write", str(job.index_dir), str(exc),
+                                 streams=len(job.index.written))
+        elif isinstance(exc, OSError):
+            self._derived_failed("checkpoint_write", str(job.path), str(exc))
+        else:
+            raise exc
 
     def storage_changed(self) -> None:
         """Collection changed the segments: checkpoint twice, so neither the

@@ -3,7 +3,11 @@
 length), so that one stream can be read from any seq without scanning the WAL.
 New entries are kept in memory and appended to the files at each checkpoint
 (fsynced, and the directory fsynced when a file was created, before the
-checkpoint names their counts). The index is derived: a full scan rebuilds it.
+checkpoint names their counts). The writer appends them in its loop
+(`write_pending`, page cache only) and fsyncs them in its checkpoint thread
+(`sync_files`, actors/writer/checkpointsync.py), the same helper storage
+collection uses for the files it rewrites; until then `revert` can give the
+entries back to memory. The index is derived: a full scan rebuilds it.
 
 A file that cannot be written (a full disk, a broken cache directory) never
 stops the writer: `flush` keeps that stream's entries in memory and reports
@@ -18,7 +22,8 @@ import os
 import re
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker import durable
@@ -44,6 +49,36 @@ class FlushFailure:
     stream: str
     path: Path
     error: str
+
+
+@dataclass
+class Unsynced:
+    """What `write_pending` appended to the files, not yet fsynced: the paths
+    to fsync, whether a file was created (its directory too), and per stream
+    the count before and the entries written (for `revert`)."""
+
+    paths: list[Path] = field(default_factory=list)
+    created: bool = False
+    written: dict[str, tuple[int, list[IndexEntry]]] = field(default_factory=dict)
+
+
+def sync_files(paths: Iterable[Path], directory: Path, *, missing_ok: bool = False) -> None:
+    """fsync each file (by path, through an fd of its own, so it may run in a
+    thread while the loop keeps its fds) and then the directory; OSError on
+    failure. `missing_ok`: a file deleted meanwhile is skipped (compaction
+    deletes a stream's file when it loses every entry)."""
+    for path in sorted(paths):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if missing_ok:
+                continue
+            raise
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    durable.fsync_dir(directory)
 
 
 class StreamIndex:
@@ -113,6 +148,29 @@ class StreamIndex:
         """Append pending entries to their files (fsync them when asked); a
         stream whose file cannot be written keeps its entries in memory and is
         returned as a failure (its file is cut back to what it held)."""
+        return self._flush(fsync, None)
+
+    def write_pending(self) -> tuple[list[FlushFailure], Unsynced]:
+        """Append pending entries to their files without fsync, remembering
+        what was written: the caller fsyncs `Unsynced.paths` (`sync_files`)
+        before a checkpoint names `counts()`, or calls `revert` when that
+        fails. No other change to the files may come in between."""
+        unsynced = Unsynced()
+        return self._flush(False, unsynced), unsynced
+
+    def revert(self, unsynced: Unsynced) -> None:
+        """The written entries could not be made durable: back to memory, in
+        front of any added since; the next flush cuts the files back to the
+        counts before and writes them again."""
+        for stream, (before, entries) in unsynced.written.items():
+            self._forget_fd(stream)
+            if before:
+                self._file_counts[stream] = before
+            else:
+                self._file_counts.pop(stream, None)
+            self._pending[stream] = entries + self._pending.get(stream, [])
+
+    def _flush(self, fsync: bool, unsynced: Unsynced | None) -> list[FlushFailure]:
         failures: list[FlushFailure] = []
         created = False
         for stream in list(self._pending):
@@ -140,6 +198,11 @@ class StreamIndex:
                 continue
             self._file_counts[stream] = count + len(entries)
             del self._pending[stream]
+            if unsynced is not None:
+                unsynced.paths.append(self.directory / stream_filename(stream))
+                unsynced.written[stream] = (count, entries)
+        if unsynced is not None:
+            unsynced.created = created
         if created and fsync:
             try:
                 durable.fsync_dir(self.directory)

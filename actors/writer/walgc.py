@@ -44,7 +44,7 @@ import structlog
 from actors.writer import compaction, retention
 from actors.writer.dedupe import DedupeWindows
 from actors.writer.ledgers import Ledgers
-from actors.writer.streamindex import StreamIndex, stream_filename
+from actors.writer.streamindex import StreamIndex, stream_filename, sync_files
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import WalRecord, list_segments
 from broker.durable import fsync_dir, write_atomic
@@ -395,14 +395,7 @@ class Collector:
     def _sync_index(self, paths: set[Path]) -> None:
         """In the thread: fsync the index files (and their directory) changed."""
         try:
-            for dirty in sorted(paths):
-                with contextlib.suppress(FileNotFoundError):
-                    fd = os.open(dirty, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-            fsync_dir(self.state_dir.stream_index_dir)
+            sync_files(paths, self.state_dir.stream_index_dir, missing_ok=True)
         except OSError as exc:
             self._error = exc
 
