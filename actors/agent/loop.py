@@ -135,6 +135,8 @@ class AgentLoop:
         self._pending_bytes = 0
         self._pending_base = 0  # state.last_seq before the first pending fact
         self.trees = recorder.TreeRecorder(state_dir, name, self.workspace)
+        self._facts_appended = 0  # facts this loop appended (folded, maybe not yet flushed)
+        self._tree_recorded_at = -1  # _facts_appended right after the last tree it recorded
 
     def _busy(self, op: str, deadline_s: float) -> AbstractContextManager[None]:
         """Declare a blocking call (heartbeats go on while it runs)."""
@@ -196,6 +198,7 @@ class AgentLoop:
         body = encode_payload(payload)
         if not self._pending:
             self._pending_base = self.state.last_seq
+        self._facts_appended += 1
         self._pending.append((event, body, key, ledger))
         self._pending_bytes += len(body)
         # folded at the seq it gets if nothing of the stream comes between (flush checks)
@@ -354,12 +357,17 @@ class AgentLoop:
 
     def _record_tree(self) -> bool:
         """At a turn boundary: append `workspace_tree` if the workspace changed
-        (under the trees' collection lease until the fact is durable)."""
+        (under the trees' collection lease until the fact is durable). The step
+        right after a recorded tree, with no fact since, does not walk the
+        workspace again: nothing of the agent's ran in between."""
+        if self._tree_recorded_at == self._facts_appended:
+            return False
         with self.trees.lease():
             fact = self.trees.fact(self.state)
             if fact is None:
                 return False
             self._append(*fact)
+        self._tree_recorded_at = self._facts_appended
         return True
 
     def _exit(self, reason: str, summary: str = "") -> None:
