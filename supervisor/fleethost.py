@@ -35,6 +35,7 @@ import structlog
 from actors.writer.replicate import FleetSettings, connect_options
 from broker.durable import write_atomic
 from broker.statedir import StateDir
+from supervisor.fleetadopt import Uploader
 from supervisor.fleetconfig import FleetConfig
 from supervisor.fleetctl import read_hosts
 from supervisor.fleetwatch import Watch
@@ -93,6 +94,7 @@ class FleetHost:
         self._seen: dict[str, float] = {}  # nonce -> when (replays refused)
         self.published_total = 0
         self.watch: Watch | None = None
+        self.uploader: Uploader | None = None
 
     def start(self) -> None:
         write_fleet_file(self.state_dir, self.config)
@@ -135,7 +137,10 @@ class FleetHost:
             js = nc.jetstream(timeout=5)
             kv = None
             await nc.subscribe(control_subject(self.host), cb=self._on_control)
-            watch = Watch(self.host, self.config.dead_grace_s, self.config.replicas)
+            watch = Watch(self.host, self.config.dead_grace_s, self.config.replicas,
+                          self.state_dir)
+            uploader = Uploader(self.host, self.state_dir, self.config.replicas)
+            self.uploader = uploader
             self.watch = watch
             while True:
                 with contextlib.suppress(TimeoutError):
@@ -152,6 +157,7 @@ class FleetHost:
                     entry = {**status, "host": self.host, "at": time.time()}
                     await kv.put(self.host, json.dumps(entry).encode())
                     self.published_total += 1
+                    await uploader.sync(js)  # the agents' bundles (fleetadopt.py)
                     await watch.check(js, kv, await read_hosts(js, self.config.host_ttl_s))
                 except Exception as exc:  # noqa: BLE001 - stale until the cluster is back
                     log.warning("fleet_status_put_failed", error=type(exc).__name__)

@@ -13,9 +13,9 @@ nothing (its next publish meets the fence, it exits 77), so a host that comes
 back runs nothing twice. A host that finds itself marked dead at start-up
 does not re-register.
 
-Not built yet: adopting the dead host's agents on live hosts (state from its
-stream, workspace from the newest tree); the fence is the part that makes
-such an adoption safe.
+The fencing host then adopts the dead host's agents (supervisor/fleetadopt.py)
+and marks the member `adopted`; a fencer that stopped before that adopts at its
+next round (the agents' records go in under their keys, so nothing twice).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 
 from actors.writer.replicate import fence_subject, stream_name
+from broker.statedir import StateDir
 
 log = structlog.get_logger("supervisor.fleet")
 
@@ -82,8 +83,10 @@ async def fence_host(js: Any, dead: str, by: str) -> bool:
 class Watch:
     """Per host supervisor: registration, and the dead-host check."""
 
-    def __init__(self, host: str, grace_s: float, replicas: int) -> None:
+    def __init__(self, host: str, grace_s: float, replicas: int,
+                 state_dir: StateDir | None = None) -> None:
         self.host = host
+        self.state_dir = state_dir
         self.grace_s = grace_s
         self.replicas = replicas
         self.members: Any = None
@@ -122,7 +125,10 @@ class Watch:
                 self.missing_since.pop(member, None)
                 continue
             entry = await self.members.get(member)
-            if json.loads(entry.value or b"{}").get("dead"):
+            data = json.loads(entry.value or b"{}")
+            if data.get("dead"):
+                if data.get("fenced_by") == self.host and not data.get("adopted"):
+                    await self._adopt(js, member, data)
                 continue
             since = self.missing_since.setdefault(member, now)
             if now - since < self.grace_s:
@@ -131,9 +137,20 @@ class Watch:
             if not order or order[0] != self.host:
                 continue  # another live host adopts
             if await fence_host(js, member, self.host):
-                await self.members.put(member, json.dumps(
-                    {"host": member, "dead": True, "fenced_by": self.host,
-                     "at": time.time()}).encode())
+                data = {"host": member, "dead": True, "fenced_by": self.host,
+                        "at": time.time()}
+                await self.members.put(member, json.dumps(data).encode())
                 self.declared.append(member)
                 log.warning("fleet_host_declared_dead", host=member, fenced_by=self.host,
                             expired_s=round(now - since, 1))
+                await self._adopt(js, member, data)
+
+    async def _adopt(self, js: Any, member: str, data: dict[str, Any]) -> None:
+        """Adopt the fenced member's agents here, then mark it `adopted`."""
+        if self.state_dir is None:
+            return
+        from supervisor.fleetadopt import adopt_host  # noqa: PLC0415
+
+        adopted = await adopt_host(js, member, self.state_dir, self.replicas)
+        await self.members.put(member, json.dumps(
+            {**data, "adopted": [a.agent for a in adopted if a.spawned]}).encode())

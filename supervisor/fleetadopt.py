@@ -1,0 +1,331 @@
+"""Host loss, second half: a dead host's agents adopted by a live host
+(docs/fleet.md, "Adoption").
+
+Two parts, both run on the host supervisor's fleet thread (supervisor/fleethost.py):
+
+- **Bundles.** At every status round each host uploads, per agent it runs, the
+  agent's *bundle* to the JetStream object store `corral_trees` (replicas as
+  the streams): `<host>/<agent>/pack`, the agent's tree pack
+  (`.corral/trees/packs/<agent>.pack`, the content-addressed objects of its
+  workspace trees, checked against their names on every read), and
+  `<host>/<agent>/spec`, what it was started with (backend, model, the task
+  file's text). A pack is uploaded whole when its size changed. The upload
+  lags the capture by up to one status round: the `workspace_tree` fact may be
+  in the host's stream before the objects it names are in the object store.
+- **Adoption.** The live host that fenced a dead host (supervisor/fleetwatch.py)
+  then, per agent with a bundle: downloads the pack into its own store, reads
+  the agent's records (`agent/<name>`) from the dead host's stream, finds the
+  newest `workspace_tree` whose objects it holds (the *cut*), restores that tree
+  into the agent's workspace, appends the agent's records up to and including
+  the cut to its own WAL under the same stream, origin and keys (as the
+  operator: a retried adoption appends nothing twice), and spawns the agent
+  with the same task. The agent rebuilds its state from those records and
+  resumes at the turn boundary of the cut: its workspace and its state agree.
+  The records after the cut (the rest of that turn) are not adopted; that turn
+  runs again. Nothing acknowledged is lost: the dead host's stream keeps them.
+
+Not adopted (docs/fleet.md): the agent's memory directory, its procs sessions
+(not reported lost yet), its snapshot generations (the adopter folds the
+records), a workspace outside `.corral/agents/<name>/` (restored there), and an
+agent whose name the adopter already uses (logged, left in the stream).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from actors.agent.settings import read_spec, spec_path
+from actors.trees import tree as trees
+from actors.trees.store import CorruptObjectError, ObjectStore, packs_dir
+from actors.trees.store import lease as store_lease
+from actors.writer.replicate import parse_seq_range, stream_name
+from broker.durable import write_atomic
+from broker.statedir import StateDir
+
+log = structlog.get_logger("supervisor.fleet")
+
+OBJECTS = "corral_trees"
+IMPORT_CHUNK = 64
+
+
+def pack_object(host: str, agent: str) -> str:
+    return f"{host}/{agent}/pack"
+
+
+def spec_object(host: str, agent: str) -> str:
+    return f"{host}/{agent}/spec"
+
+
+async def objects_bucket(js: Any, replicas: int) -> Any:
+    from nats.js.api import ObjectStoreConfig, StorageType  # noqa: PLC0415
+    from nats.js.errors import BucketNotFoundError  # noqa: PLC0415
+
+    try:
+        return await js.object_store(OBJECTS)
+    except BucketNotFoundError:
+        return await js.create_object_store(OBJECTS, config=ObjectStoreConfig(
+            bucket=OBJECTS, replicas=replicas, storage=StorageType.FILE))
+
+
+def agent_names(state_dir: StateDir) -> list[str]:
+    """The agents with a spec on this host (the ones a bundle is kept for)."""
+    directory = spec_path(state_dir, "x").parent
+    with contextlib.suppress(OSError):
+        return sorted(p.stem for p in directory.glob("*.json"))
+    return []
+
+
+def spec_bundle(state_dir: StateDir, agent: str) -> bytes | None:
+    """What the agent was started with: backend, model, replay stream, task text."""
+    spec = read_spec(state_dir, agent)
+    if spec is None:
+        return None
+    try:
+        task = Path(spec.task).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return json.dumps({"backend": spec.backend, "model": spec.model,
+                       "replay_stream": spec.replay_stream, "task": task}).encode()
+
+
+@dataclass
+class Uploader:
+    """Keeps this host's bundles in the object store (one per agent)."""
+
+    host: str
+    state_dir: StateDir
+    replicas: int
+    sent: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # agent -> (pack size, spec)
+    uploads: int = 0
+
+    async def sync(self, js: Any) -> int:
+        """Upload the bundles that changed since the last round; how many."""
+        bucket = None
+        done = 0
+        for agent in agent_names(self.state_dir):
+            spec = spec_bundle(self.state_dir, agent)
+            if spec is None:
+                continue
+            pack = packs_dir(self.state_dir.root) / f"{agent}.pack"
+            try:
+                size = pack.stat().st_size
+            except FileNotFoundError:
+                size = 0
+            if self.sent.get(agent) == (size, spec):
+                continue
+            data = pack.read_bytes() if size else b""
+            if bucket is None:
+                bucket = await objects_bucket(js, self.replicas)
+            await bucket.put(pack_object(self.host, agent), data)
+            await bucket.put(spec_object(self.host, agent), spec)
+            self.sent[agent] = (len(data), spec)
+            done += 1
+        self.uploads += done
+        return done
+
+
+# --- adoption ------------------------------------------------------------------
+async def stream_records(js: Any, host: str) -> list[dict[str, Any]]:
+    """Every record of `host`'s stream, parsed, in seq order (fences skipped)."""
+    from nats.js.errors import NotFoundError  # noqa: PLC0415
+
+    name = stream_name(host)
+    try:
+        info = await js.stream_info(name)
+    except NotFoundError:
+        return []
+    records: list[dict[str, Any]] = []
+    if int(info.state.messages) == 0:
+        return records
+    for seq in range(int(info.state.first_seq), int(info.state.last_seq) + 1):
+        try:
+            msg = await js.get_msg(name, seq)
+        except NotFoundError:
+            continue
+        headers = msg.headers or {}
+        if "Corral-Seq" not in headers:
+            continue  # a fence
+        parse_seq_range(headers["Corral-Seq"])  # refuses a malformed header
+        for line in (msg.data or b"").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # not a record: never adopted
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def tree_present(store: ObjectStore, digest: str) -> bool:
+    """True when every object below the tree `digest` is in the store (and sound)."""
+    try:
+        for entry in trees.flatten(store.get, digest).values():
+            store.get(entry.digest)
+    except (CorruptObjectError, trees.TreeFormatError, ValueError, TypeError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Cut:
+    records: list[dict[str, Any]]  # the agent's records to adopt, in order
+    tree: str | None  # the tree they end with (None: nothing to adopt)
+    dropped: int  # the agent's records after the cut (that turn runs again)
+    newest_tree: str | None  # the newest tree the stream names
+
+
+def cut(records: list[dict[str, Any]], agent: str, store: ObjectStore) -> Cut:
+    """The agent's records up to and including its newest `workspace_tree` whose
+    objects `store` holds; none when there is no such tree (the agent starts over)."""
+    mine = [r for r in records if r.get("stream") == f"agent/{agent}"]
+    newest: str | None = None
+    for index in range(len(mine) - 1, -1, -1):
+        record = mine[index]
+        if record.get("event") != "workspace_tree":
+            continue
+        digest = (record.get("payload") or {}).get("tree")
+        if not isinstance(digest, str):
+            continue
+        newest = newest or digest
+        if tree_present(store, digest):
+            return Cut(mine[: index + 1], digest, len(mine) - index - 1, newest)
+    return Cut([], None, len(mine), newest)
+
+
+@dataclass(frozen=True)
+class Adopted:
+    agent: str
+    tree: str | None
+    records: int
+    dropped: int
+    tree_behind: bool  # the newest tree named in the stream was not in the object store
+    spawned: bool
+    detail: str = ""
+
+
+def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any],  # noqa: PLR0917
+                pack: bytes, records: list[dict[str, Any]]) -> Adopted:
+    """Blocking: one agent of the dead host made to run here (see the module doc)."""
+    from actors.agent import workspace as agent_workspace  # noqa: PLC0415
+    from actors.trees.restore import restore  # noqa: PLC0415
+
+    if spec_path(state_dir, agent).exists():
+        log.error("fleet_adopt_name_taken", host=dead, agent=agent)
+        return Adopted(agent, None, 0, 0, False, False, "name taken on this host")
+    packs = packs_dir(state_dir.root)
+    packs.mkdir(parents=True, exist_ok=True)
+    with store_lease(packs):
+        if pack:
+            write_atomic(packs / f"{agent}.pack", pack)
+        store = ObjectStore(packs, agent)
+        store.validate()
+        chosen = cut(records, agent, store)
+        workspace = state_dir.agent_dir(agent) / "workspace"
+        workspace.mkdir(parents=True, exist_ok=True)
+        if chosen.tree is not None:
+            restore(workspace, store, None, chosen.tree, agent_workspace.guard_for(state_dir))
+        imported = _import(state_dir, agent, chosen.records)
+    spawned, detail = _spawn(state_dir, agent, spec)
+    return Adopted(agent, chosen.tree, imported, chosen.dropped,
+                   chosen.newest_tree is not None and chosen.newest_tree != chosen.tree,
+                   spawned, detail)
+
+
+def _import(state_dir: StateDir, agent: str, records: list[dict[str, Any]]) -> int:
+    """Append the records to this host's WAL under their stream, origin and key
+    (as the operator; keys make a retried adoption append nothing twice)."""
+    import zmq  # noqa: PLC0415
+
+    from actors.writer.client import WriterClient, encode_payload  # noqa: PLC0415
+    from broker import auth  # noqa: PLC0415
+
+    if not records:
+        return 0
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with WriterClient(ctx, state_dir, agent,
+                          credential=auth.operator_credential(state_dir)) as writer:
+            by_origin: list[tuple[str, list[tuple[str, bytes, str, Any]]]] = []
+            for record in records:
+                item = (str(record["event"]), encode_payload(record.get("payload")),
+                        str(record["key"]), record.get("ledger"))
+                origin = str(record.get("origin") or agent)
+                if by_origin and by_origin[-1][0] == origin and \
+                        len(by_origin[-1][1]) < IMPORT_CHUNK:
+                    by_origin[-1][1].append(item)
+                else:
+                    by_origin.append((origin, [item]))
+            for origin, group in by_origin:
+                writer.append_many(f"agent/{agent}", group, origin=origin)
+    finally:
+        ctx.destroy(linger=0)
+    return len(records)
+
+
+def _spawn(state_dir: StateDir, agent: str, spec: dict[str, Any]) -> tuple[bool, str]:
+    from supervisor import fleetctl  # noqa: PLC0415
+
+    model = spec.get("model")
+    backend = spec.get("backend")
+    if backend == "replay" and spec.get("replay_stream"):
+        model = f"replay:{spec['replay_stream']}"
+    elif backend == "openai":
+        model = f"openai:{model}" if model else "openai"
+    elif backend != "scripted":
+        model = str(backend)
+    else:
+        model = None
+    reply = fleetctl.carry_out(state_dir, {"verb": "spawn", "agent": agent,
+                                           "task": str(spec.get("task", "")), "model": model})
+    return bool(reply.get("ok")), str(reply.get("detail", ""))
+
+
+async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> list[Adopted]:
+    """Adopt every agent of `dead` that has a bundle (the caller fenced `dead`)."""
+    import asyncio  # noqa: PLC0415
+
+    bucket = await objects_bucket(js, replicas)
+    try:
+        infos = await bucket.list()
+    except Exception:  # noqa: BLE001 - nats raises NotFoundError for an empty bucket
+        infos = []
+    agents = sorted({i.name.split("/")[1] for i in infos
+                     if i.name.startswith(f"{dead}/") and i.name.count("/") == 2
+                     and not getattr(i, "deleted", False)})
+    if not agents:
+        return []
+    started = time.monotonic()
+    records = await stream_records(js, dead)
+    done: list[Adopted] = []
+    for agent in agents:
+        try:
+            spec = json.loads((await bucket.get(spec_object(dead, agent))).data or b"{}")
+            pack = (await bucket.get(pack_object(dead, agent))).data or b""
+        except Exception as exc:  # noqa: BLE001 - a bundle half uploaded: skip the agent
+            log.error("fleet_adopt_bundle_missing", host=dead, agent=agent,
+                      error=type(exc).__name__)
+            continue
+        if not isinstance(spec, dict) or not _valid_name(agent):
+            continue
+        adopted = await asyncio.get_running_loop().run_in_executor(
+            None, adopt_agent, state_dir, dead, agent, spec, pack, records)
+        log.warning("fleet_agent_adopted", host=dead, agent=agent, tree=adopted.tree,
+                    records=adopted.records, dropped=adopted.dropped,
+                    tree_behind=adopted.tree_behind, spawned=adopted.spawned,
+                    detail=adopted.detail, elapsed_ms=round(
+                        (time.monotonic() - started) * 1000, 1))
+        done.append(adopted)
+    return done
+
+
+def _valid_name(agent: str) -> bool:
+    from broker.statedir import NAME_PATTERN  # noqa: PLC0415
+
+    return bool(NAME_PATTERN.fullmatch(agent))

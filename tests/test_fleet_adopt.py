@@ -1,0 +1,185 @@
+"""Host loss with adoption (docs/fleet.md, "Adoption"): two corral hosts on the
+real 3-node cluster; an agent of host A works through a scripted task and
+waits for an approval; host A's supervisor is SIGKILLed (its children die
+with it); host B declares A dead, fences its stream, adopts the agent (its
+records from A's stream, its workspace from the newest tree in the object
+store) and runs it to the end: the same workspace as an uninterrupted run of
+the same task on B. Host A started again is fenced: its writer stops with 77
+at its first publish, nothing more reaches its stream, its copy of the agent
+changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+import zmq
+
+from actors.agent.rebuild import rebuild
+from actors.trees.store import packs_dir
+from actors.writer.client import WriterClient
+from broker.statedir import StateDir
+from supervisor.agentcli import answer_approval
+from supervisor.fleetadopt import OBJECTS, pack_object
+from tests.agentkit import tree, write_task
+from tests.fleetkit import Cluster, read_stream
+from tests.processes import ProcessTracker, wait_for
+from tests.test_fleet_hosts import cli, fleet_view, host_config, other_state_dir
+
+__all__ = ["other_state_dir"]  # the fixture, used by name
+
+pytestmark = [pytest.mark.fleet, pytest.mark.process]
+
+STEPS = [
+    {"op": "write_file", "path": "a.txt", "content": "one\n"},
+    {"op": "edit_file", "path": "a.txt", "old": "one", "new": "one+two"},
+    {"op": "write_file", "path": "src/b.txt", "content": "bee"},
+    {"op": "write_file", "path": "release/n.md", "content": "v1"},  # asks: the agent waits
+    {"op": "edit_file", "path": "a.txt", "old": "+two", "new": "+two+three"},
+    {"op": "write_file", "path": "out/{i}.txt", "content": "pass {i}"},
+    {"op": "finish", "summary": "done"},
+]
+EXPECTED = {"a.txt": "one+two+three\n", "src/b.txt": "bee", "release/n.md": "v1",
+            "out/0.txt": "pass 0"}
+
+
+def config_for(state_dir: StateDir, host: str, cluster: Cluster, key: Path) -> Path:
+    path = host_config(state_dir, host, cluster, key, agents=0)
+    config = yaml.safe_load(path.read_text())
+    config["fleet"].update({"host_ttl_s": 3.0, "dead_grace_s": 0.5})
+    config["agent"] = {"approval_poll_ms": 20, "permissions": {"rules": [
+        {"op": "write_file", "path": "release/*", "decision": "ask"}]}}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def pending(writer: WriterClient, state_dir: StateDir, name: str) -> list[Any]:
+    try:
+        return list(rebuild(writer, state_dir, name).state.pending_approvals())
+    except Exception:  # noqa: BLE001 - the writer or the stream not there yet
+        return []
+
+
+def finished(writer: WriterClient, name: str) -> bool:
+    records = list(writer.read_stream(f"agent/{name}"))
+    return bool(records) and records[-1].event == "session_exit"
+
+
+def uploaded_pack_size(urls: list[str], host: str, agent: str) -> int:
+    import nats
+
+    async def go() -> int:
+        nc: Any = await nats.connect(urls, connect_timeout=2)
+        try:
+            bucket = await nc.jetstream(timeout=5).object_store(OBJECTS)
+            return len((await bucket.get(pack_object(host, agent))).data or b"")
+        except Exception:  # noqa: BLE001 - not uploaded yet
+            return -1
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.timeout(150)  # two hosts, a host loss, an adoption, a return (~35 s quiet)
+def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
+        fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
+        other_state_dir: StateDir, tmp_path: Path) -> None:
+    fleet_cluster.wait_ready()
+    key = state_dir.root.parent / "fleet-operator.key"
+    key.write_text(secrets.token_hex(32))
+    key.chmod(0o600)
+    tag = uuid.uuid4().hex[:6]
+    ha, hb = f"ha{tag}", f"hb{tag}"
+    config_a = config_for(state_dir, ha, fleet_cluster, key)
+    up_a = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                            "--config", str(config_a)], name="up-a")
+    processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(other_state_dir.root),
+                     "--config", str(config_for(other_state_dir, hb, fleet_cluster, key))],
+                    name="up-b")
+
+    def both_running() -> bool:
+        if not (state_dir.run_dir / "fleet.json").exists():
+            return False
+        view = fleet_view(processes, state_dir)
+        return all(view.get(h) and view[h]["children"] and
+                   all(c["state"] == "running" for c in view[h]["children"])
+                   for h in (ha, hb))
+
+    wait_for(both_running, 40, "both hosts running", interval_s=0.3)
+    task = write_task(tmp_path / "adopt.yaml", STEPS)
+    for directory, name in ((state_dir, "victim"), (other_state_dir, "ref")):
+        done = cli(processes, directory, "spawn", name, "--task", str(task), "--json")
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with WriterClient(ctx, state_dir, "probe-a") as writer_a:
+            wait_for(lambda: pending(writer_a, state_dir, "victim"), 40,
+                     "host A's agent waiting for its approval", interval_s=0.2)
+            victim_a = state_dir.agent_dir("victim") / "workspace"
+            before = tree(victim_a)
+            assert before == {"a.txt": "one+two\n", "src/b.txt": "bee"}
+            # the newest tree's objects are in the object store (so the adoption
+            # below restores a workspace, not an empty one)
+            local = (packs_dir(state_dir.root) / "victim.pack").stat().st_size
+            wait_for(lambda: uploaded_pack_size(fleet_cluster.urls, ha, "victim") == local, 20,
+                     "host A's bundle uploaded", interval_s=0.3)
+
+        # the whole host goes: its supervisor SIGKILLed, its children die with it
+        killed_at = time.monotonic()
+        up_a.send_signal(signal.SIGKILL)
+        up_a.wait(10)
+
+        with WriterClient(ctx, other_state_dir, "probe-b") as writer_b:
+            wait_for(lambda: pending(writer_b, other_state_dir, "victim"), 40,
+                     "the agent resumed on host B, waiting for its approval", interval_s=0.2)
+            failover_s = time.monotonic() - killed_at
+            view = fleet_view(processes, other_state_dir)
+            assert view[ha]["dead"] and view[ha]["fenced_by"] == hb
+            victim_b = other_state_dir.agent_dir("victim") / "workspace"
+            assert tree(victim_b) == before  # restored from the newest tree
+            for name in ("victim", "ref"):
+                wait_for(lambda n=name: pending(writer_b, other_state_dir, n), 30,  # type: ignore[misc]
+                         f"{name} waiting for its approval", interval_s=0.2)
+                state = rebuild(writer_b, other_state_dir, name).state
+                [request] = state.pending_approvals()
+                answer_approval(writer_b, name, state, request.request, decision="approve",
+                                always=False, note=None)
+            for name in ("victim", "ref"):
+                wait_for(lambda n=name: finished(writer_b, n), 40,  # type: ignore[misc]
+                         f"{name} finished on host B", interval_s=0.2)
+            events = [(r.event, r.payload()) for r in writer_b.read_stream("agent/victim")]
+        assert tree(victim_b) == tree(other_state_dir.agent_dir("ref") / "workspace") == EXPECTED
+        assert events[-1][1]["reason"] == "finished"
+        results = [p["call_id"] for e, p in events if e == "tool_result"]
+        assert len(results) == len(set(results))  # no op ran twice in the adopted history
+        assert any(e == "workspace_tree" for e, _ in events)  # the adopted records
+    finally:
+        ctx.destroy(linger=0)
+
+    # host A comes back: fenced, it runs nothing
+    last_before = read_stream(fleet_cluster.urls, ha)[-1]
+    assert "Corral-Fence" in last_before.headers
+    log = state_dir.root / "logs" / "supervisor.log"
+    mark = log.stat().st_size
+    up_a2 = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                             "--config", str(config_a)], name="up-a2")
+    # its writer reads the fence when it loads its stream position (or meets it at
+    # its first publish) and stops with 77, a fatal exit: the supervisor gives up
+    assert up_a2.wait(60) == 69, processes.output("up-a2")[-2000:]
+    restarted = [json.loads(line) for line in log.read_bytes()[mark:].splitlines()]
+    assert any(r["event"] == "child_gave_up" and r.get("child") == "writer" and
+               "77" in r.get("reason", "") for r in restarted)
+    after = read_stream(fleet_cluster.urls, ha)
+    assert after[-1].stream_seq == last_before.stream_seq  # nothing after the fence
+    assert tree(victim_a) == before  # its copy of the agent changed nothing
+    print(json.dumps({"host_failover_s": round(failover_s, 2)}))
