@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ops.bench_failover import host_failover_ms
 from ops.bench_wal import writer_run
 from ops.benchkit import percentile, start_writer, stop, temp_state_root, wait_writer_ready
 
@@ -202,10 +203,12 @@ def run(quick: bool = False) -> dict[str, object]:
             f["fleet_bytes_per_batch"] = size / batches
             f["jetstream_batches_per_s"] = jetstream_batches_per_s(
                 urls, int(f["fleet_bytes_per_batch"]), seconds)
+            f.update(host_failover_ms(root / "failover", urls))
         finally:
             fleetcluster.down(cluster_root)
     f["fleet_over_local_k64"] = f["fleet_acked_per_s_k64"] / f["local_acked_per_s_k64"]
     f["fleet_batches_per_s"] = f["fleet_acked_per_s_k64"] / f["fleet_records_per_batch"]
     figures: dict[str, object] = {key: round(value, 3) for key, value in f.items()}
-    figures["targets"] = {"fleet_over_local_k64>=0.5": f["fleet_over_local_k64"] >= 0.5}
+    figures["targets"] = {"fleet_over_local_k64>=0.5": f["fleet_over_local_k64"] >= 0.5,
+                          "host_failover_ms<=10000": f["host_failover_ms"] <= 10000}
     return figures

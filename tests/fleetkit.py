@@ -129,3 +129,36 @@ def stream_records(urls: list[str], host: str) -> dict[int, bytes]:
             records[msg.first + offset] = line
         expected = msg.last + 1
     return records
+
+
+def forget_hosts(urls: list[str], hosts: list[str]) -> None:
+    """Take a test's hosts out of the fleet's members and their bundles out of the
+    object store, so a later test's hosts neither declare them dead nor adopt
+    their agents (call once their supervisors are gone)."""
+    import nats
+    from nats.js.errors import BucketNotFoundError, NotFoundError
+
+    from supervisor.fleetadopt import OBJECTS
+    from supervisor.fleetwatch import MEMBERS
+
+    async def go() -> None:
+        nc: Any = await nats.connect(urls, connect_timeout=2)
+        try:
+            js = nc.jetstream(timeout=5)
+            try:
+                members = await js.key_value(MEMBERS)
+                for host in hosts:
+                    await members.purge(host)
+            except (BucketNotFoundError, NotFoundError):
+                pass
+            try:
+                bucket = await js.object_store(OBJECTS)
+                for info in await bucket.list():
+                    if info.name.split("/")[0] in hosts:
+                        await bucket.delete(info.name)
+            except (BucketNotFoundError, NotFoundError):
+                pass
+        finally:
+            await nc.close()
+
+    asyncio.run(go())

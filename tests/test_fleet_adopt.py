@@ -30,7 +30,7 @@ from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval
 from supervisor.fleetadopt import OBJECTS, pack_object
 from tests.agentkit import tree, write_task
-from tests.fleetkit import Cluster, read_stream
+from tests.fleetkit import Cluster, forget_hosts, read_stream
 from tests.processes import ProcessTracker, wait_for
 from tests.test_fleet_hosts import cli, fleet_view, host_config, other_state_dir
 
@@ -53,8 +53,8 @@ EXPECTED = {"a.txt": "one+two+three\n", "src/b.txt": "bee", "release/n.md": "v1"
 
 def config_for(state_dir: StateDir, host: str, cluster: Cluster, key: Path) -> Path:
     path = host_config(state_dir, host, cluster, key, agents=0)
-    config = yaml.safe_load(path.read_text())
-    config["fleet"].update({"host_ttl_s": 3.0, "dead_grace_s": 0.5})
+    config = yaml.safe_load(path.read_text())  # host_ttl_s 5, dead_grace_s 1: a shorter
+    # TTL lets a slow status put on a loaded machine get a live host declared dead
     config["agent"] = {"approval_poll_ms": 20, "permissions": {"rules": [
         {"op": "write_file", "path": "release/*", "decision": "ask"}]}}
     path.write_text(yaml.safe_dump(config))
@@ -99,87 +99,97 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
     key.chmod(0o600)
     tag = uuid.uuid4().hex[:6]
     ha, hb = f"ha{tag}", f"hb{tag}"
-    config_a = config_for(state_dir, ha, fleet_cluster, key)
-    up_a = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
-                            "--config", str(config_a)], name="up-a")
-    processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(other_state_dir.root),
-                     "--config", str(config_for(other_state_dir, hb, fleet_cluster, key))],
-                    name="up-b")
-
-    def both_running() -> bool:
-        if not (state_dir.run_dir / "fleet.json").exists():
-            return False
-        view = fleet_view(processes, state_dir)
-        return all(view.get(h) and view[h]["children"] and
-                   all(c["state"] == "running" for c in view[h]["children"])
-                   for h in (ha, hb))
-
-    wait_for(both_running, 40, "both hosts running", interval_s=0.3)
-    task = write_task(tmp_path / "adopt.yaml", STEPS)
-    for directory, name in ((state_dir, "victim"), (other_state_dir, "ref")):
-        done = cli(processes, directory, "spawn", name, "--task", str(task), "--json")
-        assert done.returncode == 0, done.stdout + done.stderr
-
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        with WriterClient(ctx, state_dir, "probe-a") as writer_a:
-            wait_for(lambda: pending(writer_a, state_dir, "victim"), 40,
-                     "host A's agent waiting for its approval", interval_s=0.2)
-            victim_a = state_dir.agent_dir("victim") / "workspace"
-            before = tree(victim_a)
-            assert before == {"a.txt": "one+two\n", "src/b.txt": "bee"}
-            # the newest tree's objects are in the object store (so the adoption
-            # below restores a workspace, not an empty one)
-            local = (packs_dir(state_dir.root) / "victim.pack").stat().st_size
-            wait_for(lambda: uploaded_pack_size(fleet_cluster.urls, ha, "victim") == local, 20,
-                     "host A's bundle uploaded", interval_s=0.3)
+        config_a = config_for(state_dir, ha, fleet_cluster, key)
+        up_a = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                                "--config", str(config_a)], name="up-a")
+        processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(other_state_dir.root),
+                         "--config", str(config_for(other_state_dir, hb, fleet_cluster, key))],
+                        name="up-b")
 
-        # the whole host goes: its supervisor SIGKILLed, its children die with it
-        killed_at = time.monotonic()
-        up_a.send_signal(signal.SIGKILL)
-        up_a.wait(10)
+        def both_running() -> bool:
+            if not (state_dir.run_dir / "fleet.json").exists():
+                return False
+            view = fleet_view(processes, state_dir)
+            return all(view.get(h) and view[h]["children"] and
+                       all(c["state"] == "running" for c in view[h]["children"])
+                       for h in (ha, hb))
 
-        with WriterClient(ctx, other_state_dir, "probe-b") as writer_b:
-            wait_for(lambda: pending(writer_b, other_state_dir, "victim"), 40,
-                     "the agent resumed on host B, waiting for its approval", interval_s=0.2)
-            failover_s = time.monotonic() - killed_at
-            view = fleet_view(processes, other_state_dir)
-            assert view[ha]["dead"] and view[ha]["fenced_by"] == hb
-            victim_b = other_state_dir.agent_dir("victim") / "workspace"
-            assert tree(victim_b) == before  # restored from the newest tree
-            for name in ("victim", "ref"):
-                wait_for(lambda n=name: pending(writer_b, other_state_dir, n), 30,  # type: ignore[misc]
-                         f"{name} waiting for its approval", interval_s=0.2)
-                state = rebuild(writer_b, other_state_dir, name).state
-                [request] = state.pending_approvals()
-                answer_approval(writer_b, name, state, request.request, decision="approve",
-                                always=False, note=None)
-            for name in ("victim", "ref"):
-                wait_for(lambda n=name: finished(writer_b, n), 40,  # type: ignore[misc]
-                         f"{name} finished on host B", interval_s=0.2)
-            events = [(r.event, r.payload()) for r in writer_b.read_stream("agent/victim")]
-        assert tree(victim_b) == tree(other_state_dir.agent_dir("ref") / "workspace") == EXPECTED
-        assert events[-1][1]["reason"] == "finished"
-        results = [p["call_id"] for e, p in events if e == "tool_result"]
-        assert len(results) == len(set(results))  # no op ran twice in the adopted history
-        assert any(e == "workspace_tree" for e, _ in events)  # the adopted records
-    finally:
-        ctx.destroy(linger=0)
+        wait_for(both_running, 40, "both hosts running", interval_s=0.3)
+        task = write_task(tmp_path / "adopt.yaml", STEPS)
+        for directory, name in ((state_dir, "victim"), (other_state_dir, "ref")):
+            done = cli(processes, directory, "spawn", name, "--task", str(task), "--json")
+            assert done.returncode == 0, done.stdout + done.stderr + (
+                directory.root / "logs" / "supervisor.log").read_text()[-3000:]
 
-    # host A comes back: fenced, it runs nothing
-    last_before = read_stream(fleet_cluster.urls, ha)[-1]
-    assert "Corral-Fence" in last_before.headers
-    log = state_dir.root / "logs" / "supervisor.log"
-    mark = log.stat().st_size
-    up_a2 = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
-                             "--config", str(config_a)], name="up-a2")
-    # its writer reads the fence when it loads its stream position (or meets it at
-    # its first publish) and stops with 77, a fatal exit: the supervisor gives up
-    assert up_a2.wait(60) == 69, processes.output("up-a2")[-2000:]
-    restarted = [json.loads(line) for line in log.read_bytes()[mark:].splitlines()]
-    assert any(r["event"] == "child_gave_up" and r.get("child") == "writer" and
-               "77" in r.get("reason", "") for r in restarted)
-    after = read_stream(fleet_cluster.urls, ha)
-    assert after[-1].stream_seq == last_before.stream_seq  # nothing after the fence
-    assert tree(victim_a) == before  # its copy of the agent changed nothing
-    print(json.dumps({"host_failover_s": round(failover_s, 2)}))
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            with WriterClient(ctx, state_dir, "probe-a") as writer_a:
+                wait_for(lambda: pending(writer_a, state_dir, "victim"), 40,
+                         "host A's agent waiting for its approval", interval_s=0.2)
+                victim_a = state_dir.agent_dir("victim") / "workspace"
+                before = tree(victim_a)
+                assert before == {"a.txt": "one+two\n", "src/b.txt": "bee"}
+                # the newest tree's objects are in the object store (so the adoption
+                # below restores a workspace, not an empty one)
+                local = (packs_dir(state_dir.root) / "victim.pack").stat().st_size
+                wait_for(lambda: uploaded_pack_size(fleet_cluster.urls, ha, "victim") == local, 20,
+                         "host A's bundle uploaded", interval_s=0.3)
+
+            # the whole host goes: its supervisor SIGKILLed, its children die with it
+            killed_at = time.monotonic()
+            up_a.send_signal(signal.SIGKILL)
+            up_a.wait(10)
+
+            with WriterClient(ctx, other_state_dir, "probe-b") as writer_b:
+                wait_for(lambda: pending(writer_b, other_state_dir, "victim"), 40,
+                         "the agent resumed on host B, waiting for its approval", interval_s=0.2)
+                failover_s = time.monotonic() - killed_at
+                view = fleet_view(processes, other_state_dir)
+                assert view[ha]["dead"] and view[ha]["fenced_by"] == hb
+                victim_b = other_state_dir.agent_dir("victim") / "workspace"
+                assert tree(victim_b) == before  # restored from the newest tree
+                for name in ("victim", "ref"):
+                    wait_for(lambda n=name: pending(writer_b, other_state_dir, n), 30,  # type: ignore[misc]
+                             f"{name} waiting for its approval", interval_s=0.2)
+                    state = rebuild(writer_b, other_state_dir, name).state
+                    [request] = state.pending_approvals()
+                    answer_approval(writer_b, name, state, request.request, decision="approve",
+                                    always=False, note=None)
+                for name in ("victim", "ref"):
+                    wait_for(lambda n=name: finished(writer_b, n), 40,  # type: ignore[misc]
+                             f"{name} finished on host B", interval_s=0.2)
+                events: list[tuple[str, Any]] = [
+                    (r.event, r.payload()) for r in writer_b.read_stream("agent/victim")]
+            ref_b = other_state_dir.agent_dir("ref") / "workspace"
+            assert tree(victim_b) == tree(ref_b) == EXPECTED
+            assert events[-1][1]["reason"] == "finished"
+            results = [p["call_id"] for e, p in events if e == "tool_result"]
+            assert len(results) == len(set(results))  # no op ran twice in the adopted history
+            assert any(e == "workspace_tree" for e, _ in events)  # the adopted records
+        finally:
+            ctx.destroy(linger=0)
+
+        # host A comes back: fenced, it runs nothing
+        last_before = read_stream(fleet_cluster.urls, ha)[-1]
+        assert "Corral-Fence" in last_before.headers
+        log = state_dir.root / "logs" / "supervisor.log"
+        mark = log.stat().st_size
+        up_a2 = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                                 "--config", str(config_a)], name="up-a2")
+        # its writer reads the fence when it loads its stream position (or meets it at
+        # its first publish) and stops with 77, a fatal exit: the supervisor gives up
+        assert up_a2.wait(60) == 69, processes.output("up-a2")[-2000:]
+        restarted = [json.loads(line) for line in log.read_bytes()[mark:].splitlines()]
+        assert any(r["event"] == "child_gave_up" and r.get("child") == "writer" and
+                   "77" in r.get("reason", "") for r in restarted)
+        after = read_stream(fleet_cluster.urls, ha)
+        assert after[-1].stream_seq == last_before.stream_seq  # nothing after the fence
+        assert tree(victim_a) == before  # its copy of the agent changed nothing
+        print(json.dumps({"host_failover_s": round(failover_s, 2)}))
+    finally:  # the hosts gone, the fleet forgets them (later tests' hosts adopt nothing)
+        for proc in processes.started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+        forget_hosts(fleet_cluster.urls, [ha, hb])
