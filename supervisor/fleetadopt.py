@@ -314,8 +314,14 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
             continue
         if not isinstance(spec, dict) or not _valid_name(agent):
             continue
-        adopted = await asyncio.get_running_loop().run_in_executor(
-            None, adopt_agent, state_dir, dead, agent, spec, pack, records)
+        try:
+            adopted = await asyncio.get_running_loop().run_in_executor(
+                None, adopt_agent, state_dir, dead, agent, spec, pack, records)
+        except Exception as exc:  # noqa: BLE001 - a record or pack refused: the next agent
+            log.error("fleet_adopt_failed", host=dead, agent=agent,
+                      error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            done.append(Adopted(agent, None, 0, 0, False, False, type(exc).__name__))
+            continue
         log.warning("fleet_agent_adopted", host=dead, agent=agent, tree=adopted.tree,
                     records=adopted.records, dropped=adopted.dropped,
                     tree_behind=adopted.tree_behind, spawned=adopted.spawned,

@@ -127,7 +127,7 @@ class Watch:
             entry = await self.members.get(member)
             data = json.loads(entry.value or b"{}")
             if data.get("dead"):
-                if data.get("fenced_by") == self.host and not data.get("adopted"):
+                if data.get("fenced_by") == self.host and "adopted_at" not in data:
                     await self._adopt(js, member, data)
                 continue
             since = self.missing_since.setdefault(member, now)
@@ -153,4 +153,6 @@ class Watch:
 
         adopted = await adopt_host(js, member, self.state_dir, self.replicas)
         await self.members.put(member, json.dumps(
-            {**data, "adopted": [a.agent for a in adopted if a.spawned]}).encode())
+            {**data, "adopted_at": time.time(),
+             "adopted": [a.agent for a in adopted if a.spawned],
+             "not_adopted": [a.agent for a in adopted if not a.spawned]}).encode())
