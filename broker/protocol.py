@@ -344,6 +344,8 @@ class SpawnRequest(_Message):
     backend: Literal["scripted", "replay", "openai", "pipeline"] = "scripted"
     model: Annotated[str, Field(max_length=256)] | None = None
     replay_stream: StreamName | None = None
+    # the session to go on with (a fleet adoption, docs/fleet.md); None: a new one
+    session: Annotated[str, Field(max_length=64)] | None = None
 
 
 class Ack(_Message):

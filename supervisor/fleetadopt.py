@@ -232,7 +232,7 @@ def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any]
         if chosen.tree is not None:
             restore(workspace, store, None, chosen.tree, agent_workspace.guard_for(state_dir))
         imported = _import(state_dir, agent, chosen.records)
-    spawned, detail = _spawn(state_dir, agent, spec)
+    spawned, detail = _spawn(state_dir, agent, spec, _session_of(chosen.records))
     return Adopted(agent, chosen.tree, imported, chosen.dropped,
                    chosen.newest_tree is not None and chosen.newest_tree != chosen.tree,
                    spawned, detail)
@@ -269,7 +269,17 @@ def _import(state_dir: StateDir, agent: str, records: list[dict[str, Any]]) -> i
     return len(records)
 
 
-def _spawn(state_dir: StateDir, agent: str, spec: dict[str, Any]) -> tuple[bool, str]:
+def _session_of(records: list[dict[str, Any]]) -> str | None:
+    """The session the adopted records are in (its agent goes on with it)."""
+    for record in reversed(records):
+        if record.get("event") == "session_started":
+            session = (record.get("payload") or {}).get("session")
+            return session if isinstance(session, str) else None
+    return None
+
+
+def _spawn(state_dir: StateDir, agent: str, spec: dict[str, Any],
+           session: str | None) -> tuple[bool, str]:
     from supervisor import fleetctl  # noqa: PLC0415
 
     model = spec.get("model")
@@ -282,8 +292,11 @@ def _spawn(state_dir: StateDir, agent: str, spec: dict[str, Any]) -> tuple[bool,
         model = str(backend)
     else:
         model = None
-    reply = fleetctl.carry_out(state_dir, {"verb": "spawn", "agent": agent,
-                                           "task": str(spec.get("task", "")), "model": model})
+    request: dict[str, Any] = {"verb": "spawn", "agent": agent,
+                               "task": str(spec.get("task", "")), "model": model}
+    if session is not None:
+        request["session"] = session
+    reply = fleetctl.carry_out(state_dir, request)
     return bool(reply.get("ok")), str(reply.get("detail", ""))
 
 

@@ -114,6 +114,8 @@ def carry_out(state_dir: StateDir, request: dict[str, Any]) -> dict[str, Any]:
     if request["verb"] == "spawn":
         try:
             message = _spawn_message(state_dir, agent, request["task"], request.get("model"))
+            if isinstance(request.get("session"), str):  # an adoption (fleetadopt.py) only
+                message = message.model_copy(update={"session": request["session"]})
         except (CorralError, ValueError) as exc:
             return {"ok": False, "error": "task", "detail": str(exc).splitlines()[0]}
     elif request["verb"] == "kill":

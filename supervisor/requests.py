@@ -159,7 +159,7 @@ def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float) -> Reply:
     """Add an agent child with the agents group's policy, but restart `transient`:
     it runs a session, and a finished one exits 0."""
     from actors.agent.settings import AgentSpec, load_task, write_spec  # noqa: PLC0415
-    from actors.sessions.ids import new_session_id  # noqa: PLC0415
+    from actors.sessions.ids import is_session_id, new_session_id  # noqa: PLC0415
     from supervisor.config import ChildSpec  # noqa: PLC0415
 
     msg_id, name = msg.msg_id, msg.name
@@ -187,7 +187,8 @@ def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float) -> Reply:
             load_task(msg.task)
         spec = AgentSpec(task=msg.task, backend=msg.backend, model=msg.model,
                          replay_stream=msg.replay_stream, settings=settings,
-                         session=new_session_id())  # a new session if the last one is over
+                         session=msg.session if is_session_id(msg.session)
+                         else new_session_id())  # a new session if the last one is over
         write_spec(rt.state_dir, name, spec)
     except ConfigError as exc:
         return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE, str(exc)[:1900])

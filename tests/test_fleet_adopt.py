@@ -167,6 +167,8 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
             results = [p["call_id"] for e, p in events if e == "tool_result"]
             assert len(results) == len(set(results))  # no op ran twice in the adopted history
             assert any(e == "workspace_tree" for e, _ in events)  # the adopted records
+            # it went on with the adopted session, not a new run of the task after it
+            assert [e for e, _ in events].count("session_started") == 1
         finally:
             ctx.destroy(linger=0)
 
