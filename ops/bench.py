@@ -26,6 +26,7 @@ SUITES = {
     "decode": "ops.bench_decode",
     "step": "ops.bench_step",
     "storage": "ops.bench_storage",
+    "storage-flat": "ops.bench_storage_flat",
     "trees": "ops.bench_trees",
     "compaction": "ops.bench_compaction",
     "fleet": "ops.bench_fleet",

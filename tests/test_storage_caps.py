@@ -3,8 +3,8 @@ docs/storage.md): procs runs commands that each leave a log, the runtime's
 storage janitor (the real thread the supervisor starts) prunes ended jobs'
 files oldest first down to the per-session cap while commands go on, never a
 running job's; `supervisor du --json` and `supervisor gc --dry-run --json`
-report usage and what a pass would take. (The 50-agent flat-usage run is the
-soak's: `python ops/soak.py` with a `storage:` cap; not in the suite.)"""
+report usage and what a pass would take. (The 50-agent flat-usage run is a
+measurement: `python ops/bench.py storage-flat --json`; docs/storage.md.)"""
 
 from __future__ import annotations
 
