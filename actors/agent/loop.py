@@ -291,6 +291,9 @@ class AgentLoop:
             self._session_start(resumed=False)
             return Step.PROGRESS
         if restarted and s.phase == "running":
+            swept = workspace.remove_leftovers(self.workspace, self.state_dir)
+            if swept:
+                self.log.info("write_leftovers_removed", count=swept)  # a kill cut a write
             self._session_start(resumed=True, reason="restart")  # a new run segment
             return Step.PROGRESS
         if s.open_turn is not None:

@@ -177,3 +177,14 @@ def apply_write(where: Place, content: bytes | None) -> None:
             confined.delete(root_fd, where.parts, where.guard)
         else:
             confined.write(root_fd, where.parts, content, where.guard)
+
+
+def remove_leftovers(root: Path, state_dir: StateDir) -> int:
+    """After a restart: the temporary files of writes that a kill cut between
+    creating and renaming them (confined.remove_leftovers); ops never showed
+    them, and nothing else would ever remove them."""
+    if not root.is_dir():
+        return 0
+    with confined.open_root(root) as root_fd:
+        return confined.remove_leftovers(root_fd, guard_for(state_dir))
+

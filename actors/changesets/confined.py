@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterator, Sequence
@@ -232,6 +233,45 @@ def _temp(dir_fd: int, leaf: str, mode: int) -> tuple[int, str]:
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, "no free temp name", leaf)
+
+
+_LEFTOVER = re.compile(r"^\..+\.[0-9a-f]{16}" + re.escape(TMP_SUFFIX) + "$")
+_MAX_DEPTH = 256
+
+
+def remove_leftovers(root_fd: int, guard: Guard = NO_GUARD) -> int:
+    """Unlink the temporary files `write()` left behind when its process was
+    killed between creating one and renaming it into place (regular files
+    named `.<leaf>.<16 hex>.corral-tmp`), anywhere below `root_fd`, never
+    through a link and never inside a protected directory. Returns how many
+    went. Only for a writer that has just restarted: a live `write()` of the
+    same tree would lose its temporary file."""
+    removed = 0
+
+    def sweep(dir_fd: int, parts: list[str]) -> None:
+        nonlocal removed
+        if len(parts) > _MAX_DEPTH:
+            return
+        with os.scandir(dir_fd) as entries:
+            names = [(e.name, e.is_dir(follow_symlinks=False),
+                      e.is_file(follow_symlinks=False)) for e in entries]
+        for name, is_dir, is_file in names:
+            if is_file and _LEFTOVER.match(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dir_fd)
+                    removed += 1
+            elif is_dir:
+                try:
+                    fd = open_dir(dir_fd, name, [*parts, name], guard)
+                except (UnsafeFileError, OSError):
+                    continue  # a link, a protected or vanished directory: not ours to sweep
+                try:
+                    sweep(fd, [*parts, name])
+                finally:
+                    os.close(fd)
+
+    sweep(root_fd, [])
+    return removed
 
 
 def write(root_fd: int, parts: Sequence[str], data: bytes, guard: Guard = NO_GUARD, *,
