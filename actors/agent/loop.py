@@ -291,9 +291,11 @@ class AgentLoop:
             self._session_start(resumed=False)
             return Step.PROGRESS
         if restarted and s.phase == "running":
-            swept = workspace.remove_leftovers(self.workspace, self.state_dir)
-            if swept:
-                self.log.info("write_leftovers_removed", count=swept)  # a kill cut a write
+            if not any(c.op == "apply_subagent" for c in s.started_unsettled()):
+                # (while an apply may be running, the subagents host writes here too)
+                swept = workspace.remove_leftovers(self.workspace, self.state_dir)
+                if swept:
+                    self.log.info("write_leftovers_removed", count=swept)  # a kill cut a write
             self._session_start(resumed=True, reason="restart")  # a new run segment
             return Step.PROGRESS
         if s.open_turn is not None:

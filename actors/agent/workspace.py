@@ -182,7 +182,8 @@ def apply_write(where: Place, content: bytes | None) -> None:
 def remove_leftovers(root: Path, state_dir: StateDir) -> int:
     """After a restart: the temporary files of writes that a kill cut between
     creating and renaming them (confined.remove_leftovers); ops never showed
-    them, and nothing else would ever remove them."""
+    them, and nothing else would ever remove them. Not while a change set may
+    be being applied here: the subagents host writes this workspace then."""
     if not root.is_dir():
         return 0
     with confined.open_root(root) as root_fd:
