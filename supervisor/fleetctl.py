@@ -243,7 +243,7 @@ async def _connect(config: FleetConfig) -> Any:
 async def read_hosts(js: Any, ttl_s: float) -> list[dict[str, Any]]:
     """Every host's last status entry, with its age; then the members whose entry
     has expired: declared dead (`dead`, `fenced_by`) or not yet (`expired`)."""
-    from nats.js.errors import BucketNotFoundError  # noqa: PLC0415
+    from nats.js.errors import BucketNotFoundError, KeyNotFoundError  # noqa: PLC0415
 
     from supervisor.fleethost import BUCKET  # noqa: PLC0415
     from supervisor.fleetwatch import MEMBERS, keys_of  # noqa: PLC0415
@@ -256,8 +256,13 @@ async def read_hosts(js: Any, ttl_s: float) -> list[dict[str, Any]]:
     for key in sorted(await keys_of(kv)):
         try:
             entry = await kv.get(key)
-        except Exception:  # noqa: BLE001 - expired meanwhile
-            entry = None
+        except KeyNotFoundError:
+            continue  # expired meanwhile: listed below as a member whose entry expired
+        except Exception as exc:  # noqa: BLE001 - a read that failed (a timeout under load)
+            # not "expired": a host whose entry could not be read is not known silent
+            hosts.append({"host": key, "age_s": None, "stale": True, "dead": False,
+                          "unreadable": type(exc).__name__, "children": []})
+            continue
         if entry is None:
             continue
         data = json.loads(entry.value or b"{}")
@@ -314,6 +319,8 @@ def print_fleet_status(state_dir: StateDir, config_path: str | None, as_json: bo
         return EXIT_OK
     for host in hosts:
         mark = f"  STALE ({host['age_s']}s ago)" if host["stale"] else ""
+        if host.get("unreadable"):
+            mark = f"  UNKNOWN (its entry could not be read: {host['unreadable']})"
         if host.get("expired"):
             mark = f"  STALE (silent over {config.host_ttl_s:g}s: its entry expired)"
         if host.get("dead"):
