@@ -82,19 +82,21 @@ class Capturer:
         try:
             sig = []
             subdirs = []
+            protected = self.guard.protected
             with os.scandir(fd) as it:
                 for item in it:
+                    # the entry's type comes with the listing (d_type): a directory
+                    # costs no lstat here (its own walk stats what it holds)
+                    if item.is_dir(follow_symlinks=False):
+                        if depth < tree.MAX_DEPTH and not (
+                                protected and _identity_of(item) in protected):
+                            subdirs.append(item.name)
+                        continue
                     try:
                         st = item.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    mode = st.st_mode
-                    if stat.S_ISDIR(mode):
-                        if depth < tree.MAX_DEPTH and confined.identity(st) not in \
-                                self.guard.protected:
-                            subdirs.append(item.name)
-                        continue
-                    sig.append((item.name, mode, st.st_ino, st.st_size, st.st_mtime_ns,
+                    sig.append((item.name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns,
                                 st.st_ctime_ns))
             sub_digests = []
             for name in sorted(subdirs):
@@ -164,6 +166,13 @@ class Capturer:
         self.cache.dirs[rel] = DirCache(digest, max_time, files, subs, signature)
         self._changed.append(rel)
         return digest
+
+
+def _identity_of(item: os.DirEntry[str]) -> tuple[int, int] | None:
+    try:
+        return confined.identity(item.stat(follow_symlinks=False))
+    except FileNotFoundError:
+        return None
 
 
 def _read(dir_fd: int, name: str) -> tuple[bytes, os.stat_result] | None:
