@@ -24,10 +24,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SUPERVISOR, EXIT_NO_ANSWER = 0, 1, 2, 
 STOPPED = frozenset({"stopped", "exited", "fatal"})
 
 
-def resolve_ref(state_dir: StateDir, ref: str) -> str:
-    """The agent a session reference names. Today a reference is the agent's
-    name; the sessions resolver (full id / prefix / name -> session, agent
-    stream) plugs in here, the one place that reads a REF."""
+def resolve_ref(state_dir: StateDir, ref: str, *, newest_only: bool = True
+                ) -> tuple[str, str | None]:
+    """The agent a session reference names, and the session when the reference
+    names one that is not the agent's newest (None: the newest). The sessions
+    resolver reads it (full id / prefix / agent name). A rewind moves within
+    the agent's newest session (`newest_only`); a fork may start from any."""
     from actors.sessions.resolve import SessionPurgingError, SessionRefError, resolve
     from broker.statedir import check_actor_name
 
@@ -36,11 +38,15 @@ def resolve_ref(state_dir: StateDir, ref: str) -> str:
     except SessionPurgingError:
         raise
     except SessionRefError:
-        return check_actor_name(ref)  # an agent the index has no session of
-    if resolve(state_dir.root, found.agent).session_id != found.session_id:
+        return check_actor_name(ref), None  # an agent the index has no session of
+    if resolve(state_dir.root, found.agent).session_id == found.session_id:
+        return found.agent, None
+    if newest_only:
         raise SessionRefError(f"session {found.session_id} is not the newest of agent "
-                              f"{found.agent}: rewind and fork take an agent's newest session")
-    return found.agent
+                              f"{found.agent}: a rewind moves within the newest session; "
+                              f"`supervisor fork {found.session_id} --name NEW` starts a new "
+                              f"agent from it")
+    return found.agent, found.session_id
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> int:
@@ -103,7 +109,7 @@ def rewind(state_dir: StateDir, ref: str, *, to_turn: int | None, to_seq: int | 
     from broker.errors import CorralError
 
     try:
-        agent = resolve_ref(state_dir, ref)
+        agent, _ = resolve_ref(state_dir, ref)
     except CorralError as exc:
         return _fail(str(exc), EXIT_USAGE)
 
@@ -130,20 +136,21 @@ def fork(state_dir: StateDir, ref: str, new: str, *, at_turn: int | None, as_jso
     from broker.errors import CorralError
 
     try:
-        agent = resolve_ref(state_dir, ref)
+        agent, session = resolve_ref(state_dir, ref, newest_only=False)
     except CorralError as exc:
         return _fail(str(exc), EXIT_USAGE)
 
     def act(writer: Any) -> int:
         from actors.trees import fork as forking
 
-        done = forking.fork(writer, state_dir, agent, new, at_turn=at_turn)
+        done = forking.fork(writer, state_dir, agent, new, at_turn=at_turn, session=session)
         if as_json:
-            print(json.dumps({"agent": done.name, "parent": agent, "point_seq": done.point_seq,
-                              "point_turn": done.point_turn, "tree": done.tree,
-                              "files": done.files}))
+            print(json.dumps({"agent": done.name, "parent": agent, "session": session,
+                              "point_seq": done.point_seq, "point_turn": done.point_turn,
+                              "tree": done.tree, "files": done.files}))
         else:
-            print(f"supervisor: forked {agent} at turn {done.point_turn} (seq "
+            of = f" (session {session})" if session is not None else ""
+            print(f"supervisor: forked {agent}{of} at turn {done.point_turn} (seq "
                   f"{done.point_seq}) as {done.name}: {done.files} files; "
                   f"`supervisor start {done.name}` runs it")
         return EXIT_OK

@@ -148,6 +148,21 @@ def test_new_session_after_a_finished_one_cli_reindex_and_transcript(
     for path in every_file(state_dir.root):
         assert SECRET.encode() not in path.read_bytes(), path
 
+    # a rewind stays in the newest session; a fork starts from an earlier one
+    def top(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "supervisor.cli", *args, "--state-dir",
+                               str(state_dir.root)], env=processes.env(None),
+                              capture_output=True, text=True, timeout=30, check=False)
+
+    refused = top("rewind", first, "--to-turn", "1")
+    assert refused.returncode == 2 and "fork" in refused.stderr, refused.stderr
+    forked = top("fork", first, "--name", "from-first", "--at-turn", "1", "--json")
+    assert forked.returncode == 0, forked.stderr
+    made = json.loads(forked.stdout)
+    assert made["session"] == first and made["point_turn"] == 1
+    assert made["point_seq"] <= rows[first]["last_seq"]
+    assert (state_dir.agent_dir("from-first") / "workspace" / "a.txt").read_text() == "one\n"
+
 
 @pytest.mark.timeout(180)  # real processes on a shared machine; a few seconds when idle
 def test_run_segments_after_a_kill_and_a_budget_pause(

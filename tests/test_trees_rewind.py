@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -281,3 +282,57 @@ def test_a_rewound_questions_answer_never_enters_later_context(
     assert drive(loop) is Step.DONE
     cut = next(r.seq for r in writer.records if r.event == "rewind")
     assert received(new) == 1 and received(old, after=cut) == 0
+
+
+def test_turns_are_looked_up_in_their_own_session(state_dir: StateDir, tmp_path: Path) -> None:
+    """Turn numbers start again in each session: a rewind's --to-turn cuts the
+    newest session (not the first session's turn of that number), a rewind to
+    a seq of an earlier session is refused, and a fork may start from an
+    earlier session at one of its turns, with that session's state and tree."""
+    from actors.sessions.ids import new_session_id
+
+    writer = FakeWriter()
+    first_task = write_task(tmp_path / "t1.yaml", STEPS)
+    loop = start(state_dir, writer, "two", first_task)
+    assert drive(loop) is Step.DONE
+    first_session = loop.state.session
+    second_task = write_task(tmp_path / "t2.yaml", [
+        {"op": "write_file", "path": "s2.txt", "content": "second\n"},
+        {"op": "write_file", "path": "s2b.txt", "content": "again\n"},
+        {"op": "finish", "summary": "done"},
+    ])
+    write_spec(state_dir, "two", spec(second_task).model_copy(
+        update={"session": new_session_id()}))
+    loop = start(state_dir, writer, "two")
+    assert drive(loop) is Step.DONE
+    second_session = loop.state.session
+    assert first_session and second_session and second_session != first_session
+    all_events = events(writer, "two")
+    first_records = branch.session_events(all_events, first_session)
+    assert first_records[0][1] == "session_started"
+    assert all(seq < branch.session_events(all_events)[0][0] for seq, _, _ in first_records)
+
+    operator = writer.as_origin("operator")
+    done = rewinding.rewind(operator, state_dir, "two", to_turn=1)  # type: ignore[arg-type]
+    assert done.to_seq > first_records[-1][0]  # in the second session, not the first
+    state = rebuild_state(writer, "two")
+    assert state.session == second_session and state.turn == 1
+    assert (loop.workspace / "s2.txt").exists() and not (loop.workspace / "s2b.txt").exists()
+    with pytest.raises(rewinding.RewindError, match="earlier session"):
+        rewinding.rewind(operator, state_dir, "two",  # type: ignore[arg-type]
+                         to_seq=first_records[3][0])
+
+    forked = forking.fork(operator, state_dir, "two", "from-first",  # type: ignore[arg-type]
+                          at_turn=2, session=first_session)
+    assert forked.point_seq <= first_records[-1][0]
+    kid = start(state_dir, writer, "from-first")
+    assert kid.state.turn == 2
+    assert tree(state_dir.agent_dir("from-first") / "workspace") == {
+        "a.txt": "one\n", "d/b.txt": "two\n"}
+    with pytest.raises(forking.ForkError, match="no session"):
+        forking.fork(operator, state_dir, "two", "nope",  # type: ignore[arg-type]
+                     session=new_session_id())
+
+
+def rebuild_state(writer: FakeWriter, name: str) -> AgentState:
+    return fold(AgentState(), branch.active(events(writer, name)))

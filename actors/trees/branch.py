@@ -21,7 +21,42 @@ from typing import Any
 
 REWIND = "rewind"
 FORK = "session_fork"
+SESSION_STARTED = "session_started"
 Event = tuple[int, str, Any]
+
+
+class SessionNotFoundError(LookupError):
+    """The stream has no session of that id on its active branch."""
+
+
+def session_of(event: str, payload: Any) -> str | None:
+    """The session id a record begins (`session_started`, or a fork's first
+    record), else None."""
+    if event not in (SESSION_STARTED, FORK) or not isinstance(payload, dict):
+        return None
+    session = payload.get("session")
+    return session if isinstance(session, str) else None
+
+
+def session_events(events: Sequence[Event], session: str | None = None) -> list[Event]:
+    """The records of one session of the stream: from the record that began
+    it to the next session's start on the active branch (the newest session
+    when `session` is None; the whole stream when it has no session records,
+    as one written before sessions existed). Turn numbers start again in each
+    session, so a turn is looked up in its session's records, never across."""
+    starts = [(seq, sid) for seq, event, payload in active(events)
+              if (sid := session_of(event, payload)) is not None]
+    if not starts:
+        if session is not None:
+            raise SessionNotFoundError(session)
+        return list(events)
+    index = len(starts) - 1 if session is None else next(
+        (i for i, (_, sid) in enumerate(starts) if sid == session), -1)
+    if index < 0:
+        raise SessionNotFoundError(session)
+    first = starts[index][0]
+    end = starts[index + 1][0] if index + 1 < len(starts) else None
+    return [ev for ev in events if ev[0] >= first and (end is None or ev[0] < end)]
 
 
 def cut_of(event: str, payload: Any) -> int | None:

@@ -95,19 +95,30 @@ def recover(writer: WriterClient, state_dir: StateDir, new: str) -> str:
     return "cleaned"
 
 
-def _point(source_events: list[branch.Event], at_turn: int | None) -> tuple[int, int]:
-    active = branch.active(source_events)
-    if not active:
+def _point(source_events: list[branch.Event], at_turn: int | None, session: str | None
+           ) -> tuple[int, int]:
+    """The cut in the source's session `session` (its newest when None): after
+    turn `at_turn`, or at the session's last record."""
+    if not branch.active(source_events):
         raise ForkError("the source has no session")
+    try:
+        own = branch.session_events(source_events, session)
+    except branch.SessionNotFoundError:
+        raise ForkError(f"the source has no session {session} on its active branch") from None
+    active = branch.active(own)
+    if not active:
+        raise ForkError("the source's session has no record")
     turn = at_turn if at_turn is not None else state_at(source_events, active[-1][0]).turn
-    cut = branch.turn_point(source_events, turn)
+    cut = branch.turn_point(own, turn)
     if cut is None:
-        raise ForkError(f"the source never reached turn {turn} on its active branch")
+        raise ForkError(f"the source's session never reached turn {turn} on its active branch")
     return cut, turn
 
 
 def fork(writer: WriterClient, state_dir: StateDir, source: str, new: str, *,
-         at_turn: int | None = None) -> Forked:
+         at_turn: int | None = None, session: str | None = None) -> Forked:
+    """Fork `source`'s session `session` (its newest when None) after turn
+    `at_turn` (its last turn when None) as the new agent `new`."""
     check_actor_name(new)
     if intent_path(state_dir, new).exists():
         recover(writer, state_dir, new)
@@ -119,7 +130,7 @@ def fork(writer: WriterClient, state_dir: StateDir, source: str, new: str, *,
     if spec is None:
         raise ForkError(f"agent {source} has no spec")
     events = read_events(writer, source)
-    cut, turn = _point(events, at_turn)
+    cut, turn = _point(events, at_turn, session)
     state = state_at(events, cut)
     if state.phase in ("finished", "closed"):
         state.phase, state.exit_reason = "running", None

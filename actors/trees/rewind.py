@@ -103,12 +103,20 @@ def rewind(writer: WriterClient, state_dir: StateDir, name: str, *,
     active = branch.active(events)
     if not active:
         raise RewindError(f"agent {name} has no session")
+    # a rewind moves within the current session (turns count from 1 in each);
+    # an earlier session is reached by forking it (docs/trees.md)
+    session_records = branch.session_events(events)
     if to_turn is not None:
-        cut = branch.turn_point(events, to_turn)
+        cut = branch.turn_point(session_records, to_turn)
         if cut is None:
-            raise RewindError(f"agent {name} never reached turn {to_turn} on its active branch")
+            raise RewindError(f"agent {name} never reached turn {to_turn} on its current "
+                              f"session's active branch")
     elif to_seq is not None:
-        if to_seq not in {e[0] for e in active}:
+        if to_seq not in {e[0] for e in branch.active(session_records)}:
+            if to_seq in {e[0] for e in active}:
+                raise RewindError(f"seq {to_seq} is in an earlier session of agent {name}: "
+                                  f"a rewind stays in the current session; fork the "
+                                  f"earlier one (`supervisor fork SESSION --name NEW`)")
             raise RewindError(f"seq {to_seq} is not a record of agent {name}'s active branch")
         cut = to_seq
     else:
