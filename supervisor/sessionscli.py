@@ -194,14 +194,17 @@ def _reindex(root: Path, args: argparse.Namespace) -> int:
 def _purge(root: Path, args: argparse.Namespace) -> int:
     from actors.sessions import purge
     from broker.statedir import StateDir
-    from supervisor import client
+    from supervisor.treecli import agent_running
+
+    def live(agent: str) -> str | None:  # the agent's process, when the supervisor runs it
+        return agent_running(StateDir(root), agent)
 
     sid = args.session_id
     try:
         if args.preview:
             plan = purge.plan_for(root, sid)
             if plan.step is None:
-                refused = purge.refusal(root, sid, supervised=client.running(StateDir(root)))
+                refused = purge.refusal(root, sid, agent_state=live)
                 data = plan.as_dict() | {"refused": None if refused is None else
                                          {"reason": refused.reason, "message": str(refused)}}
             else:
@@ -220,7 +223,7 @@ def _purge(root: Path, args: argparse.Namespace) -> int:
             return EXIT_OK
         if args.confirm != sid:
             return _fail("--confirm must repeat the full session id exactly", EXIT_USAGE)
-        plan = purge.purge(root, sid, supervised=client.running(StateDir(root)))
+        plan = purge.purge(root, sid, agent_state=live)
     except purge.PurgeRefusedError as exc:
         if args.json:
             print(json.dumps({"ok": False, "reason": exc.reason, "message": str(exc)}))

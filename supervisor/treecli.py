@@ -54,7 +54,7 @@ def _fail(message: str, code: int = EXIT_FAILED) -> int:
     return code
 
 
-def _running(state_dir: StateDir, agent: str) -> str | None:
+def agent_running(state_dir: StateDir, agent: str) -> str | None:
     """The agent's process state when it is not stopped (or the supervisor's
     silence); None when it is stopped or no supervisor runs here."""
     from supervisor.statusclient import NoAnswerError, RefusedError, ask_status
@@ -80,7 +80,7 @@ def _with_writer(state_dir: StateDir, agent: str, action: Any) -> int:
 
     if not state_dir.root.is_dir():
         return _fail(f"no state directory {state_dir.root}", EXIT_NO_SUPERVISOR)
-    running = _running(state_dir, agent)
+    running = agent_running(state_dir, agent)
     if running is not None:
         return _fail(f"agent {agent} is {running}: stop it first (`supervisor stop {agent}`)")
     try:

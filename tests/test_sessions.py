@@ -250,10 +250,13 @@ def test_purge_refusals(
     assert pending.returncode == 1 and "waits for the operator" in pending.stderr
     preview = cli_json(processes, state_dir, "purge", waiting, "--preview")
     assert preview["refused"]["reason"] == "pending_input"
-    # with a supervisor on the state directory, a session not over may be running
-    running = purge.refusal(state_dir.root, waiting, supervised=True)
-    assert running is not None and running.reason == "running"
-    over = purge.refusal(state_dir.root, done, supervised=True)
+    # a session not over whose agent's process is live (the supervisor's status
+    # says so) is refused as running; one whose agent is stopped is not
+    running = purge.refusal(state_dir.root, waiting, agent_state=lambda agent: "running")
+    assert running is not None and running.reason == "running" and "q1" in str(running)
+    stopped = purge.refusal(state_dir.root, waiting, agent_state=lambda agent: None)
+    assert stopped is not None and stopped.reason == "pending_input"
+    over = purge.refusal(state_dir.root, done, agent_state=lambda agent: "running")
     assert over is None  # a finished, archived session is purged even then
     assert (state_dir.root / "sessions" / done).exists()  # nothing refused was touched
     conn = index.connect(state_dir.root)

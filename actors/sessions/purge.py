@@ -34,6 +34,7 @@ import os
 import signal
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,9 +160,15 @@ def plan_for(root: Path, session_id: str) -> Plan:
     return plan
 
 
-def refusal(root: Path, session_id: str, *, supervised: bool) -> PurgeRefusedError | None:
+AgentState = Callable[[str], str | None]
+
+
+def refusal(root: Path, session_id: str, *, agent_state: AgentState
+            ) -> PurgeRefusedError | None:
     """Why a session that is not being purged yet may not be: unarchived,
-    running, waiting for the operator."""
+    running (a session not over whose agent's process is live: `agent_state`
+    gives the supervisor's state of that process, None when it is stopped or
+    nothing supervises it), waiting for the operator."""
     conn = index.open_index(root)
     try:
         row = index.session_row(conn, session_id)
@@ -172,22 +179,24 @@ def refusal(root: Path, session_id: str, *, supervised: bool) -> PurgeRefusedErr
     if not row["archived"]:
         return PurgeRefusedError("not_archived", f"session {session_id} is not archived: "
                                  f"`supervisor sessions archive {session_id}` first")
-    if row["status"] in ("open", "paused") and supervised:
-        return PurgeRefusedError("running", f"session {session_id} is not over and a "
-                                 "supervisor runs: stop it first")
+    live = agent_state(str(row["agent"])) if row["status"] in ("open", "paused") else None
+    if live is not None:
+        return PurgeRefusedError("running", f"session {session_id} is not over and its "
+                                 f"agent {row['agent']} is {live}: stop it first "
+                                 f"(`supervisor stop {row['agent']}`)")
     if int(row["pending_input"]):
         return PurgeRefusedError("pending_input", f"session {session_id} waits for the "
                                  "operator (an unanswered request, or paused on its budget)")
     return None
 
 
-def purge(root: Path, session_id: str, *, supervised: bool) -> Plan:
+def purge(root: Path, session_id: str, *, agent_state: AgentState) -> Plan:
     """Purge the session (or finish an interrupted purge of it)."""
     plan = plan_for(root, session_id)
     conn = index.connect(root)
     try:
         if plan.step is None:
-            refused = refusal(root, session_id, supervised=supervised)
+            refused = refusal(root, session_id, agent_state=agent_state)
             if refused is not None:
                 raise refused
             with index.transaction(conn):
