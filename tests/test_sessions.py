@@ -288,6 +288,9 @@ def test_purge_killed_at_every_step_then_retried_leaves_nothing_reachable(
         before = purge.plan_for(state_dir.root, sid)
         assert before.step is None
         assert any(e["path"].endswith("transcript.jsonl") for e in before.entries)
+        effects = state_dir.agent_dir(f"p{n}") / "effects"  # the session's write notes
+        assert any(e["path"].endswith(f"@{sid}.json") for e in before.entries)
+        assert list(effects.glob(f"*@{sid}.json"))
         killed = _purge(processes, state_dir, sid, env={"CORRAL_PURGE_FAULT": step})
         assert killed.returncode == -signal.SIGKILL, (step, killed.stderr)
         if step == "journaled":  # what the operator sees of an interrupted purge
@@ -303,6 +306,7 @@ def test_purge_killed_at_every_step_then_retried_leaves_nothing_reachable(
         purged.append(before.as_dict())
         assert not (state_dir.root / "sessions" / sid).exists()
         assert not (state_dir.root / "purge-staging" / sid).exists()
+        assert not list(effects.glob(f"*@{sid}*"))
         with pytest.raises(SessionPurgingError, match="purged"):
             resolve(state_dir.root, sid)
     gone = cli(processes, state_dir, "show", sid)

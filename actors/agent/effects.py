@@ -3,8 +3,14 @@ apply, so that a write is applied at most once even when the WAL loses the
 records that said it was (a disk that lost an acknowledged tail; the soak test
 cuts one on purpose).
 
-    .corral/agents/<name>/effects/<call_id>.json
+    .corral/agents/<name>/effects/<call_id>@<session>.json
         {"call_id", "action_sha", "label", "before_sha", "after_sha", "result"}
+
+Call ids (`turn.index`) start again in each session, so an entry is named by
+its call id and its session (`<call_id>.json` for a stream written before
+sessions existed): an entry is only ever matched in its own session, the
+other sessions' entries go at the next prune (their calls are all settled),
+and a purge of a session removes its entries (actors/sessions/purge.py).
 
 Written (temp, rename; not fsynced) before the write is applied. When the loop is
 about to apply a write for a call id whose entry names the same action and
@@ -49,35 +55,48 @@ def action_digest(action: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def file_name(call_id: str, session: str | None) -> str:
+    return f"{call_id}.json" if session is None else f"{call_id}@{session}.json"
+
+
+def session_of_file(name: str) -> str | None:
+    """The session an entry's file name carries (None: written before sessions)."""
+    stem = name.removesuffix(".json").removesuffix(".tmp").removesuffix(".json")
+    return stem.partition("@")[2] or None
+
+
 class EffectJournal:
     def __init__(self, agent_dir: Path) -> None:
         self.dir = agent_dir / "effects"
 
-    def _path(self, call_id: str) -> Path:
-        return self.dir / f"{call_id}.json"
+    def _path(self, call_id: str, session: str | None) -> Path:
+        return self.dir / file_name(call_id, session)
 
-    def get(self, call_id: str) -> Entry | None:
+    def get(self, call_id: str, session: str | None) -> Entry | None:
         try:
-            data = json.loads(self._path(call_id).read_bytes())
+            data = json.loads(self._path(call_id, session).read_bytes())
             return Entry(**data)
         except (OSError, ValueError, TypeError):
             return None
 
-    def record(self, entry: Entry) -> None:
+    def record(self, entry: Entry, session: str | None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self._path(entry.call_id)
+        path = self._path(entry.call_id, session)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(entry.__dict__, f, separators=(",", ":"))
         tmp.replace(path)  # whole or absent for a reader; durable as the page cache is
 
-    def prune(self, turn: int) -> None:
-        """Drop entries of turns older than `turn - KEEP_TURNS`."""
+    def prune(self, turn: int, session: str | None) -> None:
+        """Drop entries of turns older than `turn - KEEP_TURNS`, and those of
+        other sessions (never matched again: a session begins after the
+        previous one is over)."""
         try:
             names = os.listdir(self.dir)
         except FileNotFoundError:
             return
         for name in names:
             head = name.split(".", 1)[0]
-            if head.isdigit() and int(head) < turn - KEEP_TURNS:
+            old = head.isdigit() and int(head) < turn - KEEP_TURNS
+            if old or session_of_file(name) != session:
                 (self.dir / name).unlink(missing_ok=True)

@@ -537,7 +537,8 @@ class AgentLoop:
         is already on disk (its WAL records were lost), so it is not applied twice."""
         action_sha = effects.action_digest(self.state.actions[call.index])
         now = workspace.digest(write.target)
-        prior = self.effects.get(call.call_id)
+        session = self.state.session
+        prior = self.effects.get(call.call_id, session)
         if (prior is not None and prior.action_sha == action_sha and prior.label == write.label
                 and prior.before_sha != prior.after_sha and now == prior.after_sha):
             self.log.warning("effect_already_applied", call_id=call.call_id)
@@ -545,8 +546,8 @@ class AgentLoop:
                      "after_sha": prior.after_sha}, Done(prior.result))
         after = workspace.content_digest(write.content)
         self.effects.record(effects.Entry(call.call_id, action_sha, write.label, now, after,
-                                          write.result))
-        self.effects.prune(self.state.turn)
+                                          write.result), session)
+        self.effects.prune(self.state.turn, session)
         return {"path": write.label, "before_sha": now, "after_sha": after}, write
 
     def _result(self, call: Call, op: OpBase, status: str, result: dict[str, Any]) -> None:

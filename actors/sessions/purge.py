@@ -6,7 +6,9 @@
 What a session owns: its directory `.corral/sessions/<id>/` (transcripts)
 and the snapshot generations of its agent that hold this session's state
 (`agents/<agent>/state/generations/gen-*.json`, `state/snapshot.json` whose
-`state.session` is the id). Never the agent's workspace, memory, other
+`state.session` is the id), and its agent's effect journal entries named
+with the id (`agents/<agent>/effects/<call_id>@<id>.json`). Never the
+agent's workspace, memory, other
 sessions, parents or children: those belong to the agent or to them.
 
 The confirmed purge, each step durable before the next:
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.agent.effects import session_of_file
 from actors.sessions import index
 from actors.sessions.ids import STAGING_DIR, is_session_id, session_dir, staging_dir
 from broker.durable import fsync_dir
@@ -96,6 +99,16 @@ def _generation_files(root: Path, agent: str, session_id: str) -> list[Path]:
     return found
 
 
+def _effect_files(root: Path, agent: str, session_id: str) -> list[Path]:
+    """The agent's effect journal entries of this session (actors/agent/effects.py)."""
+    directory = root / "agents" / agent / "effects"
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    return [directory / name for name in names if session_of_file(name) == session_id]
+
+
 def _walk(top: Path, base: Path) -> list[dict[str, Any]]:
     """Entries under `top` (itself included), never following a link; refuses
     what a session's files never are (links, devices, multi-linked files,
@@ -130,7 +143,8 @@ def _walk(top: Path, base: Path) -> list[dict[str, Any]]:
 
 def _entries(root: Path, plan: Plan) -> list[dict[str, Any]]:
     live = _walk(session_dir(root, plan.session_id), root)
-    for path in _generation_files(root, plan.agent, plan.session_id):
+    for path in [*_generation_files(root, plan.agent, plan.session_id),
+                 *_effect_files(root, plan.agent, plan.session_id)]:
         live += _walk(path, root)
     return live + _walk(staging_dir(root, plan.session_id), root)
 
@@ -250,13 +264,19 @@ def _stage(root: Path, plan: Plan) -> None:
     for path in _generation_files(root, plan.agent, plan.session_id):
         gens.mkdir(exist_ok=True)
         moves.append((path, gens / path.name))  # gen-<seq>.json, snapshot.json: distinct
+    effects = staged / "effects"
+    for path in _effect_files(root, plan.agent, plan.session_id):
+        _walk(path, root)  # a regular file with one link, or refused before it moves
+        effects.mkdir(exist_ok=True)
+        moves.append((path, effects / path.name))
     for source, target in moves:
         os.rename(source, target)
         _fault("staging")
         fsync_dir(source.parent)
     fsync_dir(staged)
-    if gens.exists():
-        fsync_dir(gens)
+    for made in (gens, effects):
+        if made.exists():
+            fsync_dir(made)
 
 
 def _remove_tree(top: Path) -> None:
