@@ -101,8 +101,9 @@ def test_a_full_disk_stops_appends_loses_nothing_and_resumes(
     writer = writer_up(processes, sd, ctx, "writer")
     appenders = [
         processes.spawn(
-            ["-m", "tests.spaceappender", "--state-dir", str(sd.root), "--origin", f"ap{n}",
-             "--count", str(COUNT), "--journal", str(journals / f"ap{n}.acks")],
+            ["-m", "tests.appender", "--state-dir", str(sd.root), "--origin", f"ap{n}",
+             "--count", str(COUNT), "--journal", str(journals / f"ap{n}.acks"),
+             "--pad", "1000", "--retries", "120", "--storage-wait-s", "120"],
             name=f"ap{n}",
         )
         for n in range(APPENDERS)
