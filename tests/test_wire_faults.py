@@ -6,6 +6,7 @@ frames are logged at a bounded rate; a frame over the size limit gets a typed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -100,16 +101,31 @@ def test_an_undeliverable_reply_is_not_bounced_between_broker_and_procs(
     watcher = BrokerPeer(ctx, state_dir, "watcher", heartbeat_interval_s=0.1)
     try:
         wait_for(lambda: _pong(watcher, "procs"), 20, "procs to answer a ping")
-        workdir = state_dir.root.parent / "work"
-        workdir.mkdir()
+        workdir = state_dir.agent_dir("ghost") / "workspace"  # the session's: procs runs it
+        workdir.mkdir(parents=True)
         ghost = dealer(ctx, state_dir.endpoint("broker"), b"ghost")
+        # the command says it started (so the ghost's request got through: the ghost
+        # was connected) and ends when the test says so: after the ghost is gone
         ghost.send_multipart([b"procs", protocol.encode(protocol.Bash(
-            msg_id="ghost-1", session="ghost", command="sleep 3", cwd=str(workdir),
-            timeout_s=30))])
-        ghost.close(linger=5000)  # the request has left; the ghost is gone before the reply
-        wait_for(lambda: [r for r in log_events(state_dir, "broker", "route_failed")
-                          if r["recipient"] == "ghost"], 30,
-                 "procs' reply to the ghost to bounce at the broker")
+            msg_id="ghost-1", session="ghost",
+            command="touch started; while [ ! -e go ]; do sleep 0.05; done", cwd=str(workdir),
+            timeout_s=60))])
+        ghost.close(linger=5000)  # the request leaves; then the ghost is gone
+        wait_for((workdir / "started").exists, 30, "procs to run the ghost's command")
+
+        def bounced(sender: str) -> bool:
+            return any(r["recipient"] == "ghost" and r["sender"] == sender
+                       for r in log_events(state_dir, "broker", "route_failed"))
+
+        def ghost_gone() -> bool:  # a message of the watcher's to the ghost now bounces
+            with contextlib.suppress(Exception):
+                watcher.request("ghost", protocol.Ping(msg_id=new_msg_id()), timeout_s=0.5,
+                                retries=0)
+            return bounced("watcher")
+
+        wait_for(ghost_gone, 30, "the broker to see the ghost gone", interval_s=0.2)
+        (workdir / "go").write_text("")
+        wait_for(lambda: bounced("procs"), 30, "procs' reply to the ghost to bounce at the broker")
         before = broker_stats(watcher)
         for _ in range(30):  # traffic through both: a bouncing error would show up here
             assert _pong(watcher, "procs")
