@@ -36,10 +36,14 @@ class Requester:
         limits: protocol.Limits = protocol.DEFAULT_LIMITS,
         curve: CurveClient | None = None,
         credential: auth.Credential | None = None,
+        reconnect_ivl_ms: int | None = None,
     ) -> None:
         """`credential` authenticates with PLAIN (broker/auth.py; default: this
-        process's own, for an ipc:// endpoint); `curve` with CURVE (tcp://)."""
+        process's own, for an ipc:// endpoint); `curve` with CURVE (tcp://).
+        `reconnect_ivl_ms`: how soon a failed connection is tried again (ZeroMQ's
+        default, 100 ms, when None): a waiter for a restarting server sets it low."""
         self._ctx = ctx
+        self._reconnect_ivl_ms = reconnect_ivl_ms
         if curve is None and credential is None:
             credential = auth.default_credential(endpoint)
         self._credential = credential
@@ -54,6 +58,8 @@ class Requester:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._limits.max_frame_bytes)
+        if self._reconnect_ivl_ms is not None:
+            sock.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ivl_ms)
         if self._identity is not None:
             sock.setsockopt(zmq.IDENTITY, self._identity)
         if self._curve is not None:

@@ -66,7 +66,13 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: fl
 
 def wait_writer_ready(state_dir: Path, timeout_s: float = 20.0) -> float:
     """Ping the writer until it answers; return seconds waited. Uses its own
-    zmq context, closed before returning (safe to fork afterwards)."""
+    zmq context, closed before returning (safe to fork afterwards).
+
+    One connection, tried again every 2 ms until the writer has bound, carries
+    the ping: a fresh socket every few milliseconds (as this did) redid the
+    authentication handshake each time and, on a loaded machine, timed out in
+    the middle of it round after round, adding 100-150 ms to a restart that
+    was already serving."""
     import zmq
 
     from broker import protocol
@@ -76,11 +82,11 @@ def wait_writer_ready(state_dir: Path, timeout_s: float = 20.0) -> float:
 
     started = time.monotonic()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    req = Requester(ctx, StateDir.at(state_dir).endpoint("writer"))
+    req = Requester(ctx, StateDir.at(state_dir).endpoint("writer"), reconnect_ivl_ms=2)
     try:
         while True:
             try:
-                req.request(protocol.Ping(msg_id=new_msg_id("p")), timeout_s=0.005, retries=0)
+                req.request(protocol.Ping(msg_id=new_msg_id("p")), timeout_s=0.5, retries=0)
                 return time.monotonic() - started
             except RequestTimeoutError:
                 if time.monotonic() - started > timeout_s:
