@@ -27,11 +27,12 @@ from typing import Any
 import structlog
 
 from actors.writer.replicate import fence_subject, stream_name
+from broker.fleetnats import MEMBERS_BUCKET
 from broker.statedir import StateDir
 
 log = structlog.get_logger("supervisor.fleet")
 
-MEMBERS = "corral_members"
+MEMBERS = MEMBERS_BUCKET
 
 
 async def members_bucket(js: Any, replicas: int) -> Any:
