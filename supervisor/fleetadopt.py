@@ -24,16 +24,27 @@ Two parts, both run on the host supervisor's fleet thread (supervisor/fleethost.
   The records after the cut (the rest of that turn) are not adopted; that turn
   runs again. Nothing acknowledged is lost: the dead host's stream keeps them.
 
-Not adopted (docs/fleet.md): the agent's memory directory, its procs sessions
-(not reported lost yet), its snapshot generations (the adopter folds the
-records), a workspace outside `.corral/agents/<name>/` (restored there), and an
-agent whose name the adopter already uses (logged, left in the stream).
+**Processes lost.** The background commands and terminals the agent had
+running on the dead host (started before the cut, never ended in the dead
+host's stream) are reported lost, as procs reports them after its own
+restart: a `proc_lost` fact on `procs/<agent>` (procs' own key, so a retried
+adoption writes it once) and the job's files beside its log (an empty log and
+an end file saying `lost`), from which this host's procs answers the agent's
+next poll or read with state `lost` and never starts the job again.
+Processes started after the cut are not: that turn runs again here.
+
+Not adopted (docs/fleet.md): the agent's memory directory, its snapshot
+generations (the adopter folds the records), a workspace outside
+`.corral/agents/<name>/` (restored there), and an agent whose name the
+adopter already uses (logged, left in the stream).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +63,7 @@ from broker.statedir import StateDir
 log = structlog.get_logger("supervisor.fleet")
 
 OBJECTS = "corral_trees"
+PROC_ID = re.compile(r"^[pt]-[0-9a-f]{16}$")  # actors/procs/host.py new_proc_id
 IMPORT_CHUNK = 64
 
 
@@ -208,6 +220,7 @@ class Adopted:
     tree_behind: bool  # the newest tree named in the stream was not in the object store
     spawned: bool
     detail: str = ""
+    lost: list[str] = field(default_factory=list)  # its processes reported lost
 
 
 def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any],  # noqa: PLR0917
@@ -232,10 +245,74 @@ def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any]
         if chosen.tree is not None:
             restore(workspace, store, None, chosen.tree, agent_workspace.guard_for(state_dir))
         imported = _import(state_dir, agent, chosen.records)
+        lost = running_procs(records, agent, _last_seq(chosen.records))
+        report_lost(state_dir, agent, dead, lost)
     spawned, detail = _spawn(state_dir, agent, spec, _session_of(chosen.records))
     return Adopted(agent, chosen.tree, imported, chosen.dropped,
                    chosen.newest_tree is not None and chosen.newest_tree != chosen.tree,
-                   spawned, detail)
+                   spawned, detail, [proc_id for proc_id, _ in lost])
+
+
+def _last_seq(records: list[dict[str, Any]]) -> int:
+    seqs = [r["seq"] for r in records if isinstance(r.get("seq"), int)]
+    return max(seqs, default=0)
+
+
+def running_procs(records: list[dict[str, Any]], agent: str, through_seq: int
+                  ) -> list[tuple[str, str]]:
+    """(proc id, kind) of the agent's commands and terminals started at or before
+    `through_seq` (the cut) and not ended in the dead host's stream."""
+    running: dict[str, str] = {}
+    for record in records:
+        if record.get("stream") != f"procs/{agent}":
+            continue
+        payload = record.get("payload")
+        proc_id = payload.get("proc_id") if isinstance(payload, dict) else None
+        if not isinstance(proc_id, str) or not PROC_ID.fullmatch(proc_id):
+            continue  # hostile or foreign: never a file name
+        event = record.get("event")
+        seq = record.get("seq")
+        if event in ("proc_start", "terminal_start") and isinstance(seq, int) \
+                and seq <= through_seq:
+            running[proc_id] = "command" if event == "proc_start" else "terminal"
+        elif event in ("proc_exit", "terminal_end", "proc_lost"):
+            running.pop(proc_id, None)
+    return sorted(running.items())
+
+
+def report_lost(state_dir: StateDir, agent: str, dead: str, procs: list[tuple[str, str]]) -> None:
+    """Each process lost with the dead host: its files (so this host's procs
+    answers it `lost`) and the `proc_lost` fact (procs' own key: once)."""
+    import zmq  # noqa: PLC0415
+
+    from actors.procs.facts import stream_for  # noqa: PLC0415
+    from actors.procs.registry import end_path  # noqa: PLC0415
+    from actors.writer.client import WriterClient  # noqa: PLC0415
+    from broker import auth  # noqa: PLC0415
+
+    if not procs:
+        return
+    reason = f"lost with host {dead} (its agent was adopted)"
+    for proc_id, kind in procs:
+        directory = state_dir.agent_dir(agent) / (".procs" if kind == "command" else ".terminals")
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        log_path = directory / f"{proc_id}.log"
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        write_atomic(Path(end_path(str(log_path))), json.dumps(
+            {"state": "lost", "exit_code": None, "reason": reason}).encode())
+    stream = stream_for(agent)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with WriterClient(ctx, state_dir, agent,
+                          credential=auth.operator_credential(state_dir)) as writer:
+            for proc_id, kind in procs:
+                writer.append(stream, "proc_lost", {"proc_id": proc_id, "kind": kind,
+                                                    "reason": reason},
+                              key=f"{proc_id}:lost", origin=stream)
+    finally:
+        ctx.destroy(linger=0)
+    log.warning("fleet_procs_lost", host=dead, agent=agent, procs=[p for p, _ in procs])
 
 
 def _import(state_dir: StateDir, agent: str, records: list[dict[str, Any]]) -> int:
@@ -338,6 +415,7 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
         log.warning("fleet_agent_adopted", host=dead, agent=agent, tree=adopted.tree,
                     records=adopted.records, dropped=adopted.dropped,
                     tree_behind=adopted.tree_behind, spawned=adopted.spawned,
+                    lost=adopted.lost,
                     detail=adopted.detail, elapsed_ms=round(
                         (time.monotonic() - started) * 1000, 1))
         done.append(adopted)
