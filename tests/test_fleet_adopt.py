@@ -28,7 +28,7 @@ from actors.trees.store import packs_dir
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval
-from supervisor.fleetadopt import OBJECTS, pack_object
+from supervisor.fleetadopt import OBJECTS, download_pack
 from tests.agentkit import tree, write_task
 from tests.fleetkit import Cluster, forget_hosts, read_stream
 from tests.processes import ProcessTracker, wait_for
@@ -84,7 +84,10 @@ def uploaded_pack_size(urls: list[str], host: str, agent: str) -> int:
         nc: Any = await nats.connect(urls, connect_timeout=2)
         try:
             bucket = await nc.jetstream(timeout=5).object_store(OBJECTS)
-            return len((await bucket.get(pack_object(host, agent))).data or b"")
+            names = [i.name for i in await bucket.list() if not i.deleted]
+            if not any(n.startswith(f"{host}/{agent}/pack.") for n in names):
+                return -1
+            return len(await download_pack(bucket, names, host, agent))
         except Exception:  # noqa: BLE001 - not uploaded yet
             return -1
         finally:
