@@ -73,6 +73,7 @@ OUT_QUEUE = 1000  # frames waiting to be published to other hosts
 INBOX_HWM = 1000  # frames from other hosts waiting for the broker's loop
 SUB_PENDING_BYTES = 64 * 1024 * 1024  # the subscription's own bound (slow consumer: dropped)
 HEADER_MAX = 256  # one header value
+LAST_HOSTS_MAX = 100_000  # names remembered with the host they were last seen on
 H_FROM, H_TO, H_TS, H_NONCE, H_MAC = ("Corral-From", "Corral-To", "Corral-Ts", "Corral-Nonce",
                                       "Corral-Mac")
 _INPROC = itertools.count()
@@ -188,6 +189,8 @@ def read_view(hosts: dict[str, dict[str, Any]], members: dict[str, dict[str, Any
     dead = {h: str(m.get("fenced_by")) for h, m in members.items() if m.get("dead")}
     live = frozenset(h for h in hosts if h not in dead)
     last_host = {**previous.last_host, **{n: hs[0] for n, hs in agents.items()}}
+    if len(last_host) > LAST_HOSTS_MAX:  # bounded: forget the names no live host has
+        last_host = {n: hs[0] for n, hs in agents.items()}
     return View(live=live, dead=dead, silent=frozenset(set(members) - set(hosts) - set(dead)),
                 agents={n: tuple(sorted(hs)) for n, hs in agents.items()}, last_host=last_host)
 
@@ -327,6 +330,8 @@ class Bridge:
                 asyncio.run_coroutine_threadsafe(stop(), self._loop).result(3)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=3)
+        if self._push is not None and not self._push.closed:
+            self._push.close(linger=0)  # else the context's term() would wait for it
         self.inbox.close(linger=0)
 
     # --- the bridge's thread ------------------------------------------------------
