@@ -428,21 +428,25 @@ class Bridge:
 
 
 async def _entries(js: Any, bucket: str) -> dict[str, dict[str, Any]]:
-    """Every entry of a KV bucket, parsed (an absent bucket or key: none)."""
-    from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError  # noqa: PLC0415
+    """Every entry of a KV bucket, parsed (an absent bucket or key: none). The
+    keys come from the stream's per-subject state (one request): the client's
+    `keys()` runs a watcher that, on a loaded server, may answer "no keys"."""
+    from nats.js.errors import KeyNotFoundError, NotFoundError  # noqa: PLC0415
 
+    prefix = f"$KV.{bucket}."
     try:
-        kv = await js.key_value(bucket)
-        keys = await kv.keys()
-    except (BucketNotFoundError, NoKeysError):
+        info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    except NotFoundError:
         return {}
+    kv = await js.key_value(bucket)
     found: dict[str, dict[str, Any]] = {}
-    for key in keys:
+    for subject in sorted(info.state.subjects or {}):
+        key = subject.removeprefix(prefix)
         try:
             entry = await kv.get(key)
             data = json.loads(entry.value or b"{}")
         except (KeyNotFoundError, ValueError):
-            continue
+            continue  # expired, deleted or not ours
         if isinstance(data, dict):
             found[key] = data
     return found

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import secrets
 import shutil
 import tempfile
@@ -128,4 +129,5 @@ def run(quick: bool = False) -> dict[str, object]:
         ctx.destroy(linger=0)
         _stop(procs)
         fleetcluster.down(cluster_root)
-        shutil.rmtree(root, ignore_errors=True)
+        if not os.environ.get("CORRAL_BENCH_KEEP"):
+            shutil.rmtree(root, ignore_errors=True)
