@@ -61,7 +61,14 @@ import zmq
 
 from broker import auth, protocol, ratelimit
 from broker.errors import ProtocolError
-from broker.fleetnats import HOST_NAME, HOSTS_BUCKET, MEMBERS_BUCKET, FleetSettings, connect_options
+from broker.fleetnats import (
+    HOST_NAME,
+    HOSTS_BUCKET,
+    MEMBERS_BUCKET,
+    FleetSettings,
+    connect_options,
+    kv_entries,
+)
 from broker.statedir import NAME_PATTERN
 
 log = structlog.get_logger("broker.bridge")
@@ -428,25 +435,13 @@ class Bridge:
 
 
 async def _entries(js: Any, bucket: str) -> dict[str, dict[str, Any]]:
-    """Every entry of a KV bucket, parsed (an absent bucket or key: none). The
-    keys come from the stream's per-subject state (one request): the client's
-    `keys()` runs a watcher that, on a loaded server, may answer "no keys"."""
-    from nats.js.errors import KeyNotFoundError, NotFoundError  # noqa: PLC0415
-
-    prefix = f"$KV.{bucket}."
-    try:
-        info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
-    except NotFoundError:
-        return {}
-    kv = await js.key_value(bucket)
+    """Every live entry of a KV bucket, parsed (an absent bucket: none)."""
     found: dict[str, dict[str, Any]] = {}
-    for subject in sorted(info.state.subjects or {}):
-        key = subject.removeprefix(prefix)
+    for key, value in (await kv_entries(js, bucket)).items():
         try:
-            entry = await kv.get(key)
-            data = json.loads(entry.value or b"{}")
-        except (KeyNotFoundError, ValueError):
-            continue  # expired, deleted or not ours
+            data = json.loads(value or b"{}")
+        except ValueError:
+            continue  # not ours
         if isinstance(data, dict):
             found[key] = data
     return found

@@ -92,3 +92,27 @@ def connect_options(settings: FleetSettings, name: str) -> dict[str, Any]:
     return options
 
 
+async def kv_entries(js: Any, bucket: str) -> dict[str, bytes]:
+    """Key -> value of a KV bucket's live entries, the keys from its stream's
+    per-subject state (one request), deleted and purged keys left out. nats-py's
+    `keys()` runs a watcher that, on a loaded server, may answer "no keys" for
+    a bucket that has some. An absent bucket has none."""
+    from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError  # noqa: PLC0415
+
+    prefix = f"$KV.{bucket}."
+    try:
+        info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    except NotFoundError:
+        return {}
+    if not info.state.subjects:
+        return {}
+    kv = await js.key_value(bucket)
+    entries: dict[str, bytes] = {}
+    for subject in sorted(info.state.subjects):
+        key = subject.removeprefix(prefix)
+        try:
+            entry = await kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            continue  # expired or deleted meanwhile
+        entries[key] = bytes(entry.value or b"")
+    return entries

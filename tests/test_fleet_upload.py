@@ -80,3 +80,35 @@ def test_the_pack_is_uploaded_incrementally_and_whole_after_a_collection(
     [(new_gen, zero)] = steps["after"]  # the old generation's chunks deleted
     assert new_gen != gen and zero == 0
     assert steps["pack2"] == b"small"
+
+
+def test_kv_entries_lists_live_keys_only(fleet_cluster: Cluster) -> None:
+    """The fleet view's reader (broker/fleetnats.kv_entries): purged keys are left
+    out, and a bucket holding only purge markers has no entries (the watcher of
+    nats-py's keys() is not used: under load it answered "no keys" for live ones)."""
+    import nats
+    from nats.js.api import KeyValueConfig
+
+    from broker.fleetnats import kv_entries
+
+    fleet_cluster.wait_ready()
+    bucket = f"corral_test_{uuid.uuid4().hex[:6]}"
+
+    async def go() -> list[dict[str, bytes]]:
+        nc: Any = await nats.connect(fleet_cluster.urls, connect_timeout=2)
+        try:
+            js = nc.jetstream(timeout=5)
+            seen = [await kv_entries(js, bucket)]  # no bucket yet
+            kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
+            await kv.put("a", b"1")
+            await kv.put("b", b"2")
+            await kv.purge("b")
+            seen.append(await kv_entries(js, bucket))
+            await kv.purge("a")
+            seen.append(await kv_entries(js, bucket))
+            await js.delete_key_value(bucket)
+            return seen
+        finally:
+            await nc.close()
+
+    assert asyncio.run(go()) == [{}, {"a": b"1"}, {}]
