@@ -122,7 +122,13 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
                        all(c["state"] == "running" for c in view[h]["children"])
                        for h in (ha, hb))
 
-        wait_for(both_running, 40, "both hosts running", interval_s=0.3)
+        try:
+            wait_for(both_running, 40, "both hosts running", interval_s=0.3)
+        except TimeoutError:
+            view = fleet_view(processes, state_dir)
+            raise AssertionError({h: [(c["name"], c["state"], c.get("last_exit"))
+                                      for c in view.get(h, {}).get("children", [])]
+                                  for h in (ha, hb)}) from None
         task = write_task(tmp_path / "adopt.yaml", STEPS)
         for directory, name in ((state_dir, "victim"), (other_state_dir, "ref")):
             done = cli(processes, directory, "spawn", name, "--task", str(task), "--json")
