@@ -142,6 +142,9 @@ def test_a_message_crosses_hosts_and_a_forged_one_is_refused(
         assert values["bridge_received_total"] >= 4
         assert bridge_values(probe)["bridge_sent_total"] >= 4
 
+        # a runtime actor of B (procs, the writer...) serves only its own host's actors
+        detail = refused_by(probe, "forbidden", f"{hb}:procs")
+        assert detail is not None and "procs" in detail
         # an unknown host: refused at once, typed
         detail = refused_by(probe, "host_unreachable", f"nohost{tag}:agent-1")
         assert detail is not None and "no such host" in detail
