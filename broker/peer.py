@@ -257,7 +257,9 @@ class BrokerPeer:
             generation = self.reconnects
             while (item := self._next(deadline, generation)) is not None:
                 sender, reply = item
-                if getattr(reply, "msg_id", None) == msg_id and sender in (to, BROKER_NAME):
+                # a reply from another host comes from HOST:TO (fleet mode, broker/bridge.py)
+                if getattr(reply, "msg_id", None) == msg_id and (
+                        sender in (to, BROKER_NAME) or sender.endswith(f":{to}")):
                     return reply
                 self._inbox.append(item)
             if self.reconnects == generation or time.monotonic() >= deadline:

@@ -72,6 +72,7 @@ class ErrorCode(StrEnum):
     SANDBOX_UNAVAILABLE = "sandbox_unavailable"  # procs: commands cannot be confined (fail closed)
     FORBIDDEN = "forbidden"  # authenticated, but this actor may not do that (broker/auth.py)
     STORAGE_FULL = "storage_full"  # writer: the disk is full; nothing was written, retry later
+    HOST_UNREACHABLE = "host_unreachable"  # fleet bridge: that host is dead, silent or unknown
 
 
 # --- field types ------------------------------------------------------------

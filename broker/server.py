@@ -30,7 +30,9 @@ from types import FrameType
 import structlog
 import zmq
 
-from broker import auth, curve, logconfig, protocol, ratelimit
+from broker import auth, curve, fleetnats, logconfig, protocol, ratelimit
+from broker.bridge import Bridge, Refusal, Target
+from broker.bridge import from_args as bridge_from_args
 from broker.control import ControlReporter
 from broker.curve import CurveServer, apply_server, check_endpoints
 from broker.durable import write_atomic
@@ -96,11 +98,15 @@ class Broker:
         curve_server: CurveServer | None = None,
         tcp_endpoints: tuple[str, ...] = (),
         zap: auth.ZapHandler | None = None,
+        bridge: Bridge | None = None,
     ) -> None:
         """With `zap` (broker/auth.py) every connection authenticates and a peer
-        may use only its own name; without it, names are not checked."""
+        may use only its own name; without it, names are not checked. With
+        `bridge` (fleet mode, broker/bridge.py) names with no local route may
+        be on other hosts."""
         check_endpoints(tcp_endpoints, curve_server is not None)
         self._zap = zap
+        self._bridge = bridge
         self.endpoint = endpoint
         self.rule = rule
         self.limits = limits
@@ -164,6 +170,13 @@ class Broker:
             failures_total=self._failures,
         )
 
+    def values(self) -> dict[str, int | float]:
+        """The counters, and the bridge's in fleet mode (heartbeats, `stats`)."""
+        values = self.statistics().values()
+        if self._bridge is not None:
+            values.update(self._bridge.values())
+        return values
+
     def stop(self) -> None:
         """Ask the loop to return after the current turn (signal-safe)."""
         self._stopping = True
@@ -175,6 +188,8 @@ class Broker:
         zap = self._zap
         if zap is not None:
             poll_items.append((zap.socket, zmq.POLLIN))
+        if self._bridge is not None:
+            poll_items.append((self._bridge.inbox, zmq.POLLIN))
         poll = zmq.zmq_poll  # half the cost of Socket.poll, which builds a Poller per call
         next_beat = time.monotonic() + self.rule.interval_s
         next_report = 0.0
@@ -186,6 +201,8 @@ class Broker:
                     zap.handle()
                 try:
                     self._drain()
+                    if self._bridge is not None:
+                        self._from_hosts()
                 except Exception:  # the last line of defence: log, go on
                     self._failures += 1
                     if self._limiter.allow():
@@ -197,7 +214,7 @@ class Broker:
             if reporter is not None and now >= next_report:
                 # the reporter keeps its own pace; asking twice per interval keeps it on time
                 next_report = now + report_every_s
-                reporter.tick(lambda: self.statistics().values())
+                reporter.tick(self.values)
 
     def _drain(self) -> None:
         """Handle up to DRAIN_BATCH frames without blocking: the hot path.
@@ -311,6 +328,9 @@ class Broker:
             )
         elif to == BROKER_NAME:
             self._control_frame(sender, body, rid)
+        elif self._bridge is not None and to not in self._route and \
+                self._to_host(sender, to, body, rid):
+            return  # another host's (broker/bridge.py), or refused for it
         elif not self._valid_name(to):
             self._refuse(
                 rid,
@@ -442,9 +462,7 @@ class Broker:
             case protocol.Ping(msg_id=msg_id):
                 reply = protocol.Pong(msg_id=msg_id, actor="broker", pid=self._pid)
             case protocol.StatsRequest(msg_id=msg_id):
-                reply = protocol.Stats(
-                    msg_id=msg_id, actor="broker", values=self.statistics().values()
-                )
+                reply = protocol.Stats(msg_id=msg_id, actor="broker", values=self.values())
             case _:
                 self._rejected += 1
                 if self._limiter.allow():
@@ -497,7 +515,69 @@ class Broker:
         for peer in self._peers.names():
             self._send_heartbeat(peer, frame)
 
+    # --- fleet mode: frames to and from other hosts (broker/bridge.py) --------
+    def _to_host(self, sender: bytes, to: bytes, body: bytes, rid: bytes) -> bool:
+        """Route `to` (no local route) through the bridge; False: not the bridge's."""
+        assert self._bridge is not None
+        target = self._bridge.resolve(to)
+        if target is None:
+            return False
+        if isinstance(target, Target) and target.host == self._bridge.host:
+            local = target.name.encode()  # HOST:NAME naming this host
+            failed = self._send_local(local, sender, body)
+            if failed is not None:
+                self._route_failed(sender, local, body, failed, rid)
+            return True
+        refusal = target if isinstance(target, Refusal) else \
+            self._bridge.publish(target, sender, body)
+        if refusal is None:
+            self._routed += 1
+            return True
+        peeked = protocol.peek(body, self.limits)
+        if self._limiter.allow():
+            log.warning("route_failed", sender=sender.decode("ascii", "replace"),
+                        recipient=to[:140].decode("ascii", "replace"), code=refusal.code.value,
+                        detail=refusal.detail, msg_id=peeked.msg_id, kind=peeked.kind)
+        self._reply_error(rid, peeked, refusal.code, refusal.detail)
+        return True
+
+    def _send_local(self, to: bytes, sender: bytes, body: bytes) -> zmq.ZMQError | None:
+        """Route to the local peer `to`; the error when it is not there or busy."""
+        dest = self._route.get(to)
+        if dest is None:
+            return zmq.ZMQError(zmq.EHOSTUNREACH)
+        try:
+            self._sock.send_multipart([dest, sender, body], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            return exc
+        self._routed += 1
+        return None
+
+    def _from_hosts(self) -> None:
+        """Deliver the frames the bridge received from other hosts: `[to, HOST:SENDER,
+        body]`; one it cannot deliver is answered (over the bridge) with an error."""
+        assert self._bridge is not None
+        inbox = self._bridge.inbox
+        for _ in range(DRAIN_BATCH):
+            if not inbox.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[arg-type,operator]
+                return
+            frames = inbox.recv_multipart(_NOBLOCK)
+            if len(frames) != 3:
+                continue
+            to, sender, body = frames
+            exc = self._send_local(to, sender, body)
+            if exc is not None:
+                code = (protocol.ErrorCode.RECIPIENT_BUSY if exc.errno == zmq.EAGAIN
+                        else protocol.ErrorCode.UNKNOWN_RECIPIENT)
+                self._bridge.bounce(to, sender, body, code,
+                                    f"no peer named {to.decode('ascii', 'replace')!r} is "
+                                    f"connected on host {self._bridge.host}"
+                                    if code is protocol.ErrorCode.UNKNOWN_RECIPIENT else
+                                    f"the queue to {to.decode('ascii', 'replace')!r} is full")
+
     def close(self) -> None:
+        if self._bridge is not None:
+            self._bridge.close()
         self._sock.close(linger=0)
 
 
@@ -511,6 +591,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     curve.add_arguments(parser)
     logconfig.add_arguments(parser)
+    fleetnats.add_fleet_arguments(parser)  # fleet mode: the bridge (broker/bridge.py)
+    parser.add_argument("--fleet-key", default=None,
+                        help="the fleet operator key file (frames between hosts are signed)")
+    parser.add_argument("--fleet-view-interval-s", type=float, default=1.0)
     return parser.parse_args(argv)
 
 
@@ -541,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
         broker = Broker(
             ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp),
             zap=zap,
+            bridge=bridge_from_args(ctx, fleetnats.settings_from_args(args), args.fleet_key,
+                                    limits.max_frame_bytes, args.fleet_view_interval_s),
         )
     except (ConfigError, auth.AuthError) as exc:
         print(f"broker: {exc}", file=sys.stderr)

@@ -30,6 +30,7 @@ SUITES = {
     "trees": "ops.bench_trees",
     "compaction": "ops.bench_compaction",
     "fleet": "ops.bench_fleet",
+    "bridge": "ops.bench_bridge",  # messages between hosts (docs/fleet.md)
     "pipeline": "ops.bench_pipeline",
 }
 

@@ -97,13 +97,16 @@ def _uploaded(urls: list[str], host: str, agent: str) -> int:
 
     import nats
 
-    from supervisor.fleetadopt import OBJECTS, pack_object
+    from supervisor.fleetadopt import OBJECTS, download_pack
 
     async def go() -> int:
         nc: Any = await nats.connect(urls, connect_timeout=2)
         try:
             bucket = await nc.jetstream(timeout=5).object_store(OBJECTS)
-            return len((await bucket.get(pack_object(host, agent))).data or b"")
+            names = [i.name for i in await bucket.list() if not i.deleted]
+            if not any(n.startswith(f"{host}/{agent}/pack.") for n in names):
+                return -1
+            return len(await download_pack(bucket, names, host, agent))
         except Exception:  # noqa: BLE001 - not uploaded yet
             return -1
         finally:

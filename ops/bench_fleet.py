@@ -128,7 +128,7 @@ def failure_figures(cluster_root: Path, state_dir: Path, host: str) -> dict[str,
     finally:
         client.close()
         ctx.destroy(linger=0)
-    from actors.writer.replicate import FleetSettings
+    from broker.fleetnats import FleetSettings
 
     t0 = time.monotonic()
     asyncio.run(fence(FleetSettings(host=host, urls=tuple(urls)), "bench"))

@@ -37,6 +37,7 @@ def argv_for(spec: ChildSpec, config: Config, state_dir: StateDir) -> list[str]:
             argv += ["--heartbeat-interval-ms", str(config.broker.heartbeat_interval_ms)]
         if config.broker.heartbeat_misses is not None:
             argv += ["--heartbeat-misses", str(config.broker.heartbeat_misses)]
+        argv += config.fleet.broker_args()  # fleet mode: the bridge to other hosts
     elif spec.kind == "procs":
         argv += [*log_args(config), *config.sandbox.procs_args()]
     elif spec.kind == "agent":

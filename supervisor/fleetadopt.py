@@ -5,11 +5,13 @@ Two parts, both run on the host supervisor's fleet thread (supervisor/fleethost.
 
 - **Bundles.** At every status round each host uploads, per agent it runs, the
   agent's *bundle* to the JetStream object store `corral_trees` (replicas as
-  the streams): `<host>/<agent>/pack`, the agent's tree pack
+  the streams): `<host>/<agent>/pack.<gen>@<offset>`, the agent's tree pack
   (`.corral/trees/packs/<agent>.pack`, the content-addressed objects of its
   workspace trees, checked against their names on every read), and
   `<host>/<agent>/spec`, what it was started with (backend, model, the task
-  file's text). A pack is uploaded whole when its size changed. The upload
+  file's text). The pack goes up incrementally: each round uploads what was
+  appended to it since the last one, as a chunk `pack.<gen>@<offset>`
+  (`Uploader`); the adopter joins the newest generation's chunks. The upload
   lags the capture by up to one status round: the `workspace_tree` fact may be
   in the host's stream before the objects it names are in the object store.
 - **Adoption.** The live host that fenced a dead host (supervisor/fleetwatch.py)
@@ -24,16 +26,27 @@ Two parts, both run on the host supervisor's fleet thread (supervisor/fleethost.
   The records after the cut (the rest of that turn) are not adopted; that turn
   runs again. Nothing acknowledged is lost: the dead host's stream keeps them.
 
-Not adopted (docs/fleet.md): the agent's memory directory, its procs sessions
-(not reported lost yet), its snapshot generations (the adopter folds the
-records), a workspace outside `.corral/agents/<name>/` (restored there), and an
-agent whose name the adopter already uses (logged, left in the stream).
+**Processes lost.** The background commands and terminals the agent had
+running on the dead host (started before the cut, never ended in the dead
+host's stream) are reported lost, as procs reports them after its own
+restart: a `proc_lost` fact on `procs/<agent>` (procs' own key, so a retried
+adoption writes it once) and the job's files beside its log (an empty log and
+an end file saying `lost`), from which this host's procs answers the agent's
+next poll or read with state `lost` and never starts the job again.
+Processes started after the cut are not: that turn runs again here.
+
+Not adopted (docs/fleet.md): the agent's memory directory, its snapshot
+generations (the adopter folds the records), a workspace outside
+`.corral/agents/<name>/` (restored there), and an agent whose name the
+adopter already uses (logged, left in the stream).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +65,8 @@ from broker.statedir import StateDir
 log = structlog.get_logger("supervisor.fleet")
 
 OBJECTS = "corral_trees"
+MAX_CHUNKS = 64  # chunks of one pack generation before the next is uploaded whole
+PROC_ID = re.compile(r"^[pt]-[0-9a-f]{16}$")  # actors/procs/host.py new_proc_id
 IMPORT_CHUNK = 64
 
 
@@ -96,17 +111,32 @@ def spec_bundle(state_dir: StateDir, agent: str) -> bytes | None:
 
 
 @dataclass
+class _Sent:
+    ident: tuple[int, int]  # the pack file's (device, inode): a collection replaces it
+    size: int  # bytes of it in the object store
+    gen: str  # the chunks' generation
+    chunks: int
+    spec: bytes
+
+
+@dataclass
 class Uploader:
-    """Keeps this host's bundles in the object store (one per agent)."""
+    """Keeps this host's bundles in the object store (one per agent). The pack
+    is append-only until a collection replaces it, so each round uploads only
+    what was appended since the last one, as one chunk object
+    `<host>/<agent>/pack.<gen>@<offset>`; a replaced or shrunk pack, or one
+    in more than MAX_CHUNKS chunks, starts a new generation uploaded whole,
+    and the older generations' chunks are deleted after it."""
 
     host: str
     state_dir: StateDir
     replicas: int
-    sent: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # agent -> (pack size, spec)
+    sent: dict[str, _Sent] = field(default_factory=dict)
     uploads: int = 0
+    uploaded_bytes: int = 0
 
     async def sync(self, js: Any) -> int:
-        """Upload the bundles that changed since the last round; how many."""
+        """Upload what changed since the last round; how many agents' bundles."""
         bucket = None
         done = 0
         for agent in agent_names(self.state_dir):
@@ -115,20 +145,97 @@ class Uploader:
                 continue
             pack = packs_dir(self.state_dir.root) / f"{agent}.pack"
             try:
-                size = pack.stat().st_size
+                st = pack.stat()
+                ident, size = (st.st_dev, st.st_ino), st.st_size
             except FileNotFoundError:
-                size = 0
-            if self.sent.get(agent) == (size, spec):
+                ident, size = (0, 0), 0
+            known = self.sent.get(agent)
+            if known is not None and (known.ident, known.size, known.spec) == (ident, size, spec):
                 continue
-            data = pack.read_bytes() if size else b""
             if bucket is None:
                 bucket = await objects_bucket(js, self.replicas)
-            await bucket.put(pack_object(self.host, agent), data)
-            await bucket.put(spec_object(self.host, agent), spec)
-            self.sent[agent] = (len(data), spec)
+            if known is None or known.ident != ident or size < known.size \
+                    or known.chunks >= MAX_CHUNKS:
+                known = await self._start(bucket, agent, pack, ident, spec)
+            elif size > known.size:
+                with pack.open("rb") as f:
+                    f.seek(known.size)
+                    tail = f.read(size - known.size)
+                await bucket.put(chunk_object(self.host, agent, known.gen, known.size), tail)
+                known.size += len(tail)
+                known.chunks += 1
+                self.uploaded_bytes += len(tail)
+            if known.spec != spec:
+                await bucket.put(spec_object(self.host, agent), spec)
+                known.spec = spec
+            self.sent[agent] = known
             done += 1
         self.uploads += done
         return done
+
+    async def _start(self, bucket: Any, agent: str, pack: Path, ident: tuple[int, int],
+                     spec: bytes) -> _Sent:
+        """A new generation: the whole pack as its first chunk; then the other
+        generations' chunks (and a whole-pack object of older versions) deleted."""
+        data = pack.read_bytes() if ident != (0, 0) else b""
+        gen = f"{time.time_ns():x}"
+        await bucket.put(spec_object(self.host, agent), spec)
+        await bucket.put(chunk_object(self.host, agent, gen, 0), data)
+        self.uploaded_bytes += len(data)
+        for name in await _names(bucket):
+            parsed = parse_chunk(name, self.host, agent)
+            if (parsed is not None and parsed[0] != gen) or name == pack_object(self.host, agent):
+                with contextlib.suppress(Exception):  # deleted meanwhile: the same
+                    await bucket.delete(name)
+        return _Sent(ident, len(data), gen, 1, spec)
+
+
+async def _names(bucket: Any) -> list[str]:
+    try:
+        infos = await bucket.list()
+    except Exception:  # noqa: BLE001 - nats raises NotFoundError for an empty bucket
+        return []
+    return [i.name for i in infos if not getattr(i, "deleted", False)]
+
+
+def chunk_object(host: str, agent: str, gen: str, offset: int) -> str:
+    return f"{host}/{agent}/pack.{gen}@{offset}"
+
+
+def parse_chunk(name: str, host: str, agent: str) -> tuple[str, int] | None:
+    """(generation, offset) of one of `host`'s chunks of `agent`'s pack, else None."""
+    prefix = f"{host}/{agent}/pack."
+    if not name.startswith(prefix):
+        return None
+    gen, sep, offset = name[len(prefix):].partition("@")
+    if not sep or not re.fullmatch(r"[0-9a-f]{1,32}", gen) or not offset.isdigit() \
+            or len(offset) > 15:
+        return None
+    return gen, int(offset)
+
+
+async def download_pack(bucket: Any, names: list[str], host: str, agent: str) -> bytes:
+    """The agent's pack as uploaded: the newest generation's chunks, contiguous
+    from offset 0 (a gap ends it: a shorter pack only means an older cut); a
+    whole-pack object of an older version when there are no chunks."""
+    gens: dict[str, dict[int, str]] = {}
+    for name in names:
+        parsed = parse_chunk(name, host, agent)
+        if parsed is not None:
+            gens.setdefault(parsed[0], {})[parsed[1]] = name
+    whole = [g for g, chunks in gens.items() if 0 in chunks]
+    if not whole:
+        if pack_object(host, agent) in names:
+            return bytes((await bucket.get(pack_object(host, agent))).data or b"")
+        return b""
+    chunks = gens[max(whole, key=lambda g: (len(g), g))]
+    data = bytearray()
+    while (chunk := chunks.get(len(data))) is not None:
+        part = (await bucket.get(chunk)).data or b""
+        if not part:
+            break
+        data += part
+    return bytes(data)
 
 
 # --- adoption ------------------------------------------------------------------
@@ -208,6 +315,7 @@ class Adopted:
     tree_behind: bool  # the newest tree named in the stream was not in the object store
     spawned: bool
     detail: str = ""
+    lost: list[str] = field(default_factory=list)  # its processes reported lost
 
 
 def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any],  # noqa: PLR0917
@@ -232,10 +340,74 @@ def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any]
         if chosen.tree is not None:
             restore(workspace, store, None, chosen.tree, agent_workspace.guard_for(state_dir))
         imported = _import(state_dir, agent, chosen.records)
+        lost = running_procs(records, agent, _last_seq(chosen.records))
+        report_lost(state_dir, agent, dead, lost)
     spawned, detail = _spawn(state_dir, agent, spec, _session_of(chosen.records))
     return Adopted(agent, chosen.tree, imported, chosen.dropped,
                    chosen.newest_tree is not None and chosen.newest_tree != chosen.tree,
-                   spawned, detail)
+                   spawned, detail, [proc_id for proc_id, _ in lost])
+
+
+def _last_seq(records: list[dict[str, Any]]) -> int:
+    seqs = [r["seq"] for r in records if isinstance(r.get("seq"), int)]
+    return max(seqs, default=0)
+
+
+def running_procs(records: list[dict[str, Any]], agent: str, through_seq: int
+                  ) -> list[tuple[str, str]]:
+    """(proc id, kind) of the agent's commands and terminals started at or before
+    `through_seq` (the cut) and not ended in the dead host's stream."""
+    running: dict[str, str] = {}
+    for record in records:
+        if record.get("stream") != f"procs/{agent}":
+            continue
+        payload = record.get("payload")
+        proc_id = payload.get("proc_id") if isinstance(payload, dict) else None
+        if not isinstance(proc_id, str) or not PROC_ID.fullmatch(proc_id):
+            continue  # hostile or foreign: never a file name
+        event = record.get("event")
+        seq = record.get("seq")
+        if event in ("proc_start", "terminal_start") and isinstance(seq, int) \
+                and seq <= through_seq:
+            running[proc_id] = "command" if event == "proc_start" else "terminal"
+        elif event in ("proc_exit", "terminal_end", "proc_lost"):
+            running.pop(proc_id, None)
+    return sorted(running.items())
+
+
+def report_lost(state_dir: StateDir, agent: str, dead: str, procs: list[tuple[str, str]]) -> None:
+    """Each process lost with the dead host: its files (so this host's procs
+    answers it `lost`) and the `proc_lost` fact (procs' own key: once)."""
+    import zmq  # noqa: PLC0415
+
+    from actors.procs.facts import stream_for  # noqa: PLC0415
+    from actors.procs.registry import end_path  # noqa: PLC0415
+    from actors.writer.client import WriterClient  # noqa: PLC0415
+    from broker import auth  # noqa: PLC0415
+
+    if not procs:
+        return
+    reason = f"lost with host {dead} (its agent was adopted)"
+    for proc_id, kind in procs:
+        directory = state_dir.agent_dir(agent) / (".procs" if kind == "command" else ".terminals")
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        log_path = directory / f"{proc_id}.log"
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        write_atomic(Path(end_path(str(log_path))), json.dumps(
+            {"state": "lost", "exit_code": None, "reason": reason}).encode())
+    stream = stream_for(agent)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with WriterClient(ctx, state_dir, agent,
+                          credential=auth.operator_credential(state_dir)) as writer:
+            for proc_id, kind in procs:
+                writer.append(stream, "proc_lost", {"proc_id": proc_id, "kind": kind,
+                                                    "reason": reason},
+                              key=f"{proc_id}:lost", origin=stream)
+    finally:
+        ctx.destroy(linger=0)
+    log.warning("fleet_procs_lost", host=dead, agent=agent, procs=[p for p, _ in procs])
 
 
 def _import(state_dir: StateDir, agent: str, records: list[dict[str, Any]]) -> int:
@@ -305,13 +477,10 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
     import asyncio  # noqa: PLC0415
 
     bucket = await objects_bucket(js, replicas)
-    try:
-        infos = await bucket.list()
-    except Exception:  # noqa: BLE001 - nats raises NotFoundError for an empty bucket
-        infos = []
-    agents = sorted({i.name.split("/")[1] for i in infos
-                     if i.name.startswith(f"{dead}/") and i.name.count("/") == 2
-                     and not getattr(i, "deleted", False)})
+    names = await _names(bucket)
+    agents = sorted({n.split("/")[1] for n in names
+                     if n.startswith(f"{dead}/") and n.count("/") == 2
+                     and n.endswith("/spec")})
     if not agents:
         return []
     started = time.monotonic()
@@ -320,7 +489,7 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
     for agent in agents:
         try:
             spec = json.loads((await bucket.get(spec_object(dead, agent))).data or b"{}")
-            pack = (await bucket.get(pack_object(dead, agent))).data or b""
+            pack = await download_pack(bucket, names, dead, agent)
         except Exception as exc:  # noqa: BLE001 - a bundle half uploaded: skip the agent
             log.error("fleet_adopt_bundle_missing", host=dead, agent=agent,
                       error=type(exc).__name__)
@@ -338,6 +507,7 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
         log.warning("fleet_agent_adopted", host=dead, agent=agent, tree=adopted.tree,
                     records=adopted.records, dropped=adopted.dropped,
                     tree_behind=adopted.tree_behind, spawned=adopted.spawned,
+                    lost=adopted.lost,
                     detail=adopted.detail, elapsed_ms=round(
                         (time.monotonic() - started) * 1000, 1))
         done.append(adopted)

@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from actors.writer.replicate import FleetSettings, connect_options, fence_subject, stream_name
+from actors.writer.replicate import fence_subject, stream_name
 from broker.errors import ConfigError
+from broker.fleetnats import FleetSettings, connect_options
 from broker.statedir import StateDir
 
 PROG = "supervisor fleet"

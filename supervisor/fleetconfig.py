@@ -67,8 +67,21 @@ class FleetConfig(_Strict):
         """The writer's `--fleet-*` options (paths only, never a secret)."""
         if self.host is None:
             return []
-        args = ["--fleet-host", self.host, "--fleet-replicas", str(self.replicas),
-                "--fleet-publish-timeout-s", str(self.publish_timeout_s)]
+        return ["--fleet-replicas", str(self.replicas),
+                "--fleet-publish-timeout-s", str(self.publish_timeout_s), *self._cluster_args()]
+
+    def broker_args(self) -> list[str]:
+        """The broker's: its bridge to other hosts (broker/bridge.py), which signs
+        frames with a key derived from the operator key (a path, never the key)."""
+        if self.host is None:
+            return []
+        key = ["--fleet-key", self.operator_key] if self.operator_key else []
+        return [*self._cluster_args(), *key,
+                "--fleet-view-interval-s", str(min(1.0, self.host_ttl_s / 3))]
+
+    def _cluster_args(self) -> list[str]:
+        assert self.host is not None
+        args = ["--fleet-host", self.host]
         for url in self.urls:
             args += ["--fleet-url", url]
         for flag, value in (("--fleet-creds", self.creds), ("--fleet-nkey", self.nkey_seed),

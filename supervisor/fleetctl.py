@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from actors.writer.replicate import connect_options
 from broker.durable import write_atomic
 from broker.errors import ConfigError
+from broker.fleetnats import connect_options
 from broker.statedir import StateDir
 from supervisor.fleetconfig import FleetConfig
 

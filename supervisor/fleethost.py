@@ -32,8 +32,8 @@ from typing import Any
 
 import structlog
 
-from actors.writer.replicate import FleetSettings, connect_options
 from broker.durable import write_atomic
+from broker.fleetnats import HOSTS_BUCKET, FleetSettings, connect_options
 from broker.statedir import StateDir
 from supervisor.fleetadopt import Uploader
 from supervisor.fleetconfig import FleetConfig
@@ -42,7 +42,7 @@ from supervisor.fleetwatch import Watch
 
 log = structlog.get_logger("supervisor.fleet")
 
-BUCKET = "corral_hosts"
+BUCKET = HOSTS_BUCKET
 CONTROL_VERBS = frozenset({"kill", "stop", "start"})
 
 

@@ -27,11 +27,12 @@ from typing import Any
 import structlog
 
 from actors.writer.replicate import fence_subject, stream_name
+from broker.fleetnats import MEMBERS_BUCKET, kv_entries
 from broker.statedir import StateDir
 
 log = structlog.get_logger("supervisor.fleet")
 
-MEMBERS = "corral_members"
+MEMBERS = MEMBERS_BUCKET
 
 
 async def members_bucket(js: Any, replicas: int) -> Any:
@@ -46,12 +47,16 @@ async def members_bucket(js: Any, replicas: int) -> Any:
 
 
 async def keys_of(kv: Any) -> set[str]:
+    """The bucket's live keys. "No keys" from the client's watcher is checked
+    against the bucket's stream (broker/fleetnats.kv_entries): on a loaded server
+    the watcher may answer it for a bucket that has keys, which would make
+    every live host look silent, and a silent host gets fenced."""
     from nats.js.errors import NoKeysError  # noqa: PLC0415
 
     try:
         return set(await kv.keys())
     except NoKeysError:
-        return set()
+        return set(await kv_entries(kv._js, kv._name))  # the bucket's own context
 
 
 async def fence_host(js: Any, dead: str, by: str) -> bool:

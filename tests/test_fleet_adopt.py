@@ -28,7 +28,7 @@ from actors.trees.store import packs_dir
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval
-from supervisor.fleetadopt import OBJECTS, pack_object
+from supervisor.fleetadopt import OBJECTS, download_pack
 from tests.agentkit import tree, write_task
 from tests.fleetkit import Cluster, forget_hosts, read_stream
 from tests.processes import ProcessTracker, wait_for
@@ -41,8 +41,11 @@ pytestmark = [pytest.mark.fleet, pytest.mark.process]
 STEPS = [
     {"op": "write_file", "path": "a.txt", "content": "one\n"},
     {"op": "edit_file", "path": "a.txt", "old": "one", "new": "one+two"},
+    # running when its host dies, started before the newest tree (the cut): reported lost
+    {"op": "bash_start", "command": "sleep 30"},
     {"op": "write_file", "path": "src/b.txt", "content": "bee"},
     {"op": "write_file", "path": "release/n.md", "content": "v1"},  # asks: the agent waits
+    {"op": "bash_poll", "proc_id": "{last_command}"},  # on the adopter: reported lost
     {"op": "edit_file", "path": "a.txt", "old": "+two", "new": "+two+three"},
     {"op": "write_file", "path": "out/{i}.txt", "content": "pass {i}"},
     {"op": "finish", "summary": "done"},
@@ -57,6 +60,7 @@ def config_for(state_dir: StateDir, host: str, cluster: Cluster, key: Path) -> P
     # TTL lets a slow status put on a loaded machine get a live host declared dead
     config["agent"] = {"approval_poll_ms": 20, "permissions": {"rules": [
         {"op": "write_file", "path": "release/*", "decision": "ask"}]}}
+    config["children"].append({"name": "procs", "kind": "procs"})  # the background command
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -80,7 +84,10 @@ def uploaded_pack_size(urls: list[str], host: str, agent: str) -> int:
         nc: Any = await nats.connect(urls, connect_timeout=2)
         try:
             bucket = await nc.jetstream(timeout=5).object_store(OBJECTS)
-            return len((await bucket.get(pack_object(host, agent))).data or b"")
+            names = [i.name for i in await bucket.list() if not i.deleted]
+            if not any(n.startswith(f"{host}/{agent}/pack.") for n in names):
+                return -1
+            return len(await download_pack(bucket, names, host, agent))
         except Exception:  # noqa: BLE001 - not uploaded yet
             return -1
         finally:
@@ -115,7 +122,13 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
                        all(c["state"] == "running" for c in view[h]["children"])
                        for h in (ha, hb))
 
-        wait_for(both_running, 40, "both hosts running", interval_s=0.3)
+        try:
+            wait_for(both_running, 40, "both hosts running", interval_s=0.3)
+        except TimeoutError:
+            view = fleet_view(processes, state_dir)
+            raise AssertionError({h: [(c["name"], c["state"], c.get("last_exit"))
+                                      for c in view.get(h, {}).get("children", [])]
+                                  for h in (ha, hb)}) from None
         task = write_task(tmp_path / "adopt.yaml", STEPS)
         for directory, name in ((state_dir, "victim"), (other_state_dir, "ref")):
             done = cli(processes, directory, "spawn", name, "--task", str(task), "--json")
@@ -161,6 +174,10 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
                              f"{name} finished on host B", interval_s=0.2)
                 events: list[tuple[str, Any]] = [
                     (r.event, r.payload()) for r in writer_b.read_stream("agent/victim")]
+                lost: list[Any] = [r.payload() for r in writer_b.read_stream("procs/victim")
+                                   if r.event == "proc_lost"]
+                ref_events: list[tuple[str, Any]] = [
+                    (r.event, r.payload()) for r in writer_b.read_stream("agent/ref")]
             ref_b = other_state_dir.agent_dir("ref") / "workspace"
             assert tree(victim_b) == tree(ref_b) == EXPECTED
             assert events[-1][1]["reason"] == "finished"
@@ -169,6 +186,17 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
             assert any(e == "workspace_tree" for e, _ in events)  # the adopted records
             # it went on with the adopted session, not a new run of the task after it
             assert [e for e, _ in events].count("session_started") == 1
+            # the command it had running on host A is reported lost on host B (as procs
+            # reports it after its own restart), never forgotten
+            started = [p["result"]["proc_id"] for e, p in events
+                       if e == "tool_result" and p["op"] == "bash_start"]
+            polls = [p for e, p in events if e == "tool_result" and p["op"] == "bash_poll"]
+            assert len(started) == 1 and len(polls) == 1
+            assert polls[0]["result"]["proc_id"] == started[0]
+            assert polls[0]["result"]["state"] == "lost"
+            assert [p["proc_id"] for p in lost] == started and ha in lost[0]["reason"]
+            ref_polls = [p for e, p in ref_events if e == "tool_result" and p["op"] == "bash_poll"]
+            assert ref_polls[0]["result"]["state"] != "lost"  # uninterrupted: not lost
         finally:
             ctx.destroy(linger=0)
 

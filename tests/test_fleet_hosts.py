@@ -29,7 +29,7 @@ from broker.statedir import StateDir
 from supervisor import fleetctl
 from supervisor.fleethost import control_subject
 from tests.agentkit import write_task
-from tests.fleetkit import Cluster, read_stream, stream_records
+from tests.fleetkit import Cluster, forget_hosts, read_stream, stream_records
 from tests.processes import ProcessTracker, wait_for
 
 pytestmark = [pytest.mark.fleet, pytest.mark.process]
@@ -99,93 +99,102 @@ def test_fleet_status_and_control_across_hosts(
     key.chmod(0o600)
     tag = uuid.uuid4().hex[:6]
     ha, hb = f"ha{tag}", f"hb{tag}"
-    processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
-                     "--config", str(host_config(state_dir, ha, fleet_cluster, key, agents=1))],
-                    name="up-a")
-    up_b = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir",
-                            str(other_state_dir.root), "--config",
-                            str(host_config(other_state_dir, hb, fleet_cluster, key, agents=0))],
-                           name="up-b")
-
-    def both_running() -> dict[str, dict[str, Any]] | None:
-        view = fleet_view(processes, state_dir) if (state_dir.run_dir / "fleet.json").exists() \
-            else {}
-        hosts = [view.get(ha), view.get(hb)]
-        if all(h is not None and h["children"] and
-               all(c["state"] == "running" for c in h["children"]) for h in hosts):
-            return view
-        return None
-
-    wait_for(both_running, 40, "both hosts running in the fleet view", interval_s=0.3)
-    view = fleet_view_cli(processes, state_dir)  # the real command
-    assert {c["name"] for c in view[ha]["children"]} == {"writer", "broker", "agent-1"}
-    assert {c["name"] for c in view[hb]["children"]} == {"writer", "broker"}
-    assert not view[ha]["stale"] and not view[hb]["stale"]
-    restarts = child(view[hb], "broker")["restarts"]
-
-    # host A's operator kills a child of host B; B's supervisor restarts it
-    done = cli(processes, state_dir, "kill", f"{hb}:broker", "--json")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert json.loads(done.stdout)["ok"] is True
-    wait_for(lambda: child(fleet_view(processes, state_dir)[hb], "broker")["restarts"] > restarts,
-             20, "host B's broker restarted", interval_s=0.3)
-
-    # a request not signed with the operator key is refused by host B
-    forged = asyncio.run(_request(fleet_cluster.urls, control_subject(hb),
-                                  fleetctl.sign(b"not-the-key", "stop", hb, "agent-1")))
-    assert forged["ok"] is False and forged["error"] == "forbidden"
-    # a replayed (validly signed) request is refused too
-    signed = fleetctl.sign(key.read_bytes().strip(), "kill", hb, "nobody")
-    first = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
-    assert first["ok"] is False and first["error"] != "forbidden"  # no such child
-    again = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
-    assert again["ok"] is False and again["error"] == "forbidden"
-
-    # host B's writer replicates its WAL to its own stream, not host A's
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        client = WriterClient(ctx, other_state_dir, "t1")
-        seq = client.append("agent/t1", "turn", {"n": 1}, key="on-b").seq
-        client.close()
-    finally:
-        ctx.destroy(linger=0)
-    assert json.loads(stream_records(fleet_cluster.urls, hb)[seq])["key"] == "on-b"
-    assert all(json.loads(line)["key"] != "on-b"
-               for line in stream_records(fleet_cluster.urls, ha).values())
+        processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                         "--config", str(host_config(state_dir, ha, fleet_cluster, key, agents=1))],
+                        name="up-a")
+        up_b = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir",
+                                str(other_state_dir.root), "--config",
+                                str(host_config(other_state_dir, hb, fleet_cluster, key,
+                                                agents=0))],
+                               name="up-b")
 
-    # placement: host A runs an agent, host B none: `--host auto` lands on B
-    task = write_task(state_dir.root.parent / "placed.yaml",
-                      [{"op": "finish", "summary": "done"}])
-    done = cli(processes, state_dir, "spawn", "placed", "--task", str(task), "--host", "auto",
-               "--json")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert json.loads(done.stdout)["host"] == hb
-    wait_for(lambda: "placed" in {c["name"] for c in fleet_view(processes, state_dir)[hb][
-        "children"]}, 20, "the placed agent in host B's status", interval_s=0.3)
-    assert "placed" not in {c["name"] for c in fleet_view(processes, state_dir)[ha]["children"]}
+        def both_running() -> dict[str, dict[str, Any]] | None:
+            view = fleet_view(processes, state_dir) if (state_dir.run_dir / "fleet.json").exists() \
+                else {}
+            hosts = [view.get(ha), view.get(hb)]
+            if all(h is not None and h["children"] and
+                   all(c["state"] == "running" for c in h["children"]) for h in hosts):
+                return view
+            return None
 
-    # host B's supervisor SIGKILLed: its entry goes stale, with its age
-    up_b.send_signal(signal.SIGKILL)
-    up_b.wait(10)
-    # one read per poll: the entry is read from any replica of the bucket (direct get),
-    # so two reads in a row may see two different entries of a silent host
-    def host_b_if(flag: str) -> dict[str, Any] | None:
-        entry = fleet_view(processes, state_dir).get(hb, {})
-        return entry if entry.get(flag) and not entry.get("unreadable") else None
+        wait_for(both_running, 40, "both hosts running in the fleet view", interval_s=0.3)
+        view = fleet_view_cli(processes, state_dir)  # the real command
+        assert {c["name"] for c in view[ha]["children"]} == {"writer", "broker", "agent-1"}
+        assert {c["name"] for c in view[hb]["children"]} == {"writer", "broker"}
+        assert not view[ha]["stale"] and not view[hb]["stale"]
+        restarts = child(view[hb], "broker")["restarts"]
 
-    stale = wait_for(lambda: host_b_if("stale"), 20, "host B marked stale", interval_s=0.2)
-    # stale: older than half the TTL (5 s); age_s is rounded to a tenth
-    assert stale.get("dead") or stale.get("expired") or stale["age_s"] >= 2.5
-    # its entry expires; after the grace host A declares it dead and fences its stream
-    dead = wait_for(lambda: host_b_if("dead"), 30, "host B declared dead", interval_s=0.3)
-    assert dead["fenced_by"] == ha
-    text = cli(processes, state_dir, "status", "--fleet")
-    assert text.returncode == 0 and f"DEAD (fenced by {ha}" in text.stdout
-    # B's stream ends with A's fence: a writer of B that comes back meets it at its
-    # first publish and stops (test_fleet_wal.py: test_a_fenced_host_...)
-    fence = read_stream(fleet_cluster.urls, hb)[-1]
-    assert fence.headers["Corral-Fence"].startswith(f"by {ha} ")
+        # host A's operator kills a child of host B; B's supervisor restarts it
+        done = cli(processes, state_dir, "kill", f"{hb}:broker", "--json")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert json.loads(done.stdout)["ok"] is True
+        wait_for(lambda: child(fleet_view(processes, state_dir)[hb], "broker")["restarts"]
+                 > restarts, 20, "host B's broker restarted", interval_s=0.3)
 
+        # a request not signed with the operator key is refused by host B
+        forged = asyncio.run(_request(fleet_cluster.urls, control_subject(hb),
+                                      fleetctl.sign(b"not-the-key", "stop", hb, "agent-1")))
+        assert forged["ok"] is False and forged["error"] == "forbidden"
+        # a replayed (validly signed) request is refused too
+        signed = fleetctl.sign(key.read_bytes().strip(), "kill", hb, "nobody")
+        first = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
+        assert first["ok"] is False and first["error"] != "forbidden"  # no such child
+        again = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
+        assert again["ok"] is False and again["error"] == "forbidden"
+
+        # host B's writer replicates its WAL to its own stream, not host A's
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            client = WriterClient(ctx, other_state_dir, "t1")
+            seq = client.append("agent/t1", "turn", {"n": 1}, key="on-b").seq
+            client.close()
+        finally:
+            ctx.destroy(linger=0)
+        assert json.loads(stream_records(fleet_cluster.urls, hb)[seq])["key"] == "on-b"
+        assert all(json.loads(line)["key"] != "on-b"
+                   for line in stream_records(fleet_cluster.urls, ha).values())
+
+        # placement: host A runs an agent, host B none: `--host auto` lands on B
+        task = write_task(state_dir.root.parent / "placed.yaml",
+                          [{"op": "finish", "summary": "done"}])
+        done = cli(processes, state_dir, "spawn", "placed", "--task", str(task), "--host", "auto",
+                   "--json")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert json.loads(done.stdout)["host"] == hb
+        wait_for(lambda: "placed" in {c["name"] for c in fleet_view(processes, state_dir)[hb][
+            "children"]}, 20, "the placed agent in host B's status", interval_s=0.3)
+        assert "placed" not in {c["name"] for c in fleet_view(processes, state_dir)[ha]["children"]}
+
+        # host B's supervisor SIGKILLed: its entry goes stale, with its age
+        up_b.send_signal(signal.SIGKILL)
+        up_b.wait(10)
+        # one read per poll: the entry is read from any replica of the bucket (direct get),
+        # so two reads in a row may see two different entries of a silent host
+        def host_b_if(flag: str) -> dict[str, Any] | None:
+            entry = fleet_view(processes, state_dir).get(hb, {})
+            return entry if entry.get(flag) and not entry.get("unreadable") else None
+
+        stale = wait_for(lambda: host_b_if("stale"), 20, "host B marked stale", interval_s=0.2)
+        # stale: older than half the TTL (5 s); age_s is rounded to a tenth
+        assert stale.get("dead") or stale.get("expired") or stale["age_s"] >= 2.5
+        # its entry expires; after the grace host A declares it dead and fences its stream
+        dead = wait_for(lambda: host_b_if("dead"), 30, "host B declared dead", interval_s=0.3)
+        assert dead["fenced_by"] == ha
+        text = cli(processes, state_dir, "status", "--fleet")
+        assert text.returncode == 0 and f"DEAD (fenced by {ha}" in text.stdout
+        # B's stream ends with A's fence: a writer of B that comes back meets it at its
+        # first publish and stops (test_fleet_wal.py: test_a_fenced_host_...)
+        fence = read_stream(fleet_cluster.urls, hb)[-1]
+        assert fence.headers["Corral-Fence"].startswith(f"by {ha} ")
+
+    finally:  # the hosts gone, the fleet forgets them: a later test's host would
+        # otherwise fence them and adopt their agents ("placed")
+        for proc in processes.started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+        forget_hosts(fleet_cluster.urls, [ha, hb])
 
 async def _request(urls: list[str], subject: str, data: bytes) -> dict[str, Any]:
     import nats

@@ -33,22 +33,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import re
-import ssl
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from actors.writer.wal import WalRecord, iter_segment, list_segments
-from broker.errors import ConfigError, DurabilityError
+from broker.errors import DurabilityError
+from broker.fleetnats import FleetSettings, connect_options, settings_from_args
+from broker.fleetnats import add_fleet_arguments as add_fleet_arguments  # noqa: PLC0414 - re-exported
 
-HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for a failed Nats-Expected-Last-Sequence
 STREAM_IN_USE = 10058  # a stream of that name exists (with another configuration)
 DUPLICATE_WINDOW_S = 120.0
@@ -63,52 +61,6 @@ class ReplicationStoppedError(DurabilityError):
     """The writer stopped while a batch still waited for the stream (not acknowledged)."""
 
 
-@dataclass(frozen=True)
-class FleetSettings:
-    host: str
-    urls: tuple[str, ...]
-    creds: str | None = None  # NATS credentials file (JWT + nkey seed)
-    nkey_seed: str | None = None  # nkey seed file
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    replicas: int = 3
-    publish_timeout_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not HOST_NAME.match(self.host):
-            raise ConfigError(f"fleet host {self.host!r}: letters, digits, _ and - only")
-        if not self.urls:
-            raise ConfigError("fleet mode needs at least one cluster URL")
-        for url in self.urls:
-            if "@" in url:
-                raise ConfigError("a fleet URL may not carry credentials: use a creds file")
-
-
-def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
-    """The writer's fleet options (the supervisor passes them from `fleet:`)."""
-    group = parser.add_argument_group("fleet mode (docs/fleet.md)")
-    group.add_argument("--fleet-host", default=None, help="this host's name: fleet mode on")
-    group.add_argument("--fleet-url", action="append", default=[], help="a cluster URL")
-    group.add_argument("--fleet-creds", default=None, help="NATS credentials file")
-    group.add_argument("--fleet-nkey", default=None, help="NATS nkey seed file")
-    group.add_argument("--fleet-tls-ca", default=None)
-    group.add_argument("--fleet-tls-cert", default=None)
-    group.add_argument("--fleet-tls-key", default=None)
-    group.add_argument("--fleet-replicas", type=int, default=3)
-    group.add_argument("--fleet-publish-timeout-s", type=float, default=2.0)
-
-
-def settings_from_args(args: argparse.Namespace) -> FleetSettings | None:
-    if args.fleet_host is None:
-        return None
-    return FleetSettings(
-        host=args.fleet_host, urls=tuple(args.fleet_url), creds=args.fleet_creds,
-        nkey_seed=args.fleet_nkey, tls_ca=args.fleet_tls_ca, tls_cert=args.fleet_tls_cert,
-        tls_key=args.fleet_tls_key, replicas=args.fleet_replicas,
-        publish_timeout_s=args.fleet_publish_timeout_s)
-
-
 def stream_name(host: str) -> str:
     return f"CORRAL_WAL_{host}"
 
@@ -119,28 +71,6 @@ def batch_subject(host: str) -> str:
 
 def fence_subject(host: str) -> str:
     return f"corral.wal.{host}.fence"
-
-
-def connect_options(settings: FleetSettings, name: str) -> dict[str, Any]:
-    """nats.connect() keyword options for these settings (reconnecting forever)."""
-    options: dict[str, Any] = {
-        "servers": list(settings.urls),
-        "name": name,
-        "connect_timeout": 1,
-        "allow_reconnect": True,
-        "max_reconnect_attempts": -1,
-        "reconnect_time_wait": 0.25,
-    }
-    if settings.creds:
-        options["user_credentials"] = settings.creds
-    if settings.nkey_seed:
-        options["nkeys_seed"] = settings.nkey_seed
-    if settings.tls_ca or settings.tls_cert:
-        ctx = ssl.create_default_context(cafile=settings.tls_ca)
-        if settings.tls_cert:
-            ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
-        options["tls"] = ctx
-    return options
 
 
 def parse_seq_range(value: str) -> tuple[int, int]:
