@@ -11,7 +11,9 @@ The **floor** is the lowest seq still needed, the minimum of:
   generations/gen-<seq>.json`: recovery needs that record and its tail), or
   its first record when it has no generation; a stream matching a
   `disposable` pattern needs nothing below the horizon; a purged one
-  nothing; any other stream is kept whole (its first record);
+  nothing; procs' stream (`procs/<session>`) the start fact of its oldest
+  job not yet settled, else nothing (actors/writer/procsfloor.py); any other
+  stream is kept whole (its first record);
 - any stream a reader is paging through (`read_stream` with more to come).
 
 A pass runs when the WAL is over `max_wal_bytes`, when the purge journal
@@ -44,6 +46,7 @@ import structlog
 from actors.writer import compaction, retention
 from actors.writer.dedupe import DedupeWindows
 from actors.writer.ledgers import Ledgers
+from actors.writer.procsfloor import ProcsFloor, is_procs_stream
 from actors.writer.streamindex import StreamIndex, stream_filename, sync_files
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import WalRecord, list_segments
@@ -167,6 +170,7 @@ class Collector:
         self._next_auto = time.monotonic() + options.interval_s
         self._next_request_poll = 0.0
         self._pass: PassResult | None = None
+        self._procs = ProcsFloor()  # unsettled starts of procs' streams
         self._started = 0.0
         self._todo: list[tuple[int, Path]] = []
         self._purged = Purged([])
@@ -271,6 +275,7 @@ class Collector:
     def floor(self, w: WriterView) -> int:
         """The lowest seq still needed (see the module docstring)."""
         floor = max(1, w.head + 1 - self.options.keep_records)
+        self._procs.forget(set(w.index.stream_names()))
         for stream in w.index.stream_names():
             if any(fnmatch.fnmatchcase(stream, p) for p in self.options.disposable):
                 continue
@@ -282,7 +287,13 @@ class Collector:
                     w.index.lookup(stream, b + 1, 1) for _, b in self._purged.ranges[stream]):
                 continue  # purged, and nothing of it after its purged range
             need = first
-            if stream.startswith("agent/"):
+            if is_procs_stream(stream):  # its unsettled starts, nothing older (procsfloor.py)
+                held = self._procs.need(stream, w.index, w.reader.read_line,
+                                        self.state.floor_seq, time.time())
+                if held is None:
+                    continue
+                need = max(held, first)
+            elif stream.startswith("agent/"):
                 gen = oldest_generation_seq(self.state_dir, stream.removeprefix("agent/"))
                 if gen is not None and gen >= first:
                     need = gen
