@@ -59,6 +59,9 @@ ARCHIVE_DIRNAME = "wal-archive"
 PURGE_DB = "sessions.sqlite3"
 PURGED_STATES = ("files_removed", "done")
 REQUEST_POLL_S = 0.5
+# ledgers trimmed to the WAL's floor: the budget ledger (recovery-core, a
+# projection of the WAL nothing reads below it); never approvals.jsonl (persist)
+TRIMMED_LEDGERS = ("budget",)
 
 
 @dataclass(frozen=True)
@@ -345,6 +348,8 @@ class Collector:
         if self.options.archive:
             fsync_dir(archive)
         compaction.fault_point("removed")
+        for name in TRIMMED_LEDGERS:  # the epoch is new: no checkpoint names their old sizes
+            trim_ledger(w.ledgers, name, new_floor)
         w.reader.floor_seq = new_floor
         for stream in w.index.stream_names():  # entries below the floor point nowhere
             entries = w.index.entries(stream)
@@ -476,6 +481,38 @@ class Collector:
                       segments_compacted=len(result.segments_compacted))
         with contextlib.suppress(OSError):
             write_atomic(self.state_dir.run_dir / RESULT_NAME, json.dumps(asdict(result)).encode())
+
+
+def trim_ledger(ledgers: Ledgers, name: str, floor_seq: int) -> int:
+    """Rewrite ledger `name` without its lines below `floor_seq` (the WAL no
+    longer holds them), atomically and durably, and let the writer reopen it;
+    returns how many lines went. Read only up to its first line when nothing
+    is below the floor. A line that does not parse is kept (start-up checks
+    and cuts a torn tail, docs/wal.md)."""
+    path = ledgers.paths.get(name)
+    if path is None:
+        return 0
+    from actors.writer.wal import parse_record  # noqa: PLC0415 - only on this rare path
+
+    try:
+        with open(path, "rb") as f:
+            first = parse_record(f.readline())
+            if first is None or first.seq >= floor_seq:
+                return 0
+            f.seek(0)
+            data = f.read()
+    except FileNotFoundError:
+        return 0
+    kept, dropped = [], 0
+    for line in data.splitlines(keepends=True):
+        record = parse_record(line)
+        if record is not None and record.seq < floor_seq:
+            dropped += 1
+        else:
+            kept.append(line)
+    ledgers.close()  # its descriptors name the old file
+    write_atomic(path, b"".join(kept))
+    return dropped
 
 
 def drop_ledger_lines(ledgers: Ledgers, name: str, seqs: set[int]) -> None:
