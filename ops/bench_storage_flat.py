@@ -51,6 +51,7 @@ STORAGE = {
     "keep_generations": 2,
     "keep_records": 1000,
     "interval_s": 2.0,
+    "transcript_max_bytes": 8 * 1024,
 }
 SNAPSHOT_EVERY = 16  # with keep_generations 2: the WAL window agents pin (docs/storage.md)
 # the agents' context, bounded as a model's window bounds it (actors/agent/
@@ -59,7 +60,7 @@ SNAPSHOT_EVERY = 16  # with keep_generations 2: the WAL window agents pin (docs/
 # max_bytes for 50 agents, and a slow run is still warming up at its end
 COMPACTION = {"window_tokens": 2048, "trigger_share": 0.75, "keep_share": 0.3,
               "summary_chars": 1000}
-LOGGING = {"max_bytes": 256 * 1024, "backups": 1}  # each actor's log, rotated by size
+LOGGING = {"max_bytes": 64 * 1024, "backups": 1}  # each actor's log, rotated by size
 
 
 def write_config(root: Path, agents: int) -> Path:
