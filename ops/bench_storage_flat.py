@@ -12,7 +12,8 @@ scripted agents whose task runs background commands without end: each pass
 `--sample-s` it runs `supervisor du --json` (the CLI, as an operator would)
 and records the bytes under `.corral/`, the WAL's and the job logs'.
 
-Figures: `samples` (t, total, wal, procs, ledgers, agents running), `warmup_bytes` (the
+Figures: `samples` (t, total, wal, procs, ledgers, agents' state, transcripts,
+logs, agents running), `warmup_bytes` (the
 first sample at or after `warmup_fraction` of the run), `end_bytes` (the last
 sample), `ratio_end_to_warmup` (target: flat, <= 1.1), `ratio_max_to_warmup`
 (the highest sample after warm-up), `head_seq` (records written: the work
@@ -50,8 +51,16 @@ STORAGE = {
     "keep_generations": 2,
     "keep_records": 1000,
     "interval_s": 2.0,
+    "transcript_max_bytes": 8 * 1024,
 }
-SNAPSHOT_EVERY = 32
+SNAPSHOT_EVERY = 16  # with keep_generations 2: the WAL window agents pin (docs/storage.md)
+# the agents' context, bounded as a model's window bounds it (actors/agent/
+# compaction.py): without it each agent's snapshot (and each kept generation)
+# grows by an exchange a turn up to RECENT_MAX (256, ~300 KB a file), far past
+# max_bytes for 50 agents, and a slow run is still warming up at its end
+COMPACTION = {"window_tokens": 2048, "trigger_share": 0.75, "keep_share": 0.3,
+              "summary_chars": 1000}
+LOGGING = {"max_bytes": 64 * 1024, "backups": 1}  # each actor's log, rotated by size
 
 
 def write_config(root: Path, agents: int) -> Path:
@@ -64,6 +73,8 @@ def write_config(root: Path, agents: int) -> Path:
     data["storage"] = dict(STORAGE)
     data["agents"].update(count=agents, restart="transient")
     data.setdefault("agent", {})["snapshot_every"] = SNAPSHOT_EVERY
+    data["agent"]["compaction"] = dict(COMPACTION)
+    data.setdefault("logging", {}).update(LOGGING)
     for child in data["children"]:
         if child["kind"] == "writer":
             child["command"] = [
@@ -119,6 +130,15 @@ def _procs_bytes(usage: dict[str, object]) -> int:
     return sum(int(s.get("procs", 0)) for s in sessions.values() if isinstance(s, dict))
 
 
+def _agent_state_bytes(usage: dict[str, object]) -> int:
+    """Agents' snapshots, generations and other files but job logs and workspaces."""
+    sessions = usage.get("sessions")
+    if not isinstance(sessions, dict):
+        return 0
+    return sum(int(s.get("generations", 0)) + int(s.get("other", 0))
+               for s in sessions.values() if isinstance(s, dict))
+
+
 def _ledger_bytes(state_dir: StateDir) -> int:
     """The ledgers under state/ (recovery-core, never collected: docs/storage.md)."""
     return sum(p.stat().st_size for p in state_dir.state_dir.glob("*ledger*"))
@@ -154,6 +174,7 @@ def measure(agents: int, seconds: float, sample_s: float, warmup_fraction: float
             keep: bool = False) -> dict[str, object]:
     from ops.soak import _env, stop_supervisor
     from ops.soakruntime import MARKER_ENV, Control, kill_group, orphans
+    from supervisor.storage import tree_bytes
 
     root = Path(tempfile.mkdtemp(prefix="corral-storage-flat-", dir="/tmp"))
     state_dir = StateDir(root / ".corral").ensure()
@@ -198,6 +219,9 @@ def measure(agents: int, seconds: float, sample_s: float, warmup_fraction: float
                 "wal_bytes": usage["wal_bytes"],
                 "procs_bytes": _procs_bytes(usage),
                 "ledger_bytes": _ledger_bytes(state_dir),
+                "agent_state_bytes": _agent_state_bytes(usage),
+                "transcript_bytes": tree_bytes(state_dir.root / "sessions"),
+                "log_bytes": tree_bytes(state_dir.logs_dir),
                 "tiers": usage["tiers"],
                 "agents_running": sum(
                     1 for c in children if c.kind == "agent" and c.state == "running"),
@@ -234,7 +258,8 @@ def measure(agents: int, seconds: float, sample_s: float, warmup_fraction: float
         ratio_end_to_warmup=round(end_bytes / warm_bytes, 3),
         ratio_max_to_warmup=round(max_bytes / warm_bytes, 3),
         target_ratio=1.1,
-        caps={**STORAGE, "segment_bytes": SEGMENT_BYTES, "snapshot_every": SNAPSHOT_EVERY},
+        caps={**STORAGE, "segment_bytes": SEGMENT_BYTES, "snapshot_every": SNAPSHOT_EVERY,
+              "compaction": COMPACTION, "logging": LOGGING},
         output_bytes_per_command=OUTPUT_BYTES,
     )
     return figures

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from actors.trees import collect as trees_collect
 from broker.durable import write_atomic
 from broker.statedir import StateDir
+from supervisor import storagetranscripts
 
 REQUEST_NAME = "gc.request"  # actors/writer/walgc.py reads these two
 RESULT_NAME = "gc.result.json"
@@ -61,6 +62,7 @@ class StorageConfig(BaseModel):
     disposable_streams: list[str] = []  # streams (fnmatch) needing nothing below the horizon
     pins: list[str] = []  # sessions (fnmatch) never collected
     interval_s: Annotated[float, Field(gt=0)] = 30.0  # how often caps are checked
+    transcript_max_bytes: Annotated[int, Field(ge=0)] = 0  # a session's, then rotated (0: never)
 
     def writer_args(self) -> list[str]:
         args = ["--gc-interval-s", str(self.interval_s), "--gc-keep-records",
@@ -170,6 +172,8 @@ class GcReport:
     generations_removed: int = 0
     generation_bytes_removed: int = 0
     running_jobs_kept: int = 0
+    transcripts_rotated: int = 0
+    transcript_bytes_removed: int = 0
     wal: dict[str, object] | None = None  # the writer's pass (actors/writer/walgc.py)
     wal_note: str = ""
     trees: dict[str, object] | None = None  # actors/trees/collect.py's pass
@@ -300,6 +304,9 @@ def gc(state_dir: StateDir, config: StorageConfig, *, dry_run: bool,
     report = GcReport(dry_run=dry_run, bytes_before=du(state_dir, config).total_bytes)
     collect_jobs(state_dir, config, report)
     collect_generations(state_dir, config, report)
+    rotated = storagetranscripts.over_cap(state_dir, config.transcript_max_bytes, config.pinned)
+    report.transcripts_rotated = len(rotated)
+    report.transcript_bytes_removed = storagetranscripts.rotate(rotated, dry_run)
     if wal:
         report.wal, report.wal_note = request_wal_pass(state_dir, dry_run, timeout_s)
     if trees:
@@ -343,6 +350,9 @@ class Janitor:
         if any(size > self.config.procs_max_bytes_per_session for size in jobs) or (
                 sum(jobs) > self.config.procs_max_bytes):
             return "procs"
+        if storagetranscripts.over_cap(self.state_dir, self.config.transcript_max_bytes,
+                                       self.config.pinned):
+            return "transcripts"
         return None
 
     def _run(self) -> None:
@@ -356,6 +366,7 @@ class Janitor:
                 self.passes += 1
                 self._log.info("storage_gc_ran", cap=why, jobs_removed=report.jobs_removed,
                                generations_removed=report.generations_removed,
+                               transcripts_rotated=report.transcripts_rotated,
                                bytes_before=report.bytes_before, bytes_after=report.bytes_after,
                                over_cap_after=report.over_cap_after)
             except Exception:  # noqa: BLE001 - a failed pass is logged; the next one retries

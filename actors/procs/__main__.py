@@ -10,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from types import FrameType
 
 import structlog
@@ -27,6 +28,23 @@ from broker.peer import BrokerPeer
 from broker.statedir import StateDir
 
 EXIT_CONFIG = 78
+REQUEST_TURN_S = 0.05  # requests served per loop turn at most this long, then the chores
+
+
+def serve_requests(host: ProcsHost, peer: BrokerPeer, budget_s: float = REQUEST_TURN_S) -> bool:
+    """Serve waiting requests for at most `budget_s`; True when some are left.
+
+    Bounded so the chores after it (reaping ended children, noting their end,
+    settling deferred replies) run every turn however busy the request queue
+    is: an unbounded drain starved them while 50 agents kept it non-empty, so
+    no ended command was settled (no `.end`, no `proc_exit`) and the janitor,
+    which prunes only settled jobs, removed nothing (docs/storage.md)."""
+    deadline = time.monotonic() + budget_s
+    while (item := peer.recv(0)) is not None:
+        handle(host, *item)
+        if time.monotonic() >= deadline:
+            return True
+    return False
 
 
 class _Stop:
@@ -57,6 +75,7 @@ def serve(state: StateDir, options: HostOptions, broker_heartbeat_s: float) -> i
         if reporter is not None:
             reporter.ready()
         log.info("procs_started", jobs=len(host.jobs))
+        backlog = False  # requests left waiting when the last turn's budget ran out
         while not stop.stopped:
             poller = zmq.Poller()
             poller.register(peer.socket, zmq.POLLIN)
@@ -64,11 +83,10 @@ def serve(state: StateDir, options: HostOptions, broker_heartbeat_s: float) -> i
             for fd in host.terminal_fds():
                 poller.register(fd, zmq.POLLIN)
             timeout_s = options.tick_s if host.busy() else min(0.5, broker_heartbeat_s / 2)
-            events = dict(poller.poll(int(timeout_s * 1000)))
+            events = dict(poller.poll(0 if backlog else int(timeout_s * 1000)))
             if stop.read_fd in events:
                 os.read(stop.read_fd, 4096)
-            while (item := peer.recv(0)) is not None:
-                handle(host, *item)
+            backlog = serve_requests(host, peer)
             host.reap()
             host.refresh()
             peer.tick()

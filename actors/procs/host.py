@@ -17,6 +17,7 @@ resends under the same msg_id finds the job it already started.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -35,7 +36,7 @@ from actors.procs.facts import Facts, sha256
 from actors.procs.job import SANDBOX_KEY, Job
 from actors.procs.mcpbridge import McpBridge
 from actors.procs.registry import Entry, JobKind, Registry, read_end_file, write_end_file
-from actors.procs.terminal import Terminal
+from actors.procs.terminal import DISK_FULL_ERRNOS, Terminal
 from broker import lifeline, protocol
 from broker.control import ControlReporter
 from broker.errors import ConfigError
@@ -76,6 +77,8 @@ class ProcsStats(BaseModel):
     reattached_total: int
     requests_total: int
     refused_total: int
+    log_disk_full: int = 0  # terminals whose log the full disk does not take now
+    registry_disk_full: int = 0  # 1 while the registry cannot be saved (full disk)
 
 
 @dataclass
@@ -133,6 +136,8 @@ class ProcsHost:
         self.mcp = McpBridge(self)  # MCP servers, one instance per sender (mcpbridge.py)
         self.mcp.warm()
         self.sandbox_error: str | None = None
+        self.logs_full: set[str] = set()  # terminals whose log the full disk refused
+        self.registry_full: str | None = None
         self._check_sandbox()
         lifeline.become_subreaper()
         self._recover()
@@ -359,7 +364,16 @@ class ProcsHost:
         try:
             self.registry.save()
         except OSError:
+            # never ran: forget it whole, so the same request retried later
+            # (after a full disk, say) starts it instead of finding a lost job
             launch.abandon(spawned)
+            self.jobs.pop(job.proc_id, None)
+            self._by_pid.pop(spawned.pid, None)
+            self.registry.drop(job.proc_id)
+            if isinstance(job, Terminal):
+                job.close_fds()
+            with contextlib.suppress(OSError):
+                os.unlink(job.entry.log_path)
             raise
         failed = launch.open_gate(spawned)
         self.counters.started += 1
@@ -396,10 +410,39 @@ class ProcsHost:
                 continue
             self.peer.send(item.sender, item.reply())
         self._deferred = still
+        self._note_disk_full()
         saves = self.registry.saves
-        self.registry.save()
+        try:
+            self.registry.save()
+        except OSError as exc:
+            if exc.errno not in DISK_FULL_ERRNOS:
+                raise
+            # stays dirty: saved at a later turn, once there is room (a start
+            # is refused meanwhile: its save comes before its gate opens)
+            if self.registry_full is None:
+                log.error("registry_disk_full", path=str(self.registry.path),
+                          error=os.strerror(exc.errno))
+            self.registry_full = os.strerror(exc.errno)
+        else:
+            if self.registry_full is not None:
+                log.info("registry_disk_resumed", path=str(self.registry.path))
+            self.registry_full = None
         if self.registry.saves != saves:  # only a save lets entries go
             self._forget_old()
+
+    def _note_disk_full(self) -> None:
+        """Log a terminal's log entering and leaving the full-disk state."""
+        for job in self.jobs.values():
+            if not isinstance(job, Terminal):
+                continue
+            if job.disk_full is not None and job.proc_id not in self.logs_full:
+                self.logs_full.add(job.proc_id)
+                log.error("job_log_disk_full", proc_id=job.proc_id, error=job.disk_full,
+                          held_bytes=len(job.unwritten))
+            elif job.disk_full is None and job.proc_id in self.logs_full:
+                self.logs_full.discard(job.proc_id)
+                log.info("job_log_resumed", proc_id=job.proc_id)
+        self.logs_full &= set(self.jobs)
 
     def _forget_old(self) -> None:
         """Drop from memory the ended jobs the registry let go (it keeps the
@@ -421,6 +464,9 @@ class ProcsHost:
                           log_bytes=job.log_size(), reason=entry.kill_reason)
         log.info("proc_ended", proc_id=entry.proc_id, state=entry.state,
                  exit_code=entry.exit_code, reason=entry.kill_reason)
+        if isinstance(job, Terminal) and job.dropped:
+            log.error("job_log_output_dropped", proc_id=entry.proc_id, bytes=job.dropped,
+                      reason="the disk stayed full until the terminal's lifetime passed")
 
     def _count_end(self, job: Job) -> None:
         self.counters.ended += 1
@@ -453,6 +499,8 @@ class ProcsHost:
             expired_total=by.get("expired", 0), lost_total=by.get("lost", 0),
             reattached_total=self.counters.reattached, requests_total=self.counters.requests,
             refused_total=self.counters.refused,
+            log_disk_full=len(self.logs_full),
+            registry_disk_full=int(self.registry_full is not None),
         )
 
     def shutdown(self) -> None:

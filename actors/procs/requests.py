@@ -17,7 +17,7 @@ from actors.procs.host import SETTLE_MARGIN_S, ProcsHost, RefusedError
 from actors.procs.job import Job
 from actors.procs.ownership import session_refusal
 from actors.procs.registry import JobKind
-from actors.procs.terminal import InputRefusedError, Terminal
+from actors.procs.terminal import DISK_FULL_ERRNOS, InputRefusedError, Terminal
 from broker import protocol, ratelimit
 
 Code = protocol.ErrorCode
@@ -89,8 +89,9 @@ def handle(host: ProcsHost, sender: str, message: protocol.Message) -> None:
                                detail=exc.detail[:2000])
     except OSError as exc:
         host.counters.refused += 1
+        full = exc.errno in DISK_FULL_ERRNOS  # a start whose files find no room: retry later
         reply = protocol.Error(msg_id=getattr(message, "msg_id", None),
-                               code=Code.INTERNAL_ERROR,
+                               code=Code.STORAGE_FULL if full else Code.INTERNAL_ERROR,
                                detail=f"{type(exc).__name__}: {exc}"[:2000])
     except Exception as exc:  # the last line of defence: no request stops procs
         host.counters.refused += 1

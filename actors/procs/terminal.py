@@ -11,6 +11,12 @@ Output written before the program exits is never lost: the terminal ends
 only when the program has been reaped *and* the master reads EIO (on Linux:
 every byte the slave side wrote has been read).
 
+A full disk (ENOSPC, EDQUOT, EFBIG on the log) never stops procs: the bytes
+that could not be written wait in memory (at most MAX_UNWRITTEN_BYTES; then
+the master is no longer read, so the program blocks on its terminal) and are
+written, in order, once space returns; the terminal does not end with bytes
+unwritten, unless its lifetime passed (then they are dropped and logged).
+
 What was typed is redacted from the output before the log is written
 (actors/procs/redact.py): a password typed into an echoing program never
 reaches the log, a `terminal_read`, the WAL or the model.
@@ -38,6 +44,8 @@ PUMP_BUDGET_BYTES = 1024 * 1024  # per terminal per turn of the loop (fairness)
 MAX_PENDING_INPUT = 256 * 1024
 INPUT_IDS_KEPT = 256
 EIO_WAIT_S = 2.0  # after the program exits, how long a held slave may delay the end
+MAX_UNWRITTEN_BYTES = 1024 * 1024  # output held while the log's disk is full
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class InputRefusedError(Exception):
@@ -50,6 +58,9 @@ class Terminal(Job):
         self.master_fd = master_fd
         self.log_fd: int | None = None
         self.written = 0
+        self.unwritten = bytearray()  # kept output the full disk did not take yet
+        self.disk_full: str | None = None  # the error while the log cannot be written
+        self.dropped = 0  # bytes given up at the end (the disk never had room)
         self.eof = master_fd is None
         self.reaped_at: float | None = None
         self._pending = bytearray()
@@ -67,7 +78,9 @@ class Terminal(Job):
         """Move what the program wrote into the log (typed text redacted);
         returns bytes read."""
         total = 0
-        while self.master_fd is not None and not self.eof and total < PUMP_BUDGET_BYTES:
+        self._write_out()
+        while (self.master_fd is not None and not self.eof and total < PUMP_BUDGET_BYTES
+               and len(self.unwritten) < MAX_UNWRITTEN_BYTES):
             try:
                 data = os.read(self.master_fd, READ_CHUNK)
             except BlockingIOError:
@@ -91,13 +104,27 @@ class Terminal(Job):
         """Append to the log up to the cap; past it, end the tree."""
         if not data:
             return
-        room = self.entry.cap_bytes - self.written
+        room = self.entry.cap_bytes - self.written - len(self.unwritten)
         if room > 0 and self.log_fd is not None:
-            kept = data[:room]
-            os.write(self.log_fd, kept)
-            self.written += len(kept)
+            self.unwritten += data[:room]
+            self._write_out()
         if len(data) > room and self.running:
             self.kill("cap")
+
+    def _write_out(self) -> None:
+        """Write the held bytes to the log; on a full disk keep them (retried
+        at every pump) and say so in `disk_full`."""
+        while self.unwritten and self.log_fd is not None:
+            try:
+                n = os.write(self.log_fd, self.unwritten)
+            except OSError as exc:
+                if exc.errno not in DISK_FULL_ERRNOS:
+                    raise
+                self.disk_full = f"{self.entry.log_path}: {os.strerror(exc.errno)}"
+                return
+            del self.unwritten[:n]
+            self.written += n
+        self.disk_full = None
 
     def typed(self, input_id: str) -> bool:
         """Whether the input sent under `input_id` was already taken."""
@@ -144,6 +171,10 @@ class Terminal(Job):
             return False  # a descendant still holds the slave: wait for the drain
         if not self.eof:
             self.kill(self.entry.kill_reason or "request")  # end the holders, then close
+        if self.log_fd is not None:
+            self._keep(self.redactor.flush())
+        if self.unwritten and not self.expired():
+            return False  # the disk is full: end once the output is in the log
         self.close_fds()
         if self.wait_status is not None:
             self.entry.exit_code = os.waitstatus_to_exitcode(self.wait_status)
@@ -154,6 +185,8 @@ class Terminal(Job):
     def close_fds(self) -> None:
         if self.log_fd is not None:
             self._keep(self.redactor.flush())
+        self.dropped += len(self.unwritten)  # only at the lifetime or a stop of procs
+        self.unwritten.clear()
         for fd in (self.master_fd, self.log_fd):
             if fd is not None:
                 with contextlib.suppress(OSError):

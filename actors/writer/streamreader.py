@@ -86,6 +86,11 @@ class StreamReader:
             self._fds[first_seq] = fd
         return fd
 
+    def read_line(self, segment: int, offset: int, length: int) -> bytes:
+        """The bytes of one indexed record (storage collection reads procs'
+        facts through this: actors/writer/procsfloor.py)."""
+        return os.pread(self._segment_fd(segment), length, offset)
+
     def held_floor(self) -> int | None:
         """The lowest seq a reader paging a stream still needs (None: none)."""
         now = time.monotonic()

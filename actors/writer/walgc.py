@@ -11,7 +11,9 @@ The **floor** is the lowest seq still needed, the minimum of:
   generations/gen-<seq>.json`: recovery needs that record and its tail), or
   its first record when it has no generation; a stream matching a
   `disposable` pattern needs nothing below the horizon; a purged one
-  nothing; any other stream is kept whole (its first record);
+  nothing; procs' stream (`procs/<session>`) the start fact of its oldest
+  job not yet settled, else nothing (actors/writer/procsfloor.py); any other
+  stream is kept whole (its first record);
 - any stream a reader is paging through (`read_stream` with more to come).
 
 A pass runs when the WAL is over `max_wal_bytes`, when the purge journal
@@ -44,6 +46,7 @@ import structlog
 from actors.writer import compaction, retention
 from actors.writer.dedupe import DedupeWindows
 from actors.writer.ledgers import Ledgers
+from actors.writer.procsfloor import ProcsFloor, is_procs_stream
 from actors.writer.streamindex import StreamIndex, stream_filename, sync_files
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import WalRecord, list_segments
@@ -56,6 +59,9 @@ ARCHIVE_DIRNAME = "wal-archive"
 PURGE_DB = "sessions.sqlite3"
 PURGED_STATES = ("files_removed", "done")
 REQUEST_POLL_S = 0.5
+# ledgers trimmed to the WAL's floor: the budget ledger (recovery-core, a
+# projection of the WAL nothing reads below it); never approvals.jsonl (persist)
+TRIMMED_LEDGERS = ("budget",)
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,7 @@ class Collector:
         self._next_auto = time.monotonic() + options.interval_s
         self._next_request_poll = 0.0
         self._pass: PassResult | None = None
+        self._procs = ProcsFloor()  # unsettled starts of procs' streams
         self._started = 0.0
         self._todo: list[tuple[int, Path]] = []
         self._purged = Purged([])
@@ -271,6 +278,7 @@ class Collector:
     def floor(self, w: WriterView) -> int:
         """The lowest seq still needed (see the module docstring)."""
         floor = max(1, w.head + 1 - self.options.keep_records)
+        self._procs.forget(set(w.index.stream_names()))
         for stream in w.index.stream_names():
             if any(fnmatch.fnmatchcase(stream, p) for p in self.options.disposable):
                 continue
@@ -282,7 +290,13 @@ class Collector:
                     w.index.lookup(stream, b + 1, 1) for _, b in self._purged.ranges[stream]):
                 continue  # purged, and nothing of it after its purged range
             need = first
-            if stream.startswith("agent/"):
+            if is_procs_stream(stream):  # its unsettled starts, nothing older (procsfloor.py)
+                held = self._procs.need(stream, w.index, w.reader.read_line,
+                                        self.state.floor_seq, time.time())
+                if held is None:
+                    continue
+                need = max(held, first)
+            elif stream.startswith("agent/"):
                 gen = oldest_generation_seq(self.state_dir, stream.removeprefix("agent/"))
                 if gen is not None and gen >= first:
                     need = gen
@@ -334,6 +348,8 @@ class Collector:
         if self.options.archive:
             fsync_dir(archive)
         compaction.fault_point("removed")
+        for name in TRIMMED_LEDGERS:  # the epoch is new: no checkpoint names their old sizes
+            trim_ledger(w.ledgers, name, new_floor)
         w.reader.floor_seq = new_floor
         for stream in w.index.stream_names():  # entries below the floor point nowhere
             entries = w.index.entries(stream)
@@ -465,6 +481,38 @@ class Collector:
                       segments_compacted=len(result.segments_compacted))
         with contextlib.suppress(OSError):
             write_atomic(self.state_dir.run_dir / RESULT_NAME, json.dumps(asdict(result)).encode())
+
+
+def trim_ledger(ledgers: Ledgers, name: str, floor_seq: int) -> int:
+    """Rewrite ledger `name` without its lines below `floor_seq` (the WAL no
+    longer holds them), atomically and durably, and let the writer reopen it;
+    returns how many lines went. Read only up to its first line when nothing
+    is below the floor. A line that does not parse is kept (start-up checks
+    and cuts a torn tail, docs/wal.md)."""
+    path = ledgers.paths.get(name)
+    if path is None:
+        return 0
+    from actors.writer.wal import parse_record  # noqa: PLC0415 - only on this rare path
+
+    try:
+        with open(path, "rb") as f:
+            first = parse_record(f.readline())
+            if first is None or first.seq >= floor_seq:
+                return 0
+            f.seek(0)
+            data = f.read()
+    except FileNotFoundError:
+        return 0
+    kept, dropped = [], 0
+    for line in data.splitlines(keepends=True):
+        record = parse_record(line)
+        if record is not None and record.seq < floor_seq:
+            dropped += 1
+        else:
+            kept.append(line)
+    ledgers.close()  # its descriptors name the old file
+    write_atomic(path, b"".join(kept))
+    return dropped
 
 
 def drop_ledger_lines(ledgers: Ledgers, name: str, seqs: set[int]) -> None:
