@@ -66,7 +66,9 @@ def log_events(state_dir: StateDir, actor: str, event: str) -> list[dict[str, An
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text().splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break  # the line the actor is writing now: read at the next poll
         record = json.loads(line)
         if record.get("event") == event:
             out.append(record)
