@@ -336,3 +336,28 @@ def test_turns_are_looked_up_in_their_own_session(state_dir: StateDir, tmp_path:
 
 def rebuild_state(writer: FakeWriter, name: str) -> AgentState:
     return fold(AgentState(), branch.active(events(writer, name)))
+
+
+def test_a_fork_of_a_compacted_session_keeps_its_summary(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    """The state at the cut names a summary in the parent's compaction file; the
+    fork's context must have that text, not 'summary unavailable'."""
+    from actors.agent import compaction
+    from actors.agent.settings import CompactionSettings
+
+    text = "lorem ipsum dolor sit amet " * 12
+    task = write_task(tmp_path / "t.yaml", [
+        {"op": "write_file", "path": "f{i}.txt", "content": text},
+        {"op": "read_file", "path": "f{i}.txt"}], repeat=12)
+    writer = FakeWriter()
+    src = start(state_dir, writer, "long", task, compaction=CompactionSettings(
+        window_tokens=2048, summary_chars=1000))
+    assert drive(src) is Step.DONE
+    assert src.state.summary is not None and src.state.compactions >= 2
+    forked = forking.fork(writer.as_origin("operator"), state_dir, "long",  # type: ignore[arg-type]
+                          "long-kid")
+    kid = start(state_dir, writer, "long-kid")
+    assert kid.state.summary == src.state.summary
+    assert compaction.read_summary(state_dir.agent_dir("long-kid"), kid.state.summary) == \
+        compaction.read_summary(state_dir.agent_dir("long"), src.state.summary)
+    assert forked.point_turn == src.state.turn

@@ -128,8 +128,8 @@ def append_record(agent_dir: Path, record: dict[str, Any]) -> None:
         fsync_dir(agent_dir)
 
 
-def read_summary(agent_dir: Path, ref: Compaction) -> str | None:
-    """The summary `ref` names, if the file holds a line with its id and hash."""
+def read_record(agent_dir: Path, ref: Compaction) -> dict[str, Any] | None:
+    """The file's line `ref` names (its id and its summary's hash), if it holds one."""
     import hashlib  # noqa: PLC0415
 
     try:
@@ -147,8 +147,27 @@ def read_summary(agent_dir: Path, ref: Compaction) -> str | None:
             continue
         text = record.get("summary")
         if isinstance(text, str) and hashlib.sha256(text.encode()).hexdigest() == ref.sha256:
-            return text
+            return record
     return None
+
+
+def read_summary(agent_dir: Path, ref: Compaction) -> str | None:
+    """The summary `ref` names, if the file holds a line with its id and hash."""
+    record = read_record(agent_dir, ref)
+    return None if record is None else str(record["summary"])
+
+
+def copy_for(state: AgentState, source_dir: Path, target_dir: Path) -> int:
+    """Copy into `target_dir`'s file the lines `state` names (its summary in
+    effect and a pending one) from `source_dir`'s: a fork's context needs its
+    parent's summaries (actors/trees/fork.py). Returns how many were copied."""
+    copied = 0
+    for ref in (state.summary, state.compaction_pending):
+        record = None if ref is None else read_record(source_dir, ref)
+        if record is not None:
+            append_record(target_dir, record)
+            copied += 1
+    return copied
 
 
 class SummaryCache:

@@ -12,7 +12,10 @@ the cut written from the object store: new files, no hard links, nothing
 shared with the parent. Its spec is the parent's with the default workspace.
 
 The parent's memory (`.corral/memory/<SOURCE>/`, persist tier, never
-reverted, so as it is now, not as it was at the cut) is copied to the fork's.
+reverted, so as it is now, not as it was at the cut) is copied to the fork's,
+and so are the lines of the parent's compaction file that the state at the
+cut names (its summary in effect, a pending one): the fork's context needs
+them (actors/agent/compaction.py).
 
 Steps: (1) intent `.corral/trees/forks/<NEW>.json`; (2) the agent directory
 built under a staging name and the workspace written into it; (3) the
@@ -35,6 +38,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from actors.agent import compaction
 from actors.agent.settings import read_spec, spec_path, write_spec
 from actors.sessions.ids import new_session_id
 from actors.trees import branch, restore, tree
@@ -149,6 +153,9 @@ def fork(writer: WriterClient, state_dir: StateDir, source: str, new: str, *,
         files = 0
         if target is not None:
             files = restore.restore(staging / "workspace", store, None, target).written
+        # the context's summaries live in the agent's compaction file: the fork's
+        # state names its parent's, so their lines go with it
+        compaction.copy_for(state, state_dir.agent_dir(source), staging)
         fault("fork:after_workspace")
         # verify the source again: its state at the cut and the tree's objects
         again = read_events(writer, source)
