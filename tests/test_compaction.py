@@ -117,3 +117,56 @@ def test_the_fold_takes_a_boundary_only_after_its_record() -> None:
     dropped = fold(recorded, [(2, "compaction_abandoned", {"compaction": "m1"})])
     assert dropped.recent == items and dropped.compaction_pending is None
     assert dropped.compactions == 1  # the next one is m2: its keys are new
+
+
+def test_the_compaction_file_keeps_only_what_something_readable_names(
+        state_dir: StateDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once retention has removed the early records of the stream, a generation
+    save prunes the lines no record left, no kept generation and not the state
+    name; the summary in effect stays readable, so a restart's context is whole."""
+    from actors.agent import generations
+    from tests.agentkit import FakeWriter
+    from tests.test_trees_rewind import drive, start
+
+    monkeypatch.setattr(compaction, "PRUNE_OVER_BYTES", 1)  # prune at every generation
+    monkeypatch.setattr(compaction, "PRUNE_GROWTH", 0)
+    writer = FakeWriter()
+    floor = {"seq": 1}
+    read_all = FakeWriter.read_stream
+
+    def retained(self: FakeWriter, stream: str, from_seq: int = 1, page: int = 512) -> Any:
+        return read_all(self, stream, max(from_seq, floor["seq"]), page)
+
+    def everything(stream: str, from_seq: int) -> Any:
+        return read_all(writer, stream, from_seq)
+
+    monkeypatch.setattr(FakeWriter, "read_stream", retained)  # the loop's view of the WAL
+    task = write_task(tmp_path / "t.yaml", [
+        {"op": "write_file", "path": "f{i}.txt", "content": TEXT},
+        {"op": "read_file", "path": "f{i}.txt"}], repeat=40)
+    loop = start(state_dir, writer, "long", task, snapshot_every=8, generations_kept=2,
+                 compaction=CompactionSettings(window_tokens=WINDOW, summary_chars=1000))
+    for _ in range(2000):  # past a few compactions, then retention cuts the stream's start
+        if loop.state.compactions >= 3 and loop.state.compaction_pending is None:
+            break
+        loop.step()
+    assert loop.state.compactions >= 3
+    lines = compaction.path_of(loop.agent_dir).read_text().splitlines()
+    assert len(lines) == loop.state.compactions  # nothing cut yet: every line is named
+    floor["seq"] = loop.state.last_seq
+    drive(loop)
+    state = loop.state
+    kept = [json.loads(x) for x in compaction.path_of(loop.agent_dir).read_text().splitlines()]
+    named = compaction.refs_of(state)
+    for path in generations.list_generations(loop.agent_dir):
+        generation = generations.read(path)
+        assert generation is not None
+        named |= compaction.refs_of(generation.state)
+    for record in everything("agent/long", floor["seq"]):
+        named |= compaction.named_by(record.event, record.payload())
+    assert {(k["compaction"], k["sha256"]) for k in kept} == named
+    assert len(kept) < state.compactions  # the lines of cut records went
+    assert state.summary is not None
+    again = start(state_dir, writer, "long")
+    assert again.state.summary == state.summary
+    assert compaction.read_summary(again.agent_dir, state.summary) is not None

@@ -251,3 +251,66 @@ def advance(state: AgentState, settings: Any, *, summaries: SummaryCache, backen
     hit("after_compaction_recorded", ident)
     append("compaction_boundary", {"compaction": ident}, f"{ident}:boundary", None)
     return True
+
+
+# --- bounding the file ---------------------------------------------------------------
+PRUNE_OVER_BYTES = 64 * 1024  # below this the file is left as it is
+PRUNE_GROWTH = 2  # the next pass when the file has grown to this times its size after one
+
+
+def refs_of(state: AgentState) -> set[tuple[str, str]]:
+    """The (compaction id, sha256) pairs a state names."""
+    return {(ref.compaction, ref.sha256) for ref in (state.summary, state.compaction_pending)
+            if ref is not None}
+
+
+def named_by(event: str, payload: Any) -> set[tuple[str, str]]:
+    """The lines a stream record names: a `compaction_recorded` fact its own, a
+    fork's first record those of the state it carries."""
+    if not isinstance(payload, dict):
+        return set()
+    if event == "compaction_recorded":
+        ident, sha = payload.get("compaction"), payload.get("sha256")
+        return {(ident, sha)} if isinstance(ident, str) and isinstance(sha, str) else set()
+    if event == "session_fork" and isinstance(payload.get("state"), dict):
+        found: set[tuple[str, str]] = set()
+        for field in ("summary", "compaction_pending"):
+            ref = payload["state"].get(field)
+            if isinstance(ref, dict) and isinstance(ref.get("compaction"), str) \
+                    and isinstance(ref.get("sha256"), str):
+                found.add((ref["compaction"], ref["sha256"]))
+        return found
+    return set()
+
+
+def prune(agent_dir: Path, keep: set[tuple[str, str]]) -> int:
+    """Rewrite the file with only the lines `keep` names (temp file, fsync,
+    rename, directory fsync: a crash leaves the old file or the new one);
+    returns how many lines went. The caller's `keep` is every line something
+    still readable names: the records left in the agent's stream, its kept
+    generations, its state now (docs/storage.md, "The compaction file")."""
+    path = path_of(agent_dir)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_READ_BYTES)
+    kept: list[bytes] = []
+    dropped = 0
+    for line in data.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            dropped += 1  # a torn line: names nothing
+            continue
+        if isinstance(record, dict) and (record.get("compaction"), record.get("sha256")) in keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if not dropped:
+        return 0
+    from broker.durable import write_atomic  # noqa: PLC0415
+
+    write_atomic(path, b"".join(line + b"\n" for line in kept))
+    return dropped

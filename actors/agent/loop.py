@@ -127,6 +127,7 @@ class AgentLoop:
         self._purged: set[str] = set()  # ids of purged sessions: never begun again
         self.log = structlog.get_logger("agent").bind(agent=name)
         self._since_generation = 0
+        self._prune_compactions_over = compaction.PRUNE_OVER_BYTES
         self._backend: Backend | None = None
         self.rebuild_ms = 0.0
         self.peer = peer  # BrokerPeer | None: for ops served by other actors
@@ -187,6 +188,36 @@ class AgentLoop:
             self._since_generation = 0
             event, payload, key = generations.saved_fact(seq, digest)
             self._append(event, payload, key)  # the WAL vouches for the file's content
+            self._prune_compactions()
+
+    def _prune_compactions(self) -> None:
+        """Bound the compaction file (docs/storage.md): once it has grown past a
+        mark, keep only the lines something still readable names (a record
+        retention left in this stream, a kept generation, the state now)."""
+        path = compaction.path_of(self.agent_dir)
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return
+        if size < self._prune_compactions_over:
+            return
+        keep = compaction.refs_of(self.state)
+        for kept in generations.list_generations(self.agent_dir):
+            generation = generations.read(kept)
+            if generation is not None:
+                keep |= compaction.refs_of(generation.state)
+        for record in self.writer.read_stream(self.stream, 1):
+            if record.event in ("compaction_recorded", "session_fork"):
+                keep |= compaction.named_by(record.event, record.payload())
+        dropped = compaction.prune(self.agent_dir, keep)
+        try:
+            size = path.stat().st_size
+        except OSError:
+            size = 0
+        self._prune_compactions_over = max(compaction.PRUNE_OVER_BYTES,
+                                           compaction.PRUNE_GROWTH * size)
+        if dropped:
+            self.log.info("compaction_file_pruned", lines=dropped, bytes=size)
 
     def _append(self, event: str, payload: dict[str, Any], key: str,
                 ledger: protocol.LedgerName | None = None, *, scoped: bool = True) -> None:
