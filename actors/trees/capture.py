@@ -72,7 +72,9 @@ class Capturer:
         os.pwrite(fd, b"s", 0)
         return os.fstat(fd).st_mtime_ns
 
-    def capture(self) -> Captured:
+    def capture(self, *, durable: bool = True) -> Captured:
+        """`durable=False`: the new objects' sync is left to the caller
+        (`store.take_unsynced()`, before a fact names the tree)."""
         stamp = self._stamp()
         self.store.validate()  # a collection since the last capture: index again
         self._new: dict[str, bytes] = {}
@@ -85,7 +87,7 @@ class Capturer:
             body = tree.encode({})
             digest = digest_of(body)
             self._new[digest] = body
-        stored = self.store.put_many(self._new.items())
+        stored = self.store.put_many(self._new.items(), durable=durable)
         gone = [rel for rel in self.cache.dirs if rel not in self._seen]
         for rel in gone:
             del self.cache.dirs[rel]
