@@ -239,15 +239,23 @@ class Run:
                     break
         return times
 
-    def status_cli_ms(self, runs: int) -> list[float]:
+    def status_cli_ms(self, runs: int) -> tuple[list[float], int]:
+        """Times of the answered runs, and how many got no answer in time
+        (exit 4: the supervisor did not answer within the CLI's timeout)."""
         times = []
+        unanswered = 0
         for _ in range(runs):
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "supervisor.cli", "status", "--json",
-                            "--state-dir", str(self.state.root)],
-                           env=_env(), stdout=subprocess.DEVNULL, check=True)
-            times.append((time.perf_counter() - t0) * 1000)
-        return times
+            done = subprocess.run([sys.executable, "-m", "supervisor.cli", "status", "--json",
+                                   "--state-dir", str(self.state.root)],
+                                  env=_env(), stdout=subprocess.DEVNULL, check=False)
+            if done.returncode == 0:
+                times.append((time.perf_counter() - t0) * 1000)
+            elif done.returncode == 4:
+                unanswered += 1
+            else:
+                raise subprocess.CalledProcessError(done.returncode, done.args)
+        return times, unanswered
 
     def stop(self) -> None:
         if self.requester is not None:
@@ -311,8 +319,10 @@ def run(quick: bool) -> dict[str, object]:
                     figures["pss_mib_median"] = pss
                     sup = psutil.Process(bench.proc.pid)
                     figures["supervisor_rss_mib"] = round(sup.memory_info().rss / 1048576, 1)
-                    figures["status_cli_ms_p50"] = round(
-                        statistics.median(bench.status_cli_ms(5 if quick else 9)), 1)
+                    cli, unanswered = bench.status_cli_ms(5 if quick else 9)
+                    if cli:
+                        figures["status_cli_ms_p50"] = round(statistics.median(cli), 1)
+                    figures["status_cli_unanswered"] = unanswered
                     victims = running[:: max(1, len(running) // 10)][:10]
                     restarts = bench.restart_ready_ms(victims)
                     figures["restart_ready_ms_p50"] = round(statistics.median(restarts), 1)
