@@ -364,3 +364,35 @@ def test_the_lease_is_held_until_the_flush_makes_the_tree_fact_durable(
     store = fresh(state_dir)
     for digest in named:
         assert store.get(digest)
+
+
+def test_a_tree_fact_goes_to_the_writer_only_after_its_objects_are_synced(
+        state_dir: StateDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pack's fdatasync runs on the recorder's thread while the turn goes
+    on; the flush that carries `workspace_tree` waits for it first."""
+    from actors.trees import recorder as recording
+
+    synced: list[int] = []
+    real_sync = recording.sync_fds
+
+    def counted(fds: list[int]) -> None:
+        real_sync(fds)
+        synced.append(len(fds))
+
+    monkeypatch.setattr(recording, "sync_fds", counted)
+    writer = FakeWriter()
+    loop = start(state_dir, writer, "a1", write_task(tmp_path / "t.yaml", STEPS))
+    real_append_many = loop.writer.append_many
+    trees_sent = 0
+
+    def checked(stream: str, records: list[tuple[str, bytes, str, str | None]]) -> object:
+        nonlocal trees_sent
+        if any(event == "workspace_tree" for event, *_ in records):
+            trees_sent += 1
+            assert not loop.trees._syncs, "a tree's objects were not synced before its fact"
+            assert synced, "no sync ran for the objects of the tree"
+        return real_append_many(stream, records)
+
+    monkeypatch.setattr(loop.writer, "append_many", checked)
+    assert drive(loop) is Step.DONE
+    assert trees_sent >= 3

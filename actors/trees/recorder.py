@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ class TreeRecorder:
     def __init__(self, state_dir: StateDir, name: str, workspace: Path) -> None:
         self.state_dir, self.name, self.workspace = state_dir, name, workspace
         self._capturer: Capturer | None = None
-        self._lease_fd: int | None = None
+        self._lease: weakref.finalize[Any, Any] | None = None  # the held lease's fd closer
         self._syncs: list[Future[None]] = []
         self._pool: ThreadPoolExecutor | None = None
 
@@ -75,8 +76,9 @@ class TreeRecorder:
 
     def hold(self) -> None:
         """Take the collection lease (shared) unless held already."""
-        if self._lease_fd is None:
-            self._lease_fd = take_lease(packs_dir(self.state_dir.root))
+        if self._lease is None:  # closed when released, or when this recorder goes
+            self._lease = weakref.finalize(self, os.close,
+                                           take_lease(packs_dir(self.state_dir.root)))
 
     def settle(self) -> None:
         """Wait for the syncs of the objects captured so far (raises their error)."""
@@ -87,9 +89,9 @@ class TreeRecorder:
     def released(self) -> None:
         """The facts are durable (or none was appended): let collections run."""
         self.settle()
-        fd, self._lease_fd = self._lease_fd, None
-        if fd is not None:
-            os.close(fd)
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease()  # closes the fd: the lease is released
 
     def fact(self, state: AgentState) -> tuple[str, dict[str, Any], str] | None:
         """(event, payload, key) of the `workspace_tree` to append, None if
