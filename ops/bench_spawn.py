@@ -15,10 +15,24 @@ Figures:
     restart_ready_ms_p50        SIGKILL of an idle agent to its successor running
                                 (seen through status requests)
     status_cli_ms_p50           `supervisor status --json` as a whole command
+
+Where `spawn_ready_ms` goes, same run (the supervisor logs at `info` here, so
+its `actor_spawned` lines time the zygote's replies):
+    spawn_forked_to_ready_ms_p50  the zygote's `forked` reply to `ready`: the
+                                agent's own start (logging, zmq, two CURVE
+                                connections, `ready`)
+    spawn_request_to_forked_ms_p50  the rest: the fork request's wait in the
+                                zygote's queue (up to FORKS_IN_FLIGHT = 8 asked
+                                at once) and its double fork
+    zygote_double_fork_ms_p50   one double fork (fork, the intermediate forks and
+                                exits, waitpid) of a process preloaded as the
+                                zygote is: the zygote forks agents one after
+                                another at this cost, the floor of a ramp's fork
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -83,6 +97,67 @@ def fresh_interpreter_ready_ms(root: Path, runs: int) -> float:
     return round(statistics.median(times), 1)
 
 
+def zygote_double_fork_ms(runs: int) -> float:
+    """One double fork as the zygote makes it (actors/zygote.py `_fork`), in a
+    child process preloaded as the zygote is (its imports, gc.freeze)."""
+    code = (
+        "import os, statistics, sys, time\n"
+        "from actors import zygote\n"
+        "zygote._preload()\n"
+        "times = []\n"
+        f"for _ in range({runs}):\n"
+        "    t = time.perf_counter()\n"
+        "    r, w = os.pipe()\n"
+        "    middle = os.fork()\n"
+        "    if middle == 0:\n"
+        "        pid = os.fork()\n"
+        "        if pid == 0:\n"
+        "            os._exit(0)\n"
+        "        os.write(w, str(pid).encode())\n"
+        "        os._exit(0)\n"
+        "    os.close(w)\n"
+        "    os.read(r, 64)\n"
+        "    os.close(r)\n"
+        "    os.waitpid(middle, 0)\n"
+        "    times.append((time.perf_counter() - t) * 1000)\n"
+        "print(statistics.median(times))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                         check=True, text=True)
+    return round(float(out.stdout.strip().splitlines()[-1]), 2)
+
+
+def _log_times(state: StateDir) -> tuple[list[float], list[float]]:
+    """Per agent, from the supervisor's log: (fork request to the zygote's
+    `forked` reply, that reply to `ready`) in ms; the request's time is the
+    `ready` time less the supervisor's own `ready_ms`."""
+    from datetime import datetime
+
+    spawned: dict[str, float] = {}
+    to_forked: list[float] = []
+    to_ready: list[float] = []
+    try:
+        lines = (state.logs_dir / "supervisor.log").read_text().splitlines()
+    except OSError:
+        return [], []
+    for line in lines:
+        try:
+            doc = json.loads(line)
+            child = str(doc.get("child", ""))
+            at = datetime.fromisoformat(str(doc["timestamp"]).replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError, TypeError):
+            continue
+        if not child.startswith("agent"):
+            continue
+        if doc.get("event") == "actor_spawned":
+            spawned[child] = at
+        elif doc.get("event") == "actor_ready" and child in spawned \
+                and isinstance(doc.get("ready_ms"), int | float):
+            forked_to_ready = (at - spawned.pop(child)) * 1000
+            to_ready.append(forked_to_ready)
+            to_forked.append(float(doc["ready_ms"]) - forked_to_ready)
+    return to_forked, to_ready
+
+
 class Run:
     """One `supervisor up` with `count` idle agents (or, given `prepare`, agents
     whose specs it writes: it may change the configuration before the start)."""
@@ -93,7 +168,7 @@ class Run:
         self.count = count
         config = yaml.safe_load((REPO / "config" / "default.yaml").read_text())
         config["agents"]["count"] = count
-        config["logging"]["level"] = "warning"
+        config["logging"]["level"] = "info"  # the supervisor's actor_spawned lines
         if prepare is not None:
             prepare(self.state, config)
         self.config_path = self.state.root.parent / "bench.yaml"
@@ -164,15 +239,23 @@ class Run:
                     break
         return times
 
-    def status_cli_ms(self, runs: int) -> list[float]:
+    def status_cli_ms(self, runs: int) -> tuple[list[float], int]:
+        """Times of the answered runs, and how many got no answer in time
+        (exit 4: the supervisor did not answer within the CLI's timeout)."""
         times = []
+        unanswered = 0
         for _ in range(runs):
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "supervisor.cli", "status", "--json",
-                            "--state-dir", str(self.state.root)],
-                           env=_env(), stdout=subprocess.DEVNULL, check=True)
-            times.append((time.perf_counter() - t0) * 1000)
-        return times
+            done = subprocess.run([sys.executable, "-m", "supervisor.cli", "status", "--json",
+                                   "--state-dir", str(self.state.root)],
+                                  env=_env(), stdout=subprocess.DEVNULL, check=False)
+            if done.returncode == 0:
+                times.append((time.perf_counter() - t0) * 1000)
+            elif done.returncode == 4:
+                unanswered += 1
+            else:
+                raise subprocess.CalledProcessError(done.returncode, done.args)
+        return times, unanswered
 
     def stop(self) -> None:
         if self.requester is not None:
@@ -225,13 +308,21 @@ def run(quick: bool) -> dict[str, object]:
                     figures["spawn_ready_ms_p50"] = round(statistics.median(ready), 2)
                     figures["spawn_ready_ms_p90"] = round(
                         statistics.quantiles(ready, n=10)[-1], 2)
+                    to_forked, to_ready = _log_times(bench.state)
+                    if to_ready:
+                        figures["spawn_request_to_forked_ms_p50"] = round(
+                            statistics.median(to_forked), 2)
+                        figures["spawn_forked_to_ready_ms_p50"] = round(
+                            statistics.median(to_ready), 2)
                     uss, pss = _memory_mib([c.pid for c in running if c.pid])
                     figures["uss_mib_median"] = uss
                     figures["pss_mib_median"] = pss
                     sup = psutil.Process(bench.proc.pid)
                     figures["supervisor_rss_mib"] = round(sup.memory_info().rss / 1048576, 1)
-                    figures["status_cli_ms_p50"] = round(
-                        statistics.median(bench.status_cli_ms(5 if quick else 9)), 1)
+                    cli, unanswered = bench.status_cli_ms(5 if quick else 9)
+                    if cli:
+                        figures["status_cli_ms_p50"] = round(statistics.median(cli), 1)
+                    figures["status_cli_unanswered"] = unanswered
                     victims = running[:: max(1, len(running) // 10)][:10]
                     restarts = bench.restart_ready_ms(victims)
                     figures["restart_ready_ms_p50"] = round(statistics.median(restarts), 1)
@@ -244,4 +335,5 @@ def run(quick: bool) -> dict[str, object]:
             finally:
                 bench.stop()
         figures["agents_alive"] = alive
+        figures["zygote_double_fork_ms_p50"] = zygote_double_fork_ms(10 if quick else 30)
     return figures

@@ -17,11 +17,25 @@ Figures:
                             `git diff --binary`
     ratio_end_to_end / ratio_core   ours / baseline (target: within 2x)
     patch_applies           our patch passes `git apply --check` on the parent
+
+Where `changeset_ms` goes, same runs (medians, from the host's and the child's
+log lines):
+    phase_snapshot_ms_p50   the request to `subagent_snapshotted` (the host's
+                            copy of the 1,000 files, and the parent's record)
+    phase_child_start_ms_p50  `subagent_snapshotted` to the child's first log
+                            line (its fork from the host's zygote, its start)
+    phase_child_steps_ms_p50  the child's `session_started` to `session_exited`:
+                            its 11 durable turns, each through the gate, the WAL
+                            (two durable appends for an edit) and a capture of
+                            its 1,000-file workspace (its workspace tree)
+    phase_child_end_ms_p50  `session_exited` to `subagent_ended` (the child's
+                            exit, reaping, the change set built)
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -138,7 +152,8 @@ def _wait_peer(peer: BrokerPeer, to: str) -> None:
     raise TimeoutError(f"{to} did not answer")
 
 
-def _end_to_end(root: Path, ws: Path, runs: int) -> tuple[list[float], bytes]:
+def _end_to_end(root: Path, ws: Path, runs: int,
+                sent: list[float]) -> tuple[list[float], bytes]:
     state = StateDir(root / ".corral").ensure()
     task = _child_task(root)
     started_procs: list[subprocess.Popen[bytes]] = []
@@ -158,6 +173,7 @@ def _end_to_end(root: Path, ws: Path, runs: int) -> tuple[list[float], bytes]:
                                               workspace=str(ws), task=str(task),
                                               descriptor="bench", wait_s=60)
             started = time.perf_counter()
+            sent.append(time.time())
             reply = peer.request("subagents", message, timeout_s=90, retries=0)
             times.append((time.perf_counter() - started) * 1000)
             assert isinstance(reply, protocol.SubagentReply), reply
@@ -173,6 +189,46 @@ def _end_to_end(root: Path, ws: Path, runs: int) -> tuple[list[float], bytes]:
     return times, patch
 
 
+def _log_events(path: Path) -> list[tuple[float, str, dict[str, object]]]:
+    from datetime import datetime
+
+    out: list[tuple[float, str, dict[str, object]]] = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            doc = json.loads(line)
+            at = datetime.fromisoformat(str(doc["timestamp"]).replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError, TypeError):
+            continue
+        out.append((at, str(doc.get("event")), doc))
+    return out
+
+
+def phases(state: StateDir, requested: list[float]) -> dict[str, list[float]]:
+    """Per run, the phases of `changeset_ms` (see the module's docstring):
+    `requested` are the wall-clock times the requests were sent."""
+    host = _log_events(state.logs_dir / "subagents.log")
+    out: dict[str, list[float]] = {"snapshot": [], "child_start": [], "child_steps": [],
+                                   "child_end": []}
+    snapped = [(at, str(doc.get("subagent_id"))) for at, ev, doc in host
+               if ev == "subagent_snapshotted"]
+    ended = {str(doc.get("subagent_id")): at for at, ev, doc in host if ev == "subagent_ended"}
+    for sent, (snap_at, sid) in zip(requested, snapped, strict=False):
+        child = _log_events(state.logs_dir / f"{PARENT}.{sid}.log")
+        started = [at for at, ev, _ in child if ev == "session_started"]
+        exited = [at for at, ev, _ in child if ev == "session_exited"]
+        if not (child and started and exited and sid in ended):
+            continue
+        out["snapshot"].append((snap_at - sent) * 1000)
+        out["child_start"].append((child[0][0] - snap_at) * 1000)
+        out["child_steps"].append((exited[-1] - started[0]) * 1000)
+        out["child_end"].append((ended[sid] - exited[-1]) * 1000)
+    return out
+
+
 def run(quick: bool = False) -> dict[str, object]:
     runs = 3 if quick else 7
     with temp_state_root() as root:
@@ -183,7 +239,9 @@ def run(quick: bool = False) -> dict[str, object]:
         for n in range(runs):  # interleaved: both see the same disk weather
             baseline.append(_baseline_once(root, repo, n))
             core.append(_core_once(root, ws, n))
-        e2e, patch = _end_to_end(root, ws, runs)
+        sent: list[float] = []
+        e2e, patch = _end_to_end(root, ws, runs, sent)
+        parts = phases(StateDir(root / ".corral"), sent)
         (root / "ours.patch").write_bytes(patch)
         check = subprocess.run(["git", "apply", "--check", str(root / "ours.patch")], cwd=ws,
                                capture_output=True, check=False)
@@ -199,4 +257,6 @@ def run(quick: bool = False) -> dict[str, object]:
         "ratio_core": round(percentile(core, 50) / base_p50, 2),
         "patch_applies": check.returncode == 0,
         "patch_sha256": hashlib.sha256(patch).hexdigest()[:16],
+        **{f"phase_{name}_ms_p50": round(percentile(times, 50), 1)
+           for name, times in parts.items() if times},
     }

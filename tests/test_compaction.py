@@ -170,3 +170,44 @@ def test_the_compaction_file_keeps_only_what_something_readable_names(
     again = start(state_dir, writer, "long")
     assert again.state.summary == state.summary
     assert compaction.read_summary(again.agent_dir, state.summary) is not None
+
+
+def _naive_context_tokens(state: AgentState) -> int:
+    summary = state.summary.tokens if state.summary is not None else 0
+    inputs = sum(i.chars // compaction.CHARS_PER_TOKEN + 1 for i in state.inputs
+                 if i.consumed_turn is not None)
+    return (compaction.SYSTEM_TOKENS + summary + inputs
+            + sum(compaction.tokens_of(item) for item in state.recent))
+
+
+def test_context_tokens_stays_exact_as_one_state_is_folded_in_place() -> None:
+    """The sizes are remembered per exchange (the loop folds one state in place
+    and asks before every request): exact through appends, the RECENT_MAX cut,
+    a compaction's boundary, a new session, and for states asked in turn."""
+    from actors.agent.state import RECENT_MAX, fold_into
+
+    state, other = AgentState(), AgentState()
+    seq = 0
+
+    def step(target: AgentState, event: str, payload: dict[str, Any]) -> None:
+        nonlocal seq
+        seq += 1
+        fold_into(target, [(seq, event, payload)])
+        assert compaction.context_tokens(target) == _naive_context_tokens(target)
+
+    for turn in range(1, RECENT_MAX + 40):
+        step(state, "turn", {"turn": turn, "actions": [{"op": "read_file", "path": "f"}],
+                             "text": "t" * (turn % 50)})
+        step(state, "tool_call", {"call_id": f"{turn}.0", "index": 0, "op": "read_file"})
+        step(state, "tool_result", {"call_id": f"{turn}.0", "status": "ok",
+                                    "result": {"content": "r" * turn}})
+        if turn % 7 == 0:
+            step(other, "turn", {"turn": turn, "actions": [], "text": "o" * turn})
+    assert len(state.recent) == RECENT_MAX
+    step(state, "compaction_recorded", {
+        "compaction": "m1", "items": 100, "through_turn": 60, "sha256": "s", "chars": 400,
+        "summary_tokens": 101})
+    step(state, "compaction_boundary", {"compaction": "m1"})
+    assert len(state.recent) == RECENT_MAX - 100
+    step(state, "session_started", {"session": "01M8P3CHSKDGX7TXF1G4A3MHT5", "number": 2})
+    assert state.recent == []

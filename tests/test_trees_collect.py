@@ -325,3 +325,74 @@ def test_the_runtimes_janitor_collects_the_store_over_max_bytes(state_dir: State
     finally:
         janitor.stop()
     assert not fresh(state_dir).has(blob("three\n")) and fresh(state_dir).has(blob("two\n"))
+
+
+def _lease_free(state_dir: StateDir) -> bool:
+    """Whether a collection pass could take the lease now (exclusively)."""
+    fd = os.open(packs_dir(state_dir.root).parent / LEASE_NAME, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def test_the_lease_is_held_until_the_flush_makes_the_tree_fact_durable(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    """The loop appends `workspace_tree` pending (durable at its next flush)
+    and a pass reads its roots from the WAL on disk: so the capture's lease
+    must outlast the append until the flush, or a pass in between would
+    collect the objects of a tree the WAL is about to name."""
+    writer = FakeWriter()
+    loop = start(state_dir, writer, "a1", write_task(tmp_path / "t.yaml", STEPS))
+    seen_pending_tree = False
+    for _ in range(200):
+        before = len(writer.records)
+        result = loop.step()
+        pending_tree = any(event == "workspace_tree" for event, *_ in loop._pending)
+        if pending_tree:
+            seen_pending_tree = True
+            assert not _lease_free(state_dir), "a pass could run before the tree is durable"
+        if len(writer.records) > before and not loop._pending:
+            assert _lease_free(state_dir)  # flushed: passes run again
+        if result is not Step.PROGRESS:
+            break
+    assert result is Step.DONE and seen_pending_tree
+    named = {r.payload()["tree"] for r in writer.records if r.event == "workspace_tree"}
+    store = fresh(state_dir)
+    for digest in named:
+        assert store.get(digest)
+
+
+def test_a_tree_fact_goes_to_the_writer_only_after_its_objects_are_synced(
+        state_dir: StateDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pack's fdatasync runs on the recorder's thread while the turn goes
+    on; the flush that carries `workspace_tree` waits for it first."""
+    from actors.trees import recorder as recording
+
+    synced: list[int] = []
+    real_sync = recording.sync_fds
+
+    def counted(fds: list[int]) -> None:
+        real_sync(fds)
+        synced.append(len(fds))
+
+    monkeypatch.setattr(recording, "sync_fds", counted)
+    writer = FakeWriter()
+    loop = start(state_dir, writer, "a1", write_task(tmp_path / "t.yaml", STEPS))
+    real_append_many = loop.writer.append_many
+    trees_sent = 0
+
+    def checked(stream: str, records: list[tuple[str, bytes, str, str | None]]) -> object:
+        nonlocal trees_sent
+        if any(event == "workspace_tree" for event, *_ in records):
+            trees_sent += 1
+            assert not loop.trees._syncs, "a tree's objects were not synced before its fact"
+            assert synced, "no sync ran for the objects of the tree"
+        return real_append_many(stream, records)
+
+    monkeypatch.setattr(loop.writer, "append_many", checked)
+    assert drive(loop) is Step.DONE
+    assert trees_sent >= 3

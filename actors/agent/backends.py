@@ -92,6 +92,12 @@ def _last_procs(state: AgentState) -> dict[str, str]:
     return found
 
 
+def _names_procs(step: Any) -> bool:
+    """Whether a script step uses `{last_command}` or `{last_terminal}`."""
+    text = json.dumps(step, ensure_ascii=False, default=str)
+    return any(placeholder in text for placeholder in NO_PROC)
+
+
 def _substitute(value: Any, values: dict[str, str]) -> Any:
     if isinstance(value, str):
         for placeholder, text in values.items():
@@ -111,17 +117,22 @@ class ScriptedModel:
         self.setup = task.setup
         self.steps = task.steps
         self.total = len(task.setup) + len(task.steps) * task.repeat
+        self._setup_procs = [_names_procs(step) for step in self.setup]
+        self._steps_procs = [_names_procs(step) for step in self.steps]
 
     def next_reply(self, state: AgentState, inputs: Sequence[Delivered] = ()) -> Reply:
         pos = state.cursor
         if pos >= self.total:
             actions: list[Any] = [{"op": "finish", "summary": "script complete"}]
         elif pos < len(self.setup):
-            actions = [_substitute(self.setup[pos], _last_procs(state))]
+            names = self._setup_procs[pos]
+            actions = [_substitute(self.setup[pos], _last_procs(state) if names else {})]
         else:
             pos -= len(self.setup)
             step = self.steps[pos % len(self.steps)]
-            values = {"{i}": str(pos // len(self.steps)), **_last_procs(state)}
+            values = {"{i}": str(pos // len(self.steps))}
+            if self._steps_procs[pos % len(self.steps)]:  # (a scan of the recent results)
+                values.update(_last_procs(state))
             actions = [_substitute(step, values)]
         return Reply(actions=actions, text=echo(inputs), usage=estimate_usage(state, actions))
 

@@ -16,7 +16,8 @@ Written (temp, rename; not fsynced) before the write is applied. When the loop i
 about to apply a write for a call id whose entry names the same action and
 target, and the target already has the entry's after-digest, the effect is
 there: the loop records it and does not apply it again. Only the last
-`KEEP_TURNS` turns' entries are kept (a lost tail is short), so the journal
+`KEEP_TURNS` turns' entries are kept (a lost tail is short; pruned every
+`PRUNE_EVERY` turns), so the journal
 does not grow with history. Derived and local: deleting it only removes this
 protection.
 
@@ -65,9 +66,14 @@ def session_of_file(name: str) -> str | None:
     return stem.partition("@")[2] or None
 
 
+PRUNE_EVERY = 8  # turns between two prunes in one session (a listing each)
+
+
 class EffectJournal:
     def __init__(self, agent_dir: Path) -> None:
         self.dir = agent_dir / "effects"
+        self._made = False  # the directory exists (made by this process)
+        self._pruned: tuple[int, str | None] | None = None  # (turn, session) of the last prune
 
     def _path(self, call_id: str, session: str | None) -> Path:
         return self.dir / file_name(call_id, session)
@@ -80,17 +86,36 @@ class EffectJournal:
             return None
 
     def record(self, entry: Entry, session: str | None) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self._path(entry.call_id, session)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(entry.__dict__, f, separators=(",", ":"))
-        tmp.replace(path)  # whole or absent for a reader; durable as the page cache is
+        if not self._made:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._made = True
+        name = file_name(entry.call_id, session)
+        data = json.dumps(entry.__dict__, separators=(",", ":")).encode()
+        try:
+            self._write(name, data)
+        except FileNotFoundError:  # the directory went away under us: make it again
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._write(name, data)
+
+    def _write(self, name: str, data: bytes) -> None:
+        tmp = os.path.join(self.dir, name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        # whole or absent for a reader; durable as the page cache is
+        os.replace(tmp, os.path.join(self.dir, name))
 
     def prune(self, turn: int, session: str | None) -> None:
         """Drop entries of turns older than `turn - KEEP_TURNS`, and those of
         other sessions (never matched again: a session begins after the
-        previous one is over)."""
+        previous one is over). Within a session the directory is listed every
+        `PRUNE_EVERY` turns (a few more entries may stay meanwhile)."""
+        last = self._pruned
+        if last is not None and last[1] == session and 0 <= turn - last[0] < PRUNE_EVERY:
+            return
+        self._pruned = (turn, session)
         try:
             names = os.listdir(self.dir)
         except FileNotFoundError:

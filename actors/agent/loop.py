@@ -242,8 +242,10 @@ class AgentLoop:
         one more when that made a generation due: the fact that vouches for it)."""
         while self._pending:
             self._flush_once()
+        self.trees.released()  # a tree the facts name is durable, and they are
 
     def _flush_once(self) -> None:
+        self.trees.settle()  # the objects of a tree a pending fact names are durable
         group, self._pending, self._pending_bytes = self._pending, [], 0
         base = self._pending_base
         with self._busy("append", self._append_deadline_s()):
@@ -393,16 +395,19 @@ class AgentLoop:
 
     def _record_tree(self) -> bool:
         """At a turn boundary: append `workspace_tree` if the workspace changed
-        (under the trees' collection lease until the fact is durable). The step
+        (under the trees' collection lease until the flush that makes the fact
+        durable; the objects' sync runs meanwhile: actors/trees/recorder.py). The step
         right after a recorded tree, with no fact since, does not walk the
         workspace again: nothing of the agent's ran in between."""
         if self._tree_recorded_at == self._facts_appended:
             return False
-        with self.trees.lease():
-            fact = self.trees.fact(self.state)
-            if fact is None:
-                return False
-            self._append(*fact)
+        self.trees.hold()  # released by the flush that makes the fact durable
+        fact = self.trees.fact(self.state)
+        if fact is None:
+            if not self._pending:
+                self.trees.released()
+            return False
+        self._append(*fact)
         self._tree_recorded_at = self._facts_appended
         return True
 

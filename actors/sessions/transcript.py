@@ -12,6 +12,16 @@ vault sealed in this reply (a terminal's input) is replaced, wherever it
 occurs in the line, by `<sealed sha256:... N bytes>` before the line is
 written (actors/agent/vault.py). A line that cannot be written (a full disk)
 is logged (`transcript_write_failed`) and the session goes on.
+
+Durability: a line that records a request sent to a model server (the
+backend exposes `last_request`) is fsynced before the turn is appended: it
+is the only record of the exact bytes sent and received, which nothing can
+derive again. A scripted or replay backend's line is written without fsync:
+its request (the cursor, the count of model calls) and its response (the
+actions, text and usage) are exactly what the fold and the `turn` record in
+the WAL hold, so a line a power loss takes can be derived from the WAL,
+and an fsync per step bought nothing (it was one of a scripted step's five
+syncs; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -118,7 +128,8 @@ class Transcript:
             fd = os.open(directory / CURRENT, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 os.write(fd, line.encode("utf-8", "surrogatepass") + b"\n")
-                os.fsync(fd)
+                if request is not None:  # a request that left the process: see the docstring
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             if created:

@@ -24,12 +24,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 from actors.changesets import confined
 from actors.trees import tree
-from actors.trees.statcache import DirCache, Ident, StatCache, fs_now_ns
+from actors.trees.statcache import STAMP_NAME, DirCache, Ident, StatCache, fs_now_ns
 from actors.trees.store import ObjectStore, digest_of
 
 EMPTY = ""
@@ -53,8 +54,28 @@ class Capturer:
         self.guard = guard
         self.stamp_dir = stamp_dir if stamp_dir is not None else store.directory.parent
 
-    def capture(self) -> Captured:
-        stamp = fs_now_ns(self.stamp_dir)
+    def _stamp(self) -> int:
+        """The filesystem's clock (statcache.fs_now_ns), from a probe file kept
+        open: a write to it sets its mtime to now, without an open and a close
+        per capture."""
+        fd = getattr(self, "_stamp_fd", None)
+        if fd is None:
+            stamp = fs_now_ns(self.stamp_dir)  # makes the directory and the probe
+            try:
+                fd = os.open(self.stamp_dir / STAMP_NAME,
+                             os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                return stamp
+            self._stamp_fd = fd
+            weakref.finalize(self, os.close, fd)
+            return stamp
+        os.pwrite(fd, b"s", 0)
+        return os.fstat(fd).st_mtime_ns
+
+    def capture(self, *, durable: bool = True) -> Captured:
+        """`durable=False`: the new objects' sync is left to the caller
+        (`store.take_unsynced()`, before a fact names the tree)."""
+        stamp = self._stamp()
         self.store.validate()  # a collection since the last capture: index again
         self._new: dict[str, bytes] = {}
         self._seen: set[str] = set()
@@ -66,7 +87,7 @@ class Capturer:
             body = tree.encode({})
             digest = digest_of(body)
             self._new[digest] = body
-        stored = self.store.put_many(self._new.items())
+        stored = self.store.put_many(self._new.items(), durable=durable)
         gone = [rel for rel in self.cache.dirs if rel not in self._seen]
         for rel in gone:
             del self.cache.dirs[rel]
@@ -128,6 +149,8 @@ class Capturer:
         files: dict[str, tuple[Ident, str]] = {}
         old = cached.files if cached is not None else {}
         max_time = 0
+        stamp = self.cache.stamp_ns  # the racy rule (StatCache.trusted), inlined:
+        has = self.store.has  # this loop runs once per file of a changed directory
         for name, mode, ino, size, mtime, ctime in signature:
             ident: Ident = (mode, ino, size, mtime, ctime)
             if stat.S_ISLNK(mode):
@@ -142,18 +165,22 @@ class Capturer:
             if not stat.S_ISREG(mode):
                 continue  # fifo, socket, device: not workspace content
             hit = old.get(name)
-            if (hit is not None and hit[0] == ident and self.cache.trusted(ident)
-                    and self.store.has(hit[1])):
+            if (hit is not None and hit[0] == ident and mtime < stamp and ctime < stamp
+                    and has(hit[1])):
                 d = hit[1]
-            else:
-                got = _read(fd, name)
-                if got is None:
-                    continue
-                data, st = got
-                ident = (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-                d = digest_of(data)
-                self._new.setdefault(d, data)
-                self._hashed += 1
+                files[name] = hit
+                if mtime > max_time or ctime > max_time:
+                    max_time = max(max_time, mtime, ctime)
+                entries[name] = tree.Entry(mode, d, size)
+                continue
+            got = _read(fd, name)
+            if got is None:
+                continue
+            data, st = got
+            ident = (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            d = digest_of(data)
+            self._new.setdefault(d, data)
+            self._hashed += 1
             files[name] = (ident, d)
             max_time = max(max_time, ident[3], ident[4])
             entries[name] = tree.Entry(ident[0], d, ident[2])

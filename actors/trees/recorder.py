@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from actors.agent import workspace as agent_workspace
 from actors.agent.state import AgentState
 from actors.trees.capture import Capturer
 from actors.trees.statcache import StatCache
-from actors.trees.store import ObjectStore, packs_dir
+from actors.trees.store import ObjectStore, packs_dir, sync_fds, take_lease
 from actors.trees.store import lease as store_lease
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
@@ -48,20 +50,60 @@ def capturer_for(state_dir: StateDir, name: str, workspace: Path,
 
 
 class TreeRecorder:
+    """Captures at turn boundaries. The agent loop appends the fact pending
+    and makes it durable at its next flush (actors/agent/loop.py), so:
+
+    - the collection lease is taken for the capture and held until that
+      flush has made the fact durable (`hold()` ... `released()`): a
+      collection reads its roots from the WAL on disk, where a pending fact
+      is not yet;
+    - the pack's fdatasync runs on a thread of its own from the capture on,
+      overlapping the turn's work, and the flush waits for it (`settle()`)
+      before the group naming the tree goes to the writer: a fact never
+      names an object that is not durable."""
+
     def __init__(self, state_dir: StateDir, name: str, workspace: Path) -> None:
         self.state_dir, self.name, self.workspace = state_dir, name, workspace
         self._capturer: Capturer | None = None
+        self._lease: weakref.finalize[Any, Any] | None = None  # the held lease's fd closer
+        self._syncs: list[Future[None]] = []
+        self._pool: ThreadPoolExecutor | None = None
 
     def lease(self) -> contextlib.AbstractContextManager[None]:
         """Held from the capture until its fact is appended: no collection
         (actors/trees/collect.py) runs in between."""
         return store_lease(packs_dir(self.state_dir.root))
 
+    def hold(self) -> None:
+        """Take the collection lease (shared) unless held already."""
+        if self._lease is None:  # closed when released, or when this recorder goes
+            self._lease = weakref.finalize(self, os.close,
+                                           take_lease(packs_dir(self.state_dir.root)))
+
+    def settle(self) -> None:
+        """Wait for the syncs of the objects captured so far (raises their error)."""
+        syncs, self._syncs = self._syncs, []
+        for sync in syncs:
+            sync.result()
+
+    def released(self) -> None:
+        """The facts are durable (or none was appended): let collections run."""
+        self.settle()
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease()  # closes the fd: the lease is released
+
     def fact(self, state: AgentState) -> tuple[str, dict[str, Any], str] | None:
-        """(event, payload, key) of the `workspace_tree` to append, None if unchanged."""
+        """(event, payload, key) of the `workspace_tree` to append, None if
+        unchanged. Call under `hold()`; the new objects' sync runs meanwhile."""
         if self._capturer is None:
             self._capturer = capturer_for(self.state_dir, self.name, self.workspace)
-        got = self._capturer.capture()
+        got = self._capturer.capture(durable=False)
+        fds = self._capturer.store.take_unsynced()
+        if fds:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="trees-sync")
+            self._syncs.append(self._pool.submit(sync_fds, fds))
         if got.digest == state.tree:
             return None
         return ("workspace_tree", {"turn": state.turn, "tree": got.digest, "hashed": got.hashed,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FORMAT_VERSION = 1
+STAMP_NAME = ".stamp"  # the probe file fs_now_ns writes
 Ident = tuple[int, int, int, int, int]  # mode, inode, size, mtime_ns, ctime_ns
 Signature = tuple[tuple[str, int, int, int, int, int], ...]
 
@@ -113,7 +114,7 @@ class StatCache:
 def fs_now_ns(directory: Path) -> int:
     """The filesystem's clock: the mtime of a file written now in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
-    probe = directory / ".stamp"
+    probe = directory / STAMP_NAME
     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600)
     try:

@@ -66,16 +66,27 @@ def packs_dir(root: Path) -> Path:
     return root / "trees" / "packs"
 
 
-@contextlib.contextmanager
-def lease(packs: Path, exclusive: bool = False) -> Iterator[None]:
-    """The collection lease of the store at `packs`: shared while a capture
-    goes from its walk to the durable fact naming its tree, exclusive for a
-    collection pass. Released when the block ends (or the process dies)."""
+def take_lease(packs: Path, exclusive: bool = False) -> int:
+    """The collection lease (see `lease`) taken; closing the fd it returns
+    releases it (so does the process's death)."""
     packs.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(packs.parent / LEASE_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def lease(packs: Path, exclusive: bool = False) -> Iterator[None]:
+    """The collection lease of the store at `packs`: shared while a capture
+    goes from its walk to the durable fact naming its tree, exclusive for a
+    collection pass. Released when the block ends (or the process dies)."""
+    fd = take_lease(packs, exclusive)
+    try:
         yield
     finally:
         os.close(fd)
@@ -92,7 +103,13 @@ class ObjectStore:
         self._index: dict[str, tuple[Path, int, int]] = {}
         self._ends: dict[str, int] = {}  # pack name -> end of its last complete object
         self._ids: dict[str, tuple[int, int]] = {}  # pack name -> (device, inode) indexed
+        self._unsynced: list[int] = []  # fds of packs appended with durable=False
         self.refresh()
+
+    def take_unsynced(self) -> list[int]:
+        """The fds `put_many(durable=False)` left to sync (now the caller's)."""
+        fds, self._unsynced = self._unsynced, []
+        return fds
 
     def lease(self) -> contextlib.AbstractContextManager[None]:
         """The collection lease, shared (see `lease`)."""
@@ -182,11 +199,13 @@ class ObjectStore:
             raise CorruptObjectError(f"object {digest[:16]} in {where[0].name} is damaged")
         return data
 
-    def put_many(self, objects: Iterable[tuple[str, bytes]]) -> int:
+    def put_many(self, objects: Iterable[tuple[str, bytes]], *, durable: bool = True) -> int:
         """Append the objects the store lacks to this writer's pack, durably;
         return how many. Deduplicated against the index as validated now:
         under the lease (`lease()`) no collection removes what it names
-        before the lease ends."""
+        before the lease ends. `durable=False`: the pack's fdatasync is left
+        to `sync_pending()`, which the caller runs (on another thread) before
+        anything names the objects (a new pack's directory is synced here)."""
         self.validate()
         given = list(objects)
         new: dict[str, bytes] = {}
@@ -234,7 +253,10 @@ class ObjectStore:
             while view:
                 written = os.pwrite(fd, view, offset)
                 view, offset = view[written:], offset + written
-            os.fdatasync(fd)
+            if durable:
+                os.fdatasync(fd)
+            else:
+                self._unsynced.append(os.dup(fd))
             self._ids[path.name] = identity(os.fstat(fd))
         finally:
             if fd >= 0:
@@ -255,6 +277,16 @@ class ObjectStore:
 
     def statistics(self) -> dict[str, int]:
         return {"objects": len(self._index), "packs": len(self._ends)}
+
+
+def sync_fds(fds: list[int]) -> None:
+    """fdatasync each fd (a pack appended with durable=False), then close it."""
+    try:
+        for fd in fds:
+            os.fdatasync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _read_at(path: Path, offset: int, length: int) -> bytes | None:
