@@ -226,14 +226,18 @@ def _agent_parsers(sub: Any, common: argparse.ArgumentParser,
     resume.add_argument("--cost-units", type=float, default=0.0, help="cost units to add")
     rewind = sub.add_parser("rewind", parents=[common, as_json],
                             help="rewind a stopped session to a turn (supervisor/treecli.py)")
-    rewind.add_argument("ref")
-    rewind.add_argument("--to-turn", type=int, default=None)
-    rewind.add_argument("--to-seq", type=int, default=None)
+    rewind.add_argument("ref", help="an agent's name (its newest session), or that session's id")
+    rewind.add_argument("--to-turn", type=int, default=None,
+                        help="keep turns 1..N of the newest session")
+    rewind.add_argument("--to-seq", type=int, default=None,
+                        help="cut at this record of the newest session's active branch")
     fork = sub.add_parser("fork", parents=[common, as_json],
                           help="fork a session into a new agent at a turn")
-    fork.add_argument("ref")
-    fork.add_argument("--name", required=True)
-    fork.add_argument("--at-turn", type=int, default=None)
+    fork.add_argument("ref", help="a session id (or a unique prefix), or an agent's name "
+                                  "(its newest session)")
+    fork.add_argument("--name", required=True, help="the new agent's name")
+    fork.add_argument("--at-turn", type=int, default=None,
+                      help="after this turn of that session (default: its last)")
 
 
 def main(argv: list[str] | None = None) -> int:
