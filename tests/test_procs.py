@@ -98,9 +98,15 @@ def marked(proc_id: str) -> list[psutil.Process]:
 @pytest.fixture
 def stack(processes: ProcessTracker, state_dir: StateDir) -> Iterator[Stack]:
     processes.spawn(["-m", "actors.writer", "--state-dir", str(state_dir.root)], name="writer")
+    yield from procs_stack(processes, state_dir, zmq.Context())
+
+
+def procs_stack(processes: ProcessTracker, state_dir: StateDir,
+                ctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[Stack]:
+    """A broker and procs over the writer the caller started first, with the
+    session SESSION's spec and workspace; `ctx` is destroyed at the end."""
     processes.spawn(["-m", "broker.server", "--state-dir", str(state_dir.root),
                      "--heartbeat-interval-ms", "200"], name="broker")
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     peer = BrokerPeer(ctx, state_dir, SESSION, heartbeat_interval_s=0.2)
     writer = WriterClient(ctx, state_dir, "test")
     workdir = state_dir.root.parent / "work"

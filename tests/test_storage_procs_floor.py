@@ -19,17 +19,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from actors.agent.settings import AgentSpec, write_spec
-from actors.procs.client import ProcsClient
 from actors.writer import retention
-from actors.writer.client import WriterClient
 from actors.writer.wal import list_segments
-from broker.peer import BrokerPeer
 from broker.statedir import StateDir
 from supervisor.walverify import verify
 from tests.processes import ProcessTracker, wait_for
 from tests.storagekit import run_gc, start_writer
-from tests.test_procs import SESSION, Stack, read_all
+from tests.test_procs import SESSION, Stack, procs_stack, read_all
 
 pytestmark = pytest.mark.process
 
@@ -38,22 +34,7 @@ pytestmark = pytest.mark.process
 def stack(processes: ProcessTracker, state_dir: StateDir) -> Iterator[Stack]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     start_writer(processes, state_dir, ctx, "writer", "--gc-keep-records", "5")
-    processes.spawn(["-m", "broker.server", "--state-dir", str(state_dir.root),
-                     "--heartbeat-interval-ms", "200"], name="broker")
-    peer = BrokerPeer(ctx, state_dir, SESSION, heartbeat_interval_s=0.2)
-    writer = WriterClient(ctx, state_dir, "test")
-    workdir = state_dir.root.parent / "work"
-    workdir.mkdir()
-    write_spec(state_dir, SESSION, AgentSpec(task="unused.yaml", workspace=str(workdir)))
-    s = Stack(state_dir, processes, ctx, peer, ProcsClient(peer, SESSION), writer,
-              processes.started[0], workdir)
-    try:
-        s.start_procs()
-        yield s
-    finally:
-        peer.close()
-        writer.close()
-        ctx.destroy(linger=0)
+    yield from procs_stack(processes, state_dir, ctx)
 
 
 def run_commands(stack: Stack, count: int, tag: str) -> list[str]:
