@@ -162,3 +162,16 @@ def forget_hosts(urls: list[str], hosts: list[str]) -> None:
             await nc.close()
 
     asyncio.run(go())
+
+
+def operator_key_and_hosts(state_dir_root: Path) -> tuple[Path, str, str]:
+    """A fresh fleet operator key (0600, beside the state directory) and two host
+    names unique to this test (the cluster outlives it)."""
+    import secrets
+    import uuid
+
+    key = state_dir_root.parent / "fleet-operator.key"
+    key.write_text(secrets.token_hex(32))
+    key.chmod(0o600)
+    tag = uuid.uuid4().hex[:6]
+    return key, f"ha{tag}", f"hb{tag}"

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import signal
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval
 from supervisor.fleetadopt import OBJECTS, download_pack
 from tests.agentkit import tree, write_task
-from tests.fleetkit import Cluster, forget_hosts, read_stream
+from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts, read_stream
 from tests.processes import ProcessTracker, wait_for
 from tests.test_fleet_hosts import cli, fleet_view, host_config, other_state_dir
 
@@ -101,11 +99,7 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
         fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
         other_state_dir: StateDir, tmp_path: Path) -> None:
     fleet_cluster.wait_ready()
-    key = state_dir.root.parent / "fleet-operator.key"
-    key.write_text(secrets.token_hex(32))
-    key.chmod(0o600)
-    tag = uuid.uuid4().hex[:6]
-    ha, hb = f"ha{tag}", f"hb{tag}"
+    key, ha, hb = operator_key_and_hosts(state_dir.root)
     try:
         config_a = config_for(state_dir, ha, fleet_cluster, key)
         up_a = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import signal
-import uuid
 from typing import Any
 
 import pytest
@@ -22,7 +21,7 @@ from broker.bridge import bus_key, bus_subject, sign
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
-from tests.fleetkit import Cluster, forget_hosts
+from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts
 from tests.processes import ProcessTracker, wait_for
 from tests.test_fleet_hosts import fleet_view, host_config, other_state_dir
 
@@ -77,11 +76,7 @@ def test_a_message_crosses_hosts_and_a_forged_one_is_refused(
         fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
         other_state_dir: StateDir) -> None:
     fleet_cluster.wait_ready()
-    key = state_dir.root.parent / "fleet-operator.key"
-    key.write_text(secrets.token_hex(32))
-    key.chmod(0o600)
-    tag = uuid.uuid4().hex[:6]
-    ha, hb = f"ha{tag}", f"hb{tag}"
+    key, ha, hb = operator_key_and_hosts(state_dir.root)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
@@ -146,7 +141,7 @@ def test_a_message_crosses_hosts_and_a_forged_one_is_refused(
         detail = refused_by(probe, "forbidden", f"{hb}:procs")
         assert detail is not None and "procs" in detail
         # an unknown host: refused at once, typed
-        detail = refused_by(probe, "host_unreachable", f"nohost{tag}:agent-1")
+        detail = refused_by(probe, "host_unreachable", f"nohost{hb[2:]}:agent-1")
         assert detail is not None and "no such host" in detail
         # host B goes silent (its supervisor SIGKILLed): refused, typed, once A's view has it
         up_b.send_signal(signal.SIGKILL)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,13 @@ from broker.statedir import StateDir
 from supervisor import fleetctl
 from supervisor.fleethost import control_subject
 from tests.agentkit import write_task
-from tests.fleetkit import Cluster, forget_hosts, read_stream, stream_records
+from tests.fleetkit import (
+    Cluster,
+    forget_hosts,
+    operator_key_and_hosts,
+    read_stream,
+    stream_records,
+)
 from tests.processes import ProcessTracker, wait_for
 
 pytestmark = [pytest.mark.fleet, pytest.mark.process]
@@ -94,11 +98,7 @@ def test_fleet_status_and_control_across_hosts(
         fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
         other_state_dir: StateDir) -> None:
     fleet_cluster.wait_ready()
-    key = state_dir.root.parent / "fleet-operator.key"
-    key.write_text(secrets.token_hex(32))
-    key.chmod(0o600)
-    tag = uuid.uuid4().hex[:6]
-    ha, hb = f"ha{tag}", f"hb{tag}"
+    key, ha, hb = operator_key_and_hosts(state_dir.root)
     try:
         processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
                          "--config", str(host_config(state_dir, ha, fleet_cluster, key, agents=1))],
