@@ -44,6 +44,7 @@ REQUEST_NAME = "gc.request"  # actors/writer/walgc.py reads these two
 RESULT_NAME = "gc.result.json"
 JOB_DIRS = (".procs", ".terminals")
 JOB_SUFFIXES = (".log", ".exit", ".end")
+EXIT_TEMP = ".exit.tmp"  # the wrapper's exit status before its rename (actors/procs/command.py)
 MiB = 1024 * 1024
 
 
@@ -192,8 +193,11 @@ def session_jobs(session_dir: Path) -> tuple[list[Job], int]:
         except OSError:
             continue
         for name in names:
-            stem, suffix = os.path.splitext(name)
-            if suffix in JOB_SUFFIXES:
+            if name.endswith(EXIT_TEMP):  # a wrapper cut between its exit file and the rename
+                stem, suffix = name[: -len(EXIT_TEMP)], EXIT_TEMP
+            else:
+                stem, suffix = os.path.splitext(name)
+            if suffix in JOB_SUFFIXES or suffix == EXIT_TEMP:
                 groups.setdefault(f"{sub}/{stem}", []).append(directory / name)
     ended, running = [], 0
     for key, files in groups.items():

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -114,3 +115,16 @@ def test_job_log_caps_hold_while_commands_run_and_running_jobs_are_kept(
     assert usage["tiers"]["recovery-core"] > 0  # type: ignore[index]
     assert du(state_dir, config).sessions[SESSION].procs <= CAP + JOB_BYTES + 64 * 1024
     procs.kill(running.proc_id)
+
+
+def test_a_wrappers_cut_exit_file_goes_with_its_job(tmp_path: Path) -> None:
+    """A wrapper killed between writing `<id>.exit.tmp` and its rename leaves
+    the temp file: it belongs to its job, and goes when the job is collected."""
+    procs = tmp_path / "a1" / ".procs"
+    procs.mkdir(parents=True)
+    for name in ("p-1.log", "p-1.exit.tmp", "p-1.end", "p-2.log", "p-2.exit.tmp"):
+        (procs / name).write_text("x")
+    ended, running = session_jobs(tmp_path / "a1")
+    assert running == 1  # p-2: no end noted
+    assert [sorted(f.name for f in job.files) for job in ended] == [
+        ["p-1.end", "p-1.exit.tmp", "p-1.log"]]
