@@ -94,7 +94,7 @@ def uploaded_pack_size(urls: list[str], host: str, agent: str) -> int:
     return asyncio.run(go())
 
 
-@pytest.mark.timeout(150)  # two hosts, a host loss, an adoption, a return (~35 s quiet)
+@pytest.mark.timeout(210)  # two hosts, a host loss, an adoption, a return (~35 s quiet)
 def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
         fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
         other_state_dir: StateDir, tmp_path: Path) -> None:
@@ -108,21 +108,27 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
                          "--config", str(config_for(other_state_dir, hb, fleet_cluster, key))],
                         name="up-b")
 
+        seen: list[dict[str, Any]] = []
+
         def both_running() -> bool:
             if not (state_dir.run_dir / "fleet.json").exists():
                 return False
             view = fleet_view(processes, state_dir)
+            seen[:] = [view]
             return all(view.get(h) and view[h]["children"] and
                        all(c["state"] == "running" for c in view[h]["children"])
                        for h in (ha, hb))
 
-        try:
-            wait_for(both_running, 40, "both hosts running", interval_s=0.3)
+        def described(view: dict[str, Any]) -> dict[str, Any]:
+            return {h: (view.get(h, {}).get("unreadable"), view.get(h, {}).get("age_s"),
+                        [(c["name"], c["state"], c.get("last_exit"))
+                         for c in view.get(h, {}).get("children", [])]) for h in (ha, hb)}
+
+        try:  # two supervisors, each a writer on the cluster, a broker with its bridge, procs
+            wait_for(both_running, 90, "both hosts running", interval_s=0.3)
         except TimeoutError:
-            view = fleet_view(processes, state_dir)
-            raise AssertionError({h: [(c["name"], c["state"], c.get("last_exit"))
-                                      for c in view.get(h, {}).get("children", [])]
-                                  for h in (ha, hb)}) from None
+            raise AssertionError({"last seen": described(seen[0]) if seen else None,
+                                  "now": described(fleet_view(processes, state_dir))}) from None
         task = write_task(tmp_path / "adopt.yaml", STEPS)
         for directory, name in ((state_dir, "victim"), (other_state_dir, "ref")):
             done = cli(processes, directory, "spawn", name, "--task", str(task), "--json")
