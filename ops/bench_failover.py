@@ -92,30 +92,9 @@ def _hosts_up(state: Path, hosts: set[str]) -> bool:
     return hosts <= seen
 
 
-def _uploaded(urls: list[str], host: str, agent: str) -> int:
-    import asyncio
-
-    import nats
-
-    from supervisor.fleetadopt import OBJECTS, download_pack
-
-    async def go() -> int:
-        nc: Any = await nats.connect(urls, connect_timeout=2)
-        try:
-            bucket = await nc.jetstream(timeout=5).object_store(OBJECTS)
-            names = [i.name for i in await bucket.list() if not i.deleted]
-            if not any(n.startswith(f"{host}/{agent}/pack.") for n in names):
-                return -1
-            return len(await download_pack(bucket, names, host, agent))
-        except Exception:  # noqa: BLE001 - not uploaded yet
-            return -1
-        finally:
-            await nc.close()
-
-    return asyncio.run(go())
-
-
 def host_failover_ms(root: Path, urls: list[str]) -> dict[str, float]:
+    from supervisor.fleetadopt import uploaded_pack_size
+
     tag = str(int(time.time() * 1000) % 10**8)
     ha, hb = f"fa{tag}", f"fb{tag}"
     state_a, state_b = root / "fa" / ".corral", root / "fb" / ".corral"
@@ -136,7 +115,8 @@ def host_failover_ms(root: Path, urls: list[str]) -> dict[str, float]:
             raise RuntimeError(done.stdout + done.stderr)
         _wait(lambda: _starts(state_a, "victim") >= 1, 60, "the agent on host A")
         pack = state_a / "trees" / "packs" / "victim.pack"
-        _wait(lambda: pack.exists() and _uploaded(urls, ha, "victim") == pack.stat().st_size,
+        _wait(lambda: pack.exists()
+              and uploaded_pack_size(urls, ha, "victim") == pack.stat().st_size,
               30, "the agent's bundle in the object store")
         killed = time.monotonic()
         procs[0].send_signal(signal.SIGKILL)

@@ -173,7 +173,7 @@ def _head_seq(state_dir: StateDir) -> int:
 def measure(agents: int, seconds: float, sample_s: float, warmup_fraction: float,
             keep: bool = False) -> dict[str, object]:
     from ops.soak import _env, stop_supervisor
-    from ops.soakruntime import MARKER_ENV, Control, kill_group, orphans
+    from ops.soakruntime import MARKER_ENV, Control, kill_group, orphans, wait_runtime_up
     from supervisor.storage import tree_bytes
 
     root = Path(tempfile.mkdtemp(prefix="corral-storage-flat-", dir="/tmp"))
@@ -195,15 +195,7 @@ def measure(agents: int, seconds: float, sample_s: float, warmup_fraction: float
     samples: list[dict[str, object]] = []
     figures: dict[str, object] = {}
     try:
-        started = time.monotonic()
-        while True:
-            children = control.children(timeout_s=0.5)
-            if children and all(c.state == "running" for c in children if c.kind != "agent"):
-                break
-            if supervisor.poll() is not None or time.monotonic() - started > 120:
-                raise RuntimeError(
-                    "the runtime did not come up: " + (root / "supervisor.out").read_text()[-2000:])
-            time.sleep(0.1)
+        wait_runtime_up(control, supervisor, str(root / "supervisor.out"))
         t0 = time.monotonic()
         next_at = t0
         while True:

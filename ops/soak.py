@@ -43,6 +43,7 @@ from ops.soakruntime import (
     kill_loop,
     orphans,
     wait_agents_finished,
+    wait_runtime_up,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -201,16 +202,7 @@ def soak(args: argparse.Namespace) -> dict[str, object]:
     control = Control(state_dir)
     approver = Approver(state_dir, control)
     try:
-        started = time.monotonic()
-        while True:
-            children = control.children(timeout_s=0.5)
-            if children and all(c.state == "running" for c in children if c.kind != "agent"):
-                break
-            if supervisor.poll() is not None or time.monotonic() - started > 120:
-                raise RuntimeError(
-                    "the runtime did not come up: " + (root / "supervisor.out").read_text()[-2000:]
-                )
-            time.sleep(0.1)
+        wait_runtime_up(control, supervisor, str(root / "supervisor.out"))
         kill_loop(
             state_dir,
             control,

@@ -275,6 +275,21 @@ def kill_loop(  # noqa: PLR0917 - the soak's parts, wired once
         run.kills[kind] = run.kills.get(kind, 0) + 1
 
 
+def wait_runtime_up(control: Control, supervisor: subprocess.Popen[bytes], output: str,
+                    timeout_s: float = 120.0) -> None:
+    """Until every child but the agents runs; RuntimeError with the end of the
+    supervisor's `output` file if it exits or the deadline passes."""
+    started = time.monotonic()
+    while True:
+        children = control.children(timeout_s=0.5)
+        if children and all(c.state == "running" for c in children if c.kind != "agent"):
+            return
+        if supervisor.poll() is not None or time.monotonic() - started > timeout_s:
+            with open(output, encoding="utf-8", errors="replace") as f:
+                raise RuntimeError("the runtime did not come up: " + f.read()[-2000:])
+        time.sleep(0.1)
+
+
 def wait_agents_finished(
     control: Control, approver: Approver, expected: set[str], timeout_s: float
 ) -> int:

@@ -238,6 +238,30 @@ async def download_pack(bucket: Any, names: list[str], host: str, agent: str) ->
     return bytes(data)
 
 
+def uploaded_pack_size(urls: list[str], host: str, agent: str) -> int:
+    """How many bytes of `host`'s pack of `agent` the object store holds as an
+    adopter would read them; -1 when none is there (or the cluster is away).
+    For the tests and benchmarks that wait for an upload."""
+    import asyncio  # noqa: PLC0415
+
+    import nats  # noqa: PLC0415
+
+    async def go() -> int:
+        nc: Any = await nats.connect(urls, connect_timeout=2)
+        try:
+            bucket = await nc.jetstream(timeout=5).object_store(OBJECTS)
+            names = [i.name for i in await bucket.list() if not i.deleted]
+            if not any(n.startswith(f"{host}/{agent}/pack.") for n in names):
+                return -1
+            return len(await download_pack(bucket, names, host, agent))
+        except Exception:  # noqa: BLE001 - not uploaded yet
+            return -1
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
 # --- adoption ------------------------------------------------------------------
 async def stream_records(js: Any, host: str) -> list[dict[str, Any]]:
     """Every record of `host`'s stream, parsed, in seq order (fences skipped)."""

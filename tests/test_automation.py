@@ -27,8 +27,9 @@ from broker.statedir import StateDir
 from supervisor.automation import ENV_CLOCK_OFFSET_FILE, ENV_HOLD_SPAWNS, due_slots
 from tests.agentkit import write_task
 from tests.processes import ProcessTracker, wait_for
+from tests.test_pipelines_process import HELLO
 from tests.test_supervisor_process import cli
-from tests.test_supervisor_run import fast_config
+from tests.test_supervisor_run import fast_config, supervisor_up
 
 
 def _entry(missed: str) -> ScheduleEntry:
@@ -77,15 +78,6 @@ def _config(state_dir: StateDir, *kinds: str) -> Path:
     return path
 
 
-def _up(processes: ProcessTracker, state_dir: StateDir, config: Path, name: str,
-        env: dict[str, str]) -> Any:
-    up = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
-                          "--config", str(config)], name=name, env=env)
-    wait_for(lambda: up.poll() is None and cli(processes, state_dir, "status").returncode == 0,
-             30, "the supervisor")
-    return up
-
-
 def _stop(processes: ProcessTracker, state_dir: StateDir, up: Any) -> None:
     assert cli(processes, state_dir, "stop").returncode == 0
     assert up.wait(timeout=30) == 0
@@ -108,7 +100,7 @@ def test_a_schedule_fires_across_a_supervisor_restart_by_its_missed_policy(
         return [p for e, p in _facts(writer, "automation/schedules")
                 if e == event and p["schedule"] == schedule]
 
-    up = _up(processes, state_dir, config, "up1", env)
+    up = supervisor_up(processes, state_dir, config, "up1", env)
     wait_for(lambda: facts("schedule_armed", "once") and facts("schedule_armed", "skip"), 20,
              "both schedules armed")
     armed = facts("schedule_armed", "once")[0]["since"]
@@ -134,7 +126,7 @@ def test_a_schedule_fires_across_a_supervisor_restart_by_its_missed_policy(
     clock.write_text(repr(first_slot + 1500 - time.time()))
     schedules.write_text(yaml.safe_dump({"schedules": [*entries, {
         "name": "late", "cron": "*/10 * * * *", "task": str(task)}]}))
-    up = _up(processes, state_dir, config, "up2", env)
+    up = supervisor_up(processes, state_dir, config, "up2", env)
     wait_for(lambda: facts("schedule_armed", "late"), 20, "the pass after the restart")
     fired = facts("schedule_fired", "once")
     assert len(fired) == 2 and fired[1]["catchup"] is True  # one run for both missed slots
@@ -143,18 +135,6 @@ def test_a_schedule_fires_across_a_supervisor_restart_by_its_missed_policy(
     assert len(skipped) == 1 and skipped[0]["count"] == 2
     assert len(facts("schedule_fired", "skip")) == 1  # the first slot never fires twice
     _stop(processes, state_dir, up)
-
-
-HELLO = """\
-name: hello
-inputs: [who]
-steps:
-  - id: greet
-    op: write_file
-    args: {path: "hello.txt", content: "hello ${inputs.who}"}
-    output: greet
-outputs: {bytes: "${outputs.greet.result.bytes}"}
-"""
 
 
 @pytest.mark.timeout(150)  # two supervisor starts and stops, a runner: slow on a loaded host
@@ -168,7 +148,7 @@ def test_a_pipeline_schedule_starts_its_runner_once_across_a_restart_after_the_f
     clock.write_text("0")
     env = {ENV_CLOCK_OFFSET_FILE: str(clock)}
     # the fault: the supervisor takes no spawn order, as if it died after the fact
-    up = _up(processes, state_dir, config, "up1", {**env, ENV_HOLD_SPAWNS: "1"})
+    up = supervisor_up(processes, state_dir, config, "up1", {**env, ENV_HOLD_SPAWNS: "1"})
     source = tmp_path / "hello.yaml"
     source.write_text(HELLO)
     installed = cli(processes, state_dir, "registry", "apply", "pipeline_install",
@@ -202,7 +182,7 @@ def test_a_pipeline_schedule_starts_its_runner_once_across_a_restart_after_the_f
     assert not spec.exists()  # the fact is there, the start is not
     _stop(processes, state_dir, up)
 
-    up = _up(processes, state_dir, config, "up2", env)
+    up = supervisor_up(processes, state_dir, config, "up2", env)
     wait_for(lambda: report.outcome(writer, state_dir, runner) is not None, 60,
              f"the runner {runner} started after the restart to end")
     done = report.outcome(writer, state_dir, runner)
@@ -257,7 +237,7 @@ def test_hooks_post_once_per_event_after_a_500_and_run_commands_in_the_sandbox(
             {"name": "outside", "on": ["agent_finished"], "url": "http://192.0.2.1:9/x",
              "retries": 0},
         ]}))
-        up = _up(processes, state_dir, _config(state_dir, "procs"), "up",
+        up = supervisor_up(processes, state_dir, _config(state_dir, "procs"), "up",
                  {"OPENAI_API_KEY": "sk-hook-test-key"})
         task = write_task(state_dir.root.parent / "ask.yaml", [
             {"op": "ask", "question": "ship it?"}, {"op": "finish", "summary": "done"}])

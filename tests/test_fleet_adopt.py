@@ -10,7 +10,6 @@ changes nothing."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import time
@@ -26,7 +25,7 @@ from actors.trees.store import packs_dir
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval
-from supervisor.fleetadopt import OBJECTS, download_pack
+from supervisor.fleetadopt import uploaded_pack_size
 from tests.agentkit import tree, write_task
 from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts, read_stream
 from tests.processes import ProcessTracker, wait_for
@@ -73,25 +72,6 @@ def pending(writer: WriterClient, state_dir: StateDir, name: str) -> list[Any]:
 def finished(writer: WriterClient, name: str) -> bool:
     records = list(writer.read_stream(f"agent/{name}"))
     return bool(records) and records[-1].event == "session_exit"
-
-
-def uploaded_pack_size(urls: list[str], host: str, agent: str) -> int:
-    import nats
-
-    async def go() -> int:
-        nc: Any = await nats.connect(urls, connect_timeout=2)
-        try:
-            bucket = await nc.jetstream(timeout=5).object_store(OBJECTS)
-            names = [i.name for i in await bucket.list() if not i.deleted]
-            if not any(n.startswith(f"{host}/{agent}/pack.") for n in names):
-                return -1
-            return len(await download_pack(bucket, names, host, agent))
-        except Exception:  # noqa: BLE001 - not uploaded yet
-            return -1
-        finally:
-            await nc.close()
-
-    return asyncio.run(go())
 
 
 @pytest.mark.timeout(210)  # two hosts, a host loss, an adoption, a return (~35 s quiet)

@@ -31,7 +31,7 @@ from broker.statedir import StateDir
 from tests.agentkit import tree
 from tests.processes import ProcessTracker, wait_for
 from tests.test_supervisor_process import children, cli
-from tests.test_supervisor_run import fast_config
+from tests.test_supervisor_run import fast_config, supervisor_up
 from tests.test_writer import start_writer
 
 pytestmark = pytest.mark.process
@@ -128,10 +128,7 @@ outputs: {bytes: "${outputs.greet.result.bytes}"}
 def test_install_run_supervised_and_restore_through_the_cli(
         processes: ProcessTracker, state_dir: StateDir, tmp_path: Path) -> None:
     config = fast_config(state_dir)
-    up = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
-                          "--config", str(config)], name="up")
-    wait_for(lambda: up.poll() is None and cli(processes, state_dir, "status").returncode == 0,
-             30, "the supervisor")
+    up = supervisor_up(processes, state_dir, config)
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\nsteps:\n  - id: a\n    op: rm_everything\n")
     refused = cli(processes, state_dir, "pipeline", "run", str(bad), "--runner", "pl-bad")

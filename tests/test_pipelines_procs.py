@@ -16,7 +16,7 @@ from actors.procs.ownership import owner_of
 from broker.statedir import StateDir
 from tests.processes import ProcessTracker, wait_for
 from tests.test_supervisor_process import children, cli
-from tests.test_supervisor_run import fast_config
+from tests.test_supervisor_run import fast_config, supervisor_up
 
 pytestmark = pytest.mark.process
 
@@ -36,10 +36,7 @@ outputs: {said: "${outputs.echo.result.exit_code}"}
 def test_an_agents_pipeline_run_runs_a_bash_step_in_the_agents_workspace(
         processes: ProcessTracker, state_dir: StateDir, tmp_path: Path) -> None:
     config = fast_config(state_dir)
-    up = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
-                          "--config", str(config)], name="up")
-    wait_for(lambda: up.poll() is None and cli(processes, state_dir, "status").returncode == 0,
-             30, "the supervisor")
+    up = supervisor_up(processes, state_dir, config)
     task = tmp_path / "agent.yaml"
     task.write_text(yaml.safe_dump({"name": "sheller", "setup": [
         {"op": "write_file", "path": "shell.yaml", "content": SHELL},

@@ -34,6 +34,16 @@ def fast_config(state_dir: StateDir, agent: dict[str, Any] | None = None, **run:
     return path
 
 
+def supervisor_up(processes: ProcessTracker, state_dir: StateDir, config: Path,
+                  name: str = "up", env: dict[str, str] | None = None) -> Any:
+    """`supervisor up` with `config`, once its status answers."""
+    up = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                          "--config", str(config)], name=name, env=env)
+    wait_for(lambda: up.poll() is None and cli(processes, state_dir, "status").returncode == 0,
+             30, "the supervisor")
+    return up
+
+
 def test_run_with_8_agents_exits_0_and_leaves_no_process(
         processes: ProcessTracker, state_dir: StateDir) -> None:
     config = fast_config(state_dir, timeout_s=90)

@@ -315,7 +315,7 @@ def test_turns_are_looked_up_in_their_own_session(state_dir: StateDir, tmp_path:
     operator = writer.as_origin("operator")
     done = rewinding.rewind(operator, state_dir, "two", to_turn=1)  # type: ignore[arg-type]
     assert done.to_seq > first_records[-1][0]  # in the second session, not the first
-    state = rebuild_state(writer, "two")
+    state = replayed(writer, "two")
     assert state.session == second_session and state.turn == 1
     assert (loop.workspace / "s2.txt").exists() and not (loop.workspace / "s2b.txt").exists()
     with pytest.raises(rewinding.RewindError, match="earlier session"):
@@ -332,10 +332,6 @@ def test_turns_are_looked_up_in_their_own_session(state_dir: StateDir, tmp_path:
     with pytest.raises(forking.ForkError, match="no session"):
         forking.fork(operator, state_dir, "two", "nope",  # type: ignore[arg-type]
                      session=new_session_id())
-
-
-def rebuild_state(writer: FakeWriter, name: str) -> AgentState:
-    return fold(AgentState(), branch.active(events(writer, name)))
 
 
 def test_a_fork_of_a_compacted_session_keeps_its_summary(
