@@ -155,6 +155,18 @@ def test_a_peer_never_answers_an_error_even_an_undecodable_one(
     target = BrokerPeer(ctx, state_dir, "target", heartbeat_interval_s=0.1)
     mallory = dealer(ctx, state_dir.endpoint("broker"), b"mallory")
     try:
+        # first the target reachable through the broker: a frame sent before its
+        # connection is up is refused unknown_recipient (the race a CI run lost)
+        def reached() -> bool:
+            mallory.send_multipart([b"target", protocol.encode(protocol.Ping(msg_id="warm"))])
+            return target.recv(0.2) is not None
+
+        wait_for(reached, 10, "the target reachable through the broker")
+        target.send("mallory", protocol.Pong(msg_id="warm", actor="target", pid=1))
+        while next_body(mallory) != protocol.Pong(msg_id="warm", actor="target", pid=1):
+            pass  # the refusals of the warm-ups sent too early
+        while target.recv(0.2) is not None:
+            pass  # a warm-up that arrived after the first one answered
         bad_error = msgpack.packb({"v": 1, "kind": "error", "msg_id": "e-1",
                                    "code": "no-such-code", "detail": 5})
         mallory.send_multipart([b"target", bad_error])
