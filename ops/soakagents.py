@@ -158,6 +158,16 @@ def _effects_disagree(events: list[Event], workspace: Path) -> int:
     return bad
 
 
+def _state_diff(folded: dict[str, Any], reported: dict[str, Any]) -> str:
+    """The fields where the generation and the fold differ, each value clipped."""
+    parts = []
+    for key in sorted(set(folded) | set(reported)):
+        if folded.get(key) != reported.get(key):
+            parts.append(f"{key}: fold={str(folded.get(key))[:300]} "
+                         f"generation={str(reported.get(key))[:300]}")
+    return "; ".join(parts)
+
+
 def check(
     state_dir: StateDir, repeat: int | None = None, tainted: set[str] | None = None
 ) -> dict[str, object]:
@@ -188,7 +198,8 @@ def check(
         elif reported is not None:
             upto = fold(AgentState(), [e for e in events if e[0] <= reported.last_seq])
             if upto.model_dump() != reported.model_dump():
-                state_bad.append(f"{name}: generation at seq {reported.last_seq} differs")
+                state_bad.append(f"{name}: generation at seq {reported.last_seq} differs: "
+                                 f"{_state_diff(upto.model_dump(), reported.model_dump())}")
         starts = [p["call_id"] for _, ev, p in events if ev == "tool_start"]
         double += len(starts) - len(set(starts))
         spec = read_spec(state_dir, name)

@@ -291,6 +291,28 @@ def test_generations_are_derived(state_dir: StateDir, tmp_path: Path) -> None:
     assert rebuild(writer, state_dir, "a1").state == full  # type: ignore[arg-type]
 
 
+def test_a_generation_equals_the_fold_when_other_streams_interleave(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    """Seqs are global: another stream's records put this stream's facts at
+    seqs other than the ones the loop folds them at before they are durable.
+    A generation must still be the fold of the WAL up to its seq (the soak's
+    invariant): a fact whose seq the state keeps (`session_started`) is folded
+    at its real seq. A soak run caught a generation with a provisional one."""
+    steps = [{"op": "write_file", "path": "f{i}.txt", "content": "{i}"}]
+    task = write_task(tmp_path / "t.yaml", steps, repeat=30)
+    writer = FakeWriter()
+    for i in range(7):
+        writer.append("agent/other", "note", {"i": i}, key=f"n{i}")
+    assert drive(new_loop(state_dir, writer, task, snapshot_every=16)) is Step.DONE
+    stream = [(r.seq, r.event, r.payload()) for r in writer.records if r.stream == STREAM]
+    gens = generations.candidates(state_dir.agent_dir("a1"))
+    assert gens, "the run wrote no generation"
+    for gen in gens:
+        upto = fold(AgentState(), [e for e in stream if e[0] <= gen.state.last_seq])
+        assert gen.state == upto
+    assert gens[0].state.session_seq == next(s for s, e, _ in stream if e == "session_started")
+
+
 def test_replay_plays_a_recorded_session_again(state_dir: StateDir, tmp_path: Path) -> None:
     writer = FakeWriter()
     task = write_task(tmp_path / "t.yaml", COUNTER)

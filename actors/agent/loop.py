@@ -375,11 +375,22 @@ class AgentLoop:
         return Step.PROGRESS
 
     def _session_started(self, session: str) -> None:
-        """Begin a new session of this agent's stream (actors/sessions/lifecycle.py)."""
-        self._append(SESSION_STARTED, {
+        """Begin a new session of this agent's stream (actors/sessions/lifecycle.py).
+
+        Not folded ahead of the WAL as `_append` does: the state keeps this
+        fact's seq (`session_seq`), and seqs are global, so the one `_append`
+        would fold it at is not the one it gets. It is made durable first,
+        then folded from the stream at its real seq."""
+        self.flush()
+        body = encode_payload({
             "session": session, "agent": self.name, "number": self.state.session_no + 1,
             "previous": self.state.session, "parent_agent": self.spec.parent_agent,
-        }, key=f"session:{session}", scoped=False)
+        })
+        self._facts_appended += 1
+        with self._busy("append", self._append_deadline_s()):
+            self.writer.append_many(self.stream, [(SESSION_STARTED, body,
+                                                   f"session:{session}", None)])
+        self.sync()
         self.log.info("session_started", session=session, number=self.state.session_no)
 
     def _session_start(self, *, resumed: bool, reason: str | None = None) -> None:
