@@ -328,8 +328,12 @@ def test_the_runtimes_janitor_collects_the_store_over_max_bytes(state_dir: State
 
 
 def _lease_free(state_dir: StateDir) -> bool:
-    """Whether a collection pass could take the lease now (exclusively)."""
-    fd = os.open(packs_dir(state_dir.root).parent / LEASE_NAME, os.O_RDWR)
+    """Whether a collection pass could take the lease now (exclusively): no
+    lease file yet (no capture has run) is a free lease."""
+    try:
+        fd = os.open(packs_dir(state_dir.root).parent / LEASE_NAME, os.O_RDWR)
+    except FileNotFoundError:
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
