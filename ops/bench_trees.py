@@ -38,7 +38,6 @@ from actors.trees.capture import Capturer
 from actors.trees.statcache import StatCache
 from actors.trees.store import ObjectStore
 
-
 PLAIN_GIT = "git add -A && git write-tree"
 DURABLE_GIT = ("git -c core.fsync=all -c core.fsyncMethod=fsync add -A && "
                "git -c core.fsync=all -c core.fsyncMethod=fsync write-tree")
