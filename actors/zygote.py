@@ -12,10 +12,16 @@ after the fork.
 
 Who is whose parent: the zygote's parent (the supervisor, or the subagents
 host) is a child subreaper (broker/lifeline.py). The zygote double-forks:
-an intermediate process forks the agent and exits at once, so the agent is
+an intermediate process (the go-between) forks the agent, sends the reply
+itself on its inherited copy of the socketpair and exits, so the agent is
 adopted by the zygote's parent, which reaps it and sees its exit status like
-any other child's. The agent waits until its parent is the zygote's parent,
-then sets PDEATHSIG relative to it and checks getppid() once more.
+any other child's. The zygote does not wait for the go-between: once its own
+fork returns it serves the next request, and it reaps go-betweens as they
+exit (a go-between that dies without replying is answered `failed` by the
+zygote), so the forks of a burst of requests overlap and the zygote's serial
+part is one fork each. Replies may therefore come in another order than the
+requests. The agent waits until its parent is the zygote's parent, then sets
+PDEATHSIG relative to it and checks getppid() once more.
 
 The format on the socketpair (this module owns it):
     from the zygote, once, after preloading
@@ -58,6 +64,8 @@ import gc
 import importlib
 import json
 import os
+import select
+import signal
 import socket
 import sys
 import time
@@ -74,7 +82,11 @@ EXIT_SOFTWARE = 70
 EXIT_GATE_CLOSED = 125  # the start gate closed without "go" (as actors/procs/launch.py)
 MAX_DATAGRAM_BYTES = 8192  # a request: the word, a name, a path (PATH_MAX 4096)
 _REPARENT_WAIT_S = 2.0
+_REAP_POLL_MS = 5  # while go-betweens are out: how often the zygote looks for their exits
 _OUTPUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+# Fault injection for tests only: the go-between of the request with this name
+# kills itself (SIGKILL) before it forks or replies
+FAULT_ENV_GO_BETWEEN_DIES = "CORRAL_FAULT_ZYGOTE_GO_BETWEEN_DIES"
 # `python -m <key>` -> the module whose `main(argv)` a `run` request calls (nothing else runs)
 RUNNABLE = {"actors.writer": "actors.writer.process", "broker.server": "broker.server"}
 
@@ -202,13 +214,21 @@ class Zygote:
         self.sock = sock
         self.args = args
         self.parent_pid = os.getppid()  # the supervisor or the subagents host
+        self.middles: dict[int, str] = {}  # go-betweens not yet reaped: pid -> request name
+        self.fault_go_between_dies = os.environ.get(FAULT_ENV_GO_BETWEEN_DIES)
 
     def serve(self) -> int:
         try:
             self.sock.send(f"ready {os.getpid()}".encode())
         except OSError:
             return 0  # the parent is gone already
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
         while True:
+            if not self._reap_middles():
+                return 0  # the parent is gone
+            if self.middles and not poller.poll(_REAP_POLL_MS):
+                continue  # nothing to read yet: look for exited go-betweens again
             try:
                 data, fds, _flags, _addr = socket.recv_fds(
                     self.sock, MAX_DATAGRAM_BYTES, 2, socket.MSG_CMSG_CLOEXEC)
@@ -224,8 +244,9 @@ class Zygote:
                 credential = rest.pop(0) if request.credential and rest else None
                 gate = rest[0] if rest else None
                 try:
-                    pid = self._fork(request, gate, credential)
-                    reply = f"forked {request.name} {pid}"
+                    middle = self._fork(request, gate, credential)
+                    self.middles[middle] = request.name  # it replies
+                    continue
                 except OSError as exc:
                     reply = f"failed {request.name} {exc.strerror or exc}"
                 except Exception as exc:  # noqa: BLE001 - a bad request (a NUL in the path...)
@@ -238,43 +259,58 @@ class Zygote:
                 for fd in fds:
                     os.close(fd)
 
+    def _reap_middles(self) -> bool:
+        """Reap the go-betweens that have exited; answer `failed` for one that
+        died without replying (it exits 0 only once its reply is sent). False
+        when the parent is gone (a reply could not be sent)."""
+        while self.middles:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                self.middles.clear()
+                break
+            if pid == 0:
+                break
+            name = self.middles.pop(pid, None)
+            if name is None or status == 0:
+                continue
+            try:
+                self.sock.send(f"failed {name} the go-between process failed".encode())
+            except OSError:
+                return False
+        return True
+
     def _fork(self, request: ForkRequest, gate: int | None, credential: int | None) -> int:
+        """Fork the go-between, which forks the agent and replies; its pid."""
         output = os.open(request.output, _OUTPUT_FLAGS, 0o600) if request.output else None
-        read_fd = write_fd = -1
         try:
-            read_fd, write_fd = os.pipe()
             middle = os.fork()
         except BaseException:
-            for fd in (output, read_fd, write_fd):
-                if fd is not None and fd >= 0:
-                    os.close(fd)
+            if output is not None:
+                os.close(output)
             raise
-        if middle == 0:  # the intermediate: fork the agent, report its pid, vanish
-            code = 0
+        if middle == 0:  # the go-between: fork the agent, reply, vanish
+            code = EXIT_SOFTWARE
             try:
-                os.close(read_fd)
-                pid = os.fork()
-                if pid == 0:
-                    os.close(write_fd)
-                    self._become_agent(request, output, gate, credential)  # never returns
-                os.write(write_fd, str(pid).encode())
+                if request.name == self.fault_go_between_dies:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    reply = f"failed {request.name} {exc.strerror or exc}"
+                else:
+                    if pid == 0:
+                        self._become_agent(request, output, gate, credential)  # never returns
+                    reply = f"forked {request.name} {pid}"
+                self.sock.send(reply.encode())
+                code = 0  # replied
             except BaseException:  # noqa: BLE001 - nothing may escape a forked child
                 code = EXIT_SOFTWARE
             finally:
                 os._exit(code)
-        os.close(write_fd)
         if output is not None:
             os.close(output)
-        try:
-            data = b""
-            while chunk := os.read(read_fd, 64):
-                data += chunk
-        finally:
-            os.close(read_fd)
-            os.waitpid(middle, 0)
-        if not data:
-            raise OSError(0, "the intermediate process failed to fork")
-        return int(data)
+        return middle
 
     def _become_agent(self, request: ForkRequest, output: int | None, gate: int | None,
                       credential: int | None) -> None:

@@ -24,10 +24,19 @@ its `actor_spawned` lines time the zygote's replies):
     spawn_request_to_forked_ms_p50  the rest: the fork request's wait in the
                                 zygote's queue (up to FORKS_IN_FLIGHT = 8 asked
                                 at once) and its double fork
-    zygote_double_fork_ms_p50   one double fork (fork, the intermediate forks and
+    zygote_double_fork_ms_p50   one double fork (fork, the go-between forks and
                                 exits, waitpid) of a process preloaded as the
-                                zygote is: the zygote forks agents one after
-                                another at this cost, the floor of a ramp's fork
+                                zygote is: what each agent's start pays for
+                                its forks (the zygote itself waits only for its
+                                own fork: zygote_fork_ms_p50)
+    zygote_fork_ms_p50          one plain fork (and the child's exit, waitpid)
+                                of the same process: what a single fork with
+                                CLONE_PARENT would cost instead
+
+The supervisor asks the zygote for at most AGENTS_STARTING agents not yet
+ready (supervisor/runtime.py), so `spawn_ready_ms` is one agent's start on a
+machine shared with the others starting; the ramp of all of them is
+`n<count>_all_running_s` (docs/performance.md, "Next round: spawn").
 """
 
 from __future__ import annotations
@@ -97,13 +106,22 @@ def fresh_interpreter_ready_ms(root: Path, runs: int) -> float:
     return round(statistics.median(times), 1)
 
 
-def zygote_double_fork_ms(runs: int) -> float:
-    """One double fork as the zygote makes it (actors/zygote.py `_fork`), in a
-    child process preloaded as the zygote is (its imports, gc.freeze)."""
+def zygote_fork_ms(runs: int) -> tuple[float, float]:
+    """(one double fork as the zygote makes it (actors/zygote.py `_fork`), one
+    plain fork), medians in ms, in a child process preloaded as the zygote is
+    (its imports, gc.freeze)."""
     code = (
         "import os, statistics, sys, time\n"
         "from actors import zygote\n"
         "zygote._preload()\n"
+        "single = []\n"
+        f"for _ in range({runs}):\n"
+        "    t = time.perf_counter()\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os._exit(0)\n"
+        "    os.waitpid(pid, 0)\n"
+        "    single.append((time.perf_counter() - t) * 1000)\n"
         "times = []\n"
         f"for _ in range({runs}):\n"
         "    t = time.perf_counter()\n"
@@ -120,10 +138,11 @@ def zygote_double_fork_ms(runs: int) -> float:
         "    os.close(r)\n"
         "    os.waitpid(middle, 0)\n"
         "    times.append((time.perf_counter() - t) * 1000)\n"
-        "print(statistics.median(times))\n")
+        "print(statistics.median(times), statistics.median(single))\n")
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
                          check=True, text=True)
-    return round(float(out.stdout.strip().splitlines()[-1]), 2)
+    double, single = out.stdout.strip().splitlines()[-1].split()
+    return round(float(double), 2), round(float(single), 2)
 
 
 def _log_times(state: StateDir) -> tuple[list[float], list[float]]:
@@ -335,5 +354,7 @@ def run(quick: bool) -> dict[str, object]:
             finally:
                 bench.stop()
         figures["agents_alive"] = alive
-        figures["zygote_double_fork_ms_p50"] = zygote_double_fork_ms(10 if quick else 30)
+        double_ms, single_ms = zygote_fork_ms(10 if quick else 30)
+        figures["zygote_double_fork_ms_p50"] = double_ms
+        figures["zygote_fork_ms_p50"] = single_ms
     return figures

@@ -3,26 +3,20 @@
 `reap()` collects every exited child of the supervisor (including the agents
 it adopted as a subreaper). `overdue()` is the pure liveness rule; the
 `GapDetector` notices when the supervisor itself could not listen (stopped,
-suspended), so that silence is not held against the children. The
-`Sampler` reads CPU and RSS for every child on each pass, and USS (which needs
-/proc/<pid>/smaps_rollup, the expensive part) for a bounded number of children
-per pass, round robin, so that 500 agents cost the supervisor little.
+suspended), so that silence is not held against the children. Resource
+samples (CPU, RSS, USS): supervisor/sampling.py, off the main loop.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-import psutil
-
 from broker import lifeline
 from supervisor.children import Child
-
-USS_PER_PASS = 25
 
 
 @dataclass(frozen=True)
@@ -118,44 +112,3 @@ class GapDetector:
             return None
         delta = max(now - last[0], boot - last[1])
         return delta if delta > self.threshold_s(heartbeat_timeout_s) else None
-
-
-class Sampler:
-    """CPU %, RSS and USS per child through psutil, cached per pid."""
-
-    def __init__(self, uss_per_pass: int = USS_PER_PASS) -> None:
-        self._procs: dict[int, psutil.Process] = {}
-        self._uss_per_pass = uss_per_pass
-        self._cursor = 0
-
-    def sample(self, children: Iterable[Child]) -> None:
-        live = [c for c in children if c.pid is not None]
-        pids = {c.pid for c in live}
-        for pid in list(self._procs):
-            if pid not in pids:
-                del self._procs[pid]
-        uss_turn = set()
-        if live:
-            start = self._cursor % len(live)
-            order = live[start:] + live[:start]
-            uss_turn = {id(c) for c in order[: self._uss_per_pass]}
-            self._cursor = start + self._uss_per_pass
-        for child in live:
-            assert child.pid is not None
-            proc = self._procs.get(child.pid)
-            try:
-                if proc is None:
-                    proc = psutil.Process(child.pid)
-                    self._procs[child.pid] = proc
-                    proc.cpu_percent(None)  # primes the counter; the next call is real
-                    child.cpu_percent = 0.0
-                else:
-                    child.cpu_percent = round(proc.cpu_percent(None), 1)
-                if id(child) in uss_turn or child.uss_bytes is None:
-                    info = proc.memory_full_info()
-                    child.rss_bytes = int(info.rss)
-                    child.uss_bytes = int(info.uss)
-                else:
-                    child.rss_bytes = int(proc.memory_info().rss)
-            except (psutil.Error, OSError):
-                self._procs.pop(child.pid, None)

@@ -35,11 +35,15 @@ from supervisor.config import CORE_KINDS, KIND_ORDER, Config
 from supervisor.control import ControlServer, Incoming
 from supervisor.fleethost import FleetHost, fleet_host
 from supervisor.policy import Exit, GiveUp, Policy, Restart, decide, trim
+from supervisor.sampling import SamplerThread, apply_samples
 
 EXIT_OK = 0
 EXIT_WAL_CORRUPT = 65  # the writer found the WAL corrupt: the operator must act
 EXIT_CORE_GAVE_UP = 69  # the writer or the broker gave up (EX_UNAVAILABLE)
 FORKS_IN_FLIGHT = 8  # forks asked of the zygote and not yet answered (flow control)
+# Agents asked of the zygote and not yet ready: more only share the cores with
+# these (docs/performance.md "Next round: spawn")
+AGENTS_STARTING = max(2, os.cpu_count() or 2)
 ZYGOTE_POLICY = Policy(max_restarts=5, period_s=60.0, base_s=0.2, cap_s=5.0)
 
 if TYPE_CHECKING:
@@ -71,10 +75,11 @@ class Runtime:
         self.rng = random.Random()  # noqa: S311 - backoff jitter, not secrets
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.control = ControlServer(self.ctx, state_dir)
-        self.sampler = monitor.Sampler()
+        self.sampler = SamplerThread()  # psutil's reads, off this loop
         self.base_env = dict(os.environ)
         self.fork_queue: deque[Child] = deque()
         self.in_flight = 0
+        self.starting: set[str] = set()  # agents asked of the zygote, not yet ready
         self.zygote: spawner.ZygoteLink | None = None
         self.zygote_history: list[Exit] = []
         self.zygote_restart_at: float | None = None
@@ -141,6 +146,7 @@ class Runtime:
                         self.control.handling_failed(incoming)
         finally:
             janitor.stop()
+            self.sampler.close()
             self.automation.close()
             self._publish_status(time.monotonic())
             if self.metrics is not None:
@@ -201,7 +207,8 @@ class Runtime:
             automation.service(self, now)
         if now >= self._next_status:
             self._next_status = now + self.config.status_interval_s
-            self.sampler.sample(self.children.values())
+            apply_samples(self.children.values(), self.sampler.take())
+            self.sampler.submit(c.pid for c in self.children.values() if c.pid is not None)
             self._publish_status(now)
 
     # --- starting ----------------------------------------------------------------
@@ -290,7 +297,7 @@ class Runtime:
                         child.requested_at = None
                         self._start(child, time.monotonic())
             return
-        while self.fork_queue and self.in_flight < FORKS_IN_FLIGHT:
+        while self.fork_queue and self.in_flight < FORKS_IN_FLIGHT and self._may_start_agent():
             child = self.fork_queue[0]
             if not child.fork_pending or self.stopping:
                 self.fork_queue.popleft()
@@ -314,6 +321,18 @@ class Runtime:
             child.requested_at = time.monotonic()  # ready_ms: fork request to `ready`
             self.fork_queue.popleft()
             self.in_flight += 1
+            self.starting.add(child.name)
+
+    def _may_start_agent(self) -> bool:
+        """Fewer than AGENTS_STARTING agents between their fork request and
+        `ready` (one that exited, failed or went back to the queue is out)."""
+        if len(self.starting) >= AGENTS_STARTING:
+            queued = {c.name for c in self.fork_queue}
+            self.starting = {
+                name for name in self.starting
+                if (c := self.children.get(name)) is not None and c.state == "starting"
+                and name not in queued and (c.fork_pending or c.pid is not None)}
+        return len(self.starting) < AGENTS_STARTING
 
     def _start_zygote(self, now: float) -> None:
         link = spawner.ZygoteLink(commands.zygote_args(self.config, self.state_dir),
@@ -327,6 +346,7 @@ class Runtime:
             return
         self.zygote = link
         self.in_flight = 0
+        self.starting.clear()
         log.info("zygote_spawned", pid=pid)
         pending = [c for c in self.children.values() if c.fork_pending]
         self.fork_queue = deque(pending)

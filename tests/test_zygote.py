@@ -11,6 +11,8 @@ import sys
 import pytest
 
 from actors import zygote
+from broker.statedir import StateDir
+from tests.processes import ProcessTracker
 
 
 def test_run_request_round_trips_and_names_only_preloaded_modules() -> None:
@@ -53,3 +55,73 @@ def test_scrub_removes_a_variable_from_the_environment_and_proc_environ() -> Non
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True, timeout=30).stdout
     assert out.split() == ["True", "False", "False", "False", "True"]
+
+
+# A parent for a real zygote, as the supervisor is one: a child subreaper that
+# asks for a burst of forks at once (each agent held at its start gate), then
+# for one whose go-between dies (the fault), and reports what it saw as JSON.
+_PARENT = r'''
+import json, os, sys, time
+import psutil
+from actors.zygotelink import ZygoteLink
+from broker import lifeline
+
+lifeline.become_subreaper()
+link = ZygoteLink(["--state-dir", sys.argv[1]], dict(os.environ))
+zygote_pid = link.start()
+assert link.wait_ready(60), "the zygote never said ready"
+gates = {}
+for i in range(6):
+    read_end, write_end = os.pipe()
+    assert link.request(f"agent-{i}", gate_fd=read_end)
+    os.close(read_end)
+    gates[f"agent-{i}"] = write_end
+assert link.request("doomed")
+replies = {}
+deadline = time.monotonic() + 30
+while len(replies) < 7 and link._wait_readable(deadline):
+    for reply in link.replies():
+        replies[reply.name] = reply
+pids = {n: r.pid for n, r in replies.items() if hasattr(r, "pid")}
+failed = {n: r.reason for n, r in replies.items() if hasattr(r, "reason")}
+
+def settled():
+    adopted = all(psutil.Process(p).ppid() == os.getpid() for p in pids.values())
+    return adopted and not psutil.Process(zygote_pid).children()
+
+while not settled() and time.monotonic() < deadline:
+    time.sleep(0.01)
+adopted = sorted(n for n, p in pids.items() if psutil.Process(p).ppid() == os.getpid())
+middles_left = len(psutil.Process(zygote_pid).children())
+for write_end in gates.values():
+    os.close(write_end)  # EOF at the gate: each agent exits 125, unrun
+codes = {n: os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for n, p in pids.items()}
+link.close()  # EOF: the zygote exits
+zygote_code = os.waitstatus_to_exitcode(os.waitpid(zygote_pid, 0)[1])
+print(json.dumps({"forked": sorted(pids), "failed": failed, "adopted": adopted,
+                  "middles_left": middles_left, "codes": codes, "zygote": zygote_code}))
+'''
+
+
+def test_a_burst_of_forks_is_answered_by_the_go_betweens_and_a_dead_one_by_the_zygote(
+    processes: ProcessTracker, state_dir: StateDir,
+) -> None:
+    """The zygote does not wait for its go-betweens: each forks its agent and
+    replies itself, and the zygote reaps them. Six requests sent at once are
+    all answered `forked` with distinct pids; every agent is adopted by the
+    zygote's parent (a subreaper), which reaps it (exit 125: its start gate
+    closed unopened); no go-between is left under the zygote. A go-between
+    killed before it replies (the fault) is answered `failed` by the zygote
+    (before this change the fault did not exist: `forked`, and the test fails)."""
+    proc = processes.spawn(
+        ["-c", _PARENT, str(state_dir.root)], name="zygote-parent",
+        env={zygote.FAULT_ENV_GO_BETWEEN_DIES: "doomed"})
+    assert proc.wait(timeout=50) == 0, processes.output("zygote-parent")
+    seen = json.loads(processes.output("zygote-parent").strip().splitlines()[-1])
+    names = [f"agent-{i}" for i in range(6)]
+    assert seen["forked"] == names
+    assert seen["failed"] == {"doomed": "the go-between process failed"}
+    assert seen["adopted"] == names
+    assert seen["middles_left"] == 0
+    assert seen["codes"] == dict.fromkeys(names, zygote.EXIT_GATE_CLOSED)
+    assert seen["zygote"] == 0

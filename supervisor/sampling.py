@@ -1,0 +1,151 @@
+"""Resource samples of the children (CPU %, RSS, USS), read off the main loop.
+
+The supervisor's loop is one thread that also answers the zygote, the
+children's `ready` and heartbeats and the control socket; psutil's reads of
+/proc for 500 children (a stat and a statm file each, and smaps_rollup for
+USS, 1-10 ms apiece on a loaded machine) held it up to 400 ms every status
+interval, and a `ready` read late counts in the agent's spawn time. So a
+`SamplerThread` samples in the background: the loop hands it the live pids
+each status interval (`submit`) and applies the figures of the last pass it
+finished (`take`, then `apply`), one interval old. Reading /proc releases the
+GIL; the parsing does not, but the loop waits at most a switch interval.
+
+USS needs smaps_rollup, the expensive read: a pass reads it for at most
+`uss_per_pass` children (the never-measured first, then round robin) and for
+at most `uss_budget_s` of that pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import psutil
+
+from supervisor.children import Child
+
+USS_PER_PASS = 25
+USS_BUDGET_S = 0.05
+
+
+@dataclass(frozen=True)
+class Sample:
+    cpu_percent: float
+    rss_bytes: int
+    uss_bytes: int | None  # None: not read in this pass (the last figure stands)
+
+
+class Sampler:
+    """One pass over some pids; psutil handles cached per pid (cpu_percent
+    measures since the previous call on the same handle)."""
+
+    def __init__(self, uss_per_pass: int = USS_PER_PASS, uss_budget_s: float = USS_BUDGET_S,
+                 ) -> None:
+        self._procs: dict[int, psutil.Process] = {}
+        self._uss_known: set[int] = set()
+        self._uss_per_pass = uss_per_pass
+        self._uss_budget_s = uss_budget_s
+        self._cursor = 0
+
+    def sample(self, pids: Sequence[int]) -> dict[int, Sample]:
+        live = set(pids)
+        for pid in [p for p in self._procs if p not in live]:
+            del self._procs[pid]
+        self._uss_known &= live
+        turn = self._uss_turn(pids)
+        spent = 0.0
+        out: dict[int, Sample] = {}
+        for pid in pids:
+            proc = self._procs.get(pid)
+            try:
+                if proc is None:
+                    proc = psutil.Process(pid)
+                    self._procs[pid] = proc
+                    proc.cpu_percent(None)  # primes the counter; the next call is real
+                    cpu = 0.0
+                else:
+                    cpu = round(proc.cpu_percent(None), 1)
+                uss: int | None = None
+                if pid in turn and spent < self._uss_budget_s:
+                    t0 = time.perf_counter()
+                    info = proc.memory_full_info()
+                    spent += time.perf_counter() - t0
+                    rss, uss = int(info.rss), int(info.uss)
+                    self._uss_known.add(pid)
+                else:
+                    rss = int(proc.memory_info().rss)
+            except (psutil.Error, OSError):
+                self._procs.pop(pid, None)
+                continue
+            out[pid] = Sample(cpu, rss, uss)
+        return out
+
+    def _uss_turn(self, pids: Sequence[int]) -> list[int]:
+        """The pids whose USS this pass reads, in order: never read first."""
+        turn = [p for p in pids if p not in self._uss_known][: self._uss_per_pass]
+        left = self._uss_per_pass - len(turn)
+        if pids and left > 0:
+            start = self._cursor % len(pids)
+            order = [*pids[start:], *pids[:start]]
+            turn += [p for p in order[:left] if p not in turn]
+            self._cursor = start + left
+        return turn
+
+
+def apply_samples(children: Iterable[Child], samples: dict[int, Sample]) -> None:
+    """Copy each sample to the child that still has its pid."""
+    for child in children:
+        got = samples.get(child.pid) if child.pid is not None else None
+        if got is None:
+            continue
+        child.cpu_percent = got.cpu_percent
+        child.rss_bytes = got.rss_bytes
+        if got.uss_bytes is not None:
+            child.uss_bytes = got.uss_bytes
+
+
+class SamplerThread:
+    """A Sampler on a daemon thread: `submit` the pids to sample, `take` what
+    the passes finished since the last take (the newest figure per pid)."""
+
+    def __init__(self, sampler: Sampler | None = None) -> None:
+        self._sampler = sampler or Sampler()
+        self._cond = threading.Condition()
+        self._want: tuple[int, ...] | None = None
+        self._done: dict[int, Sample] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def submit(self, pids: Iterable[int]) -> None:
+        if not self._thread.is_alive() and not self._closed:
+            self._thread.start()  # on the first pass
+        with self._cond:
+            self._want = tuple(pids)
+            self._cond.notify()
+
+    def take(self) -> dict[int, Sample]:
+        with self._cond:
+            done, self._done = self._done, {}
+        return done
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._want is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                pids, self._want = self._want, None
+            assert pids is not None
+            got = self._sampler.sample(pids)
+            with self._cond:
+                self._done.update(got)
