@@ -83,6 +83,15 @@ def generation_seqs(state_dir: StateDir, name: str) -> list[int]:
     return [int(p.name[4:24]) for p in list_generations(state_dir.agent_dir(name))]
 
 
+def all_uploaded(writer: WriterClient, state_dir: StateDir, urls: list[str], host: str,
+                 name: str) -> bool:
+    """Every generation file of the agent is in the object store, the newest
+    vouched for in its stream (read together: the agent may write one more)."""
+    made = generation_seqs(state_dir, name)
+    return bool(made) and uploaded_generations(urls, host, name) == made \
+        and vouched(writer, name, made[-1])
+
+
 def vouched(writer: WriterClient, name: str, seq: int) -> bool:
     """Whether the agent's stream holds the `generation_saved` fact of seq."""
     return any(r.event == SAVED_EVENT and isinstance(p := r.payload(), dict)
@@ -182,14 +191,12 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
                     wait_for(lambda n=name, size=local: uploaded_pack_size(  # type: ignore[misc]
                         fleet_cluster.urls, ha, n) == size, 20,
                         f"host A's bundle of {name} uploaded", interval_s=0.3)
-                    made = generation_seqs(state_dir, name)
-                    assert made, f"{name} wrote no generation"
-                    wait_for(lambda n=name, m=made: uploaded_generations(  # type: ignore[misc]
-                        fleet_cluster.urls, ha, n) == m and vouched(writer_a, n, m[-1]), 20,
+                    wait_for(lambda n=name: all_uploaded(  # type: ignore[misc]
+                        writer_a, state_dir, fleet_cluster.urls, ha, n), 20,
                         f"host A's generations of {name} uploaded", interval_s=0.3)
                 # victim2's generations corrupted in the store: its adoption falls back
                 corrupt_generations(fleet_cluster.urls, ha, "victim2",
-                                    generation_seqs(state_dir, "victim2"))
+                                    uploaded_generations(fleet_cluster.urls, ha, "victim2"))
 
             # the whole host goes: its supervisor SIGKILLed, its children die with it
             killed_at = time.monotonic()
@@ -202,7 +209,8 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
                 failover_s = time.monotonic() - killed_at
                 # rebuilt from a generation restored from the object store (B's seqs),
                 # and the state it has is the full fold's
-                [first] = rebuilt_lines(other_state_dir, "victim")[:1]
+                [first] = wait_for(lambda: rebuilt_lines(other_state_dir, "victim"), 30,
+                                   "victim's state_rebuilt on host B", interval_s=0.2)[:1]
                 assert first["generation_seq"] > 0, first
                 wait_for(lambda: rebuild(writer_b, other_state_dir, "victim").state == rebuild(
                     writer_b, other_state_dir, "victim", use_generations=False).state, 10,
@@ -219,7 +227,8 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
                     answer_approval(writer_b, name, state, request.request, decision="approve",
                                     always=False, note=None)
                 # victim2's corrupted generations were refused: it folded its stream
-                [first2] = rebuilt_lines(other_state_dir, "victim2")[:1]
+                [first2] = wait_for(lambda: rebuilt_lines(other_state_dir, "victim2"), 30,
+                                    "victim2's state_rebuilt on host B", interval_s=0.2)[:1]
                 assert first2["generation_seq"] == 0, first2
                 for name in ("victim", "victim2", "ref"):
                     try:
