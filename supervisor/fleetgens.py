@@ -86,7 +86,7 @@ class GenerationUploader:
         names: list[str] | None = None
         done = 0
         for agent in agents:
-            local = self._local(agent)
+            local = [s for s in self._local(agent) if (agent, s) not in self.too_large]
             known = self.stored.get(agent)
             if not local or (known is not None and not _new(local, known)):
                 continue
@@ -224,7 +224,19 @@ def restore(state_dir: StateDir, dead: str, agent: str, *,
             adopted: Sequence[dict[str, Any]], new_seqs: Sequence[int]) -> int:
     """Blocking, after the import: write the newest usable generation as this
     host's (renumbered) and append the fact vouching for it; its new seq, or 0
-    when none is usable (the agent then folds its whole adopted stream)."""
+    when none is usable (the agent then folds its whole adopted stream). A
+    generation only saves time: its failure never fails the adoption."""
+    try:
+        return _restore(state_dir, dead, agent, candidates, records, adopted, new_seqs)
+    except Exception as exc:  # noqa: BLE001 - the full fold instead
+        log.warning("fleet_generation_refused", host=dead, agent=agent,
+                    reason=f"restore failed: {type(exc).__name__}: {str(exc)[:200]}")
+        return 0
+
+
+def _restore(state_dir: StateDir, dead: str, agent: str,  # noqa: PLR0917
+             candidates: Sequence[tuple[int, bytes]], records: Sequence[dict[str, Any]],
+             adopted: Sequence[dict[str, Any]], new_seqs: Sequence[int]) -> int:
     through = max((r["seq"] for r in adopted if isinstance(r.get("seq"), int)), default=0)
     gen, refused = choose(candidates, records, agent, through)
     for seq, reason in refused:

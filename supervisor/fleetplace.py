@@ -8,9 +8,10 @@ where every live host supervisor is a member of the queue group
 only when it is a least-loaded host: its own load (the agents its
 supervisor runs, plus the ones it accepted since its last status round, so
 two placements in a row are counted) is at most that of every other host
-whose status entry is in the fleet view (not expired, readable, not dead:
-a stale one counts, so that a slow status round does not make a busier host
-accept), and below `fleet.max_agents` when that is set. Then it spawns
+whose status entry is in the fleet view (not expired, not dead: a stale
+one counts, so that a slow status round does not make a busier host accept;
+an entry the view could not read makes it decline, its load unknown), and
+below `fleet.max_agents` when that is set. Then it spawns
 the agent through its own control socket (fleetctl.carry_out, as a direct
 `--host HOST` spawn does) and answers `{"ok": true, "host": ..., "placed":
 true}`; else it answers `declined`, naming the least-loaded host it sees.
@@ -54,10 +55,14 @@ def decide(host: str, own: set[str], view: list[dict[str, Any]],
            max_agents: int) -> tuple[bool, str, str | None]:
     """(accept, why, the least-loaded other host) for a placement on `host`,
     whose agents (with the ones it accepted since its last status) are `own`."""
+    unread = sorted(h["host"] for h in view if h["host"] != host and h.get("unreadable"))
     others = [(len(agents_of(h["children"])), h["host"]) for h in view
               if h["host"] != host and h.get("age_s") is not None and not h.get("dead")]
     least = min(others, default=None)
     load = len(own)
+    if unread:  # their load is not known: another host (or the next attempt) decides
+        return False, f"the view could not read {', '.join(unread)}", \
+            least[1] if least else None
     if max_agents and load >= max_agents:
         return False, f"full: {load} agents, max_agents {max_agents}", \
             least[1] if least else None

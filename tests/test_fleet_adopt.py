@@ -58,6 +58,21 @@ STEPS = [
 ]
 EXPECTED = {"a.txt": "one+two+three\n", "src/b.txt": "bee", "release/n.md": "v1",
             "out/0.txt": "pass 0"}
+# the second agent of host A (its generations corrupted): the same turns without the
+# background command, every file its own (a capture stores an object once per host, in
+# the pack of the agent that stored it first: shared contents would leave this agent's
+# pack without them)
+STEPS2 = [
+    {"op": "write_file", "path": "a.txt", "content": "two-one\n"},
+    {"op": "edit_file", "path": "a.txt", "old": "one", "new": "one+two"},
+    {"op": "write_file", "path": "src/b.txt", "content": "two-bee"},
+    {"op": "write_file", "path": "release/n.md", "content": "two-v1"},  # asks: it waits
+    {"op": "edit_file", "path": "a.txt", "old": "+two", "new": "+two+three"},
+    {"op": "write_file", "path": "out/{i}.txt", "content": "two-pass {i}"},
+    {"op": "finish", "summary": "done"},
+]
+EXPECTED2 = {"a.txt": "two-one+two+three\n", "src/b.txt": "two-bee",
+             "release/n.md": "two-v1", "out/0.txt": "two-pass 0"}
 
 
 def config_for(state_dir: StateDir, host: str, cluster: Cluster, key: Path) -> Path:
@@ -168,9 +183,11 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
             raise AssertionError({"last seen": described(seen[0]) if seen else None,
                                   "now": described(fleet_view(processes, state_dir))}) from None
         task = write_task(tmp_path / "adopt.yaml", STEPS)
-        for directory, name in ((state_dir, "victim"), (state_dir, "victim2"),
-                                (other_state_dir, "ref")):
-            done = cli(processes, directory, "spawn", name, "--task", str(task), "--json")
+        task2 = write_task(tmp_path / "adopt2.yaml", STEPS2)
+        for directory, name, task_file in ((state_dir, "victim", task),
+                                           (state_dir, "victim2", task2),
+                                           (other_state_dir, "ref", task)):
+            done = cli(processes, directory, "spawn", name, "--task", str(task_file), "--json")
             assert done.returncode == 0, done.stdout + done.stderr + (
                 directory.root / "logs" / "supervisor.log").read_text()[-3000:]
 
@@ -246,7 +263,7 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
                     (r.event, r.payload()) for r in writer_b.read_stream("agent/ref")]
             ref_b = other_state_dir.agent_dir("ref") / "workspace"
             assert tree(victim_b) == tree(ref_b) == EXPECTED
-            assert tree(other_state_dir.agent_dir("victim2") / "workspace") == EXPECTED
+            assert tree(other_state_dir.agent_dir("victim2") / "workspace") == EXPECTED2
             refusals = [json.loads(line) for line in (other_state_dir.root / "logs" /
                         "supervisor.log").read_bytes().splitlines()
                         if b"fleet_generation_refused" in line]

@@ -41,3 +41,10 @@ def test_expired_and_dead_hosts_do_not_count_and_a_full_host_declines() -> None:
     # a stale host (a slow status round) still counts: a busier host declines
     assert decide("h1", {"a"}, [_host("h1", 1), _host("h2", 0, stale=True)], 0) == (
         False, "load 1, h2 has 0", "h2")
+
+
+def test_an_unreadable_entry_makes_a_host_decline() -> None:
+    unread = {"host": "h2", "age_s": None, "stale": True, "dead": False,
+              "unreadable": "TimeoutError", "children": []}
+    assert decide("h1", set(), [_host("h1", 0), unread, _host("h3", 2)], 0) == (
+        False, "the view could not read h2", "h3")
