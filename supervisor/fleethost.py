@@ -148,8 +148,10 @@ class FleetHost:
             kv = None
             await nc.subscribe(control_subject(self.host), cb=self._on_control)
             self._js = js
-            await nc.subscribe(PLACE_SUBJECT, queue=PLACE_QUEUE, cb=self._on_place)
-            await nc.subscribe(place_subject(self.host), cb=self._on_place)
+            if self.config.operator_key is not None:  # without it control is off: a
+                # member that could only refuse would turn placements away from the group
+                await nc.subscribe(PLACE_SUBJECT, queue=PLACE_QUEUE, cb=self._on_place)
+                await nc.subscribe(place_subject(self.host), cb=self._on_place)
             watch = Watch(self.host, self.config.dead_grace_s, self.config.replicas,
                           self.state_dir)
             uploader = Uploader(self.host, self.state_dir, self.config.replicas)
