@@ -163,8 +163,10 @@ def test_fleet_status_and_control_across_hosts(
         key_bytes = key.read_bytes().strip()
         declined = asyncio.run(_request(fleet_cluster.urls, place_subject(ha), fleetctl.sign(
             key_bytes, "spawn", PLACE_HOST, "x", task=task.read_text())))
-        assert declined == {"ok": False, "error": "declined", "detail": f"load 1, {hb} has 0",
-                            "least": hb, "host": ha}
+        assert (declined["ok"], declined["error"], declined["host"]) == (False, "declined", ha)
+        # B, unless the view could not read B's entry (under load): declined all the same
+        assert declined["least"] == hb or declined["detail"].startswith("the view could not"), \
+            declined
         done = cli(processes, state_dir, "spawn", "placed", "--task", str(task), "--host", "auto",
                    "--json")
         assert done.returncode == 0, done.stdout + done.stderr
