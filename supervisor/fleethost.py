@@ -101,6 +101,7 @@ class FleetHost:
         self._wake = asyncio.Event()
         self._seen: dict[str, float] = {}  # nonce -> when (replays refused)
         self._placed: set[str] = set()  # agents accepted by placement, not yet in a status
+        self._placing = asyncio.Lock()  # one placement at a time (two subjects)
         self._js: Any = None
         self.published_total = 0
         self.watch: Watch | None = None
@@ -212,6 +213,12 @@ class FleetHost:
             log.warning("fleet_place_refused", reason=str(why)[:200])
             await answer({"ok": False, "error": "forbidden", "detail": why})
             return
+        async with self._placing:
+            await self._place(request, answer)
+
+    async def _place(self, request: dict[str, Any], answer: Any) -> None:
+        from supervisor import fleetctl  # noqa: PLC0415
+
         if self._status is None or self.watch is None or not self.watch.registered:
             await answer({"ok": False, "error": "declined", "detail": "not in the fleet yet"})
             return

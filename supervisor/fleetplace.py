@@ -19,7 +19,7 @@ Each host also takes placements on its own subject `corral.place.<host>`,
 under the same rule: the client's next attempt after a decline goes there
 (the named host checks again with its own count), so a placement does not
 depend on NATS picking the right member of the group by chance. A host's
-placements are handled one after the other (one handler), so its count is
+placements are handled one after the other (one lock), so its count is
 exact; two hosts deciding at once may both accept (each is least-loaded in
 the view it read): placement is a balance, not a quota.
 
