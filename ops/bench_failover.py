@@ -6,7 +6,15 @@ the agent's first record appended on host B (its resumed `session_start`).
 The figure is dominated by detection: `host_ttl_s + dead_grace_s` plus up to a
 status round; the settings used are reported with it. "Resumed" is the
 adopted agent's `state_rebuilt` on host B (its state folded from the adopted
-records, before its next turn)."""
+records, before its next turn).
+
+The agent has a history first (`steps` file writes, ~7 records each; the
+default `snapshot_every` 256 makes a generation every 256 events), so the
+adopter restores its newest uploaded generation (supervisor/fleetgens.py) and
+the agent folds only the tail: `failover_rebuild_generation_seq` (0: folded
+from the first record), `failover_rebuild_tail_events`, `failover_rebuild_ms`
+(the agent's own figure), against `failover_full_fold_ms`, the same state
+rebuilt on host B from the first record, measured in the same run."""
 
 from __future__ import annotations
 
@@ -23,9 +31,11 @@ from ops.benchkit import child_env
 
 HOST_TTL_S = 4.0
 DEAD_GRACE_S = 1.0
-TASK = [{"op": "write_file", "path": "a.txt", "content": "one\n"},
-        {"op": "write_file", "path": "release/n.md", "content": "v1"},  # asks: it waits
-        {"op": "finish", "summary": "done"}]
+def _task(steps: int) -> list[dict[str, str]]:
+    return [*({"op": "write_file", "path": f"f/{k}.txt", "content": f"{k}\n"}
+              for k in range(steps)),
+            {"op": "write_file", "path": "release/n.md", "content": "v1"},  # asks: it waits
+            {"op": "finish", "summary": "done"}]
 
 
 def _config(root: Path, host: str, urls: list[str]) -> Path:
@@ -92,7 +102,57 @@ def _hosts_up(state: Path, hosts: set[str]) -> bool:
     return hosts <= seen
 
 
-def host_failover_ms(root: Path, urls: list[str]) -> dict[str, float]:
+def _generations_up(state: Path, urls: list[str], host: str, agent: str) -> bool:
+    """Every generation file of the agent is in the object store (True at once
+    with a corral that does not upload them: the figures then say so)."""
+    try:
+        from supervisor.fleetgens import uploaded_generations
+    except ImportError:
+        return True
+    made = sorted(int(p.name[4:24]) for p in
+                  (state / "agents" / agent / "state" / "generations").glob("gen-*.json"))
+    return uploaded_generations(urls, host, agent) == made
+
+
+def _pending(state: Path, agent: str) -> bool:
+    import zmq
+
+    from actors.agent.rebuild import rebuild
+    from actors.writer.client import WriterClient
+    from broker.statedir import StateDir
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with WriterClient(ctx, StateDir.at(state), "bench-probe", timeout_s=2,
+                          retries=0) as writer:
+            return bool(rebuild(writer, StateDir.at(state), agent).state.pending_approvals())
+    except Exception:  # noqa: BLE001 - the writer not up yet
+        return False
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _full_fold_ms(state: Path, agent: str) -> tuple[float, float]:
+    """(ms, events) of the agent's state rebuilt from its first record on this host."""
+    import zmq
+
+    from actors.agent.rebuild import rebuild
+    from actors.writer.client import WriterClient
+    from broker.statedir import StateDir
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with WriterClient(ctx, StateDir.at(state), "bench-probe") as writer:
+            runs = [rebuild(writer, StateDir.at(state), agent, use_generations=False)
+                    for _ in range(3)]
+            return sorted(r.elapsed_ms for r in runs)[1], float(runs[0].tail_events)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def host_failover_ms(root: Path, urls: list[str], steps: int = 120) -> dict[str, float]:
+    import json
+
     from supervisor.fleetadopt import uploaded_pack_size
 
     tag = str(int(time.time() * 1000) % 10**8)
@@ -109,14 +169,15 @@ def host_failover_ms(root: Path, urls: list[str]) -> dict[str, float]:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         _wait(lambda: _hosts_up(state_a, {ha, hb}), 60, "both hosts in the fleet view")
         task = root / "task.yaml"
-        task.write_text(yaml.safe_dump({"name": "failover", "steps": TASK}))
+        task.write_text(yaml.safe_dump({"name": "failover", "steps": _task(steps)}))
         done = _cli(state_a, "spawn", "victim", "--task", str(task), "--json")
         if done.returncode != 0:
             raise RuntimeError(done.stdout + done.stderr)
-        _wait(lambda: _starts(state_a, "victim") >= 1, 60, "the agent on host A")
+        _wait(lambda: _pending(state_a, "victim"), 120, "the agent on host A waiting")
         pack = state_a / "trees" / "packs" / "victim.pack"
         _wait(lambda: pack.exists()
-              and uploaded_pack_size(urls, ha, "victim") == pack.stat().st_size,
+              and uploaded_pack_size(urls, ha, "victim") == pack.stat().st_size
+              and _generations_up(state_a, urls, ha, "victim"),
               30, "the agent's bundle in the object store")
         killed = time.monotonic()
         procs[0].send_signal(signal.SIGKILL)
@@ -124,8 +185,18 @@ def host_failover_ms(root: Path, urls: list[str]) -> dict[str, float]:
         log = state_b / "logs" / "victim.log"
         _wait(lambda: log.exists() and b'"state_rebuilt"' in log.read_bytes(), 60,
               "the agent resumed on host B")
-        return {"host_failover_ms": (time.monotonic() - killed) * 1000,
-                "failover_host_ttl_s": HOST_TTL_S, "failover_dead_grace_s": DEAD_GRACE_S}
+        failover_ms = (time.monotonic() - killed) * 1000
+        rebuilt = next(r for line in log.read_bytes().splitlines()
+                       if (r := json.loads(line)).get("event") == "state_rebuilt")
+        _wait(lambda: _pending(state_b, "victim"), 60, "the agent on host B waiting")
+        full_ms, events = _full_fold_ms(state_b, "victim")
+        return {"host_failover_ms": failover_ms,
+                "failover_host_ttl_s": HOST_TTL_S, "failover_dead_grace_s": DEAD_GRACE_S,
+                "failover_agent_events": events,
+                "failover_rebuild_generation_seq": float(rebuilt["generation_seq"]),
+                "failover_rebuild_tail_events": float(rebuilt["tail_events"]),
+                "failover_rebuild_ms": float(rebuilt["elapsed_ms"]),
+                "failover_full_fold_ms": full_ms}
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -203,7 +203,7 @@ def run(quick: bool = False) -> dict[str, object]:
             f["fleet_bytes_per_batch"] = size / batches
             f["jetstream_batches_per_s"] = jetstream_batches_per_s(
                 urls, int(f["fleet_bytes_per_batch"]), seconds)
-            f.update(host_failover_ms(root / "failover", urls))
+            f.update(host_failover_ms(root / "failover", urls, 30 if quick else 120))
         finally:
             fleetcluster.down(cluster_root)
     f["fleet_over_local_k64"] = f["fleet_acked_per_s_k64"] / f["local_acked_per_s_k64"]

@@ -35,8 +35,12 @@ an end file saying `lost`), from which this host's procs answers the agent's
 next poll or read with state `lost` and never starts the job again.
 Processes started after the cut are not: that turn runs again here.
 
-Not adopted (docs/fleet.md): the agent's memory directory, its snapshot
-generations (the adopter folds the records), a workspace outside
+**Generations.** The agent's state generations go to the object store too,
+and the adopter restores the newest one the dead host's stream vouches for,
+renumbered to this host's seqs, so the agent folds only the tail
+(supervisor/fleetgens.py).
+
+Not adopted (docs/fleet.md): the agent's memory directory, a workspace outside
 `.corral/agents/<name>/` (restored there), and an agent whose name the
 adopter already uses (logged, left in the stream).
 """
@@ -61,6 +65,7 @@ from actors.trees.store import lease as store_lease
 from actors.writer.replicate import parse_seq_range, stream_name
 from broker.durable import write_atomic
 from broker.statedir import StateDir
+from supervisor import fleetgens
 
 log = structlog.get_logger("supervisor.fleet")
 
@@ -134,9 +139,20 @@ class Uploader:
     sent: dict[str, _Sent] = field(default_factory=dict)
     uploads: int = 0
     uploaded_bytes: int = 0
+    generations: fleetgens.GenerationUploader | None = None
 
     async def sync(self, js: Any) -> int:
-        """Upload what changed since the last round; how many agents' bundles."""
+        """Upload what changed since the last round; how many agents' bundles
+        (their generations too: supervisor/fleetgens.py)."""
+        done = await self._sync_packs(js)
+        if self.generations is None:
+            self.generations = fleetgens.GenerationUploader(self.host, self.state_dir)
+        await self.generations.sync(lambda: objects_bucket(js, self.replicas),
+                                    [a for a in agent_names(self.state_dir) if a in self.sent],
+                                    _names)
+        return done
+
+    async def _sync_packs(self, js: Any) -> int:
         bucket = None
         done = 0
         for agent in agent_names(self.state_dir):
@@ -340,11 +356,14 @@ class Adopted:
     spawned: bool
     detail: str = ""
     lost: list[str] = field(default_factory=list)  # its processes reported lost
+    generation: int = 0  # the seq (here) of the generation it rebuilds from; 0: none
 
 
 def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any],  # noqa: PLR0917
-                pack: bytes, records: list[dict[str, Any]]) -> Adopted:
-    """Blocking: one agent of the dead host made to run here (see the module doc)."""
+                pack: bytes, records: list[dict[str, Any]],
+                gens: list[tuple[int, bytes]] | None = None) -> Adopted:
+    """Blocking: one agent of the dead host made to run here (see the module doc);
+    `gens`: its generations from the object store (hostile: checked before use)."""
     from actors.agent import workspace as agent_workspace  # noqa: PLC0415
     from actors.trees.restore import restore  # noqa: PLC0415
 
@@ -363,13 +382,16 @@ def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any]
         workspace.mkdir(parents=True, exist_ok=True)
         if chosen.tree is not None:
             restore(workspace, store, None, chosen.tree, agent_workspace.guard_for(state_dir))
-        imported = _import(state_dir, agent, chosen.records)
+        seqs = _import(state_dir, agent, chosen.records)
+        generation = fleetgens.restore(
+            state_dir, dead, agent, candidates=gens or [], records=records,
+            adopted=chosen.records, new_seqs=seqs) if seqs else 0
         lost = running_procs(records, agent, _last_seq(chosen.records))
         report_lost(state_dir, agent, dead, lost)
     spawned, detail = _spawn(state_dir, agent, spec, _session_of(chosen.records))
-    return Adopted(agent, chosen.tree, imported, chosen.dropped,
+    return Adopted(agent, chosen.tree, len(seqs), chosen.dropped,
                    chosen.newest_tree is not None and chosen.newest_tree != chosen.tree,
-                   spawned, detail, [proc_id for proc_id, _ in lost])
+                   spawned, detail, [proc_id for proc_id, _ in lost], generation)
 
 
 def _last_seq(records: list[dict[str, Any]]) -> int:
@@ -434,16 +456,18 @@ def report_lost(state_dir: StateDir, agent: str, dead: str, procs: list[tuple[st
     log.warning("fleet_procs_lost", host=dead, agent=agent, procs=[p for p, _ in procs])
 
 
-def _import(state_dir: StateDir, agent: str, records: list[dict[str, Any]]) -> int:
+def _import(state_dir: StateDir, agent: str, records: list[dict[str, Any]]) -> list[int]:
     """Append the records to this host's WAL under their stream, origin and key
-    (as the operator; keys make a retried adoption append nothing twice)."""
+    (as the operator; keys make a retried adoption append nothing twice); the
+    seq each got here, in order (a retry's duplicates answer the same ones)."""
     import zmq  # noqa: PLC0415
 
     from actors.writer.client import WriterClient, encode_payload  # noqa: PLC0415
     from broker import auth  # noqa: PLC0415
 
     if not records:
-        return 0
+        return []
+    seqs: list[int] = []
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         with WriterClient(ctx, state_dir, agent,
@@ -459,10 +483,11 @@ def _import(state_dir: StateDir, agent: str, records: list[dict[str, Any]]) -> i
                 else:
                     by_origin.append((origin, [item]))
             for origin, group in by_origin:
-                writer.append_many(f"agent/{agent}", group, origin=origin)
+                reply = writer.append_many(f"agent/{agent}", group, origin=origin)
+                seqs.extend(range(reply.seq, reply.seq + len(group)))
     finally:
         ctx.destroy(linger=0)
-    return len(records)
+    return seqs
 
 
 def _session_of(records: list[dict[str, Any]]) -> str | None:
@@ -514,6 +539,7 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
         try:
             spec = json.loads((await bucket.get(spec_object(dead, agent))).data or b"{}")
             pack = await download_pack(bucket, names, dead, agent)
+            gens = await fleetgens.download(bucket, names, dead, agent)
         except Exception as exc:  # noqa: BLE001 - a bundle half uploaded: skip the agent
             log.error("fleet_adopt_bundle_missing", host=dead, agent=agent,
                       error=type(exc).__name__)
@@ -522,7 +548,7 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
             continue
         try:
             adopted = await asyncio.get_running_loop().run_in_executor(
-                None, adopt_agent, state_dir, dead, agent, spec, pack, records)
+                None, adopt_agent, state_dir, dead, agent, spec, pack, records, gens)
         except Exception as exc:  # noqa: BLE001 - a record or pack refused: the next agent
             log.error("fleet_adopt_failed", host=dead, agent=agent,
                       error=f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -531,7 +557,7 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
         log.warning("fleet_agent_adopted", host=dead, agent=agent, tree=adopted.tree,
                     records=adopted.records, dropped=adopted.dropped,
                     tree_behind=adopted.tree_behind, spawned=adopted.spawned,
-                    lost=adopted.lost,
+                    lost=adopted.lost, generation=adopted.generation,
                     detail=adopted.detail, elapsed_ms=round(
                         (time.monotonic() - started) * 1000, 1))
         done.append(adopted)

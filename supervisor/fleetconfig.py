@@ -44,6 +44,7 @@ class FleetConfig(_Strict):
     host_ttl_s: Annotated[float, Field(ge=1, le=3600)] = 10.0  # a silent host's entry expires
     dead_grace_s: Annotated[float, Field(ge=0, le=3600)] = 5.0  # then, this long: dead, fenced
     operator_key: str | None = None  # shared fleet operator secret (a file): HOST:AGENT control
+    max_agents: Annotated[int, Field(ge=0)] = 0  # placement: a host this full declines; 0: no cap
 
     @field_validator("urls")
     @classmethod

@@ -178,8 +178,11 @@ def remote_spawn(state_dir: StateDir, config_path: str | None, name: str, task_f
         print("supervisor: fleet.operator_key is not set: fleet control is off",
               file=sys.stderr)
         return EXIT_USAGE
-    candidates = least_loaded(fleet_status(config)) if host == "auto" else [host]
     from supervisor.fleethost import control_subject  # noqa: PLC0415
+
+    placed = _place(config, key, name, task, model) if host == "auto" else None
+    candidates = [] if placed is not None else \
+        least_loaded(fleet_status(config)) if host == "auto" else [host]
 
     async def ask(target: str) -> dict[str, Any]:
         nc = await _connect(config)
@@ -192,7 +195,7 @@ def remote_spawn(state_dir: StateDir, config_path: str | None, name: str, task_f
         finally:
             await nc.close()
 
-    reply: dict[str, Any] = {"ok": False, "error": "no_host", "detail": "no live host"}
+    reply: dict[str, Any] = placed or {"ok": False, "error": "no_host", "detail": "no live host"}
     for target in candidates:
         try:
             reply = asyncio.run(ask(target))
@@ -209,6 +212,26 @@ def remote_spawn(state_dir: StateDir, config_path: str | None, name: str, task_f
         print(f"supervisor: spawn {name} refused: {reply.get('error')}: {reply.get('detail')}",
               file=sys.stderr)
     return EXIT_OK if reply.get("ok") else EXIT_FAILED
+
+
+def _place(config: FleetConfig, key: bytes, name: str, task: str,
+           model: str | None) -> dict[str, Any] | None:
+    """Through the hosts' queue group (supervisor/fleetplace.py): its answer,
+    or None to fall back to the fleet view's order."""
+    from supervisor.fleetplace import PLACE_HOST, place  # noqa: PLC0415
+
+    async def go() -> dict[str, Any] | None:
+        nc = await _connect(config)
+        try:
+            return await place(nc, lambda: sign(key, "spawn", PLACE_HOST, name, task=task,
+                                                model=model))
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(go())
+    except Exception:  # noqa: BLE001 - the cluster away: the fallback says so
+        return None
 
 
 # --- the CLI side ------------------------------------------------------------

@@ -38,6 +38,14 @@ from broker.statedir import StateDir
 from supervisor.fleetadopt import Uploader
 from supervisor.fleetconfig import FleetConfig
 from supervisor.fleetctl import read_hosts
+from supervisor.fleetplace import (
+    PLACE_HOST,
+    PLACE_QUEUE,
+    PLACE_SUBJECT,
+    agents_of,
+    decide,
+    place_subject,
+)
 from supervisor.fleetwatch import Watch
 
 log = structlog.get_logger("supervisor.fleet")
@@ -92,6 +100,9 @@ class FleetHost:
         self._task: asyncio.Future[None] | None = None
         self._wake = asyncio.Event()
         self._seen: dict[str, float] = {}  # nonce -> when (replays refused)
+        self._placed: set[str] = set()  # agents accepted by placement, not yet in a status
+        self._placing = asyncio.Lock()  # one placement at a time (two subjects)
+        self._js: Any = None
         self.published_total = 0
         self.watch: Watch | None = None
         self.uploader: Uploader | None = None
@@ -137,6 +148,11 @@ class FleetHost:
             js = nc.jetstream(timeout=5)
             kv = None
             await nc.subscribe(control_subject(self.host), cb=self._on_control)
+            self._js = js
+            if self.config.operator_key is not None:  # without it control is off: a
+                # member that could only refuse would turn placements away from the group
+                await nc.subscribe(PLACE_SUBJECT, queue=PLACE_QUEUE, cb=self._on_place)
+                await nc.subscribe(place_subject(self.host), cb=self._on_place)
             watch = Watch(self.host, self.config.dead_grace_s, self.config.replicas,
                           self.state_dir)
             uploader = Uploader(self.host, self.state_dir, self.config.replicas)
@@ -179,6 +195,53 @@ class FleetHost:
         reply = await asyncio.get_running_loop().run_in_executor(
             None, fleetctl.carry_out, self.state_dir, request)
         await msg.respond(json.dumps(reply).encode())
+
+    async def _on_place(self, msg: Any) -> None:
+        """A placement from the queue group (supervisor/fleetplace.py): accepted
+        and spawned here only when this host is a least-loaded live host."""
+        from supervisor import fleetctl  # noqa: PLC0415
+
+        def answer(reply: dict[str, Any]) -> Any:
+            return msg.respond(json.dumps({**reply, "host": self.host}).encode())
+
+        try:
+            request = fleetctl.verify(msg.data, PLACE_HOST, self._operator_key(), self._seen)
+        except fleetctl.FleetControlError as exc:
+            request = {"refused": str(exc)}
+        if request.get("verb") != "spawn":
+            why = request.get("refused") or "only spawn is placed"
+            log.warning("fleet_place_refused", reason=str(why)[:200])
+            await answer({"ok": False, "error": "forbidden", "detail": why})
+            return
+        async with self._placing:
+            await self._place(request, answer)
+
+    async def _place(self, request: dict[str, Any], answer: Any) -> None:
+        from supervisor import fleetctl  # noqa: PLC0415
+
+        if self._status is None or self.watch is None or not self.watch.registered:
+            await answer({"ok": False, "error": "declined", "detail": "not in the fleet yet"})
+            return
+        children = self._status.get("children", [])
+        running = agents_of(children)
+        self._placed -= {str(c.get("name")) for c in children}  # in a status now: counted there
+        try:
+            view = await read_hosts(self._js, self.config.host_ttl_s)
+        except Exception as exc:  # noqa: BLE001 - the view unreadable: let another host try
+            await answer({"ok": False, "error": "declined", "detail": type(exc).__name__})
+            return
+        accept, why, least = decide(self.host, running | self._placed, view,
+                                    self.config.max_agents)
+        if not accept:
+            log.info("fleet_place_declined", agent=request["agent"], why=why)
+            await answer({"ok": False, "error": "declined", "detail": why, "least": least})
+            return
+        log.info("fleet_placed", agent=request["agent"], why=why)
+        reply = await asyncio.get_running_loop().run_in_executor(
+            None, fleetctl.carry_out, self.state_dir, request)
+        if reply.get("ok"):
+            self._placed.add(request["agent"])
+        await answer({**reply, "placed": True})
 
     def _operator_key(self) -> bytes | None:
         path = self.config.operator_key

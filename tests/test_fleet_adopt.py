@@ -6,7 +6,14 @@ records from A's stream, its workspace from the newest tree in the object
 store) and runs it to the end: the same workspace as an uninterrupted run of
 the same task on B. Host A started again is fenced: its writer stops with 77
 at its first publish, nothing more reaches its stream, its copy of the agent
-changes nothing."""
+changes nothing.
+
+Generations (docs/fleet.md, "Generations"): the agents write a state
+generation every few events and host A uploads them; the adopted agent
+rebuilds on B from one (its `state_rebuilt` names a generation seq > 0, and
+its state is the full fold's), while a second agent of A whose generations
+were corrupted in the object store is rebuilt by the full fold and finishes
+the same."""
 
 from __future__ import annotations
 
@@ -20,12 +27,14 @@ import pytest
 import yaml
 import zmq
 
+from actors.agent.generations import SAVED_EVENT, list_generations
 from actors.agent.rebuild import rebuild
 from actors.trees.store import packs_dir
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval
-from supervisor.fleetadopt import uploaded_pack_size
+from supervisor.fleetadopt import OBJECTS, uploaded_pack_size
+from supervisor.fleetgens import gen_object, uploaded_generations
 from tests.agentkit import tree, write_task
 from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts, read_stream
 from tests.processes import ProcessTracker, wait_for
@@ -49,13 +58,28 @@ STEPS = [
 ]
 EXPECTED = {"a.txt": "one+two+three\n", "src/b.txt": "bee", "release/n.md": "v1",
             "out/0.txt": "pass 0"}
+# the second agent of host A (its generations corrupted): the same turns without the
+# background command, every file its own (a capture stores an object once per host, in
+# the pack of the agent that stored it first: shared contents would leave this agent's
+# pack without them)
+STEPS2 = [
+    {"op": "write_file", "path": "a.txt", "content": "two-one\n"},
+    {"op": "edit_file", "path": "a.txt", "old": "one", "new": "one+two"},
+    {"op": "write_file", "path": "src/b.txt", "content": "two-bee"},
+    {"op": "write_file", "path": "release/n.md", "content": "two-v1"},  # asks: it waits
+    {"op": "edit_file", "path": "a.txt", "old": "+two", "new": "+two+three"},
+    {"op": "write_file", "path": "out/{i}.txt", "content": "two-pass {i}"},
+    {"op": "finish", "summary": "done"},
+]
+EXPECTED2 = {"a.txt": "two-one+two+three\n", "src/b.txt": "two-bee",
+             "release/n.md": "two-v1", "out/0.txt": "two-pass 0"}
 
 
 def config_for(state_dir: StateDir, host: str, cluster: Cluster, key: Path) -> Path:
     path = host_config(state_dir, host, cluster, key, agents=0)
     config = yaml.safe_load(path.read_text())  # host_ttl_s 5, dead_grace_s 1: a shorter
     # TTL lets a slow status put on a loaded machine get a live host declared dead
-    config["agent"] = {"approval_poll_ms": 20, "permissions": {"rules": [
+    config["agent"] = {"approval_poll_ms": 20, "snapshot_every": 4, "permissions": {"rules": [
         {"op": "write_file", "path": "release/*", "decision": "ask"}]}}
     config["children"].append({"name": "procs", "kind": "procs"})  # the background command
     path.write_text(yaml.safe_dump(config))
@@ -69,8 +93,57 @@ def pending(writer: WriterClient, state_dir: StateDir, name: str) -> list[Any]:
         return []
 
 
+def generation_seqs(state_dir: StateDir, name: str) -> list[int]:
+    """The seqs of the agent's generation files on this host."""
+    return [int(p.name[4:24]) for p in list_generations(state_dir.agent_dir(name))]
+
+
+def all_uploaded(writer: WriterClient, state_dir: StateDir, urls: list[str], host: str,
+                 name: str) -> bool:
+    """Every generation file of the agent is in the object store, the newest
+    vouched for in its stream (read together: the agent may write one more)."""
+    made = generation_seqs(state_dir, name)
+    return bool(made) and uploaded_generations(urls, host, name) == made \
+        and vouched(writer, name, made[-1])
+
+
+def vouched(writer: WriterClient, name: str, seq: int) -> bool:
+    """Whether the agent's stream holds the `generation_saved` fact of seq."""
+    return any(r.event == SAVED_EVENT and isinstance(p := r.payload(), dict)
+               and p.get("seq") == seq for r in writer.read_stream(f"agent/{name}"))
+
+
+def corrupt_generations(urls: list[str], host: str, agent: str, seqs: list[int]) -> None:
+    """Replace `host`'s generation objects of `agent` by a byte-changed copy (the
+    object store's own digest is right: only the vouching fact tells)."""
+    import asyncio
+
+    import nats
+
+    async def go() -> None:
+        nc: Any = await nats.connect(urls, connect_timeout=2)
+        try:
+            bucket = await nc.jetstream(timeout=5).object_store(OBJECTS)
+            for seq in seqs:
+                name = gen_object(host, agent, seq)
+                raw = (await bucket.get(name)).data or b""
+                await bucket.put(name, raw.replace(b'"phase":"', b'"phase": "', 1))
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
+
+
+def rebuilt_lines(state_dir: StateDir, name: str) -> list[dict[str, Any]]:
+    log = state_dir.root / "logs" / f"{name}.log"
+    if not log.exists():
+        return []
+    return [r for line in log.read_bytes().splitlines()
+            if (r := json.loads(line)).get("event") == "state_rebuilt"]
+
+
 def finished(writer: WriterClient, name: str) -> bool:
-    records = list(writer.read_stream(f"agent/{name}"))
+    records = [r for r in writer.read_stream(f"agent/{name}") if r.event != SAVED_EVENT]
     return bool(records) and records[-1].event == "session_exit"
 
 
@@ -110,24 +183,37 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
             raise AssertionError({"last seen": described(seen[0]) if seen else None,
                                   "now": described(fleet_view(processes, state_dir))}) from None
         task = write_task(tmp_path / "adopt.yaml", STEPS)
-        for directory, name in ((state_dir, "victim"), (other_state_dir, "ref")):
-            done = cli(processes, directory, "spawn", name, "--task", str(task), "--json")
+        task2 = write_task(tmp_path / "adopt2.yaml", STEPS2)
+        for directory, name, task_file in ((state_dir, "victim", task),
+                                           (state_dir, "victim2", task2),
+                                           (other_state_dir, "ref", task)):
+            done = cli(processes, directory, "spawn", name, "--task", str(task_file), "--json")
             assert done.returncode == 0, done.stdout + done.stderr + (
                 directory.root / "logs" / "supervisor.log").read_text()[-3000:]
 
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
             with WriterClient(ctx, state_dir, "probe-a") as writer_a:
-                wait_for(lambda: pending(writer_a, state_dir, "victim"), 40,
-                         "host A's agent waiting for its approval", interval_s=0.2)
+                for name in ("victim", "victim2"):
+                    wait_for(lambda n=name: pending(writer_a, state_dir, n), 40,  # type: ignore[misc]
+                             f"host A's {name} waiting for its approval", interval_s=0.2)
                 victim_a = state_dir.agent_dir("victim") / "workspace"
                 before = tree(victim_a)
                 assert before == {"a.txt": "one+two\n", "src/b.txt": "bee"}
-                # the newest tree's objects are in the object store (so the adoption
-                # below restores a workspace, not an empty one)
-                local = (packs_dir(state_dir.root) / "victim.pack").stat().st_size
-                wait_for(lambda: uploaded_pack_size(fleet_cluster.urls, ha, "victim") == local, 20,
-                         "host A's bundle uploaded", interval_s=0.3)
+                for name in ("victim", "victim2"):
+                    # the newest tree's objects are in the object store (so the adoption
+                    # below restores a workspace, not an empty one), and its generations,
+                    # each vouched for in the stream
+                    local = (packs_dir(state_dir.root) / f"{name}.pack").stat().st_size
+                    wait_for(lambda n=name, size=local: uploaded_pack_size(  # type: ignore[misc]
+                        fleet_cluster.urls, ha, n) == size, 20,
+                        f"host A's bundle of {name} uploaded", interval_s=0.3)
+                    wait_for(lambda n=name: all_uploaded(  # type: ignore[misc]
+                        writer_a, state_dir, fleet_cluster.urls, ha, n), 20,
+                        f"host A's generations of {name} uploaded", interval_s=0.3)
+                # victim2's generations corrupted in the store: its adoption falls back
+                corrupt_generations(fleet_cluster.urls, ha, "victim2",
+                                    uploaded_generations(fleet_cluster.urls, ha, "victim2"))
 
             # the whole host goes: its supervisor SIGKILLed, its children die with it
             killed_at = time.monotonic()
@@ -138,28 +224,55 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
                 wait_for(lambda: pending(writer_b, other_state_dir, "victim"), 40,
                          "the agent resumed on host B, waiting for its approval", interval_s=0.2)
                 failover_s = time.monotonic() - killed_at
+                # rebuilt from a generation restored from the object store (B's seqs),
+                # and the state it has is the full fold's
+                [first] = wait_for(lambda: rebuilt_lines(other_state_dir, "victim"), 30,
+                                   "victim's state_rebuilt on host B", interval_s=0.2)[:1]
+                assert first["generation_seq"] > 0, first
+                wait_for(lambda: rebuild(writer_b, other_state_dir, "victim").state == rebuild(
+                    writer_b, other_state_dir, "victim", use_generations=False).state, 10,
+                    "its state from the generation equal to the full fold's", interval_s=0.2)
                 view = fleet_view(processes, other_state_dir)
                 assert view[ha]["dead"] and view[ha]["fenced_by"] == hb
                 victim_b = other_state_dir.agent_dir("victim") / "workspace"
                 assert tree(victim_b) == before  # restored from the newest tree
-                for name in ("victim", "ref"):
+                for name in ("victim", "victim2", "ref"):
                     wait_for(lambda n=name: pending(writer_b, other_state_dir, n), 30,  # type: ignore[misc]
                              f"{name} waiting for its approval", interval_s=0.2)
                     state = rebuild(writer_b, other_state_dir, name).state
                     [request] = state.pending_approvals()
                     answer_approval(writer_b, name, state, request.request, decision="approve",
                                     always=False, note=None)
-                for name in ("victim", "ref"):
-                    wait_for(lambda n=name: finished(writer_b, n), 40,  # type: ignore[misc]
-                             f"{name} finished on host B", interval_s=0.2)
+                # victim2's corrupted generations were refused: it folded its stream
+                [first2] = wait_for(lambda: rebuilt_lines(other_state_dir, "victim2"), 30,
+                                    "victim2's state_rebuilt on host B", interval_s=0.2)[:1]
+                assert first2["generation_seq"] == 0, first2
+                for name in ("victim", "victim2", "ref"):
+                    try:
+                        wait_for(lambda n=name: finished(writer_b, n), 40,  # type: ignore[misc]
+                                 f"{name} finished on host B", interval_s=0.2)
+                    except TimeoutError:
+                        log_b = other_state_dir.root / "logs" / f"{name}.log"
+                        raise AssertionError(log_b.read_text()[-4000:]) from None
                 events: list[tuple[str, Any]] = [
-                    (r.event, r.payload()) for r in writer_b.read_stream("agent/victim")]
+                    (r.event, r.payload()) for r in writer_b.read_stream("agent/victim")
+                    if r.event != SAVED_EVENT]
                 lost: list[Any] = [r.payload() for r in writer_b.read_stream("procs/victim")
                                    if r.event == "proc_lost"]
                 ref_events: list[tuple[str, Any]] = [
                     (r.event, r.payload()) for r in writer_b.read_stream("agent/ref")]
             ref_b = other_state_dir.agent_dir("ref") / "workspace"
             assert tree(victim_b) == tree(ref_b) == EXPECTED
+            assert tree(other_state_dir.agent_dir("victim2") / "workspace") == EXPECTED2
+            refusals = [json.loads(line) for line in (other_state_dir.root / "logs" /
+                        "supervisor.log").read_bytes().splitlines()
+                        if b"fleet_generation_refused" in line]
+            # victim's newer generations may lie past the cut; victim2's are refused
+            # for their digest (the ones before the cut at least)
+            assert all(r["agent"] == "victim2" or r["reason"] == "after the cut"
+                       for r in refusals), refusals
+            assert any(r["agent"] == "victim2" and r["reason"] ==
+                       "no generation_saved fact with its digest" for r in refusals), refusals
             assert events[-1][1]["reason"] == "finished"
             results = [p["call_id"] for e, p in events if e == "tool_result"]
             assert len(results) == len(set(results))  # no op ran twice in the adopted history

@@ -26,6 +26,7 @@ from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from supervisor import fleetctl
 from supervisor.fleethost import control_subject
+from supervisor.fleetplace import PLACE_HOST, PLACE_SUBJECT, place_subject
 from tests.agentkit import write_task
 from tests.fleetkit import (
     Cluster,
@@ -155,13 +156,32 @@ def test_fleet_status_and_control_across_hosts(
         assert all(json.loads(line)["key"] != "on-b"
                    for line in stream_records(fleet_cluster.urls, ha).values())
 
-        # placement: host A runs an agent, host B none: `--host auto` lands on B
+        # placement: host A runs an agent, host B none: `--host auto` lands on B, through
+        # the hosts' queue group (A declines it if NATS hands it to A first, naming B)
         task = write_task(state_dir.root.parent / "placed.yaml",
                           [{"op": "finish", "summary": "done"}])
+        key_bytes = key.read_bytes().strip()
+        declined = asyncio.run(_request(fleet_cluster.urls, place_subject(ha), fleetctl.sign(
+            key_bytes, "spawn", PLACE_HOST, "x", task=task.read_text())))
+        assert (declined["ok"], declined["error"], declined["host"]) == (False, "declined", ha)
+        # B, unless the view could not read B's entry (under load): declined all the same
+        assert declined["least"] == hb or declined["detail"].startswith("the view could not"), \
+            declined
         done = cli(processes, state_dir, "spawn", "placed", "--task", str(task), "--host", "auto",
                    "--json")
         assert done.returncode == 0, done.stdout + done.stderr
-        assert json.loads(done.stdout)["host"] == hb
+        placed = json.loads(done.stdout)
+        assert placed["host"] == hb and placed.get("placed") is True, placed
+        # the queue group takes only a spawn signed for `auto` with the operator key
+        for forged in (fleetctl.sign(b"not-the-key", "spawn", PLACE_HOST, "x", task="steps: []"),
+                       fleetctl.sign(key_bytes, "spawn", hb, "x", task="steps: []"),
+                       fleetctl.sign(key_bytes, "kill", PLACE_HOST, "agent-1")):
+            refused = asyncio.run(_request(fleet_cluster.urls, PLACE_SUBJECT, forged))
+            assert refused["ok"] is False and refused["error"] == "forbidden", refused
+        # ... and a host's own subject never takes one signed for `auto`
+        refused = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), fleetctl.sign(
+            key_bytes, "spawn", PLACE_HOST, "x", task="steps: []")))
+        assert refused["ok"] is False and refused["error"] == "forbidden", refused
         wait_for(lambda: "placed" in {c["name"] for c in fleet_view(processes, state_dir)[hb][
             "children"]}, 20, "the placed agent in host B's status", interval_s=0.3)
         assert "placed" not in {c["name"] for c in fleet_view(processes, state_dir)[ha]["children"]}

@@ -95,12 +95,21 @@ def list_generations(agent_dir: Path) -> list[Path]:
 def read(path: Path) -> Generation | None:
     try:
         raw = path.read_bytes()
+    except OSError:
+        return None
+    return parse(raw)
+
+
+def parse(raw: bytes) -> Generation | None:
+    """A generation from its file's bytes (None: not one); hostile bytes are
+    refused, never raised (a generation from another host's upload is read too)."""
+    try:
         data = json.loads(raw)
         if data.get("version") != FORMAT_VERSION:
             return None
         state = AgentState.model_validate(data["state"])
         key = data.get("key")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError):
+    except (ValueError, KeyError, TypeError, AttributeError, ValidationError, RecursionError):
         return None
     if state.last_seq != data.get("seq") or not (key is None or isinstance(key, str)):
         return None
