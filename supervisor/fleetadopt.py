@@ -65,7 +65,7 @@ from actors.trees.store import lease as store_lease
 from actors.writer.replicate import parse_seq_range, stream_name
 from broker.durable import write_atomic
 from broker.statedir import StateDir
-from supervisor import fleetgens
+from supervisor import fleetgens, fleetseqs
 
 log = structlog.get_logger("supervisor.fleet")
 
@@ -329,14 +329,15 @@ class Cut:
 
 
 def cut(records: list[dict[str, Any]], agent: str, store: ObjectStore) -> Cut:
-    """The agent's records up to and including its newest `workspace_tree` whose
-    objects `store` holds; none when there is no such tree (the agent starts over)."""
+    """The agent's records up to and including its newest `workspace_tree` (or
+    `rewind`: the tree it restored) whose objects `store` holds; none when there
+    is no such tree (the agent starts over)."""
     mine = [r for r in records if r.get("stream") == f"agent/{agent}"]
     newest: str | None = None
     for index in range(len(mine) - 1, -1, -1):
         record = mine[index]
-        if record.get("event") != "workspace_tree":
-            continue
+        if record.get("event") not in ("workspace_tree", "rewind"):
+            continue  # a rewind is a turn boundary too: its tree is the workspace it leaves
         digest = (record.get("payload") or {}).get("tree")
         if not isinstance(digest, str):
             continue
@@ -378,6 +379,7 @@ def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any]
         store = ObjectStore(packs, agent)
         store.validate()
         chosen = cut(records, agent, store)
+        fleetseqs.check(chosen.records)  # refused before the workspace is touched
         workspace = state_dir.agent_dir(agent) / "workspace"
         workspace.mkdir(parents=True, exist_ok=True)
         if chosen.tree is not None:
@@ -462,32 +464,21 @@ def _import(state_dir: StateDir, agent: str, records: list[dict[str, Any]]) -> l
     seq each got here, in order (a retry's duplicates answer the same ones)."""
     import zmq  # noqa: PLC0415
 
-    from actors.writer.client import WriterClient, encode_payload  # noqa: PLC0415
+    from actors.writer.client import WriterClient  # noqa: PLC0415
     from broker import auth  # noqa: PLC0415
 
     if not records:
         return []
-    seqs: list[int] = []
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         with WriterClient(ctx, state_dir, agent,
                           credential=auth.operator_credential(state_dir)) as writer:
-            by_origin: list[tuple[str, list[tuple[str, bytes, str, Any]]]] = []
-            for record in records:
-                item = (str(record["event"]), encode_payload(record.get("payload")),
-                        str(record["key"]), record.get("ledger"))
-                origin = str(record.get("origin") or agent)
-                if by_origin and by_origin[-1][0] == origin and \
-                        len(by_origin[-1][1]) < IMPORT_CHUNK:
-                    by_origin[-1][1].append(item)
-                else:
-                    by_origin.append((origin, [item]))
-            for origin, group in by_origin:
-                reply = writer.append_many(f"agent/{agent}", group, origin=origin)
-                seqs.extend(range(reply.seq, reply.seq + len(group)))
+            return fleetseqs.import_records(
+                records, agent, IMPORT_CHUNK,
+                lambda origin, group: writer.append_many(f"agent/{agent}", group,
+                                                         origin=origin).seq)
     finally:
         ctx.destroy(linger=0)
-    return seqs
 
 
 def _session_of(records: list[dict[str, Any]]) -> str | None:

@@ -24,9 +24,10 @@ an adopted agent rebuilt from one (docs/fleet.md, "Generations").
 - **Renumbered.** Seqs are one host's: the adopted records get new seqs in
   the adopter's WAL. The generation's seq-valued fields (`last_seq`,
   `session_seq`) are mapped to the new seqs of the same records, so the state
-  is the one a fold of the adopted records on this host gives (the other
-  seq-valued fields come from rewinds: a generation of a stream with a
-  `rewind` among the adopted records is not used). The adopter writes it as a
+  is the one a fold of the adopted records on this host gives; so are the
+  branch fields a rewind among the adopted records set (`branch`,
+  `last_rewind`: supervisor/fleetseqs.py, which rewrites the records' own
+  references the same way). The adopter writes it as a
   local generation and appends the `generation_saved` fact that vouches for
   it (key `g<seq>:adopted`, as the operator), so the agent's own rebuild
   (actors/agent/rebuild.py) takes it, checks it as it checks any generation,
@@ -46,6 +47,7 @@ import structlog
 
 from actors.agent import generations
 from broker.statedir import StateDir
+from supervisor import fleetseqs
 
 log = structlog.get_logger("supervisor.fleet")
 
@@ -179,8 +181,6 @@ def choose(candidates: Sequence[tuple[int, bytes]], records: Sequence[dict[str, 
     vouched = {(p.get("seq"), p.get("sha256")) for r in mine
                if r.get("event") == generations.SAVED_EVENT
                and isinstance(p := r.get("payload"), dict)}
-    rewound = any(r.get("event") == "rewind" for r in mine
-                  if isinstance(r.get("seq"), int) and r["seq"] <= through_seq)
     refused: list[tuple[int, str]] = []
     for seq, raw in sorted(candidates, key=lambda c: c[0], reverse=True):
         if seq > through_seq:
@@ -197,18 +197,19 @@ def choose(candidates: Sequence[tuple[int, bytes]], records: Sequence[dict[str, 
         if record is None or (gen.key is not None and record.get("key") != gen.key):
             refused.append((seq, "the stream's record at its seq is another"))
             continue
-        if rewound:
-            refused.append((seq, "a rewind among the adopted records"))
-            continue
         return gen, refused
     return None, refused
 
 
-def renumbered(state: Any, seqs: dict[int, int]) -> Any:
+def renumbered(state: Any, seqs: dict[int, int], rewinds: set[int] | None = None) -> Any:
     """`state` (an AgentState) with its seq-valued fields mapped from the dead
-    host's seqs to this host's (`seqs`: old -> new, every adopted record);
-    None when one of them is not an adopted record's."""
-    out = state.model_copy(deep=True)
+    host's seqs to this host's (`seqs`: old -> new, every adopted record;
+    `rewinds`: the old seqs of the adopted rewinds, whose branch fields are
+    mapped too: supervisor/fleetseqs.py); None when one of them is not an
+    adopted record's."""
+    out = fleetseqs.renumber_branch(state.model_copy(deep=True), seqs, rewinds or set())
+    if out is None:
+        return None
     if state.last_seq not in seqs:
         return None
     out.last_seq = seqs[state.last_seq]
@@ -244,7 +245,8 @@ def _restore(state_dir: StateDir, dead: str, agent: str,  # noqa: PLR0917
     if gen is None:
         return 0
     seqs = {int(r["seq"]): new for r, new in zip(adopted, new_seqs, strict=True)}
-    state = renumbered(gen.state, seqs)
+    rewinds = {int(r["seq"]) for r in adopted if r.get("event") == fleetseqs.REWIND}
+    state = renumbered(gen.state, seqs, rewinds)
     if state is None:
         log.warning("fleet_generation_refused", host=dead, agent=agent,
                     seq=gen.state.last_seq, reason="a seq it names was not adopted")

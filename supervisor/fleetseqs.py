@@ -1,0 +1,197 @@
+"""Adoption, the seqs a record names: an adopted agent's records keep their
+meaning under the adopter's seqs (docs/fleet.md, "Adoption of a rewound agent").
+
+Seqs are one host's WAL positions. The import (supervisor/fleetadopt.py)
+appends the dead host's records of `agent/<name>` under new seqs, in order;
+a record that *names* a seq of that same stream must name the new one, or
+the adopter reads the dead host's number as its own (a rewind would cut its
+branch at some unrelated record). What names a seq of the agent's stream:
+
+- `rewind {to_seq, from_seq}` (actors/trees/rewind.py) and its key
+  `rewind:<agent>:<from_seq>`;
+- the branch tag `r<seq>:` (the rewind's own seq, actors/agent/branch_events.py)
+  that prefixes the key of every record after a rewind (actors/agent/loop.py);
+- `generation_saved {seq}` and its key `g<seq>:saved` / `g<seq>:adopted`.
+
+Each such seq is mapped old -> new with the mapping the import builds as it
+goes (every reference names an *earlier* record, so its new seq is known
+when the referring record is appended). The import is checked whole before
+anything is appended (`check`): a reference to a seq that is not an earlier
+adopted record of the stream (outside the imported range, later, another
+stream's, not an integer) refuses the agent's adoption (`SeqReferenceError`),
+never a silently wrong import.
+
+Left as they are, on purpose: `session_fork {point_seq, state}` names seqs of
+the *parent's* stream (another agent, not imported): the fold copies them as
+opaque labels, so the adopted state carries the same values as the dead
+host's; a key whose `r<digits>:` prefix is not an adopted rewind (a fork's
+branch tag inherited from its parent) likewise. Compaction records name no
+seq (their boundary is a turn: actors/agent/compaction.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from actors.writer.client import encode_payload
+from broker.errors import CorralError
+
+REWIND = "rewind"
+SAVED = "generation_saved"  # actors/agent/generations.py SAVED_EVENT
+_BRANCH = re.compile(r"^r(\d{1,19}):")
+_GEN_KEY = re.compile(r"^g(\d{1,19}):(saved|adopted)$")
+
+
+class SeqReferenceError(CorralError):
+    """An imported record names a seq that is not an earlier adopted record."""
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _payload(record: Mapping[str, Any]) -> dict[str, Any]:
+    payload = record.get("payload")
+    return payload if isinstance(payload, dict) else {}
+
+
+def references(record: Mapping[str, Any], rewinds: set[int]) -> list[int]:
+    """The seqs of the agent's stream `record` names (payload and key);
+    `rewinds`: the seqs of the adopted rewinds before it (branch tags).
+    Raises SeqReferenceError for a malformed reference."""
+    out: list[int] = []
+    event = record.get("event")
+    payload = _payload(record)
+    if event == REWIND:
+        for name in ("to_seq", "from_seq"):
+            value = _int(payload.get(name))
+            if value is None:
+                raise SeqReferenceError(f"rewind at {record.get('seq')}: {name} "
+                                        f"{payload.get(name)!r} is not a seq")
+            out.append(value)
+    elif event == SAVED:
+        value = _int(payload.get("seq"))
+        if value is None:
+            raise SeqReferenceError(f"generation_saved at {record.get('seq')}: no seq")
+        out.append(value)
+    key = record.get("key")
+    if isinstance(key, str) and (match := _BRANCH.match(key)) and int(match[1]) in rewinds:
+        out.append(int(match[1]))
+    return out
+
+
+def check(records: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse the import unless every seq a record names is an earlier record's
+    of the same list (the adopted ones, in order)."""
+    seen: set[int] = set()
+    rewinds: set[int] = set()
+    last = 0
+    for record in records:
+        seq = _int(record.get("seq"))
+        if seq is None or seq <= last:
+            raise SeqReferenceError(f"record seq {record.get('seq')!r} out of order")
+        for ref in references(record, rewinds):
+            if ref not in seen:
+                raise SeqReferenceError(
+                    f"{record.get('event')} at {seq} names seq {ref}, not an earlier "
+                    f"adopted record of the stream")
+        seen.add(seq)
+        last = seq
+        if record.get("event") == REWIND:
+            rewinds.add(seq)
+
+
+def rewrite(record: Mapping[str, Any], seqs: Mapping[int, int]) -> tuple[Any, str]:
+    """(payload, key) of `record` with every seq it names mapped by `seqs`
+    (old -> new of the records imported before it; `check` passed). A record
+    naming none comes back unchanged."""
+    payload: Any = record.get("payload")
+    key = str(record["key"])
+    event = record.get("event")
+    if event == REWIND and isinstance(payload, dict):
+        payload = {**payload, "to_seq": seqs[payload["to_seq"]],
+                   "from_seq": seqs[payload["from_seq"]]}
+        agent_key = key.rsplit(":", 1)
+        if key.startswith("rewind:") and len(agent_key) == 2 and agent_key[1].isdigit() \
+                and int(agent_key[1]) in seqs:
+            key = f"{agent_key[0]}:{seqs[int(agent_key[1])]}"
+    elif event == SAVED and isinstance(payload, dict):
+        old = payload["seq"]
+        payload = {**payload, "seq": seqs[old]}
+        if (match := _GEN_KEY.match(key)) and int(match[1]) == old:
+            key = f"g{seqs[old]}:{match[2]}"
+    if (match := _BRANCH.match(key)) and int(match[1]) in seqs:
+        key = f"r{seqs[int(match[1])]}:{key[match.end():]}"
+    return payload, key
+
+
+def needs_mapping(record: Mapping[str, Any], rewinds: set[int]) -> bool:
+    """Whether `record` names a seq (the import must know its new seq first)."""
+    return bool(references(record, rewinds))
+
+
+def renumber_branch(state: Any, seqs: Mapping[int, int], rewinds: set[int]) -> Any | None:
+    """A generation's branch fields (`branch`, `last_rewind`) mapped to the new
+    seqs when they come from an adopted rewind (`rewinds`: their old seqs);
+    left as they are when they come from elsewhere (a fork's parent). None
+    when a seq they name was not adopted."""
+    match = _BRANCH.match(state.branch or "")
+    if match and int(match[1]) in rewinds:
+        state.branch = f"r{seqs[int(match[1])]}:"
+    last = state.last_rewind
+    if isinstance(last, dict) and _int(last.get("seq")) in rewinds:
+        mapped = dict(last)
+        for name in ("seq", "to_seq", "from_seq"):
+            value = _int(last.get(name))
+            if value is None or value not in seqs:
+                return None
+            mapped[name] = seqs[value]
+        state.last_rewind = mapped
+    return state
+
+
+Item = tuple[str, bytes, str, Any]  # (event, payload, key, ledger): one append_many entry
+
+
+def import_records(records: Sequence[Mapping[str, Any]], agent: str, chunk: int,
+                   append: Callable[[str, list[Item]], int]) -> list[int]:
+    """Append `records` (the dead host's, in order) through `append(origin,
+    items) -> first new seq` (consecutive seqs for the items), in groups of at
+    most `chunk` of one origin, each record's seq references rewritten to the
+    new seqs; the new seq of each record, in order. `check` first: a bad
+    reference appends nothing. A group ends before a record naming a seq whose
+    new number is not known yet (a rewind, and the first record after one)."""
+    check(records)
+    mapping: dict[int, int] = {}  # the dead host's seq -> this host's
+    rewinds: set[int] = set()
+    seqs: list[int] = []
+    group: list[Item] = []
+    olds: list[int] = []
+    origin = ""
+
+    def flush() -> None:
+        if group:
+            first = append(origin, list(group))
+            new = range(first, first + len(group))
+            mapping.update(zip(olds, new, strict=True))
+            seqs.extend(new)
+            group.clear()
+            olds.clear()
+
+    for record in records:
+        refs = references(record, rewinds)
+        record_origin = str(record.get("origin") or agent)
+        if record_origin != origin or len(group) >= chunk or \
+                any(ref not in mapping for ref in refs):
+            flush()
+            origin = record_origin
+        payload, key = rewrite(record, mapping)
+        group.append((str(record["event"]), encode_payload(payload), key,
+                      record.get("ledger")))
+        olds.append(int(record["seq"]))
+        if record.get("event") == REWIND:
+            rewinds.add(int(record["seq"]))
+    flush()
+    return seqs
