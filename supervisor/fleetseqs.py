@@ -103,33 +103,28 @@ def check(records: Sequence[Mapping[str, Any]]) -> None:
             rewinds.add(seq)
 
 
-def rewrite(record: Mapping[str, Any], seqs: Mapping[int, int]) -> tuple[Any, str]:
+def rewrite(record: Mapping[str, Any], seqs: Mapping[int, int],
+            rewinds: set[int]) -> tuple[Any, str]:
     """(payload, key) of `record` with every seq it names mapped by `seqs`
-    (old -> new of the records imported before it; `check` passed). A record
-    naming none comes back unchanged."""
+    (old -> new of the records imported before it; `rewinds`: the old seqs of
+    the rewinds among them; `check` passed). A record naming none comes back
+    unchanged."""
     payload: Any = record.get("payload")
     key = str(record["key"])
     event = record.get("event")
     if event == REWIND and isinstance(payload, dict):
-        payload = {**payload, "to_seq": seqs[payload["to_seq"]],
-                   "from_seq": seqs[payload["from_seq"]]}
-        agent_key = key.rsplit(":", 1)
-        if key.startswith("rewind:") and len(agent_key) == 2 and agent_key[1].isdigit() \
-                and int(agent_key[1]) in seqs:
-            key = f"{agent_key[0]}:{seqs[int(agent_key[1])]}"
+        old_from = payload["from_seq"]
+        payload = {**payload, "to_seq": seqs[payload["to_seq"]], "from_seq": seqs[old_from]}
+        if key.startswith("rewind:") and key.endswith(f":{old_from}"):
+            key = f"{key[: -len(str(old_from))]}{seqs[old_from]}"
     elif event == SAVED and isinstance(payload, dict):
         old = payload["seq"]
         payload = {**payload, "seq": seqs[old]}
         if (match := _GEN_KEY.match(key)) and int(match[1]) == old:
             key = f"g{seqs[old]}:{match[2]}"
-    if (match := _BRANCH.match(key)) and int(match[1]) in seqs:
+    if (match := _BRANCH.match(key)) and int(match[1]) in rewinds:
         key = f"r{seqs[int(match[1])]}:{key[match.end():]}"
     return payload, key
-
-
-def needs_mapping(record: Mapping[str, Any], rewinds: set[int]) -> bool:
-    """Whether `record` names a seq (the import must know its new seq first)."""
-    return bool(references(record, rewinds))
 
 
 def renumber_branch(state: Any, seqs: Mapping[int, int], rewinds: set[int]) -> Any | None:
@@ -187,7 +182,7 @@ def import_records(records: Sequence[Mapping[str, Any]], agent: str, chunk: int,
                 any(ref not in mapping for ref in refs):
             flush()
             origin = record_origin
-        payload, key = rewrite(record, mapping)
+        payload, key = rewrite(record, mapping, rewinds)
         group.append((str(record["event"]), encode_payload(payload), key,
                       record.get("ledger")))
         olds.append(int(record["seq"]))

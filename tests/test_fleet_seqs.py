@@ -178,3 +178,13 @@ def test_a_seq_outside_the_imported_range_is_refused_before_any_append() -> None
         with pytest.raises(fleetseqs.SeqReferenceError):
             fleetseqs.import_records(records_, "a1", 64, append)
     assert appended == []
+
+
+def test_a_tag_naming_no_adopted_rewind_is_left_as_it_is() -> None:
+    """A branch tag inherited from a fork's parent (another stream's seq), or one
+    naming a record that is no rewind, is a label: not rewritten."""
+    records = stream([("turn", 0), ("turn", 0)], [4])
+    records[-1] = {**records[-1], "key": f"r{records[1]['seq']}:x"}
+    records.append({**records[-1], "seq": records[-1]["seq"] + 1, "key": "r999999:y"})
+    new, _ = imported(records, 10, 1)
+    assert [r["key"] for r in new[-2:]] == [f"r{records[1]['seq']}:x", "r999999:y"]
