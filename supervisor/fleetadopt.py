@@ -338,7 +338,13 @@ def cut(records: list[dict[str, Any]], agent: str, store: ObjectStore) -> Cut:
         record = mine[index]
         if record.get("event") not in ("workspace_tree", "rewind"):
             continue  # a rewind is a turn boundary too: its tree is the workspace it leaves
-        digest = (record.get("payload") or {}).get("tree")
+        payload = record.get("payload")
+        payload = payload if isinstance(payload, dict) else {}
+        digest = payload.get("tree")
+        if record.get("event") == "rewind" and digest is None:
+            # a rewind to before any tree restores nothing (actors/trees/rewind.py):
+            # the workspace it leaves is the one it captured first
+            digest = payload.get("from_tree")
         if not isinstance(digest, str):
             continue
         newest = newest or digest

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,10 @@ from hypothesis import strategies as st
 
 from actors.agent.state import AgentState, fold
 from actors.trees import branch
-from supervisor import fleetgens, fleetseqs
+from actors.trees.capture import Capturer
+from actors.trees.statcache import StatCache
+from actors.trees.store import ObjectStore
+from supervisor import fleetadopt, fleetgens, fleetseqs
 
 SESSION = "01JA0000000000000000000000"
 
@@ -188,3 +192,35 @@ def test_a_tag_naming_no_adopted_rewind_is_left_as_it_is() -> None:
     records.append({**records[-1], "seq": records[-1]["seq"] + 1, "key": "r999999:y"})
     new, _ = imported(records, 10, 1)
     assert [r["key"] for r in new[-2:]] == [f"r{records[1]['seq']}:x", "r999999:y"]
+
+
+def test_the_cut_is_at_a_rewind_whose_workspace_the_adopter_holds(tmp_path: Path) -> None:
+    """A rewind is a turn boundary: the cut is the newest tree record or rewind
+    whose workspace's objects are in the store (its `tree`; for a rewind to
+    before any tree, which restores nothing, the `from_tree` it captured)."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    store = ObjectStore(tmp_path / "packs")
+    cap = Capturer(ws, store, StatCache.load(None))
+    (ws / "a.txt").write_bytes(b"1")
+    one = cap.capture().digest
+    (ws / "a.txt").write_bytes(b"12")
+    two = cap.capture().digest
+
+    def rec(seq: int, event: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return {"seq": seq, "stream": "agent/a1", "event": event, "payload": payload,
+                "key": f"k{seq}", "origin": "a1"}
+
+    records = [rec(1, "session_started", {"session": SESSION}),
+               rec(2, "workspace_tree", {"turn": 1, "tree": one}),
+               rec(3, "workspace_tree", {"turn": 2, "tree": two}),
+               rec(4, "rewind", {"to_seq": 2, "from_seq": 3, "tree": one, "from_tree": two})]
+    chosen = fleetadopt.cut(records, "a1", store)
+    assert (chosen.tree, len(chosen.records), chosen.dropped) == (one, 4, 0)
+    to_nothing = [*records[:3], rec(4, "rewind", {"to_seq": 1, "from_seq": 3, "tree": None,
+                                                  "from_tree": two})]
+    assert fleetadopt.cut(to_nothing, "a1", store).tree == two
+    absent = [*records[:3], rec(4, "rewind", {"to_seq": 2, "from_seq": 3, "tree": "0" * 64,
+                                              "from_tree": two})]
+    chosen = fleetadopt.cut(absent, "a1", store)  # its tree not held: an older cut
+    assert (chosen.tree, len(chosen.records), chosen.dropped) == (two, 3, 1)
