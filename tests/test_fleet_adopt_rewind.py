@@ -159,13 +159,14 @@ def test_an_agent_rewound_twice_is_adopted_with_its_branch(
                 except TimeoutError:
                     log_b = other_state_dir.root / "logs" / "supervisor.log"
                     raise AssertionError(log_b.read_text()[-4000:]) from None
-                adopted = [json.loads(line) for line in (other_state_dir.root / "logs" /
-                           "supervisor.log").read_bytes().splitlines()
-                           if b"fleet_agent_adopted" in line]
-                assert [(a["agent"], a["spawned"]) for a in adopted] == [("rw", True)], (
-                    [e for _, e, _ in records_of(writer_b, "rw")],
-                    [line for line in (other_state_dir.root / "logs" / "supervisor.log")
-                     .read_text().splitlines() if "fleet" in line][-15:])
+
+                def adoptions() -> list[dict[str, Any]]:  # logged once the spawn is asked
+                    lines = (other_state_dir.root / "logs" / "supervisor.log").read_bytes()
+                    return [r for line in lines.splitlines() if b"fleet_agent_adopted" in line
+                            and (r := json.loads(line)).get("host") == ha]
+
+                adopted = wait_for(adoptions, 20, "the adoption logged", interval_s=0.2)
+                assert [(a["agent"], a["spawned"]) for a in adopted] == [("rw", True)], adopted
                 count = adopted[0]["records"]
                 old = dead_records(fleet_cluster.urls, ha, "rw")
                 new = records_of(writer_b, "rw")
