@@ -54,12 +54,13 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
 import zmq
 
-from broker import auth, protocol, ratelimit
+from broker import auth, buskeys, protocol, ratelimit
 from broker.errors import ProtocolError
 from broker.fleetnats import (
     HOST_NAME,
@@ -83,6 +84,7 @@ HEADER_MAX = 256  # one header value
 LAST_HOSTS_MAX = 100_000  # names remembered with the host they were last seen on
 H_FROM, H_TO, H_TS, H_NONCE, H_MAC = ("Corral-From", "Corral-To", "Corral-Ts", "Corral-Nonce",
                                       "Corral-Mac")
+H_SIG = "Corral-Sig"  # the sending host's own signature (broker/buskeys.py)
 _INPROC = itertools.count()
 
 
@@ -95,18 +97,27 @@ def bus_key(fleet_key: bytes) -> bytes:
     return hmac.new(fleet_key, BUS_DOMAIN, hashlib.sha256).digest()
 
 
+def _signed(sender: str, to: str, ts: str, nonce: str, body: bytes) -> bytes:
+    return "\n".join((BUS_DOMAIN.decode(), sender, to, ts, nonce, "")).encode() + body
+
+
 def _mac(key: bytes, sender: str, to: str, ts: str, nonce: str,  # noqa: PLR0917
          body: bytes) -> str:
-    head = "\n".join((BUS_DOMAIN.decode(), sender, to, ts, nonce, "")).encode()
-    return hmac.new(key, head + body, hashlib.sha256).hexdigest()
+    return hmac.new(key, _signed(sender, to, ts, nonce, body), hashlib.sha256).hexdigest()
 
 
-def sign(key: bytes, sender: str, to: str, body: bytes, now: float | None = None) -> dict[str, str]:
-    """The NATS headers of one frame from `sender` to `to` (both `HOST:NAME`)."""
+def sign(key: bytes, sender: str, to: str, body: bytes,  # noqa: PLR0917
+         now: float | None = None, host_key: Any = None
+         ) -> dict[str, str]:
+    """The NATS headers of one frame from `sender` to `to` (both `HOST:NAME`):
+    the fleet's MAC, and the sending host's own signature (`host_key`)."""
     ts = f"{time.time() if now is None else now:.3f}"
     nonce = secrets.token_hex(16)
-    return {H_FROM: sender, H_TO: to, H_TS: ts, H_NONCE: nonce,
-            H_MAC: _mac(key, sender, to, ts, nonce, body)}
+    headers = {H_FROM: sender, H_TO: to, H_TS: ts, H_NONCE: nonce,
+               H_MAC: _mac(key, sender, to, ts, nonce, body)}
+    if host_key is not None:
+        headers[H_SIG] = buskeys.signature(host_key, _signed(sender, to, ts, nonce, body))
+    return headers
 
 
 class BusRefusedError(Exception):
@@ -122,8 +133,10 @@ def split_name(qualified: str) -> tuple[str, str] | None:
 
 
 def verify(key: bytes, host: str, headers: dict[str, str], body: bytes,  # noqa: PLR0917
-           seen: dict[str, float], max_body: int, now: float) -> tuple[str, str]:
-    """(the sender `HOST:NAME`, the local recipient's name), or BusRefusedError."""
+           seen: dict[str, float], max_body: int, now: float,
+           pins: buskeys.Pins | None = None) -> tuple[str, str]:
+    """(the sender `HOST:NAME`, the local recipient's name), or BusRefusedError.
+    With `pins`, the claimed sending host's own key must have signed it."""
     if len(body) > max_body:
         raise BusRefusedError(f"body of {len(body)} bytes over the limit {max_body}")
     values = [headers.get(h) for h in (H_FROM, H_TO, H_TS, H_NONCE, H_MAC)]
@@ -132,6 +145,15 @@ def verify(key: bytes, host: str, headers: dict[str, str], body: bytes,  # noqa:
     sender, to, ts_text, nonce, mac = (str(v) for v in values)
     if not hmac.compare_digest(mac, _mac(key, sender, to, ts_text, nonce, body)):
         raise BusRefusedError("bad signature: not signed with the fleet's bus key")
+    if pins is not None:
+        claimed = sender.partition(":")[0]
+        public = pins.get(claimed)
+        if public is None:
+            raise BusRefusedError(f"no bus key known for host {claimed[:64]}")
+        sig = headers.get(H_SIG)
+        if not isinstance(sig, str) or not buskeys.verified(
+                public, sig, _signed(sender, to, ts_text, nonce, body)):
+            raise BusRefusedError(f"not signed by host {claimed[:64]}'s own key")
     try:
         ts = float(ts_text)
     except ValueError:
@@ -205,9 +227,12 @@ def read_view(hosts: dict[str, dict[str, Any]], members: dict[str, dict[str, Any
 class Bridge:
     """One broker's bridge (see the module docstring)."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], settings: FleetSettings,
-                 fleet_key: bytes, max_body: int, view_interval_s: float = 1.0) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], settings: FleetSettings,  # noqa: PLR0917
+                 fleet_key: bytes, max_body: int, view_interval_s: float = 1.0,
+                 host_key: Any = None) -> None:
         self.host = settings.host
+        self._host_key = host_key  # None: frames carry the fleet's MAC only (no pins)
+        self.pins = buskeys.Pins() if host_key is not None else None
         self.settings = settings
         self.max_body = max_body
         self.view_interval_s = view_interval_s
@@ -368,8 +393,12 @@ class Bridge:
         log.info("bridge_started", host=self.host, subject=bus_subject(self.host))
         sender = asyncio.get_running_loop().create_task(self._sender())
         js = self._nc.jetstream(timeout=5)
+        if self._host_key is not None:
+            await self._register(js)
         while True:
             try:
+                if self.pins is not None:
+                    self.pins.update(await kv_entries(js, buskeys.BUCKET))
                 self.view = read_view(await _entries(js, HOSTS_BUCKET),
                                       await _entries(js, MEMBERS_BUCKET),
                                       self.view or View())
@@ -380,13 +409,31 @@ class Bridge:
                 sender = asyncio.get_running_loop().create_task(self._sender())
             await asyncio.sleep(self.view_interval_s)
 
+    async def _register(self, js: Any) -> None:
+        """This host's public key in the bus keys bucket (retried until the
+        cluster answers); another key under this host's name is logged: the
+        other hosts refuse this host's frames until an operator clears it."""
+        assert self._host_key is not None
+        public = buskeys.public_hex(self._host_key)
+        while True:
+            try:
+                ours = await buskeys.register(js, self.host, public, self.settings.replicas)
+            except Exception as exc:  # noqa: BLE001 - the cluster is away: try again
+                log.warning("bus_key_register_failed", error=type(exc).__name__)
+                await asyncio.sleep(1)
+                continue
+            if not ours:
+                log.error("bus_key_conflict", host=self.host, public=public[:16])
+            return
+
     async def _sender(self) -> None:
         """Publish the frames the broker queued, one after the other (in order)."""
         while True:
             host, sender, to, body = await self._queue.get()
             try:
                 await self._nc.publish(bus_subject(host), body,
-                                       headers=sign(self._key, sender, to, body))
+                                       headers=sign(self._key, sender, to, body,
+                                                    host_key=self._host_key))
                 self.sent_total += 1
             except Exception as exc:  # noqa: BLE001 - the cluster is away: the frame is lost
                 self.dropped_total += 1
@@ -399,7 +446,7 @@ class Bridge:
         body = bytes(msg.data or b"")
         try:
             sender, to = verify(self._key, self.host, dict(msg.headers or {}), body,
-                                self._seen, self.max_body, time.time())
+                                self._seen, self.max_body, time.time(), self.pins)
         except BusRefusedError as exc:
             self.refused_total += 1
             if self._limiter.allow():
@@ -428,7 +475,8 @@ class Bridge:
         host = remote.partition(":")[0]
         try:
             await self._nc.publish(bus_subject(host), frame,
-                                   headers=sign(self._key, f"{self.host}:{local}", remote, frame))
+                                   headers=sign(self._key, f"{self.host}:{local}", remote, frame,
+                                                host_key=self._host_key))
             self.bounced_total += 1
         except Exception:  # noqa: BLE001 - nobody left to tell: its request times out
             self.dropped_total += 1
@@ -447,8 +495,9 @@ async def _entries(js: Any, bucket: str) -> dict[str, dict[str, Any]]:
     return found
 
 
-def from_args(ctx: zmq.Context[zmq.Socket[bytes]], settings: FleetSettings | None,
-              key_path: str | None, max_body: int, view_interval_s: float) -> Bridge | None:
+def from_args(ctx: zmq.Context[zmq.Socket[bytes]], settings: FleetSettings | None,  # noqa: PLR0917
+              key_path: str | None, max_body: int, view_interval_s: float,
+              host_key_path: Path | None = None) -> Bridge | None:
     """The started bridge in fleet mode with a fleet key, else None (logged)."""
     if settings is None:
         return None
@@ -463,6 +512,13 @@ def from_args(ctx: zmq.Context[zmq.Socket[bytes]], settings: FleetSettings | Non
     if not key:
         log.warning("bridge_off", reason="no fleet.operator_key: frames cannot be signed")
         return None
-    bridge = Bridge(ctx, settings, key, max_body, view_interval_s)
+    host_key = None
+    if host_key_path is not None:
+        try:
+            host_key = buskeys.load_or_create(host_key_path)
+        except (OSError, ValueError) as exc:
+            log.error("bridge_off", reason=f"host bus key unusable: {type(exc).__name__}")
+            return None
+    bridge = Bridge(ctx, settings, key, max_body, view_interval_s, host_key)
     bridge.start()
     return bridge

@@ -30,7 +30,7 @@ from types import FrameType
 import structlog
 import zmq
 
-from broker import auth, curve, fleetnats, logconfig, protocol, ratelimit
+from broker import auth, buskeys, curve, fleetnats, logconfig, protocol, ratelimit
 from broker.bridge import Bridge, Refusal, Target
 from broker.bridge import from_args as bridge_from_args
 from broker.control import ControlReporter
@@ -626,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
             ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp),
             zap=zap,
             bridge=bridge_from_args(ctx, fleetnats.settings_from_args(args), args.fleet_key,
-                                    limits.max_frame_bytes, args.fleet_view_interval_s),
+                                    limits.max_frame_bytes, args.fleet_view_interval_s,
+                                    buskeys.key_path(state.root)),
         )
     except (ConfigError, auth.AuthError) as exc:
         print(f"broker: {exc}", file=sys.stderr)

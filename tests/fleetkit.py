@@ -138,6 +138,7 @@ def forget_hosts(urls: list[str], hosts: list[str]) -> None:
     import nats
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
+    from broker.buskeys import BUCKET as BUS_KEYS
     from supervisor.fleetadopt import OBJECTS
     from supervisor.fleetwatch import MEMBERS
 
@@ -149,6 +150,12 @@ def forget_hosts(urls: list[str], hosts: list[str]) -> None:
                 members = await js.key_value(MEMBERS)
                 for host in hosts:
                     await members.purge(host)
+            except (BucketNotFoundError, NotFoundError):
+                pass
+            try:  # their bus keys (broker/buskeys.py)
+                keys = await js.key_value(BUS_KEYS)
+                for host in hosts:
+                    await keys.purge(host)
             except (BucketNotFoundError, NotFoundError):
                 pass
             try:

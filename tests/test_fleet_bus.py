@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
-from broker import protocol
+from broker import buskeys, protocol
 from broker.bridge import bus_key, bus_subject, sign
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
@@ -71,12 +71,25 @@ async def _publish(urls: list[str], subject: str, frames: list[tuple[bytes, dict
         await nc.close()
 
 
+async def _register(urls: list[str], host: str, public: str) -> bool:
+    import nats
+
+    nc: Any = await nats.connect(urls, connect_timeout=2)
+    try:
+        return await buskeys.register(nc.jetstream(timeout=5), host, public, 3)
+    finally:
+        await nc.close()
+
+
 @pytest.mark.timeout(120)  # two hosts, pings both ways, a host going silent (~25 s quiet)
 def test_a_message_crosses_hosts_and_a_forged_one_is_refused(
         fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
         other_state_dir: StateDir) -> None:
     fleet_cluster.wait_ready()
     key, ha, hb = operator_key_and_hosts(state_dir.root)
+    hc = f"hc{ha[2:]}"  # a third host, played by the test: its own key, registered first
+    key_c = buskeys.load_or_create(other_state_dir.root.parent / "hc" / buskeys.KEY_FILE)
+    assert asyncio.run(_register(fleet_cluster.urls, hc, buskeys.public_hex(key_c)))
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
@@ -116,25 +129,36 @@ def test_a_message_crosses_hosts_and_a_forged_one_is_refused(
         # key, and a validly signed one published twice (the second is a replay)
         body = protocol.encode(protocol.Ping(msg_id="forged"))
         good = protocol.encode(protocol.Ping(msg_id="signed-once"))
+        from_c = protocol.encode(protocol.Ping(msg_id="from-c"))
         real = bus_key(key.read_bytes().strip())
-        replayed = sign(real, f"{ha}:probe", f"{hb}:target", good)
+        key_a = buskeys.load_or_create(buskeys.key_path(state_dir.root))  # host A's own
+        replayed = sign(real, f"{ha}:probe", f"{hb}:target", good, host_key=key_a)
         before = bridge_values(target)["bridge_refused_total"]
         asyncio.run(_publish(fleet_cluster.urls, bus_subject(hb), [
             (body, {"Corral-From": f"{ha}:probe", "Corral-To": f"{hb}:target"}),
-            (body, sign(bus_key(b"not-the-fleet-key"), f"{ha}:probe", f"{hb}:target", body)),
-            (good, replayed), (good, replayed)]))
-        wait_for(lambda: bridge_values(target)["bridge_refused_total"] >= before + 3, 10,
-                 "host B's bridge refusing the three frames", interval_s=0.1)
+            (body, sign(bus_key(b"not-the-fleet-key"), f"{ha}:probe", f"{hb}:target", body,
+                        host_key=key_a)),
+            # host C, holding the fleet key, speaking as host A: the fleet MAC is right,
+            # the host signature is C's (or none)
+            (body, sign(real, f"{ha}:probe", f"{hb}:target", body, host_key=key_c)),
+            (body, sign(real, f"{ha}:probe", f"{hb}:target", body)),
+            (good, replayed), (good, replayed),
+            (from_c, sign(real, f"{hc}:probe", f"{hb}:target", from_c, host_key=key_c))]))
+        wait_for(lambda: bridge_values(target)["bridge_refused_total"] >= before + 5, 10,
+                 "host B's bridge refusing the five frames", interval_s=0.1)
         probe.send(f"{hb}:target", protocol.Ping(msg_id="after"))
         seen: list[str | None] = []
         while "after" not in seen:
             item = target.recv(10)
             assert item is not None, seen
             seen.append(getattr(item[1], "msg_id", None))
-        assert seen == ["signed-once", "after"]  # the forged ones and the replay never arrived
+        # the forged ones and the replay never arrived; C's own frame did, as C's
+        assert seen == ["signed-once", "from-c", "after"]
         values = bridge_values(target)
-        assert values["bridge_refused_total"] == before + 3
-        assert values["bridge_received_total"] >= 4
+        assert values["bridge_refused_total"] == before + 5
+        assert values["bridge_received_total"] >= 5
+        # and host C cannot put its key under host A's name
+        assert not asyncio.run(_register(fleet_cluster.urls, ha, buskeys.public_hex(key_c)))
         assert bridge_values(probe)["bridge_sent_total"] >= 4
 
         # a runtime actor of B (procs, the writer...) serves only its own host's actors
@@ -158,4 +182,4 @@ def test_a_message_crosses_hosts_and_a_forged_one_is_refused(
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(10)
-        forget_hosts(fleet_cluster.urls, [ha, hb])
+        forget_hosts(fleet_cluster.urls, [ha, hb, hc])
