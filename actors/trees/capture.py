@@ -30,10 +30,14 @@ from pathlib import Path
 
 from actors.changesets import confined
 from actors.trees import tree
-from actors.trees.statcache import STAMP_NAME, DirCache, Ident, StatCache, fs_now_ns
+from actors.trees.statcache import STAMP_NAME, DirCache, Ident, Signature, StatCache, fs_now_ns
 from actors.trees.store import ObjectStore, digest_of
 
 EMPTY = ""
+# the newest timestamp of an entry listed but not kept (gone, or swapped, between
+# the listing and the read): its directory is looked at file by file next time
+UNSURE = 1 << 62
+Files = dict[str, tuple[Ident, str]]  # name -> (identity, digest)
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class Capturer:
         self.cache = cache
         self.guard = guard
         self.stamp_dir = stamp_dir if stamp_dir is not None else store.directory.parent
+        self._fast_gen: int | None = None  # the store's generation the cached rows are good for
+        self._fast = False
 
     def _stamp(self) -> int:
         """The filesystem's clock (statcache.fs_now_ns), from a probe file kept
@@ -77,6 +83,10 @@ class Capturer:
         (`store.take_unsynced()`, before a fact names the tree)."""
         stamp = self._stamp()
         self.store.validate()  # a collection since the last capture: index again
+        # cached rows name only objects held when the last capture ended well
+        # and the index was not reset since (DirCache.rows; _rebuild)
+        self._fast = self._fast_gen == self.store.generation
+        self._fast_gen = None  # until this capture has stored its objects
         self._new: dict[str, bytes] = {}
         self._seen: set[str] = set()
         self._changed: list[str] = []
@@ -87,7 +97,10 @@ class Capturer:
             body = tree.encode({})
             digest = digest_of(body)
             self._new[digest] = body
+        gen = self.store.generation
         stored = self.store.put_many(self._new.items(), durable=durable)
+        if self.store.generation == gen:
+            self._fast_gen = gen
         gone = [rel for rel in self.cache.dirs if rel not in self._seen]
         for rel in gone:
             del self.cache.dirs[rel]
@@ -142,57 +155,114 @@ class Capturer:
         finally:
             os.close(fd)
 
-    def _rebuild(self, fd: int, rel: str, signature: tuple[tuple[str, int, int, int, int, int],
-                                                            ...],
+    def _rebuild(self, fd: int, rel: str, signature: Signature,
                  subs: tuple[tuple[str, str], ...], cached: DirCache | None) -> str:
-        entries: tree.Entries = {name: tree.Entry(tree.DIR_MODE, d, 0) for name, d in subs}
-        files: dict[str, tuple[Ident, str]] = {}
-        old = cached.files if cached is not None else {}
-        max_time = 0
-        stamp = self.cache.stamp_ns  # the racy rule (StatCache.trusted), inlined:
-        has = self.store.has  # this loop runs once per file of a changed directory
-        for name, mode, ino, size, mtime, ctime in signature:
-            ident: Ident = (mode, ino, size, mtime, ctime)
-            if stat.S_ISLNK(mode):
-                try:
-                    target = os.fsencode(os.readlink(name, dir_fd=fd))
-                except OSError:
-                    continue
-                d = digest_of(target)
-                self._new.setdefault(d, target)
-                entries[name] = tree.Entry(tree.LINK_MODE, d, len(target))
-                continue
-            if not stat.S_ISREG(mode):
-                continue  # fifo, socket, device: not workspace content
-            hit = old.get(name)
-            if (hit is not None and hit[0] == ident and mtime < stamp and ctime < stamp
-                    and has(hit[1])):
-                d = hit[1]
-                files[name] = hit
-                if mtime > max_time or ctime > max_time:
-                    max_time = max(max_time, mtime, ctime)
-                entries[name] = tree.Entry(mode, d, size)
-                continue
-            got = _read(fd, name)
-            if got is None:
-                continue
-            data, st = got
-            ident = (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-            d = digest_of(data)
-            self._new.setdefault(d, data)
-            self._hashed += 1
-            files[name] = (ident, d)
-            max_time = max(max_time, ident[3], ident[4])
-            entries[name] = tree.Entry(ident[0], d, ident[2])
-        if not entries:
+        """The tree of a directory whose signature or subdirectories changed.
+
+        Each entry's encoded row is kept by name (DirCache.rows). When the
+        store was not reset since the last capture ended well (every digest
+        the rows name is still held), only the entries whose lstat identity
+        is not in the cached signature, and those kept whose timestamps are
+        not older than the last capture's stamp (the racy rule), are read and
+        encoded again (`_changed_rows`); otherwise (after a load, a
+        collection, a failed capture) each file is checked one by one against
+        the store (`_all_rows`). The tree is encoded from the rows, sorted by
+        name: the same bytes as `tree.encode`, and not encoded again when
+        the rows did not change."""
+        if (cached is not None and cached.rows is not None and cached.sigset is not None
+                and self._fast):
+            rows, files, max_time = self._changed_rows(fd, signature, subs, cached,
+                                                       cached.sigset)
+        else:
+            rows, files, max_time = self._all_rows(fd, signature, subs, cached)
+        if not rows:
             self.cache.dirs.pop(rel, None)
             return EMPTY
-        body = tree.encode(entries)
-        digest = digest_of(body)
-        self._new.setdefault(digest, body)
-        self.cache.dirs[rel] = DirCache(digest, max_time, files, subs, signature)
+        if cached is not None and cached.rows == rows and cached.order is not None \
+                and self.store.has(cached.digest):
+            digest, order = cached.digest, cached.order  # the same tree: not encoded again
+        else:
+            order = (cached.order if cached is not None and cached.order is not None
+                     and cached.rows is not None and rows.keys() == cached.rows.keys()
+                     else sorted(rows))
+            body = tree.encode_rows(map(rows.__getitem__, order))
+            digest = digest_of(body)
+            self._new.setdefault(digest, body)
+        self.cache.dirs[rel] = DirCache(digest, max_time, files, subs, signature, rows, order,
+                                        frozenset(signature))
         self._changed.append(rel)
         return digest
+
+    def _changed_rows(self, fd: int, signature: Signature, subs: tuple[tuple[str, str], ...],
+                      cached: DirCache, old: frozenset[tuple[str, int, int, int, int, int]]
+                      ) -> tuple[dict[str, str], Files, int]:
+        new = frozenset(signature)
+        added, removed = new - old, old - new
+        stamp = self.cache.stamp_ns
+        if cached.max_time_ns >= stamp:  # racy entries among those kept: read again
+            racy = {e for e in new & old if e[4] >= stamp or e[5] >= stamp}
+            added |= racy
+            removed |= racy
+        rows, files = dict(cached.rows or {}), dict(cached.files)
+        max_time = cached.max_time_ns  # an upper bound: a removed entry may have held it
+        for ent in removed:
+            rows.pop(ent[0], None)
+            files.pop(ent[0], None)
+        if subs != cached.subdirs:
+            for name, _ in cached.subdirs:
+                rows.pop(name, None)
+            for name, d in subs:
+                rows[name] = tree.encode_row(name, tree.DIR_MODE, d, 0)
+        for ent in added:
+            max_time = max(max_time, self._entry(fd, ent, rows, files, None))
+        return rows, files, max_time
+
+    def _all_rows(self, fd: int, signature: Signature, subs: tuple[tuple[str, str], ...],
+                  cached: DirCache | None) -> tuple[dict[str, str], Files, int]:
+        rows = {name: tree.encode_row(name, tree.DIR_MODE, d, 0) for name, d in subs}
+        files: Files = {}
+        old = cached.files if cached is not None else {}
+        max_time = 0
+        for ent in signature:
+            max_time = max(max_time, self._entry(fd, ent, rows, files, old.get(ent[0])))
+        return rows, files, max_time
+
+    def _entry(self, fd: int, ent: tuple[str, int, int, int, int, int], rows: dict[str, str],
+               files: Files, hit: tuple[Ident, str] | None) -> int:
+        """Put the row of one listed entry (and a file's cache line) in `rows`
+        and `files`; return the newest of its timestamps (0 for none kept).
+        `hit`: the file's cached (identity, digest), trusted under the racy
+        rule (StatCache.trusted) when the identity is the one listed now."""
+        name, mode, ino, size, mtime, ctime = ent
+        ident: Ident = (mode, ino, size, mtime, ctime)
+        if stat.S_ISLNK(mode):
+            try:
+                target = os.fsencode(os.readlink(name, dir_fd=fd))
+            except OSError:
+                return UNSURE
+            d = digest_of(target)
+            self._new.setdefault(d, target)
+            rows[name] = tree.encode_row(name, tree.LINK_MODE, d, len(target))
+            return max(mtime, ctime)
+        if not stat.S_ISREG(mode):
+            return 0  # fifo, socket, device: not workspace content
+        if (hit is not None and hit[0] == ident and self.cache.trusted(ident)
+                and self.store.has(hit[1])):
+            files[name] = hit
+            rows[name] = tree.encode_row(name, mode, hit[1], size)
+            return max(mtime, ctime)
+        got = _read(fd, name)
+        if got is None:
+            return UNSURE
+        data, st = got
+        d = digest_of(data)
+        self._new.setdefault(d, data)
+        self._hashed += 1
+        # keyed by the identity listed (before the read): a change after the
+        # listing gives another identity at the next capture, read again then
+        files[name] = (ident, d)
+        rows[name] = tree.encode_row(name, st.st_mode, d, st.st_size)
+        return max(mtime, ctime, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _identity_of(item: os.DirEntry[str]) -> tuple[int, int] | None:

@@ -44,6 +44,12 @@ class DirCache:
     files: dict[str, tuple[Ident, str]]  # name -> (identity, digest)
     subdirs: tuple[tuple[str, str], ...] = ()
     signature: Signature | None = None  # None after a load: compared file by file once
+    # in memory only (None after a load): each entry's encoded tree row
+    # (tree.encode_row) by name, the names sorted, the signature as a set; a
+    # capture of this directory when it changed re-encodes only what changed
+    rows: dict[str, str] | None = None
+    order: list[str] | None = None
+    sigset: frozenset[tuple[str, int, int, int, int, int]] | None = None
 
 
 @dataclass

@@ -104,6 +104,7 @@ class ObjectStore:
         self._ends: dict[str, int] = {}  # pack name -> end of its last complete object
         self._ids: dict[str, tuple[int, int]] = {}  # pack name -> (device, inode) indexed
         self._unsynced: list[int] = []  # fds of packs appended with durable=False
+        self.generation = 0  # counts the index's resets (a collection ran)
         self.refresh()
 
     def take_unsynced(self) -> list[int]:
@@ -129,6 +130,7 @@ class ObjectStore:
         return False
 
     def _reset(self) -> None:
+        self.generation += 1  # what was indexed may be gone: callers check again
         self._index.clear()
         self._ends.clear()
         self._ids.clear()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from broker.errors import CorralError
@@ -49,6 +49,19 @@ def encode(entries: Entries) -> bytes:
     rows = [[name, e.mode, e.digest, e.size] for name, e in sorted(entries.items())]
     return json.dumps({"entries": rows, "version": FORMAT_VERSION},
                       separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def encode_row(name: str, mode: int, digest: str, size: int) -> str:
+    """One entry as `encode` writes it inside the entries list: a capture keeps
+    these per name and joins them (`encode_rows`) instead of encoding every
+    entry of a directory again when one changed."""
+    return json.dumps([name, mode, digest, size], separators=(",", ":"), ensure_ascii=False)
+
+
+def encode_rows(rows: Iterable[str]) -> bytes:
+    """The tree object whose entries are `rows` (from `encode_row`, sorted by
+    name): the very bytes `encode` gives for those entries."""
+    return f'{{"entries":[{",".join(rows)}],"version":{FORMAT_VERSION}}}'.encode()
 
 
 def plain_name(name: str) -> bool:
