@@ -1,7 +1,8 @@
 """The capture's incremental rebuild (actors/trees/capture.py `_rebuild`): a
 changed directory's tree made from its cached rows, re-encoding only what
 changed, must give the very digest a capture from scratch gives, whatever
-changed the workspace and however; a hostile rewrite that keeps size and
+changed the workspace and however, and its journal must replay to the same
+cache; a hostile rewrite that keeps size and
 mtime is seen; a collection that removed cached objects makes them stored
 again."""
 
@@ -83,6 +84,12 @@ def test_incremental_capture_equals_a_capture_from_scratch_after_any_change(
         assert got.digest == _fresh_digest(tmp_path, ws, step), step
         # every tree and blob the digest names is in the store, checked on read
         tree.flatten(store.get, got.digest)
+        # the journal (lines giving only the files that changed) replays to
+        # the cache in memory
+        loaded = StatCache.load(tmp_path / "state" / "c.jsonl")
+        assert loaded.stamp_ns == cap.cache.stamp_ns
+        for rel, d in cap.cache.dirs.items():
+            assert (loaded.dirs[rel].digest, loaded.dirs[rel].files) == (d.digest, d.files), rel
 
 
 def test_a_rewrite_keeping_size_and_mtime_in_a_big_directory_is_seen(tmp_path: Path) -> None:

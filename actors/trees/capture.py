@@ -169,10 +169,11 @@ class Capturer:
         the store (`_all_rows`). The tree is encoded from the rows, sorted by
         name: the same bytes as `tree.encode`, and not encoded again when
         the rows did not change."""
+        touched: set[str] | None = None  # None: journal the directory whole
         if (cached is not None and cached.rows is not None and cached.sigset is not None
                 and self._fast):
-            rows, files, max_time = self._changed_rows(fd, signature, subs, cached,
-                                                       cached.sigset)
+            touched = set()
+            rows, files, max_time = self._changed_rows(fd, signature, subs, cached, touched)
         else:
             rows, files, max_time = self._all_rows(fd, signature, subs, cached)
         if not rows:
@@ -189,13 +190,13 @@ class Capturer:
             digest = digest_of(body)
             self._new.setdefault(digest, body)
         self.cache.dirs[rel] = DirCache(digest, max_time, files, subs, signature, rows, order,
-                                        frozenset(signature))
+                                        frozenset(signature), touched)
         self._changed.append(rel)
         return digest
 
     def _changed_rows(self, fd: int, signature: Signature, subs: tuple[tuple[str, str], ...],
-                      cached: DirCache, old: frozenset[tuple[str, int, int, int, int, int]]
-                      ) -> tuple[dict[str, str], Files, int]:
+                      cached: DirCache, touched: set[str]) -> tuple[dict[str, str], Files, int]:
+        old = cached.sigset if cached.sigset is not None else frozenset()
         new = frozenset(signature)
         added, removed = new - old, old - new
         stamp = self.cache.stamp_ns
@@ -208,6 +209,7 @@ class Capturer:
         for ent in removed:
             rows.pop(ent[0], None)
             files.pop(ent[0], None)
+            touched.add(ent[0])
         if subs != cached.subdirs:
             for name, _ in cached.subdirs:
                 rows.pop(name, None)
@@ -215,6 +217,7 @@ class Capturer:
                 rows[name] = tree.encode_row(name, tree.DIR_MODE, d, 0)
         for ent in added:
             max_time = max(max_time, self._entry(fd, ent, rows, files, None))
+            touched.add(ent[0])
         return rows, files, max_time
 
     def _all_rows(self, fd: int, signature: Signature, subs: tuple[tuple[str, str], ...],

@@ -18,7 +18,9 @@ directory holding any newer file is looked at file by file, and those files
 are hashed again.
 
 On disk (tier `cache`): `.corral/cache/trees/<agent>.jsonl`, one JSON line
-per capture with the directories it changed (and those gone), appended
+per capture with the directories it changed (and those gone; a directory
+whose rows were updated in place gives only the files that changed and the
+names gone, applied to its previous line on replay), appended
 without fsync, rewritten whole when it grows past a few times its live
 size. A missing, damaged or foreign file costs one full hashing pass, never
 a wrong digest (a line that does not parse ends the replay there).
@@ -30,8 +32,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a directory's line may give only the files that changed
 STAMP_NAME = ".stamp"  # the probe file fs_now_ns writes
 Ident = tuple[int, int, int, int, int]  # mode, inode, size, mtime_ns, ctime_ns
 Signature = tuple[tuple[str, int, int, int, int, int], ...]
@@ -50,6 +53,9 @@ class DirCache:
     rows: dict[str, str] | None = None
     order: list[str] | None = None
     sigset: frozenset[tuple[str, int, int, int, int, int]] | None = None
+    # the names whose file line changed since the journal's last line of this
+    # directory (None: journal it whole)
+    touched: set[str] | None = None
 
 
 @dataclass
@@ -76,11 +82,18 @@ class StatCache:
                 stamp = int(doc["stamp_ns"])
                 for rel in doc.get("gone", []):
                     cache.dirs.pop(str(rel), None)
-                for rel, (digest, max_time, files, subdirs) in doc["dirs"].items():
+                for rel, (digest, max_time, files, subdirs, *delta) in doc["dirs"].items():
+                    got = {str(n): ((int(m), int(i), int(s), int(mt), int(ct)), str(d))
+                           for n, (m, i, s, mt, ct, d) in files.items()}
+                    if delta:  # [gone names]: the files given are those that changed
+                        base = cache.dirs.get(str(rel))
+                        merged = dict(base.files) if base is not None else {}
+                        for name in delta[0]:
+                            merged.pop(str(name), None)
+                        merged.update(got)
+                        got = merged
                     cache.dirs[str(rel)] = DirCache(
-                        str(digest), int(max_time),
-                        {str(n): ((int(m), int(i), int(s), int(mt), int(ct)), str(d))
-                         for n, (m, i, s, mt, ct, d) in files.items()},
+                        str(digest), int(max_time), got,
                         tuple((str(n), str(d)) for n, d in subdirs))
             except (ValueError, TypeError, KeyError, AttributeError):
                 break
@@ -98,13 +111,25 @@ class StatCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rewrite = self._lines == 0 or self._lines > 64
         names = list(self.dirs) if rewrite else changed
+        dirs: dict[str, list[Any]] = {}
+        for rel in names:
+            d = self.dirs.get(rel)
+            if d is None:
+                continue
+            if rewrite or d.touched is None:
+                dirs[rel] = [d.digest, d.max_time_ns,
+                             {n: [*ident, dg] for n, (ident, dg) in d.files.items()},
+                             [list(s) for s in d.subdirs]]
+            else:  # only the files that changed, and the names gone
+                dirs[rel] = [d.digest, d.max_time_ns,
+                             {n: [*hit[0], hit[1]] for n in d.touched
+                              if (hit := d.files.get(n)) is not None},
+                             [list(s) for s in d.subdirs],
+                             sorted(n for n in d.touched if n not in d.files)]
+            d.touched = set()  # the next line of this directory is relative to this one
         line = json.dumps({
             "version": FORMAT_VERSION, "stamp_ns": self.stamp_ns,
-            "gone": [] if rewrite else gone,
-            "dirs": {rel: [d.digest, d.max_time_ns,
-                           {n: [*ident, dg] for n, (ident, dg) in d.files.items()},
-                           [list(s) for s in d.subdirs]]
-                     for rel in names if (d := self.dirs.get(rel)) is not None},
+            "gone": [] if rewrite else gone, "dirs": dirs,
         }, separators=(",", ":")) + "\n"
         if rewrite:
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
