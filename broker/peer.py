@@ -201,6 +201,7 @@ class BrokerPeer:
         message: protocol.Message,
         timeout_s: float = 5.0,
         retries: int = 3,
+        resend_s: float | None = None,
     ) -> protocol.Message:
         """Send a request and return the reply with its msg_id.
 
@@ -208,7 +209,13 @@ class BrokerPeer:
         transient refusal by the broker (recipient unknown or busy: it may be
         reconnecting) waits one heartbeat interval and uses up a retry. Raises
         RemoteError for an `error` reply (or when transient refusals outlast
-        the retries), RequestTimeoutError when the last attempt got no reply."""
+        the retries), RequestTimeoutError when the last attempt got no reply.
+
+        `resend_s`: within an attempt, the same frame is sent again every
+        `resend_s` until the reply comes (for a request whose reply may take
+        long, such as a foreground command's, to a recipient that answers a
+        resend under the same msg_id once: a reply lost on the way, say while
+        the broker restarted, then costs `resend_s`, not the whole attempt)."""
         msg_id = getattr(message, "msg_id", None)
         if not isinstance(msg_id, str):
             raise TypeError(f"a request needs a msg_id; {message.kind!r} has none")
@@ -226,7 +233,7 @@ class BrokerPeer:
                         attempt=attempt,
                         after=refusal.code.value if refusal else "timeout",
                     )
-                reply = self._attempt(to, msg_id, frame, timeout_s)
+                reply = self._attempt(to, msg_id, frame, timeout_s, resend_s)
                 if reply is None:
                     refusal = None
                     continue
@@ -246,24 +253,33 @@ class BrokerPeer:
 
     # --- internals --------------------------------------------------------------
     def _attempt(
-        self, to: str, msg_id: str, frame: bytes, timeout_s: float
+        self, to: str, msg_id: str, frame: bytes, timeout_s: float,
+        resend_s: float | None = None,
     ) -> protocol.Message | None:
         """Send `frame` and wait for its reply until the attempt's deadline. A
-        reconnect loses whatever was queued, so the frame is sent again at once."""
+        reconnect loses whatever was queued, so the frame is sent again at once;
+        with `resend_s`, it is also sent again every `resend_s` (see `request`)."""
         deadline = time.monotonic() + timeout_s
         self.tick()  # reconnect first if due, so the frame leaves on the live socket
         while True:
             self.send_frame(to, frame, timeout_s)
             generation = self.reconnects
-            while (item := self._next(deadline, generation)) is not None:
+            until = deadline if resend_s is None else min(deadline, time.monotonic() + resend_s)
+            while (item := self._next(until, generation)) is not None:
                 sender, reply = item
                 # a reply from another host comes from HOST:TO (fleet mode, broker/bridge.py)
                 if getattr(reply, "msg_id", None) == msg_id and (
                         sender in (to, BROKER_NAME) or sender.endswith(f":{to}")):
                     return reply
                 self._inbox.append(item)
-            if self.reconnects == generation or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 return None
+            if self.reconnects == generation:
+                if until >= deadline:
+                    return None
+                log.debug("request_resent", peer=self.name, to=to, msg_id=msg_id,
+                          reason="no reply yet")
+                continue
             log.info(
                 "request_resent", peer=self.name, to=to, msg_id=msg_id, reconnects=self.reconnects
             )

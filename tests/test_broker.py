@@ -8,6 +8,7 @@ import os
 import signal
 import stat
 import subprocess
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -491,3 +492,42 @@ def test_a_second_broker_on_the_same_state_dir_is_refused_naming_the_holder(
     assert second.wait(timeout=15) == 75
     assert f"pid {first.pid}" in processes.output("broker2")
     assert first.poll() is None
+
+
+@pytest.mark.process
+def test_a_lost_reply_costs_one_resend_interval_not_the_whole_attempt(
+    processes: ProcessTracker, state_dir: StateDir, ctx: Ctx
+) -> None:
+    """A reply lost on the way (the broker restarted as the recipient answered:
+    a soak run waited out a foreground command's whole 130 s attempt for it)
+    is asked for again within `resend_s`: bob drops the first copy of the
+    request and answers the resend. Without the resend the request waits its
+    300 s attempt, past the test's timeout."""
+    start_broker(processes, state_dir)
+    a, b = peer(ctx, state_dir, "alice"), peer(ctx, state_dir, "bob")
+    ping_until_served(a)
+    ping_until_served(b)
+    got: list[str] = []
+    stop = threading.Event()
+
+    def bob() -> None:  # drops the first copy of each request, answers the next
+        while not stop.is_set():
+            item = b.recv(0.05)
+            if item is None:
+                continue
+            sender, message = item
+            msg_id = getattr(message, "msg_id", "")
+            got.append(msg_id)
+            if got.count(msg_id) >= 2:
+                b.send(sender, protocol.Pong(msg_id=msg_id, actor="bob", pid=os.getpid()))
+
+    thread = threading.Thread(target=bob, daemon=True)
+    thread.start()
+    try:
+        reply = a.request("bob", protocol.Ping(msg_id="slow-1"), timeout_s=300, retries=0,
+                          resend_s=0.2)
+    finally:
+        stop.set()
+        thread.join(5)
+    assert isinstance(reply, protocol.Pong) and reply.msg_id == "slow-1"
+    assert got.count("slow-1") >= 2  # the first copy was dropped: the resend was answered

@@ -161,6 +161,44 @@ def test_foreground_bash_returns_combined_output_and_exit_code(stack: Stack) -> 
     assert start["command_bytes"] == len(b"echo out; echo err >&2; exit 3")
 
 
+def test_a_foreground_command_resent_while_it_runs_is_answered_once(stack: Stack) -> None:
+    """The agent resends a foreground command's request while it waits
+    (client.FOREGROUND_RESEND_S): procs finds the running job and answers the
+    resends with the one reply already waiting, once, and starts nothing
+    twice. The reply is followed by procs' answer to a ping sent after it, so a
+    second reply (sent in the same loop turn as the first) would come first."""
+    go = stack.workdir / "go"
+    bash = protocol.Bash(msg_id="b:resent", session=SESSION,
+                         command="while [ ! -f go ]; do sleep 0.05; done; echo done",
+                         cwd=str(stack.workdir), timeout_s=60, max_bytes=4096)
+    for _ in range(3):
+        stack.peer.send("procs", bash)
+    wait_for(lambda: len(stack.facts("proc_start")) == 1, 10, "the command to start")
+    go.write_text("")
+    replies: list[protocol.Message] = []
+
+    def replied() -> bool:
+        item = stack.peer.recv(0.1)
+        if item is not None:
+            replies.append(item[1])
+        return bool(replies)
+
+    wait_for(replied, 20, "the command's reply")
+    stack.peer.send("procs", protocol.Ping(msg_id="after-reply"))
+
+    def ponged() -> bool:
+        item = stack.peer.recv(0.1)
+        if item is not None:
+            replies.append(item[1])
+        return isinstance(replies[-1], protocol.Pong)
+
+    wait_for(ponged, 10, "procs to answer the ping")
+    outputs = [r for r in replies if isinstance(r, protocol.ProcOutput)]
+    assert [o.msg_id for o in outputs] == ["b:resent"]
+    assert outputs[0].data == b"done\n"
+    assert len(stack.facts("proc_start")) == 1
+
+
 def test_background_command_is_polled_by_cursor_and_refusals_are_typed(stack: Stack) -> None:
     started = stack.client.start("for i in $(seq 1 200); do echo line-$i; done; exit 7",
                                  str(stack.workdir))

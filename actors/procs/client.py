@@ -15,6 +15,11 @@ from broker.requester import new_msg_id
 
 PROCS = "procs"
 KILL_REPLY_MARGIN_S = 10.0  # a kill waits for the grace period and the sweep
+# A foreground command's request is sent again this often while its reply is
+# awaited (procs answers a resend of the same msg_id once, from the same job):
+# a reply lost on the way (the broker restarted as procs answered) costs this,
+# not the command's whole timeout
+FOREGROUND_RESEND_S = 5.0
 
 
 class ProcsClient:
@@ -24,9 +29,9 @@ class ProcsClient:
         self.timeout_s = timeout_s
 
     def _call(self, message: protocol.Message, timeout_s: float | None = None,
-              retries: int = 3) -> protocol.Message:
+              retries: int = 3, resend_s: float | None = None) -> protocol.Message:
         return self.peer.request(PROCS, message, timeout_s=timeout_s or self.timeout_s,
-                                 retries=retries)
+                                 retries=retries, resend_s=resend_s)
 
     def _status(
         self, message: protocol.Message, timeout_s: float | None = None
@@ -37,8 +42,8 @@ class ProcsClient:
         return reply
 
     def _output(self, message: protocol.Message, timeout_s: float | None = None,
-                retries: int = 3) -> protocol.ProcOutput:
-        reply = self._call(message, timeout_s, retries)
+                retries: int = 3, resend_s: float | None = None) -> protocol.ProcOutput:
+        reply = self._call(message, timeout_s, retries, resend_s)
         if not isinstance(reply, protocol.ProcOutput):
             raise ProtocolError("unexpected_message", f"{message.kind} answered with {reply.kind}")
         return reply
@@ -53,7 +58,8 @@ class ProcsClient:
             msg_id=msg_id or new_msg_id("b"), session=self.session, command=command,
             cwd=cwd, timeout_s=timeout_s, max_bytes=max_bytes,
             max_output_bytes=max_output_bytes)
-        return self._output(message, timeout_s + KILL_REPLY_MARGIN_S, retries=1)
+        return self._output(message, timeout_s + KILL_REPLY_MARGIN_S, retries=1,
+                            resend_s=FOREGROUND_RESEND_S)
 
     def start(self, command: str, cwd: str, *, max_output_bytes: int | None = None,
               lifetime_s: float | None = None, msg_id: str | None = None) -> protocol.ProcStatus:

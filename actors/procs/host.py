@@ -485,6 +485,12 @@ class ProcsHost:
     def defer(self, sender: str, msg_id: str, ready: Callable[[], bool],
               reply: Callable[[], protocol.Message], *, timeout_s: float,
               on_due: Callable[[], None] | None = None) -> None:
+        """Reply when `ready()` (or at the deadline). A request resent while
+        its reply is still deferred (broker/peer.py `resend_s`) is answered by
+        the one already waiting: once, and with the first one's deadline (a
+        resend must not push a foreground command's timeout back)."""
+        if any(d.sender == sender and d.msg_id == msg_id for d in self._deferred):
+            return
         self._deferred.append(_Deferred(sender, msg_id, ready, reply,
                                         time.monotonic() + timeout_s, on_due))
 
