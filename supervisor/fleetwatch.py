@@ -47,16 +47,15 @@ async def members_bucket(js: Any, replicas: int) -> Any:
 
 
 async def keys_of(kv: Any) -> set[str]:
-    """The bucket's live keys. "No keys" from the client's watcher is checked
-    against the bucket's stream (broker/fleetnats.kv_entries): on a loaded server
-    the watcher may answer it for a bucket that has keys, which would make
-    every live host look silent, and a silent host gets fenced."""
-    from nats.js.errors import NoKeysError  # noqa: PLC0415
-
-    try:
-        return set(await kv.keys())
-    except NoKeysError:
-        return set(await kv_entries(kv._js, kv._name))  # the bucket's own context
+    """The bucket's live keys, from its stream's per-subject state and a direct
+    get of each (broker/fleetnats.kv_entries), never from nats-py's `keys()`:
+    that runs a watcher, an ephemeral consumer made and deleted per call, and
+    the view is read every status round by every host, each second by every
+    bridge and by every `status --fleet`; on a loaded cluster that churn ended
+    in "maximum consumers limit reached" (a CI run). The watcher could also
+    answer "no keys" for a bucket that has keys, which made every live host
+    look silent (and a silent host gets fenced)."""
+    return set(await kv_entries(kv._js, kv._name))  # the bucket's own context
 
 
 async def fence_host(js: Any, dead: str, by: str) -> bool:
