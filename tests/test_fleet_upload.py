@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,24 @@ def test_the_pack_is_uploaded_incrementally_and_whole_after_a_collection(
     assert steps["pack2"] == b"small"
 
 
+async def put_once_ready(kv: Any, key: str, value: bytes, timeout_s: float = 20) -> None:
+    """A put into a bucket just created: on a loaded cluster the new stream may
+    not take a publish yet (no responders), so it is retried until accepted."""
+    from nats.errors import NoRespondersError
+    from nats.js.errors import NoStreamResponseError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await kv.put(key, value)
+        except (NoRespondersError, NoStreamResponseError):
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.1)
+        else:
+            return
+
+
 def test_kv_entries_lists_live_keys_only(fleet_cluster: Cluster) -> None:
     """The fleet view's reader (broker/fleetnats.kv_entries): purged keys are left
     out, and a bucket holding only purge markers has no entries (the watcher of
@@ -101,7 +120,7 @@ def test_kv_entries_lists_live_keys_only(fleet_cluster: Cluster) -> None:
             js = nc.jetstream(timeout=5)
             seen = [await kv_entries(js, bucket)]  # no bucket yet
             kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
-            await kv.put("a", b"1")
+            await put_once_ready(kv, "a", b"1")
             await kv.put("b", b"2")
             await kv.purge("b")
             seen.append(await kv_entries(js, bucket))
