@@ -39,7 +39,7 @@ def argv_for(spec: ChildSpec, config: Config, state_dir: StateDir) -> list[str]:
             argv += ["--heartbeat-misses", str(config.broker.heartbeat_misses)]
         argv += config.fleet.broker_args()  # fleet mode: the bridge to other hosts
     elif spec.kind == "procs":
-        argv += [*log_args(config), *config.sandbox.procs_args()]
+        argv += [*log_args(config), *config.sandbox.procs_args(config.fleet.secret_paths())]
     elif spec.kind == "agent":
         argv += ["--name", spec.name, *log_args(config),
                  "--heartbeat-interval-ms", str(config.heartbeat.interval_ms)]

@@ -10,6 +10,7 @@ one ChildSpec per agent, in start order.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -169,12 +170,13 @@ class SandboxConfig(_Strict):
     def enabled(self) -> bool:
         return self.mode in ("on", True)
 
-    def procs_args(self) -> list[str]:
-        """procs' command-line options for this policy."""
+    def procs_args(self, secrets: Sequence[str] = ()) -> list[str]:
+        """procs' command-line options for this policy; `secrets` (files the
+        runtime holds: the fleet's credentials) are hidden besides `hide`."""
         args = ["--sandbox", "on" if self.enabled else "off"]
         for pattern in self.network:
             args += ["--sandbox-network", pattern]
-        for path in self.hide:
+        for path in dict.fromkeys([*self.hide, *secrets]):
             args += ["--sandbox-hide", path]
         return args
 

@@ -15,6 +15,7 @@ a log line ever carries a secret (`writer_args`)."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -63,6 +64,14 @@ class FleetConfig(_Strict):
     @property
     def enabled(self) -> bool:
         return self.host is not None
+
+    def secret_paths(self) -> list[str]:
+        """The credential files this host holds (absolute): hidden from every
+        command's sandbox, since they lie wherever the operator put them."""
+        if self.host is None:
+            return []
+        return [os.path.abspath(path) for path in (
+            self.creds, self.nkey_seed, self.tls.key, self.operator_key) if path]
 
     def writer_args(self) -> list[str]:
         """The writer's `--fleet-*` options (paths only, never a secret)."""

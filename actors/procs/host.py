@@ -264,9 +264,9 @@ class ProcsHost:
             raise RefusedError(protocol.ErrorCode.INVALID_MESSAGE,
                                f"cwd {cwd!r} is not inside the workspace of session {session}")
         policy = self.options.sandbox
-        hidden = tuple(os.path.realpath(p) for p in (str(self.state.root), *policy.hide)
-                       if os.path.isdir(p))
-        return sandbox.Confinement(workspace=workspace, hidden=hidden,
+        hidden, masked = sandbox.split_hidden((str(self.state.root), *policy.hide))
+        mask = sandbox.mask_file(str(self.state.run_dir)) if masked else ""
+        return sandbox.Confinement(workspace=workspace, hidden=hidden, masked=masked, mask=mask,
                                    network=policy.network_for(self._policy_name(session)))
 
     def _policy_name(self, session: str) -> str:

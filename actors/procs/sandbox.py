@@ -7,7 +7,12 @@ A job's program is started as `bwrap <confinement> -- argv`:
   process's environment, is visible), a private tmpfs on `/tmp`;
 - the state directory (`.corral/`: sockets, WAL, other agents) hidden under
   an empty read-only tmpfs, and so are the `hide` paths of the policy
-  (default `/run`: host daemons' sockets); the session's workspace is the one
+  (default `/run`: host daemons' sockets); a `hide` path that is a file (a
+  credential: the fleet's NATS creds, nkey seed, TLS key or operator key,
+  which the supervisor adds itself) has an empty read-only file bound over
+  it (`mask_file`; not /dev/null, whose device node the sandbox's mounts
+  refuse to open), so it reads as empty and cannot be written or removed;
+  the session's workspace is the one
   writable bind. Mounts are made parents first, so the workspace may lie
   inside the state directory (a subagent child's copy) or contain it (the
   state directory stays hidden);
@@ -78,8 +83,40 @@ class Confinement:
     what is hidden, and whether it has the network."""
 
     workspace: str
-    hidden: tuple[str, ...]
+    hidden: tuple[str, ...]  # directories: an empty read-only tmpfs each
     network: bool = False
+    masked: tuple[str, ...] = ()  # files: `mask` (an empty file) bound over each
+    mask: str = ""  # the empty file (mask_file), needed when `masked` is not empty
+
+
+MASK_NAME = "sandbox-mask"
+
+
+def mask_file(run_dir: str) -> str:
+    """An empty read-only file in `run_dir` (procs' own, hidden from every
+    command), bound over each hidden file; made again if it is not empty."""
+    path = os.path.join(run_dir, MASK_NAME)
+    try:
+        if os.lstat(path).st_size == 0 and not os.path.islink(path):
+            return path
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+    os.close(fd)
+    return path
+
+
+def split_hidden(paths: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The existing `paths` resolved (a symlink hides its target) and split
+    into directories (hidden under a tmpfs) and other files (masked by
+    /dev/null); a file inside a hidden directory is not there to mask."""
+    real = [os.path.realpath(p) for p in paths if os.path.lexists(p)]
+    dirs = tuple(dict.fromkeys(p for p in real if os.path.isdir(p)))
+    files = tuple(dict.fromkeys(
+        p for p in real if os.path.exists(p) and not os.path.isdir(p)
+        and not any(p.startswith(d.rstrip("/") + "/") for d in dirs)))
+    return dirs, files
 
 
 def clean_env(base: Mapping[str, str], *, term: str | None = None) -> dict[str, str]:
@@ -132,8 +169,14 @@ def bwrap_argv(policy: SandboxPolicy, confinement: Confinement, cwd: str,
     mounts += [("--ro-bind", path) for path in runtime_paths()]
     mounts += [("--tmpfs", path) for path in confinement.hidden]
     mounts.append(("--bind", confinement.workspace))
+    mounts += [("mask", path) for path in confinement.masked]
     for flag, path in sorted(mounts, key=lambda m: _depth(m[1])):
-        argv += [flag, path] if flag == "--tmpfs" else [flag, path, path]
+        if flag == "--tmpfs":
+            argv += [flag, path]
+        elif flag == "mask":  # reads as empty, cannot be written or removed
+            argv += ["--ro-bind", confinement.mask, path]
+        else:
+            argv += [flag, path, path]
     for path in confinement.hidden:  # empty and read-only (not recursive: a workspace inside stays)
         argv += ["--remount-ro", path]
     argv += ["--chdir", cwd, "--clearenv"]
@@ -155,9 +198,9 @@ def check(policy: SandboxPolicy, state_root: str) -> SandboxPolicy:
             "the configuration to run commands unconfined")
     policy = dataclasses.replace(policy, bwrap=found)
     with tempfile.TemporaryDirectory(prefix="corral-sandbox-check-") as workspace:
-        hidden = tuple(os.path.realpath(p) for p in (state_root, *policy.hide)
-                       if os.path.isdir(p))
-        confinement = Confinement(workspace=workspace, hidden=hidden)
+        hidden, masked = split_hidden((state_root, *policy.hide))
+        confinement = Confinement(workspace=workspace, hidden=hidden, masked=masked,
+                                  mask=mask_file(workspace) if masked else "")
         argv = [*prefix(policy, confinement, workspace, clean_env(os.environ), "check"),
                 "/bin/sh",
                 "-c", "touch ./probe && ! touch /probe 2>/dev/null"]
