@@ -23,6 +23,26 @@ part is one fork each. Replies may therefore come in another order than the
 requests. The agent waits until its parent is the zygote's parent, then sets
 PDEATHSIG relative to it and checks getppid() once more.
 
+The pool (`--pool N`, the supervisor's: as many as agents it starts at
+once; 0, the subagents host's: none). Like Android's pool of unspecialized
+app processes, the zygote keeps up to N agents forked *ahead* of any request:
+each made by the same double fork (its go-between says b"ready <pid>" on
+the member's socketpair before it exits, so a member is known before it is
+adopted), then adopted, with PDEATHSIG set, waiting on that socketpair for a
+name. An agent `fork` request (not `run`)
+takes the oldest waiting one: the zygote passes it the request's name and
+file descriptors (output, credential, gate: SCM_RIGHTS), answers `forked
+<name> <its pid>` itself, closes its end and forks a replacement. So a
+request is answered without a fork on its path; the forks still happen, off
+it. A member reads EOF when the zygote is gone and exits 0 (as does the
+zygote's own parent's PDEATHSIG when that one dies); one that cannot be
+handed a request (it died) is dropped and the next one, or a fresh double
+fork, serves the request. A member that dies before a request counts as a
+failure; after POOL_FAILURES of them with no hand-off between, the pool is
+not refilled. On its socketpair a member reads one datagram: JSON
+{"name": N, "output": bool, "credential": bool, "gate": bool} with the
+descriptors present, in that order.
+
 The format on the socketpair (this module owns it):
     from the zygote, once, after preloading
         b"ready <zygote pid>"
@@ -84,6 +104,7 @@ MAX_DATAGRAM_BYTES = 8192  # a request: the word, a name, a path (PATH_MAX 4096)
 _REPARENT_WAIT_S = 2.0
 _REAP_POLL_MS = 5  # while go-betweens are out: how often the zygote looks for their exits
 _OUTPUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+POOL_FAILURES = 3  # members dead before `ready` in a row: the pool is not refilled
 # Fault injection for tests only: the go-between of the request with this name
 # kills itself (SIGKILL) before it forks or replies
 FAULT_ENV_GO_BETWEEN_DIES = "CORRAL_FAULT_ZYGOTE_GO_BETWEEN_DIES"
@@ -209,55 +230,150 @@ def _preload() -> None:
     gc.freeze()
 
 
+@dataclass
+class _Member:
+    """One agent of the pool, as the zygote sees it: its end of the member's
+    socketpair, and its pid once it said `ready`."""
+
+    sock: socket.socket
+    pid: int | None = None
+
+
 class Zygote:
     def __init__(self, sock: socket.socket, args: argparse.Namespace) -> None:
         self.sock = sock
         self.args = args
         self.parent_pid = os.getppid()  # the supervisor or the subagents host
-        self.middles: dict[int, str] = {}  # go-betweens not yet reaped: pid -> request name
+        self.middles: dict[int, str | None] = {}  # go-betweens not yet reaped: pid ->
+        # request name (None: a pool member's, which nobody waits for)
         self.fault_go_between_dies = os.environ.get(FAULT_ENV_GO_BETWEEN_DIES)
+        self.pool_size: int = max(0, getattr(args, "pool", 0))
+        self.members: dict[int, _Member] = {}  # by the zygote's socket fd
+        self.pool_failures = 0
+        self.poller = select.poll()
 
     def serve(self) -> int:
         try:
             self.sock.send(f"ready {os.getpid()}".encode())
         except OSError:
             return 0  # the parent is gone already
-        poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN)
+        self.poller.register(self.sock.fileno(), select.POLLIN)
         while True:
             if not self._reap_middles():
                 return 0  # the parent is gone
-            if self.middles and not poller.poll(_REAP_POLL_MS):
+            self._fill_pool()
+            events = self.poller.poll(_REAP_POLL_MS if self.middles else None)
+            for fd, _event in events:
+                if fd != self.sock.fileno():
+                    self._member_event(fd)
+            if not any(fd == self.sock.fileno() for fd, _event in events):
                 continue  # nothing to read yet: look for exited go-betweens again
             try:
                 data, fds, _flags, _addr = socket.recv_fds(
                     self.sock, MAX_DATAGRAM_BYTES, 2, socket.MSG_CMSG_CLOEXEC)
-            except InterruptedError:
+            except (InterruptedError, BlockingIOError):
                 continue
             if not data:
                 return 0  # the parent closed its end
+            if not self._serve_request(data, fds):
+                return 0  # the parent is gone
+
+    def _serve_request(self, data: bytes, fds: list[int]) -> bool:
+        """Answer one request (a pool member, or a go-between, answers it);
+        False when the parent is gone."""
+        try:
+            request = parse_request(data)
+            if request is None:
+                return True  # not a request: never answered
+            rest = list(fds)
+            credential = rest.pop(0) if request.credential and rest else None
+            gate = rest[0] if rest else None
             try:
-                request = parse_request(data)
-                if request is None:
-                    continue  # not a request: never answered
-                rest = list(fds)
-                credential = rest.pop(0) if request.credential and rest else None
-                gate = rest[0] if rest else None
-                try:
-                    middle = self._fork(request, gate, credential)
-                    self.middles[middle] = request.name  # it replies
-                    continue
-                except OSError as exc:
-                    reply = f"failed {request.name} {exc.strerror or exc}"
-                except Exception as exc:  # noqa: BLE001 - a bad request (a NUL in the path...)
-                    reply = f"failed {request.name} {type(exc).__name__}"
-                try:
-                    self.sock.send(reply.encode())
-                except OSError:
-                    return 0  # the parent is gone
+                if request.module is None and self._hand_to_member(request, gate, credential):
+                    return True
+                middle = self._fork(request, gate, credential)
+            except OSError as exc:
+                reply = f"failed {request.name} {exc.strerror or exc}"
+            except Exception as exc:  # noqa: BLE001 - a bad request (a NUL in the path...)
+                reply = f"failed {request.name} {type(exc).__name__}"
+            else:
+                self.middles[middle] = request.name  # it replies
+                return True
+            try:
+                self.sock.send(reply.encode())
+            except OSError:
+                return False
+            return True
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _fill_pool(self) -> None:
+        """Fork members until the pool holds `pool_size` (waiting or on their way)."""
+        while self.pool_size and len(self.members) < self.pool_size \
+                and self.pool_failures < POOL_FAILURES:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                middle = self._fork(None, None, None, member=(theirs, ours))
+            except OSError:
+                ours.close()
+                self.pool_failures += 1
+                return
             finally:
-                for fd in fds:
-                    os.close(fd)
+                theirs.close()
+            self.middles[middle] = None
+            self.members[ours.fileno()] = _Member(ours)
+            self.poller.register(ours.fileno(), select.POLLIN)
+
+    def _member_event(self, fd: int) -> None:
+        """A member said `ready`, or is gone (EOF, an error)."""
+        member = self.members.get(fd)
+        if member is None:
+            return
+        try:
+            data = member.sock.recv(64)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        word, _, pid = data.decode("ascii", "replace").partition(" ")
+        if word == "ready" and pid.isdigit() and member.pid is None:
+            member.pid = int(pid)
+            return
+        self.pool_failures += 1  # it died (or its go-between did) before any request
+        self._drop_member(fd)
+
+    def _drop_member(self, fd: int) -> None:
+        member = self.members.pop(fd)
+        self.poller.unregister(fd)
+        member.sock.close()
+
+    def _hand_to_member(self, request: ForkRequest, gate: int | None,
+                        credential: int | None) -> bool:
+        """Give an agent request to the oldest waiting member and answer
+        `forked` with its pid; False when none could take it."""
+        for fd, member in list(self.members.items()):
+            if member.pid is None:
+                continue
+            output = os.open(request.output, _OUTPUT_FLAGS, 0o600) if request.output else None
+            passed = [x for x in (output, credential, gate) if x is not None]
+            header = json.dumps({"name": request.name, "output": output is not None,
+                                 "credential": credential is not None,
+                                 "gate": gate is not None}).encode()
+            try:
+                socket.send_fds(member.sock, [header], passed)
+            except OSError:
+                self._drop_member(fd)  # it died meanwhile: the next one, or a fork
+                continue
+            finally:
+                if output is not None:
+                    os.close(output)
+            pid = member.pid
+            self._drop_member(fd)
+            self.pool_failures = 0
+            self.sock.send(f"forked {request.name} {pid}".encode())
+            return True
+        return False
 
     def _reap_middles(self) -> bool:
         """Reap the go-betweens that have exited; answer `failed` for one that
@@ -271,18 +387,24 @@ class Zygote:
                 break
             if pid == 0:
                 break
-            name = self.middles.pop(pid, None)
-            if name is None or status == 0:
+            if pid not in self.middles:
                 continue
+            name = self.middles.pop(pid)
+            if name is None or status == 0:
+                continue  # a pool member's go-between: its member's socket says the rest
             try:
                 self.sock.send(f"failed {name} the go-between process failed".encode())
             except OSError:
                 return False
         return True
 
-    def _fork(self, request: ForkRequest, gate: int | None, credential: int | None) -> int:
-        """Fork the go-between, which forks the agent and replies; its pid."""
-        output = os.open(request.output, _OUTPUT_FLAGS, 0o600) if request.output else None
+    def _fork(self, request: ForkRequest | None, gate: int | None, credential: int | None,
+              member: tuple[socket.socket, socket.socket] | None = None) -> int:
+        """Fork the go-between, which forks the agent and replies; its pid.
+        With no request, the agent forked is a pool member on `member`'s first
+        socket (the second is the zygote's end, closed in the member)."""
+        output = os.open(request.output, _OUTPUT_FLAGS, 0o600) \
+            if request is not None and request.output else None
         try:
             middle = os.fork()
         except BaseException:
@@ -292,6 +414,14 @@ class Zygote:
         if middle == 0:  # the go-between: fork the agent, reply, vanish
             code = EXIT_SOFTWARE
             try:
+                if request is None:
+                    assert member is not None
+                    member[1].close()  # the zygote's end: EOF must reach the member
+                    pid = os.fork()
+                    if pid == 0:
+                        self._become_member(member[0])  # never returns
+                    member[0].send(f"ready {pid}".encode())  # before this exit adopts it
+                    os._exit(0)
                 if request.name == self.fault_go_between_dies:
                     os.kill(os.getpid(), signal.SIGKILL)
                 try:
@@ -312,20 +442,54 @@ class Zygote:
             os.close(output)
         return middle
 
+    def _adopted(self, keep: socket.socket | None = None) -> None:
+        """In a forked agent: drop the zygote's sockets (but `keep`), leave its
+        session, wait to be adopted by the zygote's parent, die with it."""
+        self.sock.close()
+        for member in self.members.values():
+            if member.sock is not keep:
+                member.sock.close()
+        os.setsid()
+        deadline = time.monotonic() + _REPARENT_WAIT_S
+        while os.getppid() != self.parent_pid:
+            if time.monotonic() > deadline:
+                os._exit(EXIT_SOFTWARE)  # not adopted: the zygote's parent is gone
+            time.sleep(0.0002)
+        if not die_with_parent(self.parent_pid):
+            os._exit(EXIT_SOFTWARE)
+
+    def _become_member(self, sock: socket.socket) -> None:
+        """A pool member: adopted, then wait for a request (EOF: exit 0)."""
+        try:
+            self._adopted(keep=sock)
+            data, fds, _flags, _addr = socket.recv_fds(sock, MAX_DATAGRAM_BYTES, 3)
+            sock.close()
+            if not data:
+                os._exit(0)  # the zygote is gone, or stopped keeping a pool
+            header = json.loads(data)
+            rest = list(fds)
+            output = rest.pop(0) if header["output"] else None
+            credential = rest.pop(0) if header["credential"] else None
+            gate = rest.pop(0) if header["gate"] else None
+            request = ForkRequest(str(header["name"]), credential=credential is not None)
+        except BaseException:  # noqa: BLE001 - nothing may escape a forked child
+            os._exit(EXIT_SOFTWARE)
+        self._run_agent(request, output, gate, credential)
+
     def _become_agent(self, request: ForkRequest, output: int | None, gate: int | None,
                       credential: int | None) -> None:
+        try:
+            self._adopted()
+        except BaseException:  # noqa: BLE001 - nothing may escape a forked child
+            os._exit(EXIT_SOFTWARE)
+        self._run_agent(request, output, gate, credential)
+
+    def _run_agent(self, request: ForkRequest, output: int | None, gate: int | None,
+                   credential: int | None) -> None:
+        """Adopted: take the output, pass the gate, take the credential, run."""
         name = request.name
         code = EXIT_SOFTWARE
         try:
-            self.sock.close()
-            os.setsid()
-            deadline = time.monotonic() + _REPARENT_WAIT_S
-            while os.getppid() != self.parent_pid:
-                if time.monotonic() > deadline:
-                    os._exit(EXIT_SOFTWARE)  # not adopted: the zygote's parent is gone
-                time.sleep(0.0002)
-            if not die_with_parent(self.parent_pid):
-                os._exit(EXIT_SOFTWARE)
             if output is not None:
                 os.dup2(output, 1)
                 os.dup2(output, 2)
@@ -373,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-interval-ms", type=int, default=1000)
     parser.add_argument("--broker-heartbeat-interval-ms", type=int, default=1000)
     parser.add_argument("--broker-heartbeat-misses", type=int, default=3)
+    parser.add_argument("--pool", type=int, default=0,
+                        help="agents kept forked ahead of requests (0: none)")
     logconfig.add_arguments(parser)
     args = parser.parse_args(argv)
     private_umask()  # the agents it forks inherit it

@@ -187,6 +187,9 @@ class Run:
         self.count = count
         config = yaml.safe_load((REPO / "config" / "default.yaml").read_text())
         config["agents"]["count"] = count
+        pool = os.environ.get("CORRAL_BENCH_ZYGOTE_POOL")  # an A/B of the zygote's pool
+        if pool is not None:
+            config["agents"]["zygote_pool"] = int(pool)
         config["logging"]["level"] = "info"  # the supervisor's actor_spawned lines
         if prepare is not None:
             prepare(self.state, config)

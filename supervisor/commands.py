@@ -6,10 +6,16 @@ JSON log rotates the same way (`log_args`)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from broker.statedir import StateDir
 from supervisor.config import ChildSpec, Config
+
+# Agents the zygote keeps forked ahead of requests (actors/zygote.py, "The
+# pool") unless `agents.zygote_pool` says: as many as the supervisor starts at
+# once (runtime.AGENTS_STARTING).
+ZYGOTE_POOL = max(2, os.cpu_count() or 2)
 
 _MODULES = {
     "writer": "actors.writer",
@@ -62,5 +68,7 @@ def zygote_args(config: Config, state_dir: StateDir) -> list[str]:
         "--heartbeat-interval-ms", str(config.heartbeat.interval_ms),
         "--broker-heartbeat-interval-ms", str(config.broker.heartbeat_interval_ms or 1000),
         "--broker-heartbeat-misses", str(config.broker.heartbeat_misses or 3),
+        "--pool", str(ZYGOTE_POOL if config.agents.zygote_pool is None
+                      else config.agents.zygote_pool),
         *log_args(config),
     ]

@@ -106,6 +106,9 @@ class AgentsGroup(ChildPolicy):
     count: Annotated[int, Field(ge=0, le=10_000)] = 0
     name_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,55}$")] = "agent-"
     zygote: bool = True  # False: each agent is a fresh interpreter (slow, for baselines)
+    # agents the zygote keeps forked ahead of requests (actors/zygote.py, "The pool");
+    # None: as many as the supervisor starts at once (the cores, at least 2); 0: none
+    zygote_pool: Annotated[int, Field(ge=0, le=64)] | None = None
 
 
 class LoggingConfig(_Strict):
@@ -231,7 +234,7 @@ class Config(_Strict):
     def child_specs(self) -> list[ChildSpec]:
         """Enabled children in start order, the agents group expanded."""
         group = self.agents
-        template = group.model_dump(exclude={"count", "name_prefix", "zygote"})
+        template = group.model_dump(exclude={"count", "name_prefix", "zygote", "zygote_pool"})
         agents = [
             ChildSpec(name=f"{group.name_prefix}{i}", kind="agent", **template)
             for i in range(1, group.count + 1)

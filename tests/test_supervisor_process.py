@@ -241,11 +241,12 @@ def test_logs_merge_actors_in_time_order(processes: ProcessTracker, state_dir: S
     assert "supervisor_stopped" in since.stdout
 
 
-def _zygote_of(supervisor_pid: int, children: list[int]) -> psutil.Process:
-    """The supervisor's zygote (its forks show the same argv: `children` are left out)."""
-    [found] = [p for p in psutil.Process(supervisor_pid).children()
-               if "actors.zygote" in p.cmdline() and p.pid not in children]
-    return found
+def _zygote_of(state_dir: StateDir) -> psutil.Process:
+    """The supervisor's zygote, by the pid its log gives (its forks, agents and
+    the pool's members, show the same argv)."""
+    lines = [json.loads(line) for line in state_dir.log_path("supervisor").read_text()
+             .splitlines() if '"zygote_spawned"' in line]
+    return psutil.Process(int(lines[-1]["pid"]))
 
 
 @pytest.mark.parametrize("use_zygote", [True, False], ids=["zygote", "no-zygote"])
@@ -265,8 +266,7 @@ def test_writer_and_broker_restart_forked_from_the_zygote_or_fresh_without_it(
         config.write_text(yaml.safe_dump(data))
     proc = start(processes, state_dir, config, env={"OPENAI_API_KEY": "sk-test-not-for-writers"})
     first = wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
-    pids = [c["pid"] for c in first.values()]
-    template = _zygote_of(proc.pid, pids) if use_zygote else None
+    template = _zygote_of(state_dir) if use_zygote else None
     for name, sig in (("writer", "KILL"), ("broker", "KILL")):
         done = cli(processes, state_dir, "kill", name, "--signal", sig)
         assert done.returncode == 0, done.stderr

@@ -125,3 +125,89 @@ def test_a_burst_of_forks_is_answered_by_the_go_betweens_and_a_dead_one_by_the_z
     assert seen["middles_left"] == 0
     assert seen["codes"] == dict.fromkeys(names, zygote.EXIT_GATE_CLOSED)
     assert seen["zygote"] == 0
+
+
+# A parent (a child subreaper, as the supervisor) of a zygote keeping a pool of
+# two: it waits until both members are adopted, kills one, asks for three
+# agents (held at their start gates, their output to files), and reports.
+_POOL_PARENT = r'''
+import json, os, signal, sys, time
+import psutil
+from actors.zygotelink import ZygoteLink
+from broker import lifeline
+
+lifeline.become_subreaper()
+root = sys.argv[1]
+link = ZygoteLink(["--state-dir", root, "--pool", "2"], dict(os.environ))
+zygote_pid = link.start()
+assert link.wait_ready(60), "the zygote never said ready"
+me = psutil.Process()
+deadline = time.monotonic() + 30
+
+def members():
+    return sorted(c.pid for c in me.children() if c.pid != zygote_pid)
+
+while len(members()) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
+waiting = members()
+os.kill(waiting[0], signal.SIGKILL)  # a member dead before any request: not handed one
+os.waitpid(waiting[0], 0)
+gates, outputs = {}, {}
+for i in range(3):
+    read_end, write_end = os.pipe()
+    outputs[f"agent-{i}"] = os.path.join(root, f"agent-{i}.out")
+    assert link.request(f"agent-{i}", outputs[f"agent-{i}"], gate_fd=read_end)
+    os.close(read_end)
+    gates[f"agent-{i}"] = write_end
+replies = {}
+while len(replies) < 3 and link._wait_readable(deadline):
+    for reply in link.replies():
+        replies[reply.name] = reply
+pids = {n: r.pid for n, r in replies.items()}
+
+def fd1(pid):
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return None
+
+while any(fd1(p) != outputs[n] for n, p in pids.items()) and time.monotonic() < deadline:
+    time.sleep(0.01)
+stdout_ok = sorted(n for n, p in pids.items() if fd1(p) == outputs[n])
+for write_end in gates.values():
+    os.close(write_end)  # EOF at the gate: each agent exits 125, unrun
+codes = {n: os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for n, p in pids.items()}
+while len(members()) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)  # the pool refilled
+refilled = members()
+link.close()  # EOF: the zygote exits, and its waiting members with it
+rest = {}
+for pid in [zygote_pid, *refilled]:
+    rest[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(json.dumps({"from_pool": sorted(n for n, p in pids.items() if p == waiting[1]),
+                  "pids": len(set(pids.values())), "stdout_ok": stdout_ok, "codes": codes,
+                  "refilled": len(refilled), "zygote": rest[zygote_pid],
+                  "members_exit": sorted(rest[p] for p in refilled)}))
+'''
+
+
+def test_a_pool_member_serves_a_request_and_a_dead_one_is_passed_over(
+    processes: ProcessTracker, state_dir: StateDir,
+) -> None:
+    """With `--pool 2` the zygote keeps two agents forked and adopted ahead of
+    any request. One is killed before any request: the requests are served by
+    the other (with the request's output as its stdout and its gate held) and
+    by fresh forks, never handed to the dead one; every agent exits 125 when
+    its gate closes; the pool refills to two, and those members exit 0 when
+    the zygote goes."""
+    proc = processes.spawn(["-c", _POOL_PARENT, str(state_dir.root)], name="pool-parent")
+    assert proc.wait(timeout=50) == 0, processes.output("pool-parent")
+    seen = json.loads(processes.output("pool-parent").strip().splitlines()[-1])
+    names = [f"agent-{i}" for i in range(3)]
+    assert len(seen["from_pool"]) == 1, seen  # the surviving member took one request
+    assert seen["pids"] == 3
+    assert seen["stdout_ok"] == names
+    assert seen["codes"] == dict.fromkeys(names, zygote.EXIT_GATE_CLOSED)
+    assert seen["refilled"] == 2
+    assert seen["zygote"] == 0
+    assert seen["members_exit"] == [0, 0]
