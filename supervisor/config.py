@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -109,6 +109,11 @@ class AgentsGroup(ChildPolicy):
     # agents the zygote keeps forked ahead of requests (actors/zygote.py, "The pool");
     # None: as many as the supervisor starts at once (the cores, at least 2); 0: none
     zygote_pool: Annotated[int, Field(ge=0, le=64)] | None = None
+
+    def child_template(self) -> dict[str, Any]:
+        """The policy each agent of the group gets (its ChildSpec's fields):
+        everything but what concerns the group as a whole."""
+        return self.model_dump(exclude={"count", "name_prefix", "zygote", "zygote_pool"})
 
 
 class LoggingConfig(_Strict):
@@ -234,7 +239,7 @@ class Config(_Strict):
     def child_specs(self) -> list[ChildSpec]:
         """Enabled children in start order, the agents group expanded."""
         group = self.agents
-        template = group.model_dump(exclude={"count", "name_prefix", "zygote", "zygote_pool"})
+        template = group.child_template()
         agents = [
             ChildSpec(name=f"{group.name_prefix}{i}", kind="agent", **template)
             for i in range(1, group.count + 1)

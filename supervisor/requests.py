@@ -196,7 +196,7 @@ def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float) -> Reply:
         return _error(msg_id, protocol.ErrorCode.INTERNAL_ERROR,
                       f"cannot write the spec of {name}: {exc.strerror}")
     if child is None:
-        template = rt.config.agents.model_dump(exclude={"count", "name_prefix", "zygote"})
+        template = rt.config.agents.child_template()
         template["restart"] = "transient"  # a session that finished (exit 0) stays down
         agent_spec = ChildSpec(name=name, kind="agent", **template)
         child = rt.children[name] = Child(spec=agent_spec, policy=agent_spec.policy())

@@ -1,11 +1,12 @@
 """Host loss with adoption (docs/fleet.md, "Adoption"): two corral hosts on the
 real 3-node cluster; an agent of host A works through a scripted task and
 waits for an approval; host A's supervisor is SIGKILLed (its children die
-with it); host B declares A dead, fences its stream, adopts the agent (its
-records from A's stream, its workspace from the newest tree in the object
-store) and runs it to the end: the same workspace as an uninterrupted run of
-the same task on B. Host A started again is fenced: its writer stops with 77
-at its first publish, nothing more reaches its stream, its copy of the agent
+with it) together with the NATS node host A talks to; host B declares A
+dead, fences its stream, adopts the agent (its records from A's stream, its
+workspace from the newest tree in the object store) and runs it to the end:
+the same workspace as an uninterrupted run of the same task on B. Host A
+started again (with its node) is fenced: its writer stops with 77 at its
+first publish, nothing more reaches its stream, its copy of the agent
 changes nothing.
 
 Generations (docs/fleet.md, "Generations"): the agents write a state
@@ -73,6 +74,9 @@ STEPS2 = [
 ]
 EXPECTED2 = {"a.txt": "two-one+two+three\n", "src/b.txt": "two-bee",
              "release/n.md": "two-v1", "out/0.txt": "two-pass 0"}
+
+
+OWN_NODE = 0  # host A's NATS node, killed with it
 
 
 def config_for(state_dir: StateDir, host: str, cluster: Cluster, key: Path) -> Path:
@@ -153,8 +157,13 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
         other_state_dir: StateDir, tmp_path: Path) -> None:
     fleet_cluster.wait_ready()
     key, ha, hb = operator_key_and_hosts(state_dir.root)
+    node_down = False
     try:
         config_a = config_for(state_dir, ha, fleet_cluster, key)
+        # host A talks to one node of the cluster, its own, which dies with it below
+        data = yaml.safe_load(config_a.read_text())
+        data["fleet"]["urls"] = [fleet_cluster.urls[OWN_NODE]]
+        config_a.write_text(yaml.safe_dump(data))
         up_a = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
                                 "--config", str(config_a)], name="up-a")
         processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(other_state_dir.root),
@@ -215,9 +224,12 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
                 corrupt_generations(fleet_cluster.urls, ha, "victim2",
                                     uploaded_generations(fleet_cluster.urls, ha, "victim2"))
 
-            # the whole host goes: its supervisor SIGKILLed, its children die with it
+            # the whole host goes: its supervisor SIGKILLed (its children die with it)
+            # and its NATS node; the cluster goes on with two of three
             killed_at = time.monotonic()
             up_a.send_signal(signal.SIGKILL)
+            fleet_cluster.kill(OWN_NODE)
+            node_down = True
             up_a.wait(10)
 
             with WriterClient(ctx, other_state_dir, "probe-b") as writer_b:
@@ -293,7 +305,10 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
         finally:
             ctx.destroy(linger=0)
 
-        # host A comes back: fenced, it runs nothing
+        # host A comes back, with its node: fenced, it runs nothing
+        fleet_cluster.restart(OWN_NODE)
+        node_down = False
+        fleet_cluster.wait_ready()
         last_before = read_stream(fleet_cluster.urls, ha)[-1]
         assert "Corral-Fence" in last_before.headers
         log = state_dir.root / "logs" / "supervisor.log"
@@ -315,4 +330,7 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(10)
+        if node_down:  # the shared cluster whole again for the tests after this one
+            fleet_cluster.restart(OWN_NODE)
+            fleet_cluster.wait_ready()
         forget_hosts(fleet_cluster.urls, [ha, hb])
