@@ -76,3 +76,15 @@ def test_procs_hides_the_fleet_credential_files_from_every_command(tmp_path: Pat
     assert "/etc/corral/ca.pem" not in argv
     alone = commands.argv_for(ChildSpec(name="procs", kind="procs"), _config(), StateDir(tmp_path))
     assert [alone[i + 1] for i, arg in enumerate(alone) if arg == "--sandbox-hide"] == ["/run"]
+
+
+@pytest.mark.parametrize("pool", [None, 0, 3])
+def test_the_zygote_pool_reaches_the_zygote_and_stays_out_of_each_agent(
+        pool: int | None, tmp_path: Path) -> None:
+    config = Config(children=CORE, agents={"count": 2, "zygote_pool": pool})
+    argv = commands.zygote_args(config, StateDir(tmp_path))
+    assert _option(argv, "--pool") == str(commands.ZYGOTE_POOL if pool is None else pool)
+    agents = [s for s in config.child_specs() if s.kind == "agent"]
+    assert [s.name for s in agents] == ["agent-1", "agent-2"]
+    assert ChildSpec(name="agent-3", kind="agent", **config.agents.child_template()).kind \
+        == "agent"  # what `supervisor spawn` builds
