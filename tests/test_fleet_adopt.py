@@ -151,7 +151,7 @@ def finished(writer: WriterClient, name: str) -> bool:
     return bool(records) and records[-1].event == "session_exit"
 
 
-@pytest.mark.timeout(210)  # two hosts, a host loss, an adoption, a return (~35 s quiet)
+@pytest.mark.timeout(260)  # two hosts, a host loss, an adoption, a return (~35 s quiet)
 def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
         fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
         other_state_dir: StateDir, tmp_path: Path) -> None:
@@ -233,8 +233,14 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
             up_a.wait(10)
 
             with WriterClient(ctx, other_state_dir, "probe-b") as writer_b:
-                wait_for(lambda: pending(writer_b, other_state_dir, "victim"), 40,
-                         "the agent resumed on host B, waiting for its approval", interval_s=0.2)
+                try:  # a stream leader on the dead node: its election comes first (~5 s idle)
+                    wait_for(lambda: pending(writer_b, other_state_dir, "victim"), 90,
+                             "the agent resumed on host B, waiting for its approval",
+                             interval_s=0.2)
+                except TimeoutError:
+                    fleet_lines = [line for line in (other_state_dir.root / "logs" /
+                                   "supervisor.log").read_text().splitlines() if "fleet" in line]
+                    raise AssertionError("\n".join(fleet_lines[-40:])) from None
                 failover_s = time.monotonic() - killed_at
                 # rebuilt from a generation restored from the object store (B's seqs),
                 # and the state it has is the full fold's
