@@ -66,7 +66,7 @@ class FleetConfig(_Strict):
                     "is no longer accepted: a host holds fleet.operator_public_key (the "
                     "operator's Ed25519 public key) and fleet.bus_secret (the hosts' bus "
                     "secret); the operator signs with the private key CORRAL_OPERATOR_KEY "
-                    "names (`supervisor fleet up` makes both; docs/fleet.md)")
+                    "names (`supervisor fleet up` makes them; docs/fleet.md)")
             data = {k: v for k, v in data.items() if k != "operator_key"}
         return data
 
