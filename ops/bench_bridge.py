@@ -94,7 +94,7 @@ def run(quick: bool = False) -> dict[str, object]:
     try:
         urls = [n.url for n in fleetcluster.up(cluster_root, 3)]
         fleetcluster.wait_ready(urls, 30)
-        key = root / "fleet.key"
+        key = root / "bus.secret"  # the hosts' bus secret (fleet.bus_secret)
         key.write_text(secrets.token_hex(32))
         key.chmod(0o600)
         states = {h: StateDir(root / h / ".corral").ensure() for h in ("bha", "bhb")}

@@ -189,9 +189,11 @@ def test_operator_keys_are_made_once_private_0600(tmp_path: Path) -> None:
 
 def test_a_config_with_the_shared_operator_key_is_refused() -> None:
     fleet = {"host": "h1", "urls": ["nats://127.0.0.1:4222"], "operator_key": "/etc/k"}
+    children = [{"name": "writer", "kind": "writer"}, {"name": "broker", "kind": "broker"}]
     with pytest.raises(ConfigError) as caught:
-        parse({"fleet": fleet}, "corral.yaml")
+        parse({"children": children, "fleet": fleet}, "corral.yaml")
     text = str(caught.value)
+    assert parse({"children": children, "fleet": {**fleet, "operator_key": None}}, "c").fleet.host
     assert "operator_key" in text and "operator_public_key" in text and "bus_secret" in text
     # run/fleet.json from an earlier version (no key set) still reads
     assert FleetConfig.model_validate_json(json.dumps({**fleet, "operator_key": None})).host == "h1"
