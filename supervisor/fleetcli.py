@@ -138,7 +138,9 @@ async def fence(settings: FleetSettings, by: str) -> int:
     import nats  # noqa: PLC0415
 
     options = connect_options(settings, f"corral-fence-{by}")
-    options.update(allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet)
+    # one attempt per server: nats-py 2.16 retries an initial connect forever with
+    # max_reconnect_attempts=0 (a command on a cluster that is away never returned)
+    options.update(allow_reconnect=False, max_reconnect_attempts=1, error_cb=_quiet)
     nc = await nats.connect(**options)
     try:
         js = nc.jetstream(timeout=settings.publish_timeout_s * 5)

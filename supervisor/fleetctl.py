@@ -249,7 +249,9 @@ async def _connect(config: FleetConfig) -> Any:
 
     cfg = config if config.host else config.model_copy(update={"host": "operator"})
     options = connect_options(settings_of(cfg), "corral-operator")
-    options.update(allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet)
+    # one attempt per server: nats-py 2.16 retries an initial connect forever with
+    # max_reconnect_attempts=0 (a command on a cluster that is away never returned)
+    options.update(allow_reconnect=False, max_reconnect_attempts=1, error_cb=_quiet)
     return await nats.connect(**options)
 
 

@@ -54,7 +54,11 @@ def start_cluster(nodes: int = 3) -> Cluster:
          "--state-dir", str(root), "--json"],
         capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
-    assert len(json.loads(out.stdout)["urls"]) == nodes
+    made = json.loads(out.stdout)
+    assert len(made["urls"]) == nodes
+    # the operator's key pair and the hosts' bus secret, made by `fleet up`
+    assert all(Path(made[k]).is_file() for k in ("operator_key", "operator_public_key",
+                                                   "bus_secret"))
     return Cluster(root)
 
 

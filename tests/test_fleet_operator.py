@@ -214,3 +214,27 @@ def test_the_cli_needs_the_operators_private_key(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(fleetctl.FleetControlError, match="bad signature"):
         fleetctl.verify(fleetctl.sign(key, "stop", HOST, "a"), HOST,
                         operatorsig.load_public(public), {})
+
+
+@pytest.mark.timeout(60)
+def test_fleet_commands_on_a_cluster_that_is_away_answer_4(tmp_path: Path) -> None:
+    """Before, nats-py retried the first connect forever (max_reconnect_attempts
+    0): `status --fleet` and `kill HOST:AGENT` never returned."""
+    import subprocess
+    import sys
+
+    from supervisor.fleetcluster import free_ports
+
+    url = f"nats://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
+    state = tmp_path / ".corral"
+    (state / "run").mkdir(parents=True)
+    (state / "run" / "fleet.json").write_text(json.dumps({"host": "h1", "urls": [url]}))
+    private, _ = operatorsig.make_keys(tmp_path / "op")
+    env = {**os.environ, fleetctl.OPERATOR_KEY_ENV: str(private)}
+    for args in (["status", "--fleet"], ["kill", "h1:agent-1"],
+                 ["fleet", "forget-bus-key", "h1"]):
+        done = subprocess.run([sys.executable, "-m", "supervisor.cli", *args, "--state-dir",
+                               str(state)], env=env, capture_output=True, text=True,
+                              timeout=20, check=False)
+        assert done.returncode == fleetctl.EXIT_NO_ANSWER, (args, done.stderr)
+        assert "did not answer" in done.stderr
