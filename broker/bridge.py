@@ -16,20 +16,22 @@ never collides with a local name (a reply to it goes back over the bridge)
 and never equals a local session (procs refuses it). `BrokerPeer.request`
 takes a reply from `HOST:TO` as the reply of `TO`.
 
-Frames crossing hosts are authenticated, never trusted because they came
-from NATS: each carries, in NATS headers, its sender (`HOST:NAME`, the name
-its broker authenticated), its recipient (`HOST:NAME`), a timestamp, a nonce
-and an HMAC-SHA256 over all of them and the body, under the fleet's bus key
-(derived from `fleet.operator_key`, domain-separated, so a bus frame is never
-a control request). The receiving bridge refuses, and only logs and counts,
-a frame that is unsigned, badly signed, too large (the local frame limit),
-more than 30 s away from its clock, replayed (its nonce seen in the last
-minute), addressed to another host or with a malformed name. It answers an
-authenticated frame it cannot deliver (no such local peer, a runtime actor
-such as procs or the writer, the broker's queue full) with a typed `error`
-from the recipient's name, unless that frame is itself a reply or a notice.
-A frame for a host that is dead, silent or unknown is refused at once to the
-sender with `host_unreachable`.
+Frames crossing hosts are authenticated, never trusted because they came from
+NATS: each carries, in NATS headers, its sender (`HOST:NAME`, the name its
+broker authenticated), its recipient (`HOST:NAME`), a timestamp, a nonce and
+an HMAC-SHA256 over all of them and the body, under the fleet's bus key
+(derived from the hosts' shared `fleet.bus_secret`, domain-separated; it
+proves only that some host of the fleet sent it, and grants nothing over fleet
+control, which the operator's own key signs), and the sending host's Ed25519
+signature (broker/buskeys.py: which host). The receiving bridge refuses, and
+only logs and counts, a frame that is unsigned, badly signed, too large (the
+local frame limit), more than 30 s away from its clock, replayed (its nonce
+seen in the last minute), addressed to another host or with a malformed name.
+It answers an authenticated frame it cannot deliver (no such local peer, a
+runtime actor such as procs or the writer, the broker's queue full) with a
+typed `error` from the recipient's name, unless that frame is itself a reply
+or a notice. A frame for a host that is dead, silent or unknown is refused at
+once to the sender with `host_unreachable`.
 
 The body is never decoded on the way (as in the broker's local route); the
 recipient's `BrokerPeer` decodes it with its limits. The broker's hot path is
@@ -93,7 +95,7 @@ def bus_subject(host: str) -> str:
 
 
 def bus_key(fleet_key: bytes) -> bytes:
-    """The key frames between hosts are signed with (never the operator key itself)."""
+    """The key frames between hosts are MACed with, from the hosts' bus secret."""
     return hmac.new(fleet_key, BUS_DOMAIN, hashlib.sha256).digest()
 
 
@@ -229,10 +231,14 @@ class Bridge:
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], settings: FleetSettings,  # noqa: PLR0917
                  fleet_key: bytes, max_body: int, view_interval_s: float = 1.0,
-                 host_key: Any = None) -> None:
+                 host_key: Any = None, operator_public: str | None = None) -> None:
         self.host = settings.host
+        self._operator_public = operator_public  # None: no forget-bus-key taken
+        self._forget_seen: dict[str, float] = {}  # the operator's nonces (replays refused)
+        self.key_registered = False  # this host's key is the one under its name
         self._host_key = host_key  # None: frames carry the fleet's MAC only (no pins)
         self.pins = buskeys.Pins() if host_key is not None else None
+        self._public = buskeys.public_hex(host_key) if host_key is not None else ""
         self.settings = settings
         self.max_body = max_body
         self.view_interval_s = view_interval_s
@@ -393,12 +399,22 @@ class Bridge:
         log.info("bridge_started", host=self.host, subject=bus_subject(self.host))
         sender = asyncio.get_running_loop().create_task(self._sender())
         js = self._nc.jetstream(timeout=5)
+        if self.pins is not None and self._operator_public is not None:
+            await self._nc.subscribe(buskeys.FORGET_SUBJECT, cb=self._on_forget)
         if self._host_key is not None:
             await self._register(js)
         while True:
             try:
+                if self._host_key is not None and not self.key_registered:
+                    await self._register(js, retry=False)  # cleared by the operator?
                 if self.pins is not None:
-                    self.pins.update(await kv_entries(js, buskeys.BUCKET))
+                    generation = self.pins.generation
+                    entries = await kv_entries(js, buskeys.BUCKET)
+                    self.pins.update(entries, generation)
+                    if self._host_key is not None and self.key_registered and \
+                            entries.get(self.host) != self._public.encode():
+                        log.warning("bus_key_gone", host=self.host)  # purged: register again
+                        self.key_registered = False
                 self.view = read_view(await _entries(js, HOSTS_BUCKET),
                                       await _entries(js, MEMBERS_BUCKET),
                                       self.view or View())
@@ -409,22 +425,51 @@ class Bridge:
                 sender = asyncio.get_running_loop().create_task(self._sender())
             await asyncio.sleep(self.view_interval_s)
 
-    async def _register(self, js: Any) -> None:
+    async def _register(self, js: Any, retry: bool = True) -> None:
         """This host's public key in the bus keys bucket (retried until the
-        cluster answers); another key under this host's name is logged: the
-        other hosts refuse this host's frames until an operator clears it."""
+        cluster answers). Another key under this host's name (its state
+        directory was wiped) is logged once, and the registration is tried
+        again every view round: the other hosts refuse this host's frames
+        until the operator clears the name (`supervisor fleet
+        forget-bus-key`), then this key takes it."""
         assert self._host_key is not None
         public = buskeys.public_hex(self._host_key)
         while True:
             try:
                 ours = await buskeys.register(js, self.host, public, self.settings.replicas)
-            except Exception as exc:  # noqa: BLE001 - the cluster is away: try again
+            except Exception as exc:
+                if not retry:  # the view round logs it
+                    raise
                 log.warning("bus_key_register_failed", error=type(exc).__name__)
                 await asyncio.sleep(1)
                 continue
-            if not ours:
-                log.error("bus_key_conflict", host=self.host, public=public[:16])
+            if ours and not self.key_registered:
+                log.info("bus_key_registered", host=self.host, public=public[:16])
+            elif not ours and retry:
+                log.error("bus_key_conflict", host=self.host, public=public[:16],
+                          fix=f"the operator runs: supervisor fleet forget-bus-key {self.host}")
+            self.key_registered = ours
             return
+
+    async def _on_forget(self, msg: Any) -> None:
+        """The operator's `forget-bus-key HOST` (broker/buskeys.py): drop the pin
+        for HOST; the next key read for it is pinned."""
+        assert self.pins is not None
+        try:
+            host = buskeys.check_forget(bytes(msg.data or b""), self._operator_public,
+                                        self._forget_seen)
+        except buskeys.ForgetRefusedError as exc:
+            if self._limiter.allow():
+                log.warning("bus_key_forget_refused", reason=str(exc)[:200])
+            reply = {"ok": False, "error": "forbidden", "detail": str(exc), "bridge": self.host}
+        else:
+            dropped = self.pins.forget(host)
+            log.warning("bus_key_forgotten", host=host, pinned=(dropped or "")[:16])
+            reply = {"ok": True, "bridge": self.host, "forgot": host,
+                     "was_pinned": dropped is not None}
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(json.dumps(reply).encode())
 
     async def _sender(self) -> None:
         """Publish the frames the broker queued, one after the other (in order)."""
@@ -497,8 +542,11 @@ async def _entries(js: Any, bucket: str) -> dict[str, dict[str, Any]]:
 
 def from_args(ctx: zmq.Context[zmq.Socket[bytes]], settings: FleetSettings | None,  # noqa: PLR0917
               key_path: str | None, max_body: int, view_interval_s: float,
-              host_key_path: Path | None = None) -> Bridge | None:
-    """The started bridge in fleet mode with a fleet key, else None (logged)."""
+              host_key_path: Path | None = None,
+              operator_public_path: str | None = None) -> Bridge | None:
+    """The started bridge in fleet mode with the hosts' bus secret (`key_path`),
+    else None (logged). With the operator's public key it takes the
+    operator's `forget-bus-key`."""
     if settings is None:
         return None
     key = b""
@@ -507,11 +555,19 @@ def from_args(ctx: zmq.Context[zmq.Socket[bytes]], settings: FleetSettings | Non
             with open(key_path, "rb") as f:
                 key = f.read().strip()
         except OSError as exc:
-            log.error("bridge_off", reason=f"fleet key unreadable: {type(exc).__name__}")
+            log.error("bridge_off", reason=f"bus secret unreadable: {type(exc).__name__}")
             return None
     if not key:
-        log.warning("bridge_off", reason="no fleet.operator_key: frames cannot be signed")
+        log.warning("bridge_off", reason="no fleet.bus_secret: frames cannot be signed")
         return None
+    operator_public = None
+    if operator_public_path:
+        from broker import operatorsig  # noqa: PLC0415
+
+        try:
+            operator_public = operatorsig.load_public(Path(operator_public_path))
+        except (OSError, ValueError) as exc:
+            log.error("bus_key_forget_off", reason=str(exc)[:200])
     host_key = None
     if host_key_path is not None:
         try:
@@ -519,6 +575,6 @@ def from_args(ctx: zmq.Context[zmq.Socket[bytes]], settings: FleetSettings | Non
         except (OSError, ValueError) as exc:
             log.error("bridge_off", reason=f"host bus key unusable: {type(exc).__name__}")
             return None
-    bridge = Bridge(ctx, settings, key, max_body, view_interval_s, host_key)
+    bridge = Bridge(ctx, settings, key, max_body, view_interval_s, host_key, operator_public)
     bridge.start()
     return bridge

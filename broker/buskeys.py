@@ -1,9 +1,9 @@
 """Per-host bus keys (docs/fleet.md, "Messages between hosts"): who signed a
 frame between hosts.
 
-The fleet's bus key (broker/bridge.py `bus_key`) is derived from the fleet
-key every host holds, so it proves only that a frame comes from *some* host
-of the fleet. Each host also has a key of its own that no other host can
+The fleet's bus key (broker/bridge.py `bus_key`) is derived from the bus
+secret every host holds (`fleet.bus_secret`), so it proves only that a frame
+comes from *some* host of the fleet. Each host also has a key of its own that no other host can
 derive: an Ed25519 private key the host's broker generates on its first fleet
 start (`.corral/fleet/bus-host.key`, 0600) and never sends anywhere. Its
 public half is registered in the KV bucket `corral_bus_keys` under the host's
@@ -13,13 +13,24 @@ value is logged `bus_key_changed` and ignored), and refuses a frame whose
 claimed sending host has no key known to it or whose signature that key does
 not verify.
 
-What it defends against: a host (or anyone holding the fleet key and NATS
+What it defends against: a host (or anyone holding the bus secret and NATS
 access) publishing frames that claim to come from another host whose key the
-receiver already pinned. What it does not: a holder of the fleet key who
+receiver already pinned. What it does not: a holder of the bus secret who
 registers a host's name before the host itself does, or who deletes the
 entry before a receiver that never saw it reads it (NATS permissions per
 host close that: each host allowed to write only `$KV.corral_bus_keys.<own
-name>`); and the fleet key itself still authenticates operator requests.
+name>`).
+
+A host whose state directory was wiped makes a new key; its name still holds
+the old one, which every bridge has pinned. Only the operator clears that
+(`supervisor fleet forget-bus-key HOST`, supervisor/fleetcli.py): the entry
+is purged, then a request signed with the operator's private key
+(broker/operatorsig.py) is published on `FORGET_SUBJECT`; every bridge with
+the operator's public key checks it (`check_forget`), drops its pin for HOST
+(`Pins.forget`) and pins the next key it reads; the host's broker, which
+retries its registration while its name holds another key, registers its
+new one. A host cannot make a bridge drop a pin: it holds no key that signs
+such a request.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from broker import operatorsig
 from broker.durable import write_atomic
 
 if TYPE_CHECKING:  # the fleet extra: imported where used, so a plain broker needs none
@@ -38,6 +50,8 @@ if TYPE_CHECKING:  # the fleet extra: imported where used, so a plain broker nee
 log = structlog.get_logger("broker.bridge")
 
 BUCKET = "corral_bus_keys"
+FORGET_SUBJECT = "corral.buskeys.forget"  # the operator's forget-bus-key, to every bridge
+FORGET_VERB = "forget-bus-key"
 KEY_FILE = "bus-host.key"
 PUBLIC_HEX = 64  # an Ed25519 public key, hex
 SIG_HEX = 128  # an Ed25519 signature, hex
@@ -67,6 +81,17 @@ def load_or_create(path: Path) -> Ed25519PrivateKey:
     if len(raw) != 32:
         raise ValueError(f"{path}: not an Ed25519 private key")
     return Ed25519PrivateKey.from_private_bytes(raw)
+
+
+def make_bus_secret(path: Path) -> Path:
+    """The hosts' bus secret (`fleet.bus_secret`): made (0600) unless there."""
+    import secrets  # noqa: PLC0415
+
+    if not path.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_atomic(path, secrets.token_hex(32).encode() + b"\n")
+        os.chmod(path, 0o600)
+    return path
 
 
 def public_hex(key: Ed25519PrivateKey) -> str:
@@ -123,13 +148,62 @@ async def register(js: Any, host: str, public: str, replicas: int) -> bool:
     return True
 
 
+async def purge(js: Any, host: str) -> None:
+    """Take `host`'s key out of the bucket (the operator's forget-bus-key)."""
+    from nats.js.errors import BucketNotFoundError  # noqa: PLC0415
+
+    try:
+        kv = await js.key_value(BUCKET)
+    except BucketNotFoundError:
+        return
+    await kv.purge(host)
+
+
+class ForgetRefusedError(Exception):
+    """A forget-bus-key request refused (the reason is the message)."""
+
+
+def forget_request(operator: Any, host: str, now: float | None = None) -> bytes:
+    """`forget-bus-key HOST`, signed with the operator's private key."""
+    return operatorsig.sign(operator, {"verb": FORGET_VERB, "host": host}, now)
+
+
+def check_forget(data: bytes, operator_public: str | None, seen: dict[str, float]) -> str:
+    """The host whose pin to drop, or ForgetRefusedError: not signed by the
+    operator, stale, replayed, another verb, a malformed host name."""
+    from broker.fleetnats import HOST_NAME  # noqa: PLC0415
+
+    try:
+        request = operatorsig.verify(data, operator_public, seen)
+    except operatorsig.SignatureRefusedError as exc:
+        raise ForgetRefusedError(str(exc)) from None
+    if set(request) != {"verb", "host", "ts", "nonce"} or request["verb"] != FORGET_VERB:
+        raise ForgetRefusedError(f"not a {FORGET_VERB} request")
+    host = request["host"]
+    if not isinstance(host, str) or not HOST_NAME.fullmatch(host):
+        raise ForgetRefusedError("not a host name")
+    return host
+
+
 class Pins:
-    """The public key of each host as first read (never replaced)."""
+    """The public key of each host as first read (never replaced, except
+    after the operator's forget-bus-key)."""
 
     def __init__(self) -> None:
         self.keys: dict[str, str] = {}
+        self.generation = 0  # bumped by forget: a read begun before it is not applied
 
-    def update(self, entries: dict[str, bytes]) -> None:
+    def forget(self, host: str) -> str | None:
+        """Drop `host`'s pin (the key it had, if any)."""
+        self.generation += 1
+        return self.keys.pop(host, None)
+
+    def update(self, entries: dict[str, bytes], generation: int | None = None) -> None:
+        """Pin the keys read; `generation`, when given, is `self.generation` as
+        it was before the read: a forget since then makes the read stale (it
+        may hold the forgotten key), and it is skipped until the next round."""
+        if generation is not None and generation != self.generation:
+            return
         for host, value in entries.items():
             public = value.decode(errors="replace")
             if len(public) != PUBLIC_HEX:

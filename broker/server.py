@@ -592,8 +592,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     curve.add_arguments(parser)
     logconfig.add_arguments(parser)
     fleetnats.add_fleet_arguments(parser)  # fleet mode: the bridge (broker/bridge.py)
-    parser.add_argument("--fleet-key", default=None,
-                        help="the fleet operator key file (frames between hosts are signed)")
+    parser.add_argument("--fleet-bus-secret", default=None,
+                        help="the hosts' bus secret file (frames between hosts are MACed)")
+    parser.add_argument("--fleet-operator-public-key", default=None,
+                        help="the operator's public key file (forget-bus-key is verified)")
     parser.add_argument("--fleet-view-interval-s", type=float, default=1.0)
     return parser.parse_args(argv)
 
@@ -625,9 +627,10 @@ def main(argv: list[str] | None = None) -> int:
         broker = Broker(
             ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp),
             zap=zap,
-            bridge=bridge_from_args(ctx, fleetnats.settings_from_args(args), args.fleet_key,
-                                    limits.max_frame_bytes, args.fleet_view_interval_s,
-                                    buskeys.key_path(state.root)),
+            bridge=bridge_from_args(ctx, fleetnats.settings_from_args(args),
+                                    args.fleet_bus_secret, limits.max_frame_bytes,
+                                    args.fleet_view_interval_s, buskeys.key_path(state.root),
+                                    args.fleet_operator_public_key),
         )
     except (ConfigError, auth.AuthError) as exc:
         print(f"broker: {exc}", file=sys.stderr)

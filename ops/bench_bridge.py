@@ -94,7 +94,7 @@ def run(quick: bool = False) -> dict[str, object]:
     try:
         urls = [n.url for n in fleetcluster.up(cluster_root, 3)]
         fleetcluster.wait_ready(urls, 30)
-        key = root / "fleet.key"
+        key = root / "bus.secret"  # the hosts' bus secret (fleet.bus_secret)
         key.write_text(secrets.token_hex(32))
         key.chmod(0o600)
         states = {h: StateDir(root / h / ".corral").ensure() for h in ("bha", "bhb")}
@@ -103,7 +103,8 @@ def run(quick: bool = False) -> dict[str, object]:
             procs.append(_spawn(["-m", "broker.server", "--state-dir", str(state.root),
                                  "--log-level", "warning", "--fleet-host", host,
                                  *[a for u in urls for a in ("--fleet-url", u)],
-                                 "--fleet-key", str(key), "--fleet-view-interval-s", "0.2"],
+                                 "--fleet-bus-secret", str(key),
+                                 "--fleet-view-interval-s", "0.2"],
                                 root / f"{host}.out"))
             procs.append(_spawn(["-m", "ops.bench_broker", "peer-echo", "--endpoint",
                                  state.endpoint("broker"), "--name", f"echo-{host}"],

@@ -5,9 +5,25 @@
     supervisor fleet down [--state-dir D]                      stop it (its store stays)
     supervisor fleet fence HOST [--by NAME] (--config F | --url U ...)
                                         fence a host: its writer acknowledges nothing more
+    supervisor fleet forget-bus-key HOST [--config F | --url U ... | --state-dir D]
+                                        [--operator-key FILE] [--json]
+                                        clear a wiped host's bus key: every bridge
+                                        drops its pin and takes the host's new key
+
+`fleet up` also makes, once, under .corral/fleet/: the operator's key pair
+(operator.key, private, for CORRAL_OPERATOR_KEY on the operator's machine;
+operator.pub, for fleet.operator_public_key on every host) and the hosts'
+bus secret (bus.secret, for fleet.bus_secret on every host).
+
+forget-bus-key is signed with the operator's private key (--operator-key, else
+the file CORRAL_OPERATOR_KEY names): it purges HOST's entry in the KV bucket
+corral_bus_keys, then asks every bridge (NATS subject corral.buskeys.forget)
+to drop its pin for HOST; the answers of the live hosts' bridges are awaited
+(a few seconds).
 
 Exit codes: 0 done; 1 failed (the cluster did not come up, the fence was not
-stored); 2 usage.
+stored, a bridge refused the forget); 2 usage (no operator key, no cluster
+configured); 4 no answer (the cluster, or a live host's bridge, did not answer).
 """
 
 from __future__ import annotations
@@ -42,6 +58,16 @@ def _parser() -> argparse.ArgumentParser:
     fence.add_argument("--by", default="operator")
     fence.add_argument("--config", default=None, help="a configuration naming fleet.urls")
     fence.add_argument("--url", action="append", default=[])
+    forget = sub.add_parser("forget-bus-key", help="clear a wiped host's bus key (operator)")
+    forget.add_argument("host")
+    forget.add_argument("--config", default=None, help="a configuration naming fleet.urls")
+    forget.add_argument("--url", action="append", default=[])
+    forget.add_argument("--state-dir", default=None, help="a host's (its run/fleet.json)")
+    forget.add_argument("--operator-key", default=None,
+                        help="the operator's private key file (default: $CORRAL_OPERATOR_KEY)")
+    forget.add_argument("--wait-s", type=float, default=3.0,
+                        help="how long to await the bridges' answers")
+    forget.add_argument("--json", action="store_true")
     return parser
 
 
@@ -56,6 +82,10 @@ def main(argv: list[str]) -> int:
             count = fleetcluster.down(StateDir.at(args.state_dir).root)
             print(f"{PROG}: stopped {count} node(s)")
             return 0
+        if args.verb == "forget-bus-key":
+            from supervisor import fleetforget  # noqa: PLC0415
+
+            return fleetforget.main(args)
         return _fence(args)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
@@ -63,17 +93,24 @@ def main(argv: list[str]) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from broker import buskeys, operatorsig  # noqa: PLC0415
     from supervisor import fleetcluster  # noqa: PLC0415
 
     root = StateDir.at(args.state_dir).ensure().root
     nodes = fleetcluster.up(root, args.nodes)
     urls = [n.url for n in nodes]
+    directory = fleetcluster.fleet_dir(root)
+    private, public = operatorsig.make_keys(directory)
+    secret = buskeys.make_bus_secret(directory / "bus.secret")
     if args.json:
-        print(json.dumps({"urls": urls, "pids": [n.pid for n in nodes],
-                          "dir": str(fleetcluster.fleet_dir(root))}))
+        print(json.dumps({"urls": urls, "pids": [n.pid for n in nodes], "dir": str(directory),
+                          "operator_key": str(private), "operator_public_key": str(public),
+                          "bus_secret": str(secret)}))
     else:
         print(f"{PROG}: {len(nodes)} node(s) up: {' '.join(urls)}")
-        print("  configure hosts with: fleet: {host: NAME, urls: [" + ", ".join(urls) + "]}")
+        print("  configure hosts with: fleet: {host: NAME, urls: [" + ", ".join(urls) + "], "
+              f"operator_public_key: {public}, bus_secret: {secret}}}")
+        print(f"  the operator signs with: export CORRAL_OPERATOR_KEY={private}")
     return 0
 
 
@@ -101,7 +138,9 @@ async def fence(settings: FleetSettings, by: str) -> int:
     import nats  # noqa: PLC0415
 
     options = connect_options(settings, f"corral-fence-{by}")
-    options.update(allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet)
+    # one attempt per server: nats-py 2.16 retries an initial connect forever with
+    # max_reconnect_attempts=0 (a command on a cluster that is away never returned)
+    options.update(allow_reconnect=False, max_reconnect_attempts=1, error_cb=_quiet)
     nc = await nats.connect(**options)
     try:
         js = nc.jetstream(timeout=settings.publish_timeout_s * 5)

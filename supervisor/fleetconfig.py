@@ -9,6 +9,14 @@ runtime is one host on its own and nothing here is used.
       nkey_seed: /etc/corral/nkey    # an nkey seed file
       tls: {ca: ..., cert: ..., key: ...}
       replicas: 3
+      operator_public_key: /etc/corral/operator.pub  # the operator's Ed25519 public key
+      bus_secret: /etc/corral/fleet-bus.secret       # the hosts' shared secret (bus frames)
+
+The operator's *private* key is never in a host's configuration: the
+operator's command line reads it from the file `CORRAL_OPERATOR_KEY` names
+(docs/fleet.md, "One view"). The old `operator_key` (one shared secret that
+both signed and verified control requests) is refused with a message naming
+these keys.
 
 Credentials are paths: the writer's client reads them; neither the argv nor
 a log line ever carries a secret (`writer_args`)."""
@@ -16,7 +24,7 @@ a log line ever carries a secret (`writer_args`)."""
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -44,8 +52,23 @@ class FleetConfig(_Strict):
     publish_timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0
     host_ttl_s: Annotated[float, Field(ge=1, le=3600)] = 10.0  # a silent host's entry expires
     dead_grace_s: Annotated[float, Field(ge=0, le=3600)] = 5.0  # then, this long: dead, fenced
-    operator_key: str | None = None  # shared fleet operator secret (a file): HOST:AGENT control
+    operator_public_key: str | None = None  # the operator's Ed25519 public key (a file)
+    bus_secret: str | None = None  # the hosts' shared secret (a file): bus frames' MAC
     max_agents: Annotated[int, Field(ge=0)] = 0  # placement: a host this full declines; 0: no cap
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_shared_operator_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "operator_key" in data:
+            if data["operator_key"] is not None:
+                raise ValueError(
+                    "fleet.operator_key (one secret shared by the operator and every host) "
+                    "is no longer accepted: a host holds fleet.operator_public_key (the "
+                    "operator's Ed25519 public key) and fleet.bus_secret (the hosts' bus "
+                    "secret); the operator signs with the private key CORRAL_OPERATOR_KEY "
+                    "names (`supervisor fleet up` makes them; docs/fleet.md)")
+            data = {k: v for k, v in data.items() if k != "operator_key"}
+        return data
 
     @field_validator("urls")
     @classmethod
@@ -67,11 +90,12 @@ class FleetConfig(_Strict):
 
     def secret_paths(self) -> list[str]:
         """The credential files this host holds (absolute): hidden from every
-        command's sandbox, since they lie wherever the operator put them."""
+        command's sandbox, since they lie wherever the operator put them (the
+        operator's public key is public: not listed)."""
         if self.host is None:
             return []
         return [os.path.abspath(path) for path in (
-            self.creds, self.nkey_seed, self.tls.key, self.operator_key) if path]
+            self.creds, self.nkey_seed, self.tls.key, self.bus_secret) if path]
 
     def writer_args(self) -> list[str]:
         """The writer's `--fleet-*` options (paths only, never a secret)."""
@@ -82,10 +106,13 @@ class FleetConfig(_Strict):
 
     def broker_args(self) -> list[str]:
         """The broker's: its bridge to other hosts (broker/bridge.py), which signs
-        frames with a key derived from the operator key (a path, never the key)."""
+        frames with a key derived from the hosts' bus secret and takes the
+        operator's `forget-bus-key` (paths, never a key)."""
         if self.host is None:
             return []
-        key = ["--fleet-key", self.operator_key] if self.operator_key else []
+        key = ["--fleet-bus-secret", self.bus_secret] if self.bus_secret else []
+        if self.operator_public_key:
+            key += ["--fleet-operator-public-key", self.operator_public_key]
         return [*self._cluster_args(), *key,
                 "--fleet-view-interval-s", str(min(1.0, self.host_ttl_s / 3))]
 

@@ -3,29 +3,29 @@
 bucket; `supervisor kill|stop|start HOST:AGENT` sends a signed request to
 that host's supervisor over NATS request/reply.
 
-A request is JSON `{verb, host, agent, signal, ts, nonce}` and `mac`,
-HMAC-SHA256 of the canonical JSON (sorted keys, no spaces) under the fleet
-operator key (`fleet.operator_key`, a file every host and the operator hold,
-like `keys/operator.key` on one host). The host refuses a bad MAC, a
-timestamp more than 30 s away, a nonce it has seen, another host's name, an
-unknown verb or a name that is not an actor name; it then asks its own control
-socket as the local operator (`carry_out`).
+A request is JSON `{verb, host, agent, signal, ts, nonce}` and `sig`, the
+fleet operator's Ed25519 signature (broker/operatorsig.py). Only the
+operator's machine holds the private key (`CORRAL_OPERATOR_KEY`, a file);
+each host holds its public half (`fleet.operator_public_key`), so a host
+verifies requests and can make none another host accepts. The host refuses
+a bad signature, a timestamp more than 30 s away, a nonce it has seen,
+another host's name, an unknown verb or a name that is not an actor name; it
+then asks its own control socket as the local operator (`carry_out`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
+import os
 import re
-import secrets
 import signal as signals
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from broker import operatorsig
 from broker.durable import write_atomic
 from broker.errors import ConfigError
 from broker.fleetnats import connect_options
@@ -33,14 +33,16 @@ from broker.statedir import StateDir
 from supervisor.fleetconfig import FleetConfig
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     from broker import protocol
 
 MAX_SKEW_S = 30.0
 AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 VERBS = ("kill", "stop", "start", "spawn")
-REQUIRED = frozenset({"verb", "host", "agent", "signal", "ts", "nonce", "mac"})
+REQUIRED = frozenset({"verb", "host", "agent", "signal", "ts", "nonce"})
 SPAWN_FIELDS = frozenset({"task", "model"})  # spawn only: the task file's text, --model
-MAX_REQUEST_BYTES = 128 * 1024
+OPERATOR_KEY_ENV = "CORRAL_OPERATOR_KEY"  # the operator's private key file (never a host's)
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 4
 
 
@@ -48,58 +50,50 @@ class FleetControlError(Exception):
     """A control request refused (its reason is in the message)."""
 
 
-def _mac(key: bytes, body: dict[str, Any]) -> str:
-    text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(key, text, hashlib.sha256).hexdigest()
+def sign(key: Ed25519PrivateKey, verb: str, host: str, agent: str,
+         sig: int = signals.SIGTERM, **extra: str | None) -> bytes:
+    """A control request signed with the operator's private key."""
+    return operatorsig.sign(key, {"verb": verb, "host": host, "agent": agent, "signal": sig,
+                                  **extra})
 
 
-def sign(key: bytes, verb: str, host: str, agent: str, sig: int = signals.SIGTERM,
-         **extra: str | None) -> bytes:
-    body = {"verb": verb, "host": host, "agent": agent, "signal": sig,
-            "ts": round(time.time(), 3), "nonce": secrets.token_hex(16), **extra}
-    return json.dumps({**body, "mac": _mac(key, body)}).encode()
-
-
-def verify(data: bytes, host: str, key: bytes | None, seen: dict[str, float]) -> dict[str, Any]:
-    """The checked request, or FleetControlError. `seen` remembers nonces."""
-    if not key:
-        raise FleetControlError("this host has no fleet.operator_key: fleet control is off")
-    if len(data) > MAX_REQUEST_BYTES:
-        raise FleetControlError("request too large")
+def verify(data: bytes, host: str, public: str | None,
+           seen: dict[str, float]) -> dict[str, Any]:
+    """The checked request, or FleetControlError. `public` is the operator's
+    public key (hex); `seen` remembers nonces."""
     try:
-        request = json.loads(data)
-    except ValueError:
-        raise FleetControlError("not JSON") from None
-    if not isinstance(request, dict) or not set(request) >= REQUIRED \
-            or not set(request) - REQUIRED <= SPAWN_FIELDS:
+        request = operatorsig.verify(data, public, seen)
+    except operatorsig.SignatureRefusedError as exc:
+        raise FleetControlError(str(exc)) from None
+    if not set(request) >= REQUIRED or not set(request) - REQUIRED <= SPAWN_FIELDS:
         raise FleetControlError("malformed request")
-    body = {k: v for k, v in request.items() if k != "mac"}
-    mac = request["mac"]
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(key, body)):
-        raise FleetControlError("bad signature: not the fleet operator")
-    now = time.time()
-    ts, nonce = request["ts"], request["nonce"]
-    if not isinstance(ts, int | float) or abs(now - ts) > MAX_SKEW_S:
-        raise FleetControlError("stale or future timestamp")
-    for old, at in list(seen.items()):
-        if now - at > 2 * MAX_SKEW_S:
-            del seen[old]
-    if not isinstance(nonce, str) or nonce in seen:
-        raise FleetControlError("replayed request")
-    seen[nonce] = now
     if request["host"] != host:
         raise FleetControlError(f"addressed to {request['host']!r}, this is {host!r}")
     if request["verb"] not in VERBS:
         raise FleetControlError(f"unknown verb {request['verb']!r}")
     if not isinstance(request["agent"], str) or not AGENT_NAME.match(request["agent"]):
         raise FleetControlError("not an actor name")
-    if not isinstance(request["signal"], int) or not 1 <= request["signal"] <= 64:
+    if not isinstance(request["signal"], int) or isinstance(request["signal"], bool) \
+            or not 1 <= request["signal"] <= 64:
         raise FleetControlError("bad signal")
     if request["verb"] == "spawn" and not isinstance(request.get("task"), str):
         raise FleetControlError("spawn needs the task file's text")
     if not isinstance(request.get("model"), str | None):
         raise FleetControlError("bad model")
     return request
+
+
+def operator_key() -> Ed25519PrivateKey:
+    """The operator's private key, from the file `CORRAL_OPERATOR_KEY` names
+    (ConfigError when unset or unusable: fleet control needs it)."""
+    path = os.environ.get(OPERATOR_KEY_ENV)
+    if not path:
+        raise ConfigError(f"{OPERATOR_KEY_ENV} is not set: fleet control needs the operator's "
+                          "private key (a file `supervisor fleet up` makes: fleet/operator.key)")
+    try:
+        return operatorsig.load_private(Path(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{OPERATOR_KEY_ENV}: {exc}") from None
 
 
 def carry_out(state_dir: StateDir, request: dict[str, Any]) -> dict[str, Any]:
@@ -169,14 +163,10 @@ def remote_spawn(state_dir: StateDir, config_path: str | None, name: str, task_f
     least-loaded live host in the fleet view that accepts it."""
     try:
         config = fleet_config(state_dir, config_path)
-        key = Path(config.operator_key).read_bytes().strip() if config.operator_key else b""
+        key = operator_key()
         task = Path(task_file).read_text(encoding="utf-8")
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    if not key:
-        print("supervisor: fleet.operator_key is not set: fleet control is off",
-              file=sys.stderr)
         return EXIT_USAGE
     from supervisor.fleethost import control_subject  # noqa: PLC0415
 
@@ -214,7 +204,7 @@ def remote_spawn(state_dir: StateDir, config_path: str | None, name: str, task_f
     return EXIT_OK if reply.get("ok") else EXIT_FAILED
 
 
-def _place(config: FleetConfig, key: bytes, name: str, task: str,
+def _place(config: FleetConfig, key: Ed25519PrivateKey, name: str, task: str,
            model: str | None) -> dict[str, Any] | None:
     """Through the hosts' queue group (supervisor/fleetplace.py): its answer,
     or None to fall back to the fleet view's order."""
@@ -259,7 +249,9 @@ async def _connect(config: FleetConfig) -> Any:
 
     cfg = config if config.host else config.model_copy(update={"host": "operator"})
     options = connect_options(settings_of(cfg), "corral-operator")
-    options.update(allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet)
+    # one attempt per server: nats-py 2.16 retries an initial connect forever with
+    # max_reconnect_attempts=0 (a command on a cluster that is away never returned)
+    options.update(allow_reconnect=False, max_reconnect_attempts=1, error_cb=_quiet)
     return await nats.connect(**options)
 
 
@@ -362,13 +354,9 @@ def remote_control(state_dir: StateDir, config_path: str | None, verb: str, targ
     host, _, agent = target.partition(":")
     try:
         config = fleet_config(state_dir, config_path)
-        key = Path(config.operator_key).read_bytes().strip() if config.operator_key else b""
+        key = operator_key()
     except (ConfigError, OSError) as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    if not key:
-        print("supervisor: fleet.operator_key is not set: fleet control is off",
-              file=sys.stderr)
         return EXIT_USAGE
     from supervisor.fleethost import control_subject  # noqa: PLC0415
 

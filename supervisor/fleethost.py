@@ -9,8 +9,9 @@ loop and NATS connection, that
   host-loss detection can see it go;
 - answers control requests on `corral.ctl.<host>` (NATS request/reply):
   `kill`, `stop`, `start` of one child, each signed by the fleet operator
-  (HMAC-SHA256 with the shared `fleet.operator_key`, a timestamp within 30 s,
-  a nonce never seen before; `fleetctl.sign`). A valid request is carried out
+  (Ed25519, verified with `fleet.operator_public_key`: the host holds no key
+  that signs; a timestamp within 30 s, a nonce never seen before;
+  `fleetctl.sign`, broker/operatorsig.py). A valid request is carried out
   through the host's own control socket as the local operator, so it gets
   exactly the checks and answers of `supervisor kill NAME` on that host.
 
@@ -149,7 +150,7 @@ class FleetHost:
             kv = None
             await nc.subscribe(control_subject(self.host), cb=self._on_control)
             self._js = js
-            if self.config.operator_key is not None:  # without it control is off: a
+            if self._operator_key() is not None:  # without it control is off: a
                 # member that could only refuse would turn placements away from the group
                 await nc.subscribe(PLACE_SUBJECT, queue=PLACE_QUEUE, cb=self._on_place)
                 await nc.subscribe(place_subject(self.host), cb=self._on_place)
@@ -243,13 +244,17 @@ class FleetHost:
             self._placed.add(request["agent"])
         await answer({**reply, "placed": True})
 
-    def _operator_key(self) -> bytes | None:
-        path = self.config.operator_key
+    def _operator_key(self) -> str | None:
+        """The operator's public key (hex), or None: fleet control is off."""
+        from broker import operatorsig  # noqa: PLC0415
+
+        path = self.config.operator_public_key
         if path is None:
             return None
         try:
-            return Path(path).read_bytes().strip()
-        except OSError:
+            return operatorsig.load_public(Path(path))
+        except (OSError, ValueError) as exc:
+            log.warning("fleet_operator_key_unusable", error=str(exc)[:200])
             return None
 
 

@@ -54,7 +54,11 @@ def start_cluster(nodes: int = 3) -> Cluster:
          "--state-dir", str(root), "--json"],
         capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
-    assert len(json.loads(out.stdout)["urls"]) == nodes
+    made = json.loads(out.stdout)
+    assert len(made["urls"]) == nodes
+    # the operator's key pair and the hosts' bus secret, made by `fleet up`
+    assert all(Path(made[k]).is_file() for k in ("operator_key", "operator_public_key",
+                                                   "bus_secret"))
     return Cluster(root)
 
 
@@ -171,14 +175,32 @@ def forget_hosts(urls: list[str], hosts: list[str]) -> None:
     asyncio.run(go())
 
 
-def operator_key_and_hosts(state_dir_root: Path) -> tuple[Path, str, str]:
-    """A fresh fleet operator key (0600, beside the state directory) and two host
+@dataclass(frozen=True)
+class FleetKeys:
+    """The keys of a test's fleet: the operator's pair (the private key for the
+    operator's command line only) and the hosts' bus secret."""
+
+    operator: Path  # private: CORRAL_OPERATOR_KEY, never in a host's configuration
+    public: Path  # fleet.operator_public_key
+    bus_secret: Path  # fleet.bus_secret
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        """`base` with CORRAL_OPERATOR_KEY naming the operator's private key."""
+        return {**base, "CORRAL_OPERATOR_KEY": str(self.operator)}
+
+
+def make_keys(directory: Path) -> FleetKeys:
+    """A fresh operator key pair and bus secret under `directory` (as `fleet up`)."""
+    from broker import buskeys, operatorsig
+
+    private, public = operatorsig.make_keys(directory / "operator")
+    return FleetKeys(private, public, buskeys.make_bus_secret(directory / "bus.secret"))
+
+
+def operator_key_and_hosts(state_dir_root: Path) -> tuple[FleetKeys, str, str]:
+    """Fresh fleet keys (beside the state directory, outside it) and two host
     names unique to this test (the cluster outlives it)."""
-    import secrets
     import uuid
 
-    key = state_dir_root.parent / "fleet-operator.key"
-    key.write_text(secrets.token_hex(32))
-    key.chmod(0o600)
     tag = uuid.uuid4().hex[:6]
-    return key, f"ha{tag}", f"hb{tag}"
+    return make_keys(state_dir_root.parent / "fleet-keys"), f"ha{tag}", f"hb{tag}"

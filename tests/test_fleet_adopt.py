@@ -37,7 +37,13 @@ from supervisor.agentcli import answer_approval
 from supervisor.fleetadopt import OBJECTS, uploaded_pack_size
 from supervisor.fleetgens import gen_object, uploaded_generations
 from tests.agentkit import tree, write_task
-from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts, read_stream
+from tests.fleetkit import (
+    Cluster,
+    FleetKeys,
+    forget_hosts,
+    operator_key_and_hosts,
+    read_stream,
+)
 from tests.processes import ProcessTracker, wait_for
 from tests.test_fleet_hosts import cli, fleet_view, host_config, other_state_dir
 
@@ -79,8 +85,8 @@ EXPECTED2 = {"a.txt": "two-one+two+three\n", "src/b.txt": "two-bee",
 OWN_NODE = 0  # host A's NATS node, killed with it
 
 
-def config_for(state_dir: StateDir, host: str, cluster: Cluster, key: Path) -> Path:
-    path = host_config(state_dir, host, cluster, key, agents=0)
+def config_for(state_dir: StateDir, host: str, cluster: Cluster, keys: FleetKeys) -> Path:
+    path = host_config(state_dir, host, cluster, keys, agents=0)
     config = yaml.safe_load(path.read_text())  # host_ttl_s 5, dead_grace_s 1: a shorter
     # TTL lets a slow status put on a loaded machine get a live host declared dead
     config["agent"] = {"approval_poll_ms": 20, "snapshot_every": 4, "permissions": {"rules": [

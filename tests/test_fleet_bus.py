@@ -86,18 +86,18 @@ def test_a_message_crosses_hosts_and_a_forged_one_is_refused(
         fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
         other_state_dir: StateDir) -> None:
     fleet_cluster.wait_ready()
-    key, ha, hb = operator_key_and_hosts(state_dir.root)
+    keys, ha, hb = operator_key_and_hosts(state_dir.root)
     hc = f"hc{ha[2:]}"  # a third host, played by the test: its own key, registered first
     key_c = buskeys.load_or_create(other_state_dir.root.parent / "hc" / buskeys.KEY_FILE)
     assert asyncio.run(_register(fleet_cluster.urls, hc, buskeys.public_hex(key_c)))
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
-                         "--config", str(host_config(state_dir, ha, fleet_cluster, key, 0))],
+                         "--config", str(host_config(state_dir, ha, fleet_cluster, keys, 0))],
                         name="up-a")
         up_b = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir",
                                 str(other_state_dir.root), "--config",
-                                str(host_config(other_state_dir, hb, fleet_cluster, key, 1))],
+                                str(host_config(other_state_dir, hb, fleet_cluster, keys, 1))],
                                name="up-b")
         wait_for((state_dir.run_dir / "fleet.json").exists, 30, "host A up")
 
@@ -130,7 +130,7 @@ def test_a_message_crosses_hosts_and_a_forged_one_is_refused(
         body = protocol.encode(protocol.Ping(msg_id="forged"))
         good = protocol.encode(protocol.Ping(msg_id="signed-once"))
         from_c = protocol.encode(protocol.Ping(msg_id="from-c"))
-        real = bus_key(key.read_bytes().strip())
+        real = bus_key(keys.bus_secret.read_bytes().strip())
         key_a = buskeys.load_or_create(buskeys.key_path(state_dir.root))  # host A's own
         replayed = sign(real, f"{ha}:probe", f"{hb}:target", good, host_key=key_a)
         before = bridge_values(target)["bridge_refused_total"]

@@ -23,6 +23,7 @@ import yaml
 import zmq
 
 from actors.writer.client import WriterClient
+from broker import operatorsig
 from broker.statedir import StateDir
 from supervisor import fleetctl
 from supervisor.fleethost import control_subject
@@ -30,7 +31,9 @@ from supervisor.fleetplace import PLACE_HOST, PLACE_SUBJECT, place_subject
 from tests.agentkit import write_task
 from tests.fleetkit import (
     Cluster,
+    FleetKeys,
     forget_hosts,
+    make_keys,
     operator_key_and_hosts,
     read_stream,
     stream_records,
@@ -52,7 +55,7 @@ def other_state_dir() -> Iterator[StateDir]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def host_config(state_dir: StateDir, host: str, fleet_cluster: Cluster, key: Path,
+def host_config(state_dir: StateDir, host: str, fleet_cluster: Cluster, keys: FleetKeys,
                 agents: int = 1) -> Path:
     config = {
         "heartbeat": {"interval_ms": 200, "timeout_s": 5},
@@ -63,7 +66,8 @@ def host_config(state_dir: StateDir, host: str, fleet_cluster: Cluster, key: Pat
             {"name": "broker", "kind": "broker", **FAST},
         ],
         "agents": {"count": agents, **FAST},
-        "fleet": {"host": host, "urls": fleet_cluster.urls, "operator_key": str(key),
+        "fleet": {"host": host, "urls": fleet_cluster.urls,
+                  "operator_public_key": str(keys.public), "bus_secret": str(keys.bus_secret),
                   "host_ttl_s": 5.0, "dead_grace_s": 1.0},
     }
     path = state_dir.root.parent / "corral-fleet.yaml"
@@ -72,10 +76,12 @@ def host_config(state_dir: StateDir, host: str, fleet_cluster: Cluster, key: Pat
 
 
 def cli(processes: ProcessTracker, state_dir: StateDir,
-        *args: str) -> subprocess.CompletedProcess[str]:
+        *args: str, keys: FleetKeys | None = None) -> subprocess.CompletedProcess[str]:
+    """The command line; with `keys`, as the operator (CORRAL_OPERATOR_KEY set)."""
+    env = processes.env() if keys is None else keys.env(processes.env())
     return subprocess.run(
         [sys.executable, "-m", "supervisor.cli", *args, "--state-dir", str(state_dir.root)],
-        env=processes.env(), capture_output=True, text=True, timeout=30, check=False)
+        env=env, capture_output=True, text=True, timeout=30, check=False)
 
 
 def fleet_view_cli(processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
@@ -99,14 +105,14 @@ def test_fleet_status_and_control_across_hosts(
         fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
         other_state_dir: StateDir) -> None:
     fleet_cluster.wait_ready()
-    key, ha, hb = operator_key_and_hosts(state_dir.root)
+    keys, ha, hb = operator_key_and_hosts(state_dir.root)
     try:
         processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
-                         "--config", str(host_config(state_dir, ha, fleet_cluster, key, agents=1))],
+                         "--config", str(host_config(state_dir, ha, fleet_cluster, keys, 1))],
                         name="up-a")
         up_b = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir",
                                 str(other_state_dir.root), "--config",
-                                str(host_config(other_state_dir, hb, fleet_cluster, key,
+                                str(host_config(other_state_dir, hb, fleet_cluster, keys,
                                                 agents=0))],
                                name="up-b")
 
@@ -127,18 +133,20 @@ def test_fleet_status_and_control_across_hosts(
         restarts = child(view[hb], "broker")["restarts"]
 
         # host A's operator kills a child of host B; B's supervisor restarts it
-        done = cli(processes, state_dir, "kill", f"{hb}:broker", "--json")
+        done = cli(processes, state_dir, "kill", f"{hb}:broker", "--json", keys=keys)
         assert done.returncode == 0, done.stdout + done.stderr
         assert json.loads(done.stdout)["ok"] is True
         wait_for(lambda: child(fleet_view(processes, state_dir)[hb], "broker")["restarts"]
                  > restarts, 20, "host B's broker restarted", interval_s=0.3)
 
-        # a request not signed with the operator key is refused by host B
+        # a request not signed with the operator's key is refused by host B
+        other = operatorsig.load_private(make_keys(state_dir.root.parent / "other").operator)
         forged = asyncio.run(_request(fleet_cluster.urls, control_subject(hb),
-                                      fleetctl.sign(b"not-the-key", "stop", hb, "agent-1")))
+                                      fleetctl.sign(other, "stop", hb, "agent-1")))
         assert forged["ok"] is False and forged["error"] == "forbidden"
         # a replayed (validly signed) request is refused too
-        signed = fleetctl.sign(key.read_bytes().strip(), "kill", hb, "nobody")
+        operator = operatorsig.load_private(keys.operator)
+        signed = fleetctl.sign(operator, "kill", hb, "nobody")
         first = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
         assert first["ok"] is False and first["error"] != "forbidden"  # no such child
         again = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
@@ -160,27 +168,26 @@ def test_fleet_status_and_control_across_hosts(
         # the hosts' queue group (A declines it if NATS hands it to A first, naming B)
         task = write_task(state_dir.root.parent / "placed.yaml",
                           [{"op": "finish", "summary": "done"}])
-        key_bytes = key.read_bytes().strip()
         declined = asyncio.run(_request(fleet_cluster.urls, place_subject(ha), fleetctl.sign(
-            key_bytes, "spawn", PLACE_HOST, "x", task=task.read_text())))
+            operator, "spawn", PLACE_HOST, "x", task=task.read_text())))
         assert (declined["ok"], declined["error"], declined["host"]) == (False, "declined", ha)
         # B, unless the view could not read B's entry (under load): declined all the same
         assert declined["least"] == hb or declined["detail"].startswith("the view could not"), \
             declined
         done = cli(processes, state_dir, "spawn", "placed", "--task", str(task), "--host", "auto",
-                   "--json")
+                   "--json", keys=keys)
         assert done.returncode == 0, done.stdout + done.stderr
         placed = json.loads(done.stdout)
         assert placed["host"] == hb and placed.get("placed") is True, placed
         # the queue group takes only a spawn signed for `auto` with the operator key
-        for forged in (fleetctl.sign(b"not-the-key", "spawn", PLACE_HOST, "x", task="steps: []"),
-                       fleetctl.sign(key_bytes, "spawn", hb, "x", task="steps: []"),
-                       fleetctl.sign(key_bytes, "kill", PLACE_HOST, "agent-1")):
+        for forged in (fleetctl.sign(other, "spawn", PLACE_HOST, "x", task="steps: []"),
+                       fleetctl.sign(operator, "spawn", hb, "x", task="steps: []"),
+                       fleetctl.sign(operator, "kill", PLACE_HOST, "agent-1")):
             refused = asyncio.run(_request(fleet_cluster.urls, PLACE_SUBJECT, forged))
             assert refused["ok"] is False and refused["error"] == "forbidden", refused
         # ... and a host's own subject never takes one signed for `auto`
         refused = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), fleetctl.sign(
-            key_bytes, "spawn", PLACE_HOST, "x", task="steps: []")))
+            operator, "spawn", PLACE_HOST, "x", task="steps: []")))
         assert refused["ok"] is False and refused["error"] == "forbidden", refused
         wait_for(lambda: "placed" in {c["name"] for c in fleet_view(processes, state_dir)[hb][
             "children"]}, 20, "the placed agent in host B's status", interval_s=0.3)

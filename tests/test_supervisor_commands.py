@@ -65,15 +65,17 @@ def test_reload_plan_restarts_only_the_children_a_change_concerns(tmp_path: Path
 
 def test_procs_hides_the_fleet_credential_files_from_every_command(tmp_path: Path) -> None:
     fleet = {"host": "h1", "urls": ["nats://127.0.0.1:4222"], "creds": "keys/nats.creds",
-             "nkey_seed": "/etc/corral/seed.nk", "operator_key": "/etc/corral/operator.key",
+             "nkey_seed": "/etc/corral/seed.nk", "bus_secret": "/etc/corral/bus.secret",
+             "operator_public_key": "/etc/corral/operator.pub",
              "tls": {"ca": "/etc/corral/ca.pem", "key": "/etc/corral/tls.key"}}
     config = Config(children=CORE, fleet=fleet, sandbox={"hide": ["/run", "/srv/private"]})
     argv = commands.argv_for(ChildSpec(name="procs", kind="procs"), config, StateDir(tmp_path))
     hidden = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--sandbox-hide"]
     assert hidden == ["/run", "/srv/private", str(Path("keys/nats.creds").absolute()),
-                      "/etc/corral/seed.nk", "/etc/corral/tls.key", "/etc/corral/operator.key"]
-    # the CA is public; without fleet mode no credential is in use, and none is added
-    assert "/etc/corral/ca.pem" not in argv
+                      "/etc/corral/seed.nk", "/etc/corral/tls.key", "/etc/corral/bus.secret"]
+    # the CA and the operator's public key are public; without fleet mode no credential
+    # is in use, and none is added
+    assert "/etc/corral/ca.pem" not in argv and "/etc/corral/operator.pub" not in argv
     alone = commands.argv_for(ChildSpec(name="procs", kind="procs"), _config(), StateDir(tmp_path))
     assert [alone[i + 1] for i, arg in enumerate(alone) if arg == "--sandbox-hide"] == ["/run"]
 
