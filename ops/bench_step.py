@@ -19,6 +19,11 @@ fsync) and is durable before the next begins.
   `PRAGMA synchronous=FULL` set on every connection; DBOS records each step's
   output before the workflow goes on.
 
+- corral_notree (a decomposition, not a peer): the same corral run with the
+  loop's workspace-tree capture at each turn boundary switched off (the
+  tree behind `rewind`/`fork` of the workspace, which neither peer keeps),
+  so what that feature costs a step is read in the same run.
+
 A step's time is the interval between the starts of two consecutive steps
 (everything a step pays, durable records included); `*_step_ms_p50` is their
 median with one agent. The systems take turns, for 3 rounds (`--quick`: 2),
@@ -86,9 +91,10 @@ def _intervals_ms(starts: list[float]) -> list[float]:
 
 
 def corral_worker(state_root: Path, agent: str, steps: int, *,
-                  barrier: bool = True) -> dict[str, Any]:
+                  barrier: bool = True, trees: bool = True) -> dict[str, Any]:
     """One agent process: run the real loop until the session is over
-    (`barrier`: wait for `go` on stdin before the first step)."""
+    (`barrier`: wait for `go` on stdin before the first step; `trees`: False
+    skips the workspace-tree capture at turn boundaries, for corral_notree)."""
     import zmq
 
     from actors.agent.loop import AgentLoop, Step
@@ -109,6 +115,8 @@ def corral_worker(state_root: Path, agent: str, steps: int, *,
     try:
         with WriterClient(ctx, state_dir, agent, timeout_s=30) as writer:
             loop = AgentLoop(agent, state_dir, spec, writer)
+            if not trees:
+                loop._record_tree = lambda: False  # type: ignore[method-assign]
             loop.rebuild()
             if barrier:
                 _wait_go()
@@ -136,7 +144,7 @@ def corral_worker(state_root: Path, agent: str, steps: int, *,
             "files": written, "ended_at": ended, "cpu_s": cpu}
 
 
-def run_corral(agents: int, steps: int) -> dict[str, Any]:
+def run_corral(agents: int, steps: int, system: str = "corral") -> dict[str, Any]:
     from broker.statedir import StateDir
 
     with temp_state_root() as root:
@@ -146,7 +154,7 @@ def run_corral(agents: int, steps: int) -> dict[str, Any]:
             wait_writer_ready(state.root)
             proc = psutil.Process(writer.pid)
             before = proc.cpu_times()
-            outs = _run_workers([["corral", str(state.root), f"agent-{i}", str(steps)]
+            outs = _run_workers([[system, str(state.root), f"agent-{i}", str(steps)]
                                  for i in range(agents)])
             after = proc.cpu_times()
         finally:
@@ -394,7 +402,9 @@ def _missing(module: str) -> str | None:
 
 
 def _one_run(name: str, agents: int, steps: int) -> dict[str, Any]:
-    return run_corral(agents, steps) if name == "corral" else run_peer(name, agents, steps)
+    if name.startswith("corral"):
+        return run_corral(agents, steps, name)
+    return run_peer(name, agents, steps)
 
 
 def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -409,8 +419,8 @@ def run(quick: bool = False) -> dict[str, object]:
     steps = 40 if quick else STEPS
     rounds = 2 if quick else ROUNDS
     figures: dict[str, object] = {"steps": steps, "agents_concurrent": AGENTS, "rounds": rounds}
-    systems = {"corral": None, "langgraph": _missing("langgraph.checkpoint.sqlite"),
-               "dbos": _missing("dbos")}
+    systems = {"corral": None, "corral_notree": None,
+               "langgraph": _missing("langgraph.checkpoint.sqlite"), "dbos": _missing("dbos")}
     for name, skipped in systems.items():
         if skipped is not None:
             figures[f"{name}_skipped"] = skipped
@@ -447,6 +457,10 @@ def run(quick: bool = False) -> dict[str, object]:
         if "sqlite_synchronous" in one:
             figures[f"{name}_sqlite"] = {"synchronous": one["sqlite_synchronous"],
                                          "journal_mode": one["journal_mode"]}
+    if "corral_notree_step_ms_p50" in figures:  # what the workspace tree costs a step
+        figures["corral_tree_ms_per_step_p50"] = round(
+            float(figures["corral_step_ms_p50"])  # type: ignore[arg-type]
+            - float(figures["corral_notree_step_ms_p50"]), 2)  # type: ignore[arg-type]
     peers = [float(v) for k, v in figures.items()  # type: ignore[arg-type]
              if k in ("langgraph_step_ms_p50", "dbos_step_ms_p50")]
     rates = [float(v) for k, v in figures.items()  # type: ignore[arg-type]
@@ -468,12 +482,12 @@ def run(quick: bool = False) -> dict[str, object]:
 
 def _worker(argv: list[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
-    parser.add_argument("system", choices=["corral", "langgraph", "dbos"])
+    parser.add_argument("system", choices=["corral", "corral_notree", "langgraph", "dbos"])
     parser.add_argument("args", nargs="*")
     args = parser.parse_args(argv)
-    if args.system == "corral":
+    if args.system.startswith("corral"):
         root, agent, steps = args.args
-        return corral_worker(Path(root), agent, int(steps))
+        return corral_worker(Path(root), agent, int(steps), trees=args.system == "corral")
     directory, threads, steps = args.args
     fn = langgraph_worker if args.system == "langgraph" else dbos_worker
     return fn(Path(directory), int(threads), int(steps))
