@@ -105,21 +105,7 @@ def signature(key: Ed25519PrivateKey, data: bytes) -> str:
     return key.sign(data).hex()
 
 
-def verified(public: str, sig: str, data: bytes) -> bool:
-    """Whether `sig` (hex) is `public`'s (hex) signature of `data`; False for
-    anything malformed."""
-    from cryptography.exceptions import InvalidSignature  # noqa: PLC0415
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import (  # noqa: PLC0415
-        Ed25519PublicKey,
-    )
-
-    if len(public) != PUBLIC_HEX or len(sig) != SIG_HEX:
-        return False
-    try:
-        Ed25519PublicKey.from_public_bytes(bytes.fromhex(public)).verify(bytes.fromhex(sig), data)
-    except (ValueError, InvalidSignature):
-        return False
-    return True
+verified = operatorsig.verified  # one Ed25519 check for operator requests and bus frames
 
 
 async def bucket(js: Any, replicas: int = 1) -> Any:

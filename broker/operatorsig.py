@@ -108,7 +108,9 @@ def sign(key: Ed25519PrivateKey, body: dict[str, Any], now: float | None = None)
     return json.dumps({**full, "sig": key.sign(_canonical(full)).hex()}).encode()
 
 
-def _verified(public: str, sig: str, data: bytes) -> bool:
+def verified(public: str, sig: str, data: bytes) -> bool:
+    """Whether `sig` (hex) is `public`'s (hex) Ed25519 signature of `data`;
+    False for anything malformed (also the bus keys': broker/buskeys.py)."""
     from cryptography.exceptions import InvalidSignature  # noqa: PLC0415
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (  # noqa: PLC0415
         Ed25519PublicKey,
@@ -140,7 +142,7 @@ def verify(data: bytes, public: str | None, seen: dict[str, float],
     if not isinstance(request, dict):
         raise SignatureRefusedError("malformed request")
     sig = request.pop("sig", None)
-    if not isinstance(sig, str) or not _verified(public, sig, _canonical(request)):
+    if not isinstance(sig, str) or not verified(public, sig, _canonical(request)):
         raise SignatureRefusedError("bad signature: not the fleet operator's key")
     at = time.time() if now is None else now
     ts, nonce = request.get("ts"), request.get("nonce")

@@ -83,17 +83,18 @@ def verify(data: bytes, host: str, public: str | None,
     return request
 
 
-def operator_key() -> Ed25519PrivateKey:
-    """The operator's private key, from the file `CORRAL_OPERATOR_KEY` names
-    (ConfigError when unset or unusable: fleet control needs it)."""
-    path = os.environ.get(OPERATOR_KEY_ENV)
+def operator_key(given: str | None = None) -> Ed25519PrivateKey:
+    """The operator's private key, from the file `given` or else the one
+    `CORRAL_OPERATOR_KEY` names (ConfigError when neither or unusable: fleet
+    control needs it)."""
+    path = given or os.environ.get(OPERATOR_KEY_ENV)
     if not path:
         raise ConfigError(f"{OPERATOR_KEY_ENV} is not set: fleet control needs the operator's "
                           "private key (a file `supervisor fleet up` makes: fleet/operator.key)")
     try:
         return operatorsig.load_private(Path(path))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{OPERATOR_KEY_ENV}: {exc}") from None
+        raise ConfigError(f"{(given and 'operator key') or OPERATOR_KEY_ENV}: {exc}") from None
 
 
 def carry_out(state_dir: StateDir, request: dict[str, Any]) -> dict[str, Any]:

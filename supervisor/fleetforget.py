@@ -27,10 +27,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from broker import buskeys, operatorsig
+from broker import buskeys
 from broker.errors import ConfigError
 from broker.fleetnats import HOST_NAME
 from broker.statedir import StateDir
@@ -40,9 +39,9 @@ from supervisor.fleetctl import (
     EXIT_NO_ANSWER,
     EXIT_OK,
     EXIT_USAGE,
-    OPERATOR_KEY_ENV,
     _connect,
     fleet_config,
+    operator_key,
     read_hosts,
 )
 
@@ -55,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{PROG}: {host[:80]!r} is not a host name", file=sys.stderr)
         return EXIT_USAGE
     try:
-        key = _operator_key(args.operator_key)
+        key = operator_key(args.operator_key)
         config = _config(args)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
@@ -79,17 +78,6 @@ def main(args: argparse.Namespace) -> int:
         if result["missing"]:
             print(f"  no answer from: {', '.join(result['missing'])}", file=sys.stderr)
     return code
-
-
-def _operator_key(given: str | None) -> Any:
-    path = given or os.environ.get(OPERATOR_KEY_ENV)
-    if not path:
-        raise ConfigError(f"no operator key: pass --operator-key FILE or set {OPERATOR_KEY_ENV}"
-                          " (the private key `supervisor fleet up` makes: fleet/operator.key)")
-    try:
-        return operatorsig.load_private(Path(path))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"operator key: {exc}") from None
 
 
 def _config(args: argparse.Namespace) -> FleetConfig:
