@@ -261,8 +261,10 @@ class Zygote:
         while True:
             if not self._reap_middles():
                 return 0  # the parent is gone
-            self._fill_pool()
-            events = self.poller.poll(_REAP_POLL_MS if self.middles else None)
+            events = self.poller.poll(0)
+            if not events:  # refill only while no request waits: a fork delays it
+                self._fill_pool()
+                events = self.poller.poll(_REAP_POLL_MS if self.middles else None)
             for fd, _event in events:
                 if fd != self.sock.fileno():
                     self._member_event(fd)
