@@ -24,6 +24,7 @@ a log line ever carries a secret (`writer_args`)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -39,6 +40,9 @@ class FleetTls(_Strict):
     ca: str | None = None
     cert: str | None = None
     key: str | None = None
+
+
+OPERATOR_KEY_ENV = "CORRAL_OPERATOR_KEY"  # the operator's private key file (never a host's)
 
 
 class FleetConfig(_Strict):
@@ -88,14 +92,18 @@ class FleetConfig(_Strict):
     def enabled(self) -> bool:
         return self.host is not None
 
-    def secret_paths(self) -> list[str]:
+    def secret_paths(self, env: Mapping[str, str] | None = None) -> list[str]:
         """The credential files this host holds (absolute): hidden from every
         command's sandbox, since they lie wherever the operator put them (the
-        operator's public key is public: not listed)."""
-        if self.host is None:
-            return []
-        return [os.path.abspath(path) for path in (
-            self.creds, self.nkey_seed, self.tls.key, self.bus_secret) if path]
+        operator's public key is public: not listed). Also the operator's
+        private key when the supervisor's environment names it (`env`, default
+        os.environ): a machine that is both a host and the operator's."""
+        env = os.environ if env is None else env
+        operator = env.get(OPERATOR_KEY_ENV)
+        paths = [operator] if operator else []
+        if self.host is not None:
+            paths += [p for p in (self.creds, self.nkey_seed, self.tls.key, self.bus_secret) if p]
+        return [os.path.abspath(path) for path in paths]
 
     def writer_args(self) -> list[str]:
         """The writer's `--fleet-*` options (paths only, never a secret)."""

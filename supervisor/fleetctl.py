@@ -30,7 +30,7 @@ from broker.durable import write_atomic
 from broker.errors import ConfigError
 from broker.fleetnats import connect_options
 from broker.statedir import StateDir
-from supervisor.fleetconfig import FleetConfig
+from supervisor.fleetconfig import OPERATOR_KEY_ENV, FleetConfig
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -42,7 +42,6 @@ AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 VERBS = ("kill", "stop", "start", "spawn")
 REQUIRED = frozenset({"verb", "host", "agent", "signal", "ts", "nonce"})
 SPAWN_FIELDS = frozenset({"task", "model"})  # spawn only: the task file's text, --model
-OPERATOR_KEY_ENV = "CORRAL_OPERATOR_KEY"  # the operator's private key file (never a host's)
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 4
 
 

@@ -11,6 +11,7 @@ import pytest
 from broker.statedir import StateDir
 from supervisor import commands, reload
 from supervisor.config import ChildSpec, Config, LoggingConfig
+from supervisor.fleetconfig import OPERATOR_KEY_ENV
 
 CORE = [ChildSpec(name="writer", kind="writer"), ChildSpec(name="broker", kind="broker")]
 
@@ -63,7 +64,9 @@ def test_reload_plan_restarts_only_the_children_a_change_concerns(tmp_path: Path
     assert plan.zygote_changed
 
 
-def test_procs_hides_the_fleet_credential_files_from_every_command(tmp_path: Path) -> None:
+def test_procs_hides_the_fleet_credential_files_from_every_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(OPERATOR_KEY_ENV, raising=False)
     fleet = {"host": "h1", "urls": ["nats://127.0.0.1:4222"], "creds": "keys/nats.creds",
              "nkey_seed": "/etc/corral/seed.nk", "bus_secret": "/etc/corral/bus.secret",
              "operator_public_key": "/etc/corral/operator.pub",
@@ -78,6 +81,11 @@ def test_procs_hides_the_fleet_credential_files_from_every_command(tmp_path: Pat
     assert "/etc/corral/ca.pem" not in argv and "/etc/corral/operator.pub" not in argv
     alone = commands.argv_for(ChildSpec(name="procs", kind="procs"), _config(), StateDir(tmp_path))
     assert [alone[i + 1] for i, arg in enumerate(alone) if arg == "--sandbox-hide"] == ["/run"]
+    # a machine that is the operator's too: the private key its environment names
+    monkeypatch.setenv(OPERATOR_KEY_ENV, "/home/op/operator.key")
+    both = commands.argv_for(ChildSpec(name="procs", kind="procs"), _config(), StateDir(tmp_path))
+    assert [both[i + 1] for i, arg in enumerate(both) if arg == "--sandbox-hide"] == [
+        "/run", "/home/op/operator.key"]
 
 
 @pytest.mark.parametrize("pool", [None, 0, 3])

@@ -8,7 +8,7 @@ A job's program is started as `bwrap <confinement> -- argv`:
 - the state directory (`.corral/`: sockets, WAL, other agents) hidden under
   an empty read-only tmpfs, and so are the `hide` paths of the policy
   (default `/run`: host daemons' sockets); a `hide` path that is a file (a
-  credential: the fleet's NATS creds, nkey seed, TLS key or operator key,
+  credential: the fleet's NATS creds, nkey seed, TLS key or bus secret,
   which the supervisor adds itself) has an empty read-only file bound over
   it (`mask_file`; not /dev/null, whose device node the sandbox's mounts
   refuse to open), so it reads as empty and cannot be written or removed;
