@@ -47,6 +47,7 @@ adopter already uses (logged, left in the stream).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -60,12 +61,19 @@ import structlog
 
 from actors.agent.settings import read_spec, spec_path
 from actors.trees import tree as trees
-from actors.trees.store import CorruptObjectError, ObjectStore, packs_dir
+from actors.trees.store import (
+    MAGIC,
+    CorruptObjectError,
+    ObjectStore,
+    encode_objects,
+    pack_digests,
+    packs_dir,
+)
 from actors.trees.store import lease as store_lease
 from actors.writer.replicate import parse_seq_range, stream_name
 from broker.durable import write_atomic
 from broker.statedir import StateDir
-from supervisor import fleetgens, fleetseqs
+from supervisor import fleetbundle, fleetgens, fleetseqs
 
 log = structlog.get_logger("supervisor.fleet")
 
@@ -122,6 +130,11 @@ class _Sent:
     gen: str  # the chunks' generation
     chunks: int
     spec: bytes
+    # the extras (supervisor/fleetbundle.py), per generation:
+    parsed: int = 0  # the pack's bytes whose objects are in `present`
+    present: set[str] = field(default_factory=set)  # objects in the bundle: pack and extras
+    closed: set[str] = field(default_factory=set)  # trees whose closure the bundle holds
+    extra: int = 0  # bytes of extras uploaded (the next extra chunk's offset)
 
 
 @dataclass
@@ -140,6 +153,9 @@ class Uploader:
     uploads: int = 0
     uploaded_bytes: int = 0
     generations: fleetgens.GenerationUploader | None = None
+    extra_bytes: int = 0  # of `uploaded_bytes`, the extras'
+    trees: fleetbundle.NewestTrees | None = None
+    store: ObjectStore | None = None  # this host's, read for the extras
 
     async def sync(self, js: Any) -> int:
         """Upload what changed since the last round; how many agents' bundles
@@ -155,6 +171,9 @@ class Uploader:
     async def _sync_packs(self, js: Any) -> int:
         bucket = None
         done = 0
+        if self.trees is None:
+            self.trees = fleetbundle.NewestTrees(self.state_dir.wal_dir)
+        newest = self.trees.read()  # before the packs: a tree read has its objects there
         for agent in agent_names(self.state_dir):
             spec = spec_bundle(self.state_dir, agent)
             if spec is None:
@@ -166,7 +185,9 @@ class Uploader:
             except FileNotFoundError:
                 ident, size = (0, 0), 0
             known = self.sent.get(agent)
-            if known is not None and (known.ident, known.size, known.spec) == (ident, size, spec):
+            tree = newest.get(agent)
+            if known is not None and (known.ident, known.size, known.spec) == (ident, size, spec) \
+                    and (tree is None or tree in known.closed):
                 continue
             if bucket is None:
                 bucket = await objects_bucket(js, self.replicas)
@@ -184,10 +205,42 @@ class Uploader:
             if known.spec != spec:
                 await bucket.put(spec_object(self.host, agent), spec)
                 known.spec = spec
+            if tree is not None:
+                await self._sync_extras(bucket, agent, pack, known, tree)
             self.sent[agent] = known
             done += 1
         self.uploads += done
         return done
+
+    async def _sync_extras(self, bucket: Any, agent: str, pack: Path, known: _Sent,
+                           tree: str) -> None:
+        """The objects of the agent's newest tree its bundle lacks, as one chunk
+        `extra.<gen>@<offset>` (supervisor/fleetbundle.py)."""
+        try:
+            with pack.open("rb") as f:
+                if (os.fstat(f.fileno()).st_dev, os.fstat(f.fileno()).st_ino) != known.ident:
+                    return  # replaced since: the next round starts a generation
+                names, known.parsed = pack_digests(f, known.parsed, known.size)
+                known.present.update(names)
+        except FileNotFoundError:
+            if known.ident != (0, 0):
+                return
+        if tree in known.closed:
+            return
+        if self.store is None:
+            self.store = ObjectStore(packs_dir(self.state_dir.root), "fleet-uploader")
+        store = self.store
+        found = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: fleetbundle.missing(store.get, tree, known.present, known.closed))
+        if found.objects:
+            data = (MAGIC if known.extra == 0 else b"") + encode_objects(found.objects)
+            await bucket.put(chunk_object(self.host, agent, known.gen, known.extra, "extra"), data)
+            known.extra += len(data)
+            known.chunks += 1
+            known.present.update(name for name, _ in found.objects)
+            self.uploaded_bytes += len(data)
+            self.extra_bytes += len(data)
+        known.closed.update(found.closed)
 
     async def _start(self, bucket: Any, agent: str, pack: Path, ident: tuple[int, int],
                      spec: bytes) -> _Sent:
@@ -199,7 +252,8 @@ class Uploader:
         await bucket.put(chunk_object(self.host, agent, gen, 0), data)
         self.uploaded_bytes += len(data)
         for name in await _names(bucket):
-            parsed = parse_chunk(name, self.host, agent)
+            parsed = parse_chunk(name, self.host, agent) or \
+                parse_chunk(name, self.host, agent, "extra")
             if (parsed is not None and parsed[0] != gen) or name == pack_object(self.host, agent):
                 with contextlib.suppress(Exception):  # deleted meanwhile: the same
                     await bucket.delete(name)
@@ -214,13 +268,14 @@ async def _names(bucket: Any) -> list[str]:
     return [i.name for i in infos if not getattr(i, "deleted", False)]
 
 
-def chunk_object(host: str, agent: str, gen: str, offset: int) -> str:
-    return f"{host}/{agent}/pack.{gen}@{offset}"
+def chunk_object(host: str, agent: str, gen: str, offset: int, kind: str = "pack") -> str:
+    return f"{host}/{agent}/{kind}.{gen}@{offset}"
 
 
-def parse_chunk(name: str, host: str, agent: str) -> tuple[str, int] | None:
-    """(generation, offset) of one of `host`'s chunks of `agent`'s pack, else None."""
-    prefix = f"{host}/{agent}/pack."
+def parse_chunk(name: str, host: str, agent: str, kind: str = "pack") -> tuple[str, int] | None:
+    """(generation, offset) of one of `host`'s chunks of `agent`'s pack (or, `kind`
+    "extra", of its extras: supervisor/fleetbundle.py), else None."""
+    prefix = f"{host}/{agent}/{kind}."
     if not name.startswith(prefix):
         return None
     gen, sep, offset = name[len(prefix):].partition("@")
@@ -244,7 +299,11 @@ async def download_pack(bucket: Any, names: list[str], host: str, agent: str) ->
         if pack_object(host, agent) in names:
             return bytes((await bucket.get(pack_object(host, agent))).data or b"")
         return b""
-    chunks = gens[max(whole, key=lambda g: (len(g), g))]
+    return await _join(bucket, gens[max(whole, key=lambda g: (len(g), g))])
+
+
+async def _join(bucket: Any, chunks: dict[int, str]) -> bytes:
+    """The chunks (offset -> object name) contiguous from offset 0."""
     data = bytearray()
     while (chunk := chunks.get(len(data))) is not None:
         part = (await bucket.get(chunk)).data or b""
@@ -252,6 +311,38 @@ async def download_pack(bucket: Any, names: list[str], host: str, agent: str) ->
             break
         data += part
     return bytes(data)
+
+
+async def download_extras(bucket: Any, names: list[str], host: str, agent: str) -> bytes:
+    """The agent's extras (supervisor/fleetbundle.py) of the pack generation
+    `download_pack` takes, joined as it joins the pack: a pack of their own."""
+    gens: dict[str, dict[int, str]] = {}
+    for name in names:
+        parsed = parse_chunk(name, host, agent)
+        if parsed is not None and parsed[1] == 0:
+            gens[parsed[0]] = {}
+    if not gens:
+        return b""
+    gen = max(gens, key=lambda g: (len(g), g))
+    chunks: dict[int, str] = {}
+    for name in names:
+        parsed = parse_chunk(name, host, agent, "extra")
+        if parsed is not None and parsed[0] == gen:
+            chunks[parsed[1]] = name
+    return await _join(bucket, chunks)
+
+
+def take_bundle(packs: Path, agent: str, pack: bytes, extras: bytes) -> ObjectStore:
+    """The agent's bundle written into the store at `packs` (its pack as
+    `<agent>.pack`, its extras as `<agent>+bundle.pack`); the store, validated.
+    The caller holds the collection lease."""
+    if pack:
+        write_atomic(packs / f"{agent}.pack", pack)
+    if extras:
+        write_atomic(packs / f"{agent}{fleetbundle.BUNDLE_SUFFIX}.pack", extras)
+    store = ObjectStore(packs, agent)
+    store.validate()
+    return store
 
 
 def uploaded_pack_size(urls: list[str], host: str, agent: str) -> int:
@@ -368,9 +459,10 @@ class Adopted:
 
 def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any],  # noqa: PLR0917
                 pack: bytes, records: list[dict[str, Any]],
-                gens: list[tuple[int, bytes]] | None = None) -> Adopted:
+                gens: list[tuple[int, bytes]] | None = None, extras: bytes = b"") -> Adopted:
     """Blocking: one agent of the dead host made to run here (see the module doc);
-    `gens`: its generations from the object store (hostile: checked before use)."""
+    `gens`: its generations from the object store (hostile: checked before use);
+    `extras`: the objects of its newest tree its pack lacks (fleetbundle.py)."""
     from actors.agent import workspace as agent_workspace  # noqa: PLC0415
     from actors.trees.restore import restore  # noqa: PLC0415
 
@@ -380,10 +472,7 @@ def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any]
     packs = packs_dir(state_dir.root)
     packs.mkdir(parents=True, exist_ok=True)
     with store_lease(packs):
-        if pack:
-            write_atomic(packs / f"{agent}.pack", pack)
-        store = ObjectStore(packs, agent)
-        store.validate()
+        store = take_bundle(packs, agent, pack, extras)
         chosen = cut(records, agent, store)
         fleetseqs.check(chosen.records)  # refused before the workspace is touched
         workspace = state_dir.agent_dir(agent) / "workspace"
@@ -536,6 +625,7 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
         try:
             spec = json.loads((await bucket.get(spec_object(dead, agent))).data or b"{}")
             pack = await download_pack(bucket, names, dead, agent)
+            extras = await download_extras(bucket, names, dead, agent)
             gens = await fleetgens.download(bucket, names, dead, agent)
         except Exception as exc:  # noqa: BLE001 - a bundle half uploaded: skip the agent
             log.error("fleet_adopt_bundle_missing", host=dead, agent=agent,
@@ -545,7 +635,7 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
             continue
         try:
             adopted = await asyncio.get_running_loop().run_in_executor(
-                None, adopt_agent, state_dir, dead, agent, spec, pack, records, gens)
+                None, adopt_agent, state_dir, dead, agent, spec, pack, records, gens, extras)
         except Exception as exc:  # noqa: BLE001 - a record or pack refused: the next agent
             log.error("fleet_adopt_failed", host=dead, agent=agent,
                       error=f"{type(exc).__name__}: {str(exc)[:200]}")

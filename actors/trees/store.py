@@ -42,6 +42,7 @@ import os
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from broker.durable import fsync_dir
 from broker.errors import CorralError
@@ -299,3 +300,33 @@ def _read_at(path: Path, offset: int, length: int) -> bytes | None:
     except OSError:
         return None
     return data if len(data) == length else None
+
+
+def pack_digests(f: BinaryIO, start: int, limit: int) -> tuple[list[str], int]:
+    """The names of the complete objects of the pack open as `f` from offset
+    `start` (0: its beginning, after the magic) up to offset `limit`, and the
+    offset after the last of them (where the next look starts). Headers only:
+    the data is sought over, never read or checked. ([], 0) for a file that is
+    not a pack."""
+    if start == 0:
+        f.seek(0)
+        if f.read(len(MAGIC)) != MAGIC:
+            return [], 0
+        start = len(MAGIC)
+    names: list[str] = []
+    end = start
+    f.seek(end)
+    while end + _HEAD.size <= limit:
+        raw, length = _HEAD.unpack(f.read(_HEAD.size))
+        if length > MAX_OBJECT_BYTES or end + _HEAD.size + length > limit:
+            break  # not complete within `limit` (yet)
+        names.append(raw.hex())
+        end += _HEAD.size + length
+        f.seek(end)
+    return names, end
+
+
+def encode_objects(objects: Iterable[tuple[str, bytes]]) -> bytes:
+    """Objects in the pack format (each a header and its data; no magic)."""
+    return b"".join(_HEAD.pack(bytes.fromhex(digest), len(data)) + data
+                    for digest, data in objects)
