@@ -9,18 +9,21 @@ Two parts, both run on the host supervisor's fleet thread (supervisor/fleethost.
   (`.corral/trees/packs/<agent>.pack`, the content-addressed objects of its
   workspace trees, checked against their names on every read), and
   `<host>/<agent>/spec`, what it was started with (backend, model, the task
-  file's text). The pack goes up incrementally: each round uploads what was
-  appended to it since the last one, as a chunk `pack.<gen>@<offset>`
-  (`Uploader`); the adopter joins the newest generation's chunks. The upload
-  lags the capture by up to one status round: the `workspace_tree` fact may be
-  in the host's stream before the objects it names are in the object store.
+  file's text), and `<host>/<agent>/extra.<gen>@<offset>`, the objects of its
+  newest tree that its pack lacks (stored first by another agent of the
+  host: supervisor/fleetbundle.py), so the bundle alone restores that tree.
+  The pack goes up incrementally: each round uploads what was appended to it
+  since the last one, as a chunk `pack.<gen>@<offset>` (`Uploader`); the
+  adopter joins the newest generation's chunks. The upload lags the capture
+  by up to one status round: the `workspace_tree` fact may be in the host's
+  stream before the objects it names are in the object store.
 - **Adoption.** The live host that fenced a dead host (supervisor/fleetwatch.py)
-  then, per agent with a bundle: downloads the pack into its own store, reads
-  the agent's records (`agent/<name>`) from the dead host's stream, finds the
-  newest `workspace_tree` whose objects it holds (the *cut*), restores that tree
-  into the agent's workspace, appends the agent's records up to and including
-  the cut to its own WAL under the same stream, origin and keys (as the
-  operator: a retried adoption appends nothing twice), and spawns the agent
+  then, per agent with a bundle: downloads the pack (and its extras) into its
+  own store, reads the agent's records (`agent/<name>`) from the dead host's
+  stream, finds the newest `workspace_tree` whose objects it holds (the
+  *cut*), restores that tree into the agent's workspace, appends the agent's
+  records up to and including the cut to its own WAL under the same stream,
+  origin and keys (as the operator: a retried adoption appends nothing twice), and spawns the agent
   with the same task. The agent rebuilds its state from those records and
   resumes at the turn boundary of the cut: its workspace and its state agree.
   The records after the cut (the rest of that turn) are not adopted; that turn
@@ -173,7 +176,8 @@ class Uploader:
         done = 0
         if self.trees is None:
             self.trees = fleetbundle.NewestTrees(self.state_dir.wal_dir)
-        newest = self.trees.read()  # before the packs: a tree read has its objects there
+        # before the packs: a tree read has its objects there (durable before its fact)
+        newest = await asyncio.get_running_loop().run_in_executor(None, self.trees.read)
         for agent in agent_names(self.state_dir):
             spec = spec_bundle(self.state_dir, agent)
             if spec is None:
