@@ -166,3 +166,46 @@ def test_an_agent_sharing_contents_is_adopted_alone_with_its_newest_tree(
                       "round1_bytes": seen["round1"][0], "round1_extra_bytes": seen["round1"][1],
                       "round2_bytes": seen["round2"][0],
                       "round2_extra_bytes": seen["round2"][1]}))
+
+
+def test_the_extras_are_bounded_per_round_and_a_rewind_names_its_tree(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    """No cluster: a tree larger than one round's budget goes up over several
+    rounds, closed only once all of it is up; the newest tree of a stream is its
+    last `workspace_tree` or `rewind` (a rewind to before any tree: its `from_tree`),
+    read from the WAL incrementally."""
+    from actors.trees.store import ObjectStore
+    from supervisor.fleetbundle import NewestTrees, missing
+
+    workspace = tmp_path / "ws"
+    fill(workspace, {f"f{i}.txt": f"{i}".ljust(1000, "y") for i in range(10)})
+    root = capturer_for(state_dir, "zed", workspace).capture().digest
+    store = ObjectStore(packs_dir(state_dir.root))
+    present: set[str] = set()
+    closed: set[str] = set()
+    rounds = []
+    while True:
+        found = missing(store.get, root, present, closed, budget=3500)
+        rounds.append((len(found.objects), found.complete))
+        assert sum(len(b) for _, b in found.objects) <= 3500
+        present.update(name for name, _ in found.objects)
+        closed.update(found.closed)
+        if found.complete:
+            break
+        assert not found.closed
+    assert len(rounds) >= 3 and all(n > 0 for n, _ in rounds)  # ~10 KB in 3.5 KB rounds
+    assert sum(n for n, _ in rounds) == 11 and root in closed  # the root tree, 10 files
+    assert missing(store.get, root, present, closed).objects == []
+
+    writer = FakeWriter()
+    other = "b" * 64
+    writer.append("agent/zed", "workspace_tree", {"turn": 0, "tree": root}, key="t0")
+    dump_wal(state_dir, writer)
+    newest = NewestTrees(state_dir.wal_dir)
+    assert newest.read() == {"zed": root}
+    writer.append("agent/zed", "rewind", {"to_seq": 0, "from_seq": 1, "tree": None,
+                                          "from_tree": other}, key="r1")
+    writer.append("agent/amy", "workspace_tree", {"turn": 0, "tree": "not a digest"}, key="t1")
+    dump_wal(state_dir, writer)
+    offset = newest.offset
+    assert newest.read() == {"zed": other} and newest.offset > offset
