@@ -212,6 +212,12 @@ def run(quick: bool = False) -> dict[str, object]:
                 f["zmq_echo_p99_ms_k64"] = percentile(echo["latencies"], 99) * 1000
                 f["zmq_echo_server_cpu_us_per_rt_k64"] = echo["server_s"] / rts * 1e6
                 f["zmq_echo_client_cpu_us_per_rt_k64"] = echo["clients_s"] / rts * 1e6
+            # the same with a write + fdatasync before each answer (group commit,
+            # nothing else per request): what a durable ack costs here at best
+            durable: dict[str, Any] = {}
+            f[f"durable_echo_per_s_k{k}"] = zmq_echo_per_s(root, k, seconds, durable,
+                                                           durable=True)
+            f[f"durable_echo_p99_ms_k{k}"] = percentile(durable["latencies"], 99) * 1000
         state_dir = root / ".corral"
         writer = start_writer(state_dir)
         try:
@@ -236,6 +242,8 @@ def run(quick: bool = False) -> dict[str, object]:
     f["k1_over_fdatasync"] = f["acked_per_s_k1"] / f["fdatasync_per_s"]
     f["k64_over_sqlite_k64"] = f["acked_per_s_k64"] / f["sqlite_commits_per_s_k64"]
     f["k64_over_zmq_echo_k64"] = f["acked_per_s_k64"] / f["zmq_echo_per_s_k64"]
+    f["k1_over_durable_echo_k1"] = f["acked_per_s_k1"] / f["durable_echo_per_s_k1"]
+    f["k64_over_durable_echo_k64"] = f["acked_per_s_k64"] / f["durable_echo_per_s_k64"]
     # the best k1 can be on this machine: one raw round trip plus one fdatasync
     f["k1_bound_per_s"] = 1 / (1 / f["zmq_echo_per_s_k1"] + 1 / f["fdatasync_per_s"])
     # the rate the CPU spent per ack allows if both cores did nothing else
@@ -258,7 +266,10 @@ def run(quick: bool = False) -> dict[str, object]:
     return figures
 
 
-def _echo_server(endpoint: str, ready: Connection) -> None:
+def _echo_server(endpoint: str, ready: Connection, sync_path: str | None = None) -> None:
+    """Echo every request; with `sync_path`, durably: the requests waiting at a
+    turn are written there (one ~300-byte record each) and fdatasynced once
+    before any of them is answered (group commit, no other work per record)."""
     import zmq
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -267,8 +278,10 @@ def _echo_server(endpoint: str, ready: Connection) -> None:
     ready.send(True)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    fd = os.open(sync_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if sync_path else -1
     while True:
         poller.poll(100)
+        batch: list[list[bytes]] = []
         while True:
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -277,7 +290,15 @@ def _echo_server(endpoint: str, ready: Connection) -> None:
             if parts[1] == b"quit":
                 ctx.destroy(linger=0)
                 return
-            sock.send_multipart(parts)
+            if fd < 0:
+                sock.send_multipart(parts)
+            else:
+                batch.append(parts)
+        if batch:
+            os.write(fd, RECORD * len(batch))
+            os.fdatasync(fd)
+            for parts in batch:
+                sock.send_multipart(parts)
 
 
 def _echo_client(endpoint: str, start_at: float, stop_at: float, out: Connection) -> None:
@@ -306,9 +327,11 @@ def _echo_client(endpoint: str, start_at: float, stop_at: float, out: Connection
 
 
 def zmq_echo_per_s(directory: Path, clients: int, seconds: float,
-                   figures: dict[str, Any] | None = None) -> float:
+                   figures: dict[str, Any] | None = None, durable: bool = False) -> float:
     """Raw pyzmq DEALER->ROUTER echo, closed loop: the ceiling any Python
-    request/reply server on this machine can reach, with no disk at all.
+    request/reply server on this machine can reach, with no disk at all; with
+    `durable`, each request is also written and fdatasynced (group commit)
+    before its answer: the ceiling of any durable one on this disk.
     `figures`, when given, gets the round trips' `latencies` and the CPU
     seconds of the server (`server_s`) and of the clients (`clients_s`)."""
     import zmq
@@ -316,7 +339,8 @@ def zmq_echo_per_s(directory: Path, clients: int, seconds: float,
     endpoint = f"ipc://{directory}/echo.sock"
     ctx = mp.get_context("fork")
     ready_recv, ready_send = ctx.Pipe(duplex=False)
-    server = ctx.Process(target=_echo_server, args=(endpoint, ready_send))
+    sync_path = str(directory / "durable-echo.bin") if durable else None
+    server = ctx.Process(target=_echo_server, args=(endpoint, ready_send, sync_path))
     server.start()
     ready_recv.recv()
     start_at = time.time() + 0.5 + clients * 0.02
