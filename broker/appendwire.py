@@ -26,6 +26,7 @@ last; `protocol.decode` reads either."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
@@ -34,10 +35,12 @@ from msgspec import Meta, Struct
 
 from broker import protocol
 
-MsgId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:\-]{1,64}\Z")]
+MSG_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,64}\Z"
+KEY_PATTERN = r"^[A-Za-z0-9_.:/\-]{1,128}\Z"
+MsgId = Annotated[str, Meta(pattern=MSG_ID_PATTERN)]
 StreamName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/\-]{0,127}\Z")]
 EventType = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_]{0,63}\Z")]
-IdemKey = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:/\-]{1,128}\Z")]
+IdemKey = Annotated[str, Meta(pattern=KEY_PATTERN)]
 Seq = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 LedgerName = Literal["budget", "approvals"]
 Version = Literal[1]
@@ -148,18 +151,37 @@ def decode_reply(frame: bytes, limits: protocol.Limits = protocol.DEFAULT_LIMITS
         return None
 
 
+# what varies per append is checked per append (msg_id, key: one C regex call
+# each); the names an appender uses again and again (origin, stream, event,
+# ledger) are checked once, by decoding the first frame back, then remembered
+_MSG_ID = re.compile(MSG_ID_PATTERN)
+_KEY = re.compile(KEY_PATTERN)
+_NAMES_CHECKED: set[tuple[str, str, str, str | None]] = set()
+_NAMES_CHECKED_MAX = 4096
+
+
 def encode_append(*, msg_id: str, origin: str, key: str, stream: str, event: str,
                   payload: bytes, ledger: str | None) -> bytes | None:
     """An `append` frame, or None when a field is not valid (the caller builds
-    protocol.Append, which says what is wrong). The frame is checked by
-    decoding it back (one C call): no Python per field."""
+    protocol.Append, which says what is wrong)."""
+    names = (origin, stream, event, ledger)
+    try:
+        known = (names in _NAMES_CHECKED and type(payload) is bytes
+                 and _KEY.search(key) is not None and _MSG_ID.search(msg_id) is not None)
+    except TypeError:  # not a str (or not hashable): the model says what is wrong
+        return None
     frame = _encode(AppendFrame(msg_id=msg_id, origin=origin, key=key, stream=stream,
                                 event=event, payload=payload, v=1,
                                 ledger=ledger))  # type: ignore[arg-type]
+    if known:
+        return frame
     try:
-        _APPEND.decode(frame)
+        _APPEND.decode(frame)  # every field checked, in C
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    if len(_NAMES_CHECKED) >= _NAMES_CHECKED_MAX:
+        _NAMES_CHECKED.clear()
+    _NAMES_CHECKED.add(names)
     return frame
 
 

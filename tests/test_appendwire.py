@@ -171,3 +171,25 @@ def test_the_fast_patterns_are_the_protocol_s() -> None:
                              ("event", w.EventType)):
         fast = annotated.__metadata__[0].pattern
         assert fast == schema[field]["pattern"].removesuffix("$") + "\\Z", field
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_an_append_encoded_with_its_names_remembered_is_checked_as_the_first(
+        data: st.DataObject) -> None:
+    w.encode_append(msg_id="m1", origin="a", key="k", stream="agent/a", event="turn",
+                    payload=b"{}", ledger=None)  # these names are checked and remembered
+    msg_id = data.draw(msg_ids | odd_values)
+    key = data.draw(keys | odd_values)
+    payload = data.draw(st.binary(max_size=8) | odd_values)
+    frame = w.encode_append(msg_id=msg_id, origin="a", key=key, stream="agent/a",
+                            event="turn", payload=payload, ledger=None)
+    try:
+        model: p.Append | None = p.Append(msg_id=msg_id, origin="a", key=key, stream="agent/a",
+                                          event="turn", payload=payload)
+    except ValueError:
+        model = None
+    if model is None:
+        assert frame is None
+    else:
+        assert frame is not None and p.decode(frame) == model

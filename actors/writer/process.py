@@ -14,6 +14,7 @@ batch was acknowledged; restart re-scans); 75 another writer holds the lock;
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -29,7 +30,7 @@ import zmq
 from actors.writer import buckets, diskfull
 from actors.writer.checkpointsync import CheckpointThread, Job, Outcome
 from actors.writer.dedupe import DEFAULT_WINDOW
-from actors.writer.groupcommit import Ack, Batch, ManyAck, SyncWorker
+from actors.writer.groupcommit import Ack, Batch, CommitPacer, ManyAck, SyncWorker
 from actors.writer.ledgers import Ledgers
 from actors.writer.payload import check_payload
 from actors.writer.recovery import Recovered, recover
@@ -253,12 +254,17 @@ class Writer:
         max_batch = self.options.max_batch
         self.inflight: Batch | None = None
         self.staged = Batch()
+        self.pacer = CommitPacer()  # larger batches under many appenders (groupcommit.py)
         if replicator is not None:  # the recovered tail to the stream first (an empty batch)
             self.unconfirmed_through = self.head
             self._submit()
         try:
             while not self._stopping:
-                events = dict(poller.poll(100))
+                timeout_ms = 100
+                if self.inflight is None and self.staged.bodies:  # held by the pacer
+                    hold = self.pacer.hold_s(len(self.staged.bodies), time.monotonic())
+                    timeout_ms = max(1, math.ceil(hold * 1000))
+                events = dict(poller.poll(timeout_ms))
                 if self.worker.fileno() in events:
                     self._collect()
                 if zap is not None and zap.socket in events:
@@ -275,6 +281,8 @@ class Writer:
                             parts.append(sock.recv())
                         frames.append((auth.user_of(head), parts))
                     self._process(frames)
+                    if self.staged.bodies:
+                        self.pacer.staged(time.monotonic())
                 self._collect_checkpoint()
                 if self.inflight is None:  # the files are quiet: checkpoint if due
                     self._quiet_then_submit()
@@ -509,11 +517,15 @@ class Writer:
         if not self.checkpointer.busy:  # collection changes index files
             self.gc.tick(self)
         self._maybe_checkpoint()
-        if self.staged.bodies or self.staged.acks or self.staged.many_acks:
+        staged = self.staged
+        if staged.bodies or staged.acks or staged.many_acks:
+            if self.pacer.hold_s(len(staged.bodies), time.monotonic()) > 0:
+                return  # a few more records first (CommitPacer); the loop comes back
             self._submit(inline_ok)
 
     def _submit(self, inline_ok: bool = True) -> None:
         batch, self.staged = self.staged, Batch()
+        self.pacer.submitted(len(batch.bodies))
         batch.seal(self.head + 1)  # the worker is idle: head is the last durable seq
         if inline_ok and len(batch.lines) == 1 and self.replicator is None:
             # a lone append: sync here, no hand-off to wait for (in fleet mode the
