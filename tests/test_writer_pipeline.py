@@ -78,3 +78,21 @@ def test_a_failed_fdatasync_under_pipelined_batches_acknowledges_nothing_of_its_
     # and what was acknowledged is in the WAL under its seq
     by_seq = {int(r["seq"]): r["key"] for r in records}  # type: ignore[call-overload]
     assert all(by_seq[seq] == key for key, seq in all_acked)
+
+
+def test_the_pacer_holds_only_a_batch_under_half_the_last_and_never_past_its_bound() -> None:
+    from actors.writer.groupcommit import CommitPacer
+
+    pacer = CommitPacer(hold_max_s=0.002)
+    assert pacer.hold_s(1, now=10.0) == 0.0  # nothing submitted yet: at once
+    pacer.submitted(1)
+    pacer.staged(now=10.0)
+    assert pacer.hold_s(1, now=10.0) == 0.0  # a lone appender: batches of one, never held
+    pacer.submitted(20)
+    pacer.staged(now=20.0)
+    assert pacer.hold_s(3, now=20.0005) == pytest.approx(0.0015)  # 3 < 20 / 2: wait for more
+    assert pacer.hold_s(10, now=20.0005) == 0.0  # half the last batch: at once
+    assert pacer.hold_s(3, now=20.0025) == 0.0  # held long enough
+    assert pacer.hold_s(0, now=20.0) == 0.0  # acks only (no record): at once
+    pacer.submitted(3)
+    assert pacer.since is None
