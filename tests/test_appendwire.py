@@ -193,3 +193,15 @@ def test_an_append_encoded_with_its_names_remembered_is_checked_as_the_first(
         assert frame is None
     else:
         assert frame is not None and p.decode(frame) == model
+
+
+@pytest.mark.parametrize(("first", "last"), [("append", "ping"), ("ping", "append"),
+                                             ("append", "append"), ("append_ok", "append")])
+def test_a_repeated_kind_is_declined_or_decoded_as_protocol_decode_does(first: str,
+                                                                        last: str) -> None:
+    pairs = [("kind", first), ("msg_id", "m1"), ("origin", "a"), ("key", "k"),
+             ("stream", "agent/a"), ("event", "turn"), ("payload", b"{}"), ("v", 1),
+             ("kind", last)]
+    frame = bytes([0x80 | len(pairs)]) + b"".join(
+        msgpack.packb(k) + msgpack.packb(v, use_bin_type=True) for k, v in pairs)
+    _check(frame)
