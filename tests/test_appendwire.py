@@ -65,7 +65,7 @@ def _check(frame: bytes) -> None:
         assert p.is_reply(slow) is not kind_is_request  # type: ignore[arg-type]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.sampled_from(sorted(FIELDS_OF)).flatmap(lambda kind: BUILDERS[kind]))
 def test_every_valid_append_frame_decodes_in_c_to_the_same_values(message: p._Message) -> None:
     frame = p.encode(message)
@@ -96,7 +96,7 @@ def test_a_damaged_frame_is_declined_or_decoded_as_protocol_decode_does(
     _check(msgpack.packb(body, use_bin_type=True))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=200))
 def test_random_bytes_are_declined_or_decoded_as_protocol_decode_does(frame: bytes) -> None:
     _check(frame)
@@ -173,7 +173,7 @@ def test_the_fast_patterns_are_the_protocol_s() -> None:
         assert fast == schema[field]["pattern"].removesuffix("$") + "\\Z", field
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_an_append_encoded_with_its_names_remembered_is_checked_as_the_first(
         data: st.DataObject) -> None:
