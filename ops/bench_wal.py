@@ -174,12 +174,25 @@ def writer_run(state_dir: Path, clients: int, seconds: float,
         pipes.append(recv)
         procs.append(proc)
     if writer_pid is not None and cpu is not None:
-        while time.time() < start_at:
-            time.sleep(0.001)
-        writer0 = _cpu_s(writer_pid)
-        while time.time() < stop_at:
-            time.sleep(0.005)
-        cpu["writer_s"] = _cpu_s(writer_pid) - writer0
+        cpu["writer_s"] = _cpu_s_between(writer_pid, start_at, stop_at)
+    total, latencies, clients_s = _gather(pipes, procs)
+    if cpu is not None:
+        cpu["clients_s"] = clients_s
+    return total / seconds, latencies
+
+
+def _cpu_s_between(pid: int, start_at: float, stop_at: float) -> float:
+    """The CPU seconds `pid` spends between two wall-clock times (waits for both)."""
+    while time.time() < start_at:
+        time.sleep(0.001)
+    before = _cpu_s(pid)
+    while time.time() < stop_at:
+        time.sleep(0.005)
+    return _cpu_s(pid) - before
+
+
+def _gather(pipes: list[Connection], procs: list[Any]) -> tuple[int, list[float], float]:
+    """Each closed-loop client's (count, latencies, CPU seconds), summed; joins them."""
     total, latencies, clients_s = 0, [], 0.0
     for pipe in pipes:
         n, lat, used = pipe.recv()
@@ -188,9 +201,7 @@ def writer_run(state_dir: Path, clients: int, seconds: float,
         clients_s += used
     for proc in procs:
         proc.join()
-    if cpu is not None:
-        cpu["clients_s"] = clients_s
-    return total / seconds, latencies
+    return total, latencies, clients_s
 
 
 def run(quick: bool = False) -> dict[str, object]:
@@ -353,20 +364,9 @@ def zmq_echo_per_s(directory: Path, clients: int, seconds: float,
         send.close()
         pipes.append(recv)
         procs.append(proc)
-    while time.time() < start_at:
-        time.sleep(0.001)
-    server0 = _cpu_s(server.pid) if server.pid is not None else 0.0
-    while time.time() < stop_at:
-        time.sleep(0.005)
-    server_s = (_cpu_s(server.pid) if server.pid is not None else 0.0) - server0
-    total, latencies, clients_s = 0, [], 0.0
-    for pipe in pipes:
-        n, lat, used = pipe.recv()
-        total += n
-        latencies.extend(lat)
-        clients_s += used
-    for proc in procs:
-        proc.join()
+    assert server.pid is not None
+    server_s = _cpu_s_between(server.pid, start_at, stop_at)
+    total, latencies, clients_s = _gather(pipes, procs)
     if figures is not None:
         figures.update(latencies=latencies, server_s=server_s, clients_s=clients_s)
     zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
