@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from broker import auth, protocol
+from broker import appendwire, auth, protocol
 from broker.curve import CurveClient, apply_client
 from broker.errors import ProtocolError, RemoteError, RequestTimeoutError
 
@@ -52,6 +52,7 @@ class Requester:
         self._curve = curve
         self._limits = limits
         self.reconnects = 0
+        self._rcvtimeo_ms = -1
         self._sock = self._open()
 
     def _open(self) -> zmq.Socket[bytes]:
@@ -67,6 +68,7 @@ class Requester:
         elif self._credential is not None:
             auth.apply_client(sock, self._credential)
         sock.connect(self.endpoint)
+        self._rcvtimeo_ms = -1  # a new socket waits forever until told otherwise
         return sock
 
     def _reopen(self) -> None:
@@ -97,25 +99,39 @@ class Requester:
 
         Raises RemoteError for an `error` reply, RequestTimeoutError when no
         reply came after `retries` resends."""
-        frame = protocol.encode(message)
+        reply = self._exchange(protocol.encode(message), message.msg_id, message.kind,
+                               timeout_s, retries, fast=False)
+        assert not isinstance(reply, appendwire.AppendOkFrame | appendwire.AppendManyOkFrame)
+        return reply
+
+    def request_append(
+        self, frame: bytes, msg_id: str, kind: str, *, timeout_s: float = 5.0, retries: int = 3
+    ) -> protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame:
+        """`request` for an append or append_many already encoded
+        (appendwire.encode_append*): its ack is decoded in C when it can be
+        (broker/appendwire.py), else by protocol.decode."""
+        return self._exchange(frame, msg_id, kind, timeout_s, retries, fast=True)
+
+    def _exchange(
+        self, frame: bytes, msg_id: str, kind: str, timeout_s: float, retries: int, *, fast: bool
+    ) -> protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame:
         if len(frame) > self._limits.max_frame_bytes:
             raise ProtocolError(
                 protocol.ErrorCode.FRAME_TOO_LARGE,
-                f"{message.kind} of {len(frame)} bytes > limit {self._limits.max_frame_bytes}",
+                f"{kind} of {len(frame)} bytes > limit {self._limits.max_frame_bytes}",
             )
-        msg_id = message.msg_id
         for attempt in range(retries + 1):
             if attempt:
                 self._reopen()
             if not self._send(frame, timeout_s):
                 continue  # no connection took the frame within the deadline: retry
-            reply = self._await(msg_id, timeout_s)
+            reply = self._await(msg_id, timeout_s, fast)
             if reply is not None:
                 if isinstance(reply, protocol.Error):
                     raise RemoteError(reply.code.value, reply.detail)
                 return reply
         raise RequestTimeoutError(
-            f"no reply from {self.endpoint} to {message.kind} {msg_id} "
+            f"no reply from {self.endpoint} to {kind} {msg_id} "
             f"after {retries + 1} attempts of {timeout_s}s"
         )
 
@@ -133,20 +149,40 @@ class Requester:
                 return False
         return True
 
-    def _await(self, msg_id: str, timeout_s: float) -> protocol.Message | None:
+    def _await(
+        self, msg_id: str, timeout_s: float, fast: bool = False
+    ) -> protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame | None:
+        """The reply carrying `msg_id`, or None after `timeout_s`. A blocking
+        receive with a receive timeout (RCVTIMEO, set only when it changes), not
+        a poll and a receive: pyzmq's `Socket.poll` builds a Poller per call,
+        which cost as much CPU as the rest of a small append's round trip."""
         deadline = time.monotonic() + timeout_s
+        sock = self._sock
+        remaining_ms = int(timeout_s * 1000)  # the same every request: no setsockopt
         while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLIN):
+            if remaining_ms <= 0:
                 return None
-            frame = self._sock.recv()
+            if remaining_ms != self._rcvtimeo_ms:
+                sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
+                self._rcvtimeo_ms = remaining_ms
             try:
-                reply = protocol.decode(frame, self._limits)
-            except ProtocolError:
-                continue  # a garbled reply is as good as none: keep waiting, then retry
+                frame = sock.recv()
+            except zmq.Again:
+                return None
+            reply: protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame
+            fast_reply = appendwire.decode_reply(frame, self._limits) if fast else None
+            if fast_reply is not None:
+                reply = fast_reply
+            else:
+                try:
+                    reply = protocol.decode(frame, self._limits)
+                except ProtocolError:  # a garbled reply is as good as none: keep waiting
+                    remaining_ms = int((deadline - time.monotonic()) * 1000)
+                    continue
             if getattr(reply, "msg_id", None) == msg_id:
                 return reply
             # a late reply to an earlier request: drop it
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -3,7 +3,14 @@ K = 1, 8, 64 closed-loop appender processes (~300-byte events), against
 baselines measured in the same run: raw write+fdatasync per record, SQLite
 (WAL mode, synchronous=FULL, one row per commit, 64 writers) and a raw ceiling
 (pre-encoded records, 64 per fdatasync); and the latency of one raw
-fdatasync (p50/p99), the floor under any acknowledgement's latency."""
+fdatasync (p50/p99), the floor under any acknowledgement's latency.
+
+Where the time goes, measured in the same run (docs/performance.md): the CPU
+each kind of process spends per acknowledged append at K = 64 (the writer,
+all of its threads, from /proc; the appenders, their own `os.times`), the
+same per round trip of the raw pyzmq echo, the echo's p99 at 64 clients (the
+latency floor of 64 closed-loop clients on this machine with no disk at all),
+and the writer's group-commit batches (records per fdatasync) at K = 64."""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import sqlite3
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 from ops.benchkit import percentile, start_writer, stop, temp_state_root, wait_writer_ready
 
@@ -108,6 +116,7 @@ def _appender(state_dir: str, index: int, start_at: float, stop_at: float, out: 
     n = 0
     while time.time() < start_at:
         time.sleep(0.001)
+    cpu0 = os.times()
     while True:
         t0 = time.perf_counter()
         if time.time() >= stop_at:
@@ -115,13 +124,42 @@ def _appender(state_dir: str, index: int, start_at: float, stop_at: float, out: 
         client.append(stream, "tool_call", body, key=f"k{n}")
         latencies.append(time.perf_counter() - t0)
         n += 1
+    cpu1 = os.times()
     client.close()
     ctx.destroy(linger=0)
-    out.send((n, latencies))
+    out.send((n, latencies, cpu1.user - cpu0.user + cpu1.system - cpu0.system))
     out.close()
 
 
-def writer_run(state_dir: Path, clients: int, seconds: float) -> tuple[float, list[float]]:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (/proc)."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def _stats(state_dir: Path) -> dict[str, int | float]:
+    import zmq
+
+    from actors.writer.client import WriterClient
+    from broker.statedir import StateDir
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with WriterClient(ctx, StateDir.at(state_dir), "bench-stats", timeout_s=5,
+                          retries=2) as client:
+            return client.stats()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def writer_run(state_dir: Path, clients: int, seconds: float,
+               cpu: dict[str, float] | None = None,
+               writer_pid: int | None = None) -> tuple[float, list[float]]:
+    """Acknowledged appends per second and each append's latency; with `cpu`,
+    the appenders' CPU seconds (`clients_s`) and the writer's over the same
+    window (`writer_s`, from `writer_pid`)."""
     ctx = mp.get_context("fork")
     start_at = time.time() + 0.5 + clients * 0.02
     stop_at = start_at + seconds
@@ -135,14 +173,35 @@ def writer_run(state_dir: Path, clients: int, seconds: float) -> tuple[float, li
         send.close()
         pipes.append(recv)
         procs.append(proc)
-    total, latencies = 0, []
+    if writer_pid is not None and cpu is not None:
+        cpu["writer_s"] = _cpu_s_between(writer_pid, start_at, stop_at)
+    total, latencies, clients_s = _gather(pipes, procs)
+    if cpu is not None:
+        cpu["clients_s"] = clients_s
+    return total / seconds, latencies
+
+
+def _cpu_s_between(pid: int, start_at: float, stop_at: float) -> float:
+    """The CPU seconds `pid` spends between two wall-clock times (waits for both)."""
+    while time.time() < start_at:
+        time.sleep(0.001)
+    before = _cpu_s(pid)
+    while time.time() < stop_at:
+        time.sleep(0.005)
+    return _cpu_s(pid) - before
+
+
+def _gather(pipes: list[Connection], procs: list[Any]) -> tuple[int, list[float], float]:
+    """Each closed-loop client's (count, latencies, CPU seconds), summed; joins them."""
+    total, latencies, clients_s = 0, [], 0.0
     for pipe in pipes:
-        n, lat = pipe.recv()
+        n, lat, used = pipe.recv()
         total += n
         latencies.extend(lat)
+        clients_s += used
     for proc in procs:
         proc.join()
-    return total / seconds, latencies
+    return total, latencies, clients_s
 
 
 def run(quick: bool = False) -> dict[str, object]:
@@ -157,23 +216,54 @@ def run(quick: bool = False) -> dict[str, object]:
         f["raw_ceiling_per_s"] = raw_ceiling_per_s(root, seconds)
         f["sqlite_commits_per_s_k64"] = sqlite_commits_per_s(root, 64, seconds)
         for k in (1, 64):
-            f[f"zmq_echo_per_s_k{k}"] = zmq_echo_per_s(root, k, seconds)
+            echo: dict[str, Any] = {}
+            f[f"zmq_echo_per_s_k{k}"] = zmq_echo_per_s(root, k, seconds, echo)
+            if k == 64:
+                rts = max(1.0, f["zmq_echo_per_s_k64"] * seconds)
+                f["zmq_echo_p99_ms_k64"] = percentile(echo["latencies"], 99) * 1000
+                f["zmq_echo_server_cpu_us_per_rt_k64"] = echo["server_s"] / rts * 1e6
+                f["zmq_echo_client_cpu_us_per_rt_k64"] = echo["clients_s"] / rts * 1e6
+            # the same with a write + fdatasync before each answer (group commit,
+            # nothing else per request): what a durable ack costs here at best
+            durable: dict[str, Any] = {}
+            f[f"durable_echo_per_s_k{k}"] = zmq_echo_per_s(root, k, seconds, durable,
+                                                           durable=True)
+            f[f"durable_echo_p99_ms_k{k}"] = percentile(durable["latencies"], 99) * 1000
         state_dir = root / ".corral"
         writer = start_writer(state_dir)
         try:
             wait_writer_ready(state_dir)
             for k in (1, 8, 64):
-                rate, lat = writer_run(state_dir, k, seconds)
+                cpu: dict[str, float] = {}
+                before = _stats(state_dir) if k == 64 else {}
+                rate, lat = writer_run(state_dir, k, seconds, cpu, writer.pid)
                 f[f"acked_per_s_k{k}"] = rate
                 f[f"p50_ms_k{k}"] = percentile(lat, 50) * 1000
                 f[f"p99_ms_k{k}"] = percentile(lat, 99) * 1000
+                if k == 64:
+                    acks = max(1.0, rate * seconds)
+                    f["writer_cpu_us_per_ack_k64"] = cpu["writer_s"] / acks * 1e6
+                    f["client_cpu_us_per_ack_k64"] = cpu["clients_s"] / acks * 1e6
+                    after = _stats(state_dir)
+                    batches = after["batches_total"] - before["batches_total"]
+                    f["records_per_fdatasync_k64"] = (
+                        (after["appends_total"] - before["appends_total"]) / max(1, batches))
         finally:
             stop(writer)
     f["k1_over_fdatasync"] = f["acked_per_s_k1"] / f["fdatasync_per_s"]
     f["k64_over_sqlite_k64"] = f["acked_per_s_k64"] / f["sqlite_commits_per_s_k64"]
     f["k64_over_zmq_echo_k64"] = f["acked_per_s_k64"] / f["zmq_echo_per_s_k64"]
+    f["k1_over_durable_echo_k1"] = f["acked_per_s_k1"] / f["durable_echo_per_s_k1"]
+    f["k64_over_durable_echo_k64"] = f["acked_per_s_k64"] / f["durable_echo_per_s_k64"]
     # the best k1 can be on this machine: one raw round trip plus one fdatasync
     f["k1_bound_per_s"] = 1 / (1 / f["zmq_echo_per_s_k1"] + 1 / f["fdatasync_per_s"])
+    # the rate the CPU spent per ack allows if both cores did nothing else
+    # (writer + appenders; the echo's the same per round trip)
+    cores = os.cpu_count() or 1
+    f["k64_cpu_bound_per_s"] = cores * 1e6 / (
+        f["writer_cpu_us_per_ack_k64"] + f["client_cpu_us_per_ack_k64"])
+    f["zmq_echo_cpu_bound_per_s_k64"] = cores * 1e6 / (
+        f["zmq_echo_server_cpu_us_per_rt_k64"] + f["zmq_echo_client_cpu_us_per_rt_k64"])
     figures: dict[str, object] = {key: round(value, 3) for key, value in f.items()}
     figures["targets"] = {
         "k1_over_fdatasync>=0.5": f["k1_over_fdatasync"] >= 0.5,
@@ -187,7 +277,10 @@ def run(quick: bool = False) -> dict[str, object]:
     return figures
 
 
-def _echo_server(endpoint: str, ready: Connection) -> None:
+def _echo_server(endpoint: str, ready: Connection, sync_path: str | None = None) -> None:
+    """Echo every request; with `sync_path`, durably: the requests waiting at a
+    turn are written there (one ~300-byte record each) and fdatasynced once
+    before any of them is answered (group commit, no other work per record)."""
     import zmq
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -196,8 +289,10 @@ def _echo_server(endpoint: str, ready: Connection) -> None:
     ready.send(True)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    fd = os.open(sync_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if sync_path else -1
     while True:
         poller.poll(100)
+        batch: list[list[bytes]] = []
         while True:
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -206,7 +301,15 @@ def _echo_server(endpoint: str, ready: Connection) -> None:
             if parts[1] == b"quit":
                 ctx.destroy(linger=0)
                 return
-            sock.send_multipart(parts)
+            if fd < 0:
+                sock.send_multipart(parts)
+            else:
+                batch.append(parts)
+        if batch:
+            os.write(fd, RECORD * len(batch))
+            os.fdatasync(fd)
+            for parts in batch:
+                sock.send_multipart(parts)
 
 
 def _echo_client(endpoint: str, start_at: float, stop_at: float, out: Connection) -> None:
@@ -216,28 +319,39 @@ def _echo_client(endpoint: str, start_at: float, stop_at: float, out: Connection
     sock = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
     frame = b"x" * 350
+    latencies: list[float] = []
     while time.time() < start_at:
         time.sleep(0.001)
     n = 0
+    cpu0 = os.times()
     while time.time() < stop_at:
+        t0 = time.perf_counter()
         sock.send(frame)
         sock.poll(5000)
         sock.recv()
+        latencies.append(time.perf_counter() - t0)
         n += 1
+    cpu1 = os.times()
     ctx.destroy(linger=0)
-    out.send(n)
+    out.send((n, latencies, cpu1.user - cpu0.user + cpu1.system - cpu0.system))
     out.close()
 
 
-def zmq_echo_per_s(directory: Path, clients: int, seconds: float) -> float:
+def zmq_echo_per_s(directory: Path, clients: int, seconds: float,
+                   figures: dict[str, Any] | None = None, durable: bool = False) -> float:
     """Raw pyzmq DEALER->ROUTER echo, closed loop: the ceiling any Python
-    request/reply server on this machine can reach, with no disk at all."""
+    request/reply server on this machine can reach, with no disk at all; with
+    `durable`, each request is also written and fdatasynced (group commit)
+    before its answer: the ceiling of any durable one on this disk.
+    `figures`, when given, gets the round trips' `latencies` and the CPU
+    seconds of the server (`server_s`) and of the clients (`clients_s`)."""
     import zmq
 
     endpoint = f"ipc://{directory}/echo.sock"
     ctx = mp.get_context("fork")
     ready_recv, ready_send = ctx.Pipe(duplex=False)
-    server = ctx.Process(target=_echo_server, args=(endpoint, ready_send))
+    sync_path = str(directory / "durable-echo.bin") if durable else None
+    server = ctx.Process(target=_echo_server, args=(endpoint, ready_send, sync_path))
     server.start()
     ready_recv.recv()
     start_at = time.time() + 0.5 + clients * 0.02
@@ -250,9 +364,11 @@ def zmq_echo_per_s(directory: Path, clients: int, seconds: float) -> float:
         send.close()
         pipes.append(recv)
         procs.append(proc)
-    total = sum(p.recv() for p in pipes)
-    for proc in procs:
-        proc.join()
+    assert server.pid is not None
+    server_s = _cpu_s_between(server.pid, start_at, stop_at)
+    total, latencies, clients_s = _gather(pipes, procs)
+    if figures is not None:
+        figures.update(latencies=latencies, server_s=server_s, clients_s=clients_s)
     zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     quit_sock = zctx.socket(zmq.DEALER)
     quit_sock.connect(endpoint)

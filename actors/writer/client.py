@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from actors.writer.wal import WalRecord, parse_record
-from broker import auth, protocol
+from broker import appendwire, auth, protocol
 from broker.curve import CurveClient
 from broker.errors import ProtocolError, RemoteError
 from broker.requester import Requester, new_msg_id
@@ -41,6 +41,10 @@ class AckJournal:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def _kind(reply: object) -> str:
+    return str(getattr(reply, "kind", type(reply).__name__))
 
 
 def encode_payload(value: Any) -> bytes:
@@ -94,18 +98,27 @@ class WriterClient:
         an actor appending for many sessions gives each its own window."""
         body = payload if isinstance(payload, bytes) else encode_payload(payload)
         origin = origin or self.origin
-        message = protocol.Append(
-            msg_id=new_msg_id("a"),
-            origin=origin,
-            key=key,
-            stream=stream,
-            event=event,
-            payload=body,
-            ledger=ledger,
-        )
-        reply = self._request_append(message)
-        if not isinstance(reply, protocol.AppendOk):
-            raise ProtocolError("unexpected_message", f"append answered with {reply.kind}")
+        the_origin = origin
+
+        def frame(msg_id: str) -> bytes:
+            encoded = appendwire.encode_append(msg_id=msg_id, origin=the_origin, key=key,
+                                               stream=stream, event=event, payload=body,
+                                               ledger=ledger)
+            if encoded is not None:
+                return encoded
+            # a field is not valid: the model says which (pydantic's ValidationError)
+            return protocol.encode(protocol.Append(msg_id=msg_id, origin=the_origin, key=key,
+                                                   stream=stream, event=event, payload=body,
+                                                   ledger=ledger))
+
+        answer = self._request_append(frame, "append")
+        if isinstance(answer, appendwire.AppendOkFrame):  # the ack, decoded in C
+            reply = protocol.AppendOk.model_validate(  # cheaper than model_construct
+                {"msg_id": answer.msg_id, "seq": answer.seq, "duplicate": answer.duplicate})
+        elif isinstance(answer, protocol.AppendOk):
+            reply = answer
+        else:
+            raise ProtocolError("unexpected_message", f"append answered with {_kind(answer)}")
         if self._journal_dir is not None:
             journal = self._journals.get(origin)
             if journal is None:
@@ -125,16 +138,28 @@ class WriterClient:
         reply's `seq`, all or none of them after a crash. Retried under the
         same keys until answered, like `append`."""
         origin = origin or self.origin
-        message = protocol.AppendMany(
-            msg_id=new_msg_id("m"),
-            origin=origin,
-            stream=stream,
-            records=[protocol.AppendItem(key=key, event=event, payload=body, ledger=ledger)
-                     for event, body, key, ledger in records],
-        )
-        reply = self._request_append(message)
-        if not isinstance(reply, protocol.AppendManyOk):
-            raise ProtocolError("unexpected_message", f"append_many answered with {reply.kind}")
+        the_origin = origin
+
+        def frame(msg_id: str) -> bytes:
+            encoded = appendwire.encode_append_many(msg_id=msg_id, origin=the_origin,
+                                                    stream=stream, records=records)
+            if encoded is not None:
+                return encoded
+            return protocol.encode(protocol.AppendMany(
+                msg_id=msg_id, origin=the_origin, stream=stream,
+                records=[protocol.AppendItem(key=key, event=event, payload=body, ledger=ledger)
+                         for event, body, key, ledger in records]))
+
+        answer = self._request_append(frame, "append_many")
+        if isinstance(answer, appendwire.AppendManyOkFrame):
+            reply = protocol.AppendManyOk.model_construct(
+                msg_id=answer.msg_id, seq=answer.seq, count=answer.count,
+                prev_seq=answer.prev_seq, duplicate=answer.duplicate)
+        elif isinstance(answer, protocol.AppendManyOk):
+            reply = answer
+        else:
+            raise ProtocolError("unexpected_message",
+                                f"append_many answered with {_kind(answer)}")
         if self._journal_dir is not None:
             journal = self._journals.get(origin)
             if journal is None:
@@ -144,22 +169,24 @@ class WriterClient:
         return reply
 
     def _request_append(
-        self, message: protocol.Append | protocol.AppendMany
-    ) -> protocol.Message:
-        """Send an append; while the writer answers `storage_full` (a full disk,
-        docs/storage.md) resend it under the same key, backing off, for up to
-        `storage_wait_s`, then raise the RemoteError."""
+        self, frame: Callable[[str], bytes], kind: str
+    ) -> protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame:
+        """Send an append (`frame(msg_id)` encodes it); while the writer answers
+        `storage_full` (a full disk, docs/storage.md) resend it under the same
+        key, backing off, for up to `storage_wait_s`, then raise the RemoteError."""
         deadline = time.monotonic() + self.storage_wait_s
         backoff_s = 0.05
+        prefix = "a" if kind == "append" else "m"
         while True:
+            msg_id = new_msg_id(prefix)
             try:
-                return self._req.request(message, timeout_s=self.timeout_s, retries=self.retries)
+                return self._req.request_append(frame(msg_id), msg_id, kind,
+                                                timeout_s=self.timeout_s, retries=self.retries)
             except RemoteError as exc:
                 if exc.code != protocol.ErrorCode.STORAGE_FULL or time.monotonic() >= deadline:
                     raise
             time.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, 1.0)
-            message = message.model_copy(update={"msg_id": new_msg_id("a")})
 
     def read_page(self, stream: str, from_seq: int = 1, max_records: int = 512) -> protocol.Records:
         reply = self._req.request(

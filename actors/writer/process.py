@@ -14,11 +14,13 @@ batch was acknowledged; restart re-scans); 75 another writer holds the lock;
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from types import FrameType
 
@@ -28,7 +30,7 @@ import zmq
 from actors.writer import buckets, diskfull
 from actors.writer.checkpointsync import CheckpointThread, Job, Outcome
 from actors.writer.dedupe import DEFAULT_WINDOW
-from actors.writer.groupcommit import Ack, Batch, ManyAck, SyncWorker
+from actors.writer.groupcommit import Ack, Batch, CommitPacer, ManyAck, SyncWorker
 from actors.writer.ledgers import Ledgers
 from actors.writer.payload import check_payload
 from actors.writer.recovery import Recovered, recover
@@ -37,7 +39,7 @@ from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
 from actors.writer.walgc import Collector, GcOptions
-from broker import auth, curve, logconfig, protocol, ratelimit
+from broker import appendwire, auth, curve, logconfig, protocol, ratelimit
 from broker.control import ControlReporter
 from broker.curve import check_endpoints
 from broker.durable import write_atomic
@@ -252,12 +254,17 @@ class Writer:
         max_batch = self.options.max_batch
         self.inflight: Batch | None = None
         self.staged = Batch()
+        self.pacer = CommitPacer()  # larger batches under many appenders (groupcommit.py)
         if replicator is not None:  # the recovered tail to the stream first (an empty batch)
             self.unconfirmed_through = self.head
             self._submit()
         try:
             while not self._stopping:
-                events = dict(poller.poll(100))
+                timeout_ms = 100
+                if self.inflight is None and self.staged.bodies:  # held by the pacer
+                    hold = self.pacer.hold_s(len(self.staged.bodies), time.monotonic())
+                    timeout_ms = max(1, math.ceil(hold * 1000))
+                events = dict(poller.poll(timeout_ms))
                 if self.worker.fileno() in events:
                     self._collect()
                 if zap is not None and zap.socket in events:
@@ -274,13 +281,11 @@ class Writer:
                             parts.append(sock.recv())
                         frames.append((auth.user_of(head), parts))
                     self._process(frames)
+                    if self.staged.bodies:
+                        self.pacer.staged(time.monotonic())
                 self._collect_checkpoint()
                 if self.inflight is None:  # the files are quiet: checkpoint if due
-                    if not self.checkpointer.busy:  # collection changes index files
-                        self.gc.tick(self)
-                    self._maybe_checkpoint()
-                    if self.staged.bodies or self.staged.acks or self.staged.many_acks:
-                        self._submit()
+                    self._quiet_then_submit()
                 if self.storage_full is not None:
                     self._probe_storage()
                 if reporter is not None:
@@ -323,22 +328,27 @@ class Writer:
             )
             return
         ident, frame = parts
-        try:
-            msg = protocol.decode(frame, self.limits)
-        except ProtocolError as exc:
-            self._refuse(ident, exc, exc.msg_id, frame)
-            return
-        if protocol.is_reply(msg):
-            self.dropped_total += 1  # an unsolicited reply or error: never answered
-            return
+        # the append kinds in one typed C decode; anything else (or anything it
+        # cannot vouch for) through protocol.decode (broker/appendwire.py)
+        msg: protocol.Message | appendwire.AppendFrame | appendwire.AppendManyFrame | None
+        msg = appendwire.decode_request(frame, self.limits)
+        if msg is None:
+            try:
+                msg = protocol.decode(frame, self.limits)
+            except ProtocolError as exc:
+                self._refuse(ident, exc, exc.msg_id, frame)
+                return
+            if protocol.is_reply(msg):
+                self.dropped_total += 1  # an unsolicited reply or error: never answered
+                return
         match msg:
-            case protocol.Append():
+            case appendwire.AppendFrame() | protocol.Append():
                 refusal = auth.append_refusal(user, msg.stream, msg.origin, msg.event)
                 if refusal is not None:
                     self._refuse(ident, ProtocolError("forbidden", refusal), msg.msg_id)
                     return
                 self._stage(ident, msg)
-            case protocol.AppendMany():
+            case appendwire.AppendManyFrame() | protocol.AppendMany():
                 refusal = self._group_refusal(user, msg)
                 if refusal is not None:  # one record refused: the whole group is
                     self._refuse(ident, ProtocolError("forbidden", refusal), msg.msg_id)
@@ -365,7 +375,8 @@ class Writer:
                 )
 
     @staticmethod
-    def _group_refusal(user: str, msg: protocol.AppendMany) -> str | None:
+    def _group_refusal(user: str,
+                       msg: protocol.AppendMany | appendwire.AppendManyFrame) -> str | None:
         """auth.append_refusal for every record of a group: the first refusal."""
         for item in msg.records:
             refusal = auth.append_refusal(user, msg.stream, msg.origin, item.event)
@@ -373,7 +384,7 @@ class Writer:
                 return refusal
         return None
 
-    def _stage(self, ident: bytes, msg: protocol.Append) -> None:
+    def _stage(self, ident: bytes, msg: protocol.Append | appendwire.AppendFrame) -> None:
         """Frame one append into the staged batch (or answer a retried key)."""
         key = (msg.origin, msg.key)
         seq = self.dedupe.lookup(msg.origin, msg.key)
@@ -428,14 +439,16 @@ class Writer:
             last = self._stream_last[stream] = self.index.last_seq(stream)
         return last
 
-    def _stage_many(self, ident: bytes, msg: protocol.AppendMany) -> None:
+    def _stage_many(self, ident: bytes,
+                    msg: protocol.AppendMany | appendwire.AppendManyFrame) -> None:
         """Frame a multi-record append as consecutive records of the staged
         batch, all of them or none; a retry whose keys were all written is
         answered with the first seq (with its batch, if that is not durable yet)."""
         if self.storage_full is not None:  # stopped: no new work until space is back
             self._refuse_full(ident, msg.msg_id)
             return
-        origin, items = msg.origin, msg.records
+        origin = msg.origin
+        items: Sequence[protocol.AppendItem | appendwire.AppendItemFrame] = msg.records
         keys = [item.key for item in items]
         if len(set(keys)) != len(keys):
             self._refuse(ident, ProtocolError("invalid_message", "append_many: keys repeat"),
@@ -498,10 +511,23 @@ class Writer:
         self._stream_last[msg.stream] = first + count - 1
         staged.many_acks.append((ident, msg.msg_id, first, count, prev, False))
 
-    def _submit(self) -> None:
+    def _quiet_then_submit(self, inline_ok: bool = True) -> None:
+        """The worker is idle (no batch in flight): storage collection and the
+        checkpoint if due, then the staged batch to the disk."""
+        if not self.checkpointer.busy:  # collection changes index files
+            self.gc.tick(self)
+        self._maybe_checkpoint()
+        staged = self.staged
+        if staged.bodies or staged.acks or staged.many_acks:
+            if self.pacer.hold_s(len(staged.bodies), time.monotonic()) > 0:
+                return  # a few more records first (CommitPacer); the loop comes back
+            self._submit(inline_ok)
+
+    def _submit(self, inline_ok: bool = True) -> None:
         batch, self.staged = self.staged, Batch()
+        self.pacer.submitted(len(batch.bodies))
         batch.seal(self.head + 1)  # the worker is idle: head is the last durable seq
-        if len(batch.lines) == 1 and self.replicator is None:
+        if inline_ok and len(batch.lines) == 1 and self.replicator is None:
             # a lone append: sync here, no hand-off to wait for (in fleet mode the
             # worker thread also publishes it, so it goes through the worker)
             try:
@@ -513,12 +539,25 @@ class Writer:
         self.worker.submit(batch)
 
     def _collect(self) -> None:
+        """The batch in flight is durable: finish it, and put the batch staged
+        meanwhile on the disk before its acks go out (pipelined: the next
+        fdatasync runs while this batch is acknowledged)."""
         batch = self.inflight
         try:
-            self._finish(self.worker.collect())
+            done = self.worker.collect()
+            # a rotation due: acks, then the rotation, as a lone batch (the worker idle)
+            rotating = self.segment.size >= self.segment.segment_bytes
+            self._finish(done, acknowledge=rotating)
         except DurabilityError as exc:
             assert batch is not None
             self._durability_failed(batch, exc)
+            return
+        if rotating:
+            return
+        if not self._stopping:
+            self._collect_checkpoint()
+            self._quiet_then_submit(inline_ok=False)
+        self._acknowledge(done)
 
     def _durability_failed(self, batch: Batch, exc: DurabilityError) -> None:
         """A batch's write or fdatasync failed: nothing of it is acknowledged.
@@ -559,8 +598,10 @@ class Writer:
                           stopped_s=round(time.time() - full.since, 3), head_seq=self.head)
             self.storage_full = None
 
-    def _finish(self, batch: Batch) -> None:
-        """The batch is durable: index it, remember its keys, acknowledge it."""
+    def _finish(self, batch: Batch, acknowledge: bool = True) -> None:
+        """The batch is durable: index it, remember its keys, acknowledge it
+        (unless not `acknowledge`: the caller does, with `_acknowledge`, once
+        it has put the next batch on the disk), rotate the segment if full."""
         self.inflight = None
         self.unconfirmed_through = 0  # fleet: everything up to this batch is in the stream
         self.fsyncs_total += 1
@@ -581,29 +622,39 @@ class Writer:
         self.max_batch_seen = max(self.max_batch_seen, count)
         self.fsync_ms.observe(batch.sync_s * 1000)
         self.batch_sizes.observe(count)
-        self._send_acks(batch.acks)
-        self._send_many_acks(batch.many_acks)
+        if acknowledge:
+            self._acknowledge(batch)
         if self.segment.rotate_if_full(self.head + 1):
             self.log.info("wal_segment_rotated", segment=segment_name(self.segment.first_seq))
 
+    def _acknowledge(self, batch: Batch) -> None:
+        """Send a durable batch's acks (only ever called with a batch whose
+        fdatasync returned: `_finish`'s)."""
+        self._send_acks(batch.acks)
+        self._send_many_acks(batch.many_acks)
+
     def _send_acks(self, acks: list[Ack]) -> None:
-        send = self.sock.send_multipart
-        ack = protocol.AppendOk.model_construct  # values are ours and known valid
+        # values are ours and known valid: encoded in C without a model, and sent
+        # as two frames (what send_multipart does, without its per-part checks);
+        # ROUTER_MANDATORY refuses at the first frame, so nothing half-sent stays
+        send = self.sock.send
+        more = zmq.NOBLOCK | zmq.SNDMORE
+        encode = appendwire.encode_append_ok
         for ident, msg_id, seq, duplicate in acks:
-            frame = protocol.encode(ack(msg_id=msg_id, seq=seq, duplicate=duplicate))
             try:
-                send([ident, frame], zmq.NOBLOCK)
+                send(ident, more)
+                send(encode(msg_id, seq, duplicate), zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 self._dropped(ident, exc)
 
     def _send_many_acks(self, acks: list[ManyAck]) -> None:
-        send = self.sock.send_multipart
-        ack = protocol.AppendManyOk.model_construct  # values are ours and known valid
+        send = self.sock.send
+        more = zmq.NOBLOCK | zmq.SNDMORE
+        encode = appendwire.encode_append_many_ok
         for ident, msg_id, first, count, prev, duplicate in acks:
-            frame = protocol.encode(ack(msg_id=msg_id, seq=first, count=count,
-                                        prev_seq=prev, duplicate=duplicate))
             try:
-                send([ident, frame], zmq.NOBLOCK)
+                send(ident, more)
+                send(encode(msg_id, first, count, prev, duplicate), zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 self._dropped(ident, exc)
 

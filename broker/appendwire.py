@@ -1,0 +1,216 @@
+"""The append path's frames in C: `append`, `append_many` and their acks
+encoded and decoded with msgspec (typed msgpack), for the writer and its
+clients (docs/protocol.md, "The append path's codec"; docs/performance.md).
+
+broker/protocol.py stays the one definition of every message and of what a
+valid frame is. This module only takes the frames it can prove valid the
+cheap way, in one typed decode, and answers None for anything else: the
+caller then falls back to `protocol.decode`, whose answer (a model, or the
+typed ProtocolError) is the answer. So it never accepts a frame that
+`protocol.decode` refuses, and it decodes what both accept to the same
+values (tests/test_appendwire.py checks both over generated frames):
+
+- every field has the type, pattern and bounds of its pydantic model, strict
+  as msgpack carries them (an int is not a bool nor a float, bytes are `bin`,
+  names are `str`); the patterns end in `\\Z`, since Python's `$` would let a
+  trailing newline through where pydantic's does not;
+- unknown fields, a missing `v` or a `v` other than the int 1 fall back;
+- a duplicate key keeps its last value, as msgpack-python's unpacker does;
+- only under limits at least `protocol.DEFAULT_LIMITS`' nesting, string,
+  array, map and element bounds (a tighter `Limits` always falls back), with
+  the frame size and the payload's `bin` length checked here.
+
+The writer's acks are built here too (ours and known valid: encoded without
+a model), in the order `protocol.encode` writes them except that `v` comes
+last; `protocol.decode` reads either."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from broker import protocol
+
+MSG_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,64}\Z"
+KEY_PATTERN = r"^[A-Za-z0-9_.:/\-]{1,128}\Z"
+MsgId = Annotated[str, Meta(pattern=MSG_ID_PATTERN)]
+StreamName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/\-]{0,127}\Z")]
+EventType = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_]{0,63}\Z")]
+IdemKey = Annotated[str, Meta(pattern=KEY_PATTERN)]
+Seq = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+LedgerName = Literal["budget", "approvals"]
+Version = Literal[1]
+
+
+class AppendFrame(Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind",
+                  tag="append"):
+    """An `append` (protocol.Append's fields)."""
+
+    msg_id: MsgId
+    origin: StreamName
+    key: IdemKey
+    stream: StreamName
+    event: EventType
+    payload: bytes
+    v: Version
+    ledger: LedgerName | None = None
+
+
+class AppendItemFrame(Struct, frozen=True, forbid_unknown_fields=True):
+    """One record of an `append_many` (protocol.AppendItem's fields)."""
+
+    key: IdemKey
+    event: EventType
+    payload: bytes
+    ledger: LedgerName | None = None
+
+
+class AppendManyFrame(Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind",
+                      tag="append_many"):
+    """An `append_many` (protocol.AppendMany's fields)."""
+
+    msg_id: MsgId
+    origin: StreamName
+    stream: StreamName
+    records: Annotated[list[AppendItemFrame],
+                       Meta(min_length=1, max_length=protocol.MAX_GROUP_RECORDS)]
+    v: Version
+
+
+class AppendOkFrame(Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind",
+                    tag="append_ok"):
+    msg_id: MsgId
+    seq: Seq
+    duplicate: bool
+    v: Version
+
+
+class AppendManyOkFrame(Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind",
+                        tag="append_many_ok"):
+    msg_id: MsgId
+    seq: Seq
+    count: Annotated[int, Meta(ge=1, le=protocol.MAX_GROUP_RECORDS)]
+    prev_seq: Annotated[int, Meta(ge=0)] | None
+    duplicate: bool
+    v: Version
+
+
+_REQUESTS = msgspec.msgpack.Decoder(AppendFrame | AppendManyFrame)
+_REPLIES = msgspec.msgpack.Decoder(AppendOkFrame | AppendManyOkFrame)
+_APPEND = msgspec.msgpack.Decoder(AppendFrame)
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def _limits_cover(limits: protocol.Limits) -> bool:
+    """Whether every valid append frame is within `limits` apart from its size
+    and its payload's length (checked per frame): the nesting is 3 at most,
+    names 128 characters, a group 256 records of 4 fields."""
+    return (limits.max_depth >= 3 and limits.max_str_bytes >= 128
+            and limits.max_array_len >= protocol.MAX_GROUP_RECORDS
+            and limits.max_map_len >= 16 and limits.max_elements >= 4096)
+
+
+_DEFAULT_COVERED = _limits_cover(protocol.DEFAULT_LIMITS)
+
+
+def _covered(limits: protocol.Limits) -> bool:
+    return _DEFAULT_COVERED if limits is protocol.DEFAULT_LIMITS else _limits_cover(limits)
+
+
+def decode_request(frame: bytes,
+                   limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+                   ) -> AppendFrame | AppendManyFrame | None:
+    """The append or append_many in `frame`, or None: decode it with
+    `protocol.decode` (anything else, or anything this cannot vouch for)."""
+    if len(frame) > limits.max_frame_bytes or not _covered(limits):
+        return None
+    try:
+        msg = _REQUESTS.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if isinstance(msg, AppendFrame):
+        if len(msg.payload) > limits.max_bin_bytes:
+            return None
+    elif any(len(item.payload) > limits.max_bin_bytes for item in msg.records):
+        return None
+    return msg
+
+
+def decode_reply(frame: bytes, limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+                 ) -> AppendOkFrame | AppendManyOkFrame | None:
+    """The append_ok or append_many_ok in `frame`, or None (use protocol.decode)."""
+    if len(frame) > limits.max_frame_bytes or not _covered(limits):
+        return None
+    try:
+        return _REPLIES.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+# what varies per append is checked per append (msg_id, key: one C regex call
+# each); the names an appender uses again and again (origin, stream, event,
+# ledger) are checked once, by decoding the first frame back, then remembered
+_MSG_ID = re.compile(MSG_ID_PATTERN)
+_KEY = re.compile(KEY_PATTERN)
+_NAMES_CHECKED: set[tuple[str, str, str, str | None]] = set()
+_NAMES_CHECKED_MAX = 4096
+
+
+def encode_append(*, msg_id: str, origin: str, key: str, stream: str, event: str,
+                  payload: bytes, ledger: str | None) -> bytes | None:
+    """An `append` frame, or None when a field is not valid (the caller builds
+    protocol.Append, which says what is wrong)."""
+    names = (origin, stream, event, ledger)
+    try:
+        known = (names in _NAMES_CHECKED and type(payload) is bytes
+                 and _KEY.search(key) is not None and _MSG_ID.search(msg_id) is not None)
+    except TypeError:  # not a str (or not hashable): the model says what is wrong
+        return None
+    frame = _encode(AppendFrame(msg_id=msg_id, origin=origin, key=key, stream=stream,
+                                event=event, payload=payload, v=1,
+                                ledger=ledger))  # type: ignore[arg-type]
+    if known:
+        return frame
+    try:
+        _APPEND.decode(frame)  # every field checked, in C
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if len(_NAMES_CHECKED) >= _NAMES_CHECKED_MAX:
+        _NAMES_CHECKED.clear()
+    _NAMES_CHECKED.add(names)
+    return frame
+
+
+def encode_append_ok(msg_id: str, seq: int, duplicate: bool) -> bytes:
+    """The writer's ack of one append (its values are the writer's own)."""
+    return _encode(AppendOkFrame(msg_id=msg_id, seq=seq, duplicate=duplicate, v=1))
+
+
+def encode_append_many_ok(msg_id: str, seq: int, count: int, prev_seq: int | None,
+                          duplicate: bool) -> bytes:
+    """The writer's ack of one append_many."""
+    return _encode(AppendManyOkFrame(msg_id=msg_id, seq=seq, count=count, prev_seq=prev_seq,
+                                     duplicate=duplicate, v=1))
+
+
+_APPEND_MANY = msgspec.msgpack.Decoder(AppendManyFrame)
+
+
+def encode_append_many(*, msg_id: str, origin: str, stream: str,
+                       records: Sequence[tuple[str, bytes, str, str | None]]) -> bytes | None:
+    """An `append_many` frame of (event, payload, key, ledger) records, or None
+    when a field is not valid (the caller builds protocol.AppendMany)."""
+    items = [AppendItemFrame(key=key, event=event, payload=payload,
+                             ledger=ledger)  # type: ignore[arg-type]
+             for event, payload, key, ledger in records]
+    frame = _encode(AppendManyFrame(msg_id=msg_id, origin=origin, stream=stream,
+                                    records=items, v=1))
+    try:
+        _APPEND_MANY.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return frame
