@@ -34,8 +34,11 @@ takes the oldest waiting one: the zygote passes it the request's name and
 file descriptors (output, credential, gate: SCM_RIGHTS), answers `forked
 <name> <its pid>` itself, closes its end and forks a replacement. So a
 request is answered without a fork on its path; the forks still happen, off
-it. A member reads EOF when the zygote is gone and exits 0 (as does the
-zygote's own parent's PDEATHSIG when that one dies); one that cannot be
+it, and only once no request came for POOL_QUIET_S (in a burst of requests
+the refills would take the CPU the starting agents need, and the burst's
+requests are served by double forks as without a pool). A member reads EOF
+when the zygote is gone and exits 0 (as does the zygote's own parent's
+PDEATHSIG when that one dies); one that cannot be
 handed a request (it died) is dropped and the next one, or a fresh double
 fork, serves the request. A member that dies before a request counts as a
 failure; after POOL_FAILURES of them with no hand-off between, the pool is
@@ -83,6 +86,7 @@ import argparse
 import gc
 import importlib
 import json
+import math
 import os
 import select
 import signal
@@ -105,6 +109,15 @@ _REPARENT_WAIT_S = 2.0
 _REAP_POLL_MS = 5  # while go-betweens are out: how often the zygote looks for their exits
 _OUTPUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
 POOL_FAILURES = 3  # members dead before `ready` in a row: the pool is not refilled
+POOL_QUIET_S = 0.1  # the pool is refilled only this long after the last request
+
+
+def _timeout_ms(poll_ms: int | None, wait_s: float | None) -> int | None:
+    """The shorter of a poll interval (ms) and a wait (s); None: no bound."""
+    waits = [poll_ms] if poll_ms is not None else []
+    if wait_s is not None:
+        waits.append(max(1, math.ceil(wait_s * 1000)))
+    return min(waits) if waits else None
 # Fault injection for tests only: the go-between of the request with this name
 # kills itself (SIGKILL) before it forks or replies
 FAULT_ENV_GO_BETWEEN_DIES = "CORRAL_FAULT_ZYGOTE_GO_BETWEEN_DIES"
@@ -250,6 +263,7 @@ class Zygote:
         self.pool_size: int = max(0, getattr(args, "pool", 0))
         self.members: dict[int, _Member] = {}  # by the zygote's socket fd
         self.pool_failures = 0
+        self.last_request = 0.0  # monotonic: when the last request came
         self.poller = select.poll()
 
     def serve(self) -> int:
@@ -263,8 +277,12 @@ class Zygote:
                 return 0  # the parent is gone
             events = self.poller.poll(0)
             if not events:  # refill only while no request waits: a fork delays it
-                self._fill_pool()
-                events = self.poller.poll(_REAP_POLL_MS if self.middles else None)
+                quiet_s = self._pool_quiet_s()
+                if quiet_s == 0:
+                    self._fill_pool()
+                    quiet_s = None
+                events = self.poller.poll(_timeout_ms(
+                    _REAP_POLL_MS if self.middles else None, quiet_s))
             for fd, _event in events:
                 if fd != self.sock.fileno():
                     self._member_event(fd)
@@ -277,8 +295,19 @@ class Zygote:
                 continue
             if not data:
                 return 0  # the parent closed its end
+            self.last_request = time.monotonic()
             if not self._serve_request(data, fds):
                 return 0  # the parent is gone
+
+    def _pool_quiet_s(self) -> float | None:
+        """How long until the pool may be refilled: 0 now, None when it need
+        not be (full, off, given up). Not within POOL_QUIET_S of a request: in
+        a burst the forks would take the CPU the starting agents need (a
+        burst's requests are served by double forks, as without a pool)."""
+        if not self.pool_size or len(self.members) >= self.pool_size \
+                or self.pool_failures >= POOL_FAILURES:
+            return None
+        return max(0.0, self.last_request + POOL_QUIET_S - time.monotonic())
 
     def _serve_request(self, data: bytes, fds: list[int]) -> bool:
         """Answer one request (a pool member, or a go-between, answers it);
