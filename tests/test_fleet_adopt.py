@@ -66,9 +66,8 @@ STEPS = [
 EXPECTED = {"a.txt": "one+two+three\n", "src/b.txt": "bee", "release/n.md": "v1",
             "out/0.txt": "pass 0"}
 # the second agent of host A (its generations corrupted): the same turns without the
-# background command, every file its own (a capture stores an object once per host, in
-# the pack of the agent that stored it first: shared contents would leave this agent's
-# pack without them)
+# background command, its files' contents its own (an agent adopted alone with contents
+# shared with another's: tests/test_fleet_bundle.py)
 STEPS2 = [
     {"op": "write_file", "path": "a.txt", "content": "two-one\n"},
     {"op": "edit_file", "path": "a.txt", "old": "one", "new": "one+two"},
