@@ -62,7 +62,7 @@ from typing import Any
 import structlog
 import zmq
 
-from broker import auth, buskeys, protocol, ratelimit
+from broker import auth, buskeys, operatorsig, protocol, ratelimit
 from broker.errors import ProtocolError
 from broker.fleetnats import (
     HOST_NAME,
@@ -234,7 +234,8 @@ class Bridge:
                  host_key: Any = None, operator_public: str | None = None) -> None:
         self.host = settings.host
         self._operator_public = operator_public  # None: no forget-bus-key taken
-        self._forget_seen: dict[str, float] = {}  # the operator's nonces (replays refused)
+        self._forget_seen = operatorsig.Nonces()  # the operator's nonces (replays refused,
+        # also across a restart of this broker)
         self.key_registered = False  # this host's key is the one under its name
         self._host_key = host_key  # None: frames carry the fleet's MAC only (no pins)
         self.pins = buskeys.Pins() if host_key is not None else None

@@ -125,11 +125,23 @@ def verified(public: str, sig: str, data: bytes) -> bool:
     return True
 
 
+class Nonces(dict[str, float]):
+    """The nonces a verifier has taken (nonce -> when) and when it started.
+    They live in memory only, so a request taken before a restart could be
+    replayed within the window after it; `verify` therefore refuses a request
+    signed before `since` (the operator signs again: requests are fresh)."""
+
+    def __init__(self, since: float | None = None) -> None:
+        super().__init__()
+        self.since = time.time() if since is None else since
+
+
 def verify(data: bytes, public: str | None, seen: dict[str, float],
            now: float | None = None) -> dict[str, Any]:
     """The request (a dict, without `sig`), or SignatureRefusedError: not the
-    operator's signature, a timestamp out of the window, a replayed nonce.
-    `seen` remembers nonces (bounded)."""
+    operator's signature, a timestamp out of the window, a replayed nonce, or
+    (when `seen` is a `Nonces`) signed before the verifier started. `seen`
+    remembers nonces (bounded)."""
     if not public:
         raise SignatureRefusedError(
             "this host has no fleet.operator_public_key: fleet control is off")
@@ -148,6 +160,9 @@ def verify(data: bytes, public: str | None, seen: dict[str, float],
     ts, nonce = request.get("ts"), request.get("nonce")
     if not isinstance(ts, int | float) or isinstance(ts, bool) or abs(at - ts) > MAX_SKEW_S:
         raise SignatureRefusedError("stale or future timestamp")
+    if isinstance(seen, Nonces) and ts < seen.since:
+        raise SignatureRefusedError("signed before this verifier started (a replay across "
+                                    "a restart is not taken): sign it again")
     for old, when in list(seen.items()):
         if at - when > 2 * MAX_SKEW_S:
             del seen[old]

@@ -33,6 +33,7 @@ from typing import Any
 
 import structlog
 
+from broker import operatorsig
 from broker.durable import write_atomic
 from broker.fleetnats import HOSTS_BUCKET, FleetSettings, connect_options
 from broker.statedir import StateDir
@@ -100,7 +101,8 @@ class FleetHost:
                                         daemon=True)
         self._task: asyncio.Future[None] | None = None
         self._wake = asyncio.Event()
-        self._seen: dict[str, float] = {}  # nonce -> when (replays refused)
+        self._seen = operatorsig.Nonces()  # nonce -> when (replays refused, also across
+        # a restart: a request signed before this supervisor started is refused)
         self._placed: set[str] = set()  # agents accepted by placement, not yet in a status
         self._placing = asyncio.Lock()  # one placement at a time (two subjects)
         self._js: Any = None
@@ -246,8 +248,6 @@ class FleetHost:
 
     def _operator_key(self) -> str | None:
         """The operator's public key (hex), or None: fleet control is off."""
-        from broker import operatorsig  # noqa: PLC0415
-
         path = self.config.operator_public_key
         if path is None:
             return None

@@ -2,7 +2,8 @@
 `verify`, broker/buskeys.py `check_forget`): only the operator's private key
 makes a request a host accepts; nothing a host holds does (the old shared
 key, the hosts' bus secret, its own bus key); tampered, stale and replayed
-requests are refused; a configuration still naming the shared operator key
+requests are refused, a replay across a verifier's restart too; a
+configuration still naming the shared operator key
 is refused with the names of the new keys."""
 
 from __future__ import annotations
@@ -51,6 +52,24 @@ def test_the_operators_request_is_accepted_once(operator: tuple[Ed25519PrivateKe
     spawn = fleetctl.verify(fleetctl.sign(key, "spawn", HOST, "x", task="steps: []", model=None),
                             HOST, public, seen)
     assert spawn["task"] == "steps: []"
+
+
+def test_a_request_taken_before_a_restart_is_not_taken_again_after_it(
+        operator: tuple[Ed25519PrivateKey, str]) -> None:
+    """Nonces live in memory: a verifier started after a request was signed
+    (a restarted host supervisor or broker) refuses it, within the window
+    too, and takes one the operator signs afresh."""
+    key, public = operator
+    data = fleetctl.sign(key, "stop", HOST, "agent-1")
+    signed_at = json.loads(data)["ts"]
+    before_restart = operatorsig.Nonces(since=signed_at - 1)
+    fleetctl.verify(data, HOST, public, before_restart)  # taken once
+    restarted = operatorsig.Nonces(since=signed_at + 0.5)  # its memory of nonces gone
+    with pytest.raises(fleetctl.FleetControlError, match="signed before this verifier started"):
+        fleetctl.verify(data, HOST, public, restarted)
+    fresh = operatorsig.sign(key, {"verb": "stop", "host": HOST, "agent": "agent-1",
+                                   "signal": 15}, now=signed_at + 1)  # signed after it
+    assert fleetctl.verify(fresh, HOST, public, restarted)["agent"] == "agent-1"
 
 
 @pytest.mark.parametrize(("field", "value"), [
