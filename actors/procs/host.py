@@ -264,7 +264,7 @@ class ProcsHost:
             raise RefusedError(protocol.ErrorCode.INVALID_MESSAGE,
                                f"cwd {cwd!r} is not inside the workspace of session {session}")
         policy = self.options.sandbox
-        hidden, masked = sandbox.split_hidden((str(self.state.root), *policy.hide))
+        hidden, masked = sandbox.split_hidden((str(self.state.root), *policy.hide), workspace)
         mask = sandbox.mask_file(str(self.state.run_dir)) if masked else ""
         return sandbox.Confinement(workspace=workspace, hidden=hidden, masked=masked, mask=mask,
                                    network=policy.network_for(self._policy_name(session)))

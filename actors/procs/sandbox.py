@@ -107,15 +107,22 @@ def mask_file(run_dir: str) -> str:
     return path
 
 
-def split_hidden(paths: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _under(path: str, directory: str) -> bool:
+    return path.startswith(directory.rstrip("/") + "/")
+
+
+def split_hidden(paths: tuple[str, ...], workspace: str | None = None,
+                 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The existing `paths` resolved (a symlink hides its target) and split
-    into directories (hidden under a tmpfs) and other files (masked by
-    /dev/null); a file inside a hidden directory is not there to mask."""
+    into directories (hidden under a tmpfs) and other files (masked by an
+    empty file); a file inside a hidden directory is not there to mask,
+    unless it lies in the `workspace`, which is bound back inside it."""
     real = [os.path.realpath(p) for p in paths if os.path.lexists(p)]
     dirs = tuple(dict.fromkeys(p for p in real if os.path.isdir(p)))
     files = tuple(dict.fromkeys(
         p for p in real if os.path.exists(p) and not os.path.isdir(p)
-        and not any(p.startswith(d.rstrip("/") + "/") for d in dirs)))
+        and ((workspace is not None and _under(p, workspace))
+             or not any(_under(p, d) for d in dirs))))
     return dirs, files
 
 
