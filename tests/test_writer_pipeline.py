@@ -96,3 +96,21 @@ def test_the_pacer_holds_only_a_batch_under_half_the_last_and_never_past_its_bou
     assert pacer.hold_s(0, now=20.0) == 0.0  # acks only (no record): at once
     pacer.submitted(3)
     assert pacer.since is None
+
+
+def test_a_lone_appender_is_never_held_after_its_own_multi_record_append() -> None:
+    """The pacer counts appenders, not records: an agent's step appends a
+    group (turn .. tool_start) then its tool_result alone; the single append
+    answers as many appenders as the group did, so it goes at once."""
+    from actors.writer.groupcommit import Batch, CommitPacer
+
+    group, single = Batch(), Batch()
+    group.bodies = [(b"r", 0)] * 4
+    group.many_acks = [(b"agent-1", "m1", 1, 4, None, False)]
+    single.bodies = [(b"r", 0)]
+    single.acks = [(b"agent-1", "m2", 5, False)]
+    assert (group.waiting(), single.waiting(), Batch().waiting()) == (1, 1, 0)
+    pacer = CommitPacer(hold_max_s=0.002)
+    pacer.submitted(group.waiting())
+    pacer.staged(now=30.0)
+    assert pacer.hold_s(single.waiting(), now=30.0) == 0.0

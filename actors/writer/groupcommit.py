@@ -45,6 +45,12 @@ class Batch:
     sync_s: float = 0.0  # the fdatasync's duration (metrics: fsync latency histogram)
     first_seq: int = 0  # set by seal()
 
+    def waiting(self) -> int:
+        """The appenders waiting on records of this batch (one per append or
+        multi-record append, however many records it holds); 0 without a
+        record (acks of retries only). What the CommitPacer counts."""
+        return len(self.acks) + len(self.many_acks) if self.bodies else 0
+
     def seal(self, first_seq: int) -> None:
         """Frame every staged body as its final line, naming the batch
         [first_seq, first_seq + n - 1] in each (docs/wal.md, "Torn writes")."""
@@ -154,11 +160,13 @@ class CommitPacer:
     an fdatasync and a hand-off whatever its size, a few hundred microseconds
     of CPU on this kind of machine (the kernel's journal commit, the thread
     wake-ups), so many appenders on few cores are served with fewer CPU per
-    record in fewer, larger batches. A batch holding at least half as many
-    records as the last one goes at once (a lone appender is never held: its
-    batches are of one); a smaller one waits until it is that large or until
-    `hold_max_s` after its first record was staged, whichever comes first.
-    Pure: the caller gives the clock."""
+    record in fewer, larger batches. It counts the appenders a batch answers
+    (`Batch.waiting`), not its records: a batch answering at least half as
+    many as the last one goes at once (a lone appender is never held, its
+    batches answer one, be it a single append after a multi-record one); a
+    smaller one waits until it is that large or until `hold_max_s` after its
+    first record was staged, whichever comes first. Pure: the caller gives
+    the clock."""
 
     def __init__(self, hold_max_s: float = HOLD_MAX_S) -> None:
         self.hold_max_s = hold_max_s
@@ -175,7 +183,8 @@ class CommitPacer:
         self.since = None
 
     def hold_s(self, count: int, now: float) -> float:
-        """0 to submit `count` staged records now, else how much longer to wait."""
+        """0 to submit a staged batch answering `count` appenders now, else how
+        much longer to wait."""
         if count == 0 or 2 * count >= self.last_count:
             return 0.0
         since = now if self.since is None else self.since

@@ -262,7 +262,7 @@ class Writer:
             while not self._stopping:
                 timeout_ms = 100
                 if self.inflight is None and self.staged.bodies:  # held by the pacer
-                    hold = self.pacer.hold_s(len(self.staged.bodies), time.monotonic())
+                    hold = self.pacer.hold_s(self.staged.waiting(), time.monotonic())
                     timeout_ms = max(1, math.ceil(hold * 1000))
                 events = dict(poller.poll(timeout_ms))
                 if self.worker.fileno() in events:
@@ -519,13 +519,13 @@ class Writer:
         self._maybe_checkpoint()
         staged = self.staged
         if staged.bodies or staged.acks or staged.many_acks:
-            if self.pacer.hold_s(len(staged.bodies), time.monotonic()) > 0:
+            if self.pacer.hold_s(staged.waiting(), time.monotonic()) > 0:
                 return  # a few more records first (CommitPacer); the loop comes back
             self._submit(inline_ok)
 
     def _submit(self, inline_ok: bool = True) -> None:
         batch, self.staged = self.staged, Batch()
-        self.pacer.submitted(len(batch.bodies))
+        self.pacer.submitted(batch.waiting())
         batch.seal(self.head + 1)  # the worker is idle: head is the last durable seq
         if inline_ok and len(batch.lines) == 1 and self.replicator is None:
             # a lone append: sync here, no hand-off to wait for (in fleet mode the
