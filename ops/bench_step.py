@@ -3,12 +3,17 @@ peers doing the same work in the same run.
 
 The work: one agent takes 200 steps; each step writes one file (the same
 `workspace.apply_write` for all three: temp file, fsync, rename, directory
-fsync) and is durable before the next begins.
+fsync); nothing of a step is lost or done twice by a crash once the next
+step's effect has begun.
 
 - corral: a real writer process (fsync on every commit) and the real agent
   loop (actors/agent/loop.py, `AgentLoop.step()`) with the scripted model, one
   OS process per agent, as the supervisor runs them. A step is one model turn
-  (`turn`, `tool_call`, `permission`, `tool_start`, the write, `tool_result`).
+  (`turn`, `tool_call`, `permission`, `tool_start`, the write, `tool_result`);
+  the intent and the step before's `tool_result` are one group, durable
+  before the write (docs/agents.md: one durable wait a step). A crash before
+  the next group loses the step's `tool_result`, and recovery settles the
+  call from its recorded digests as applied: never written twice.
 - LangGraph: a graph whose one node writes one file per super-step, looping on
   itself; `SqliteSaver` checkpointer (SQLite in WAL mode, which it sets), with
   `PRAGMA synchronous=FULL` set on the connection and `durability="sync"`, so
@@ -180,9 +185,9 @@ def sync_floor_ms(directory: Path, rounds: int) -> dict[str, list[float]]:
     the disk the runs use, alternating so that load falls on both alike:
 
     - corral: the effect journal's entry (temp, rename; not fsynced), an
-      append + fdatasync (the group: turn .. tool_start), the file (temp,
-      fsync, rename, directory fsync), an append + fdatasync (tool_result):
-      four syncs;
+      append + fdatasync (the group: the step before's tool_result, turn ..
+      tool_start), the file (temp, fsync, rename, directory fsync): three
+      syncs;
     - LangGraph (SQLite WAL, synchronous=FULL): the file, then one append +
       fsync of the WAL at the checkpoint's commit: three syncs.
     """
@@ -198,7 +203,6 @@ def sync_floor_ms(directory: Path, rounds: int) -> dict[str, list[float]]:
             journal.with_name(journal.name + ".tmp").replace(journal)
             _append_sync(wal, record)
             _write(directory, f"c{i}.txt", i)
-            _append_sync(wal, record)
             times["corral"].append((time.perf_counter() - started) * 1000)
             started = time.perf_counter()
             _write(directory, f"l{i}.txt", i)

@@ -83,11 +83,40 @@ def test_sigkill_at_every_point_runs_each_op_at_most_once(
         events = stream_events(writer, "victim")
         results = [p["call_id"] for e, p in events if e == "tool_result"]
         assert len(results) == len(set(results))
-        aborted = [p["calls"][0]["effect_applied"] for e, p in events if e == "turn_aborted"]
-        assert aborted == [False, True]  # killed before the effect, then after it
+        aborted = [(c["call_id"], c["effect_applied"])
+                   for e, p in events if e == "turn_aborted" for c in p["calls"]]
+        # killed before 2.0's call (1.0's result, pending with the next group, is
+        # lost: applied), before 3.0's effect, after 4.0's, and after 5.0's result
+        assert aborted == [("1.0", True), ("3.0", False), ("4.0", True), ("5.0", True)]
         assert events[-1][0] == "session_exit" and events[-1][1]["reason"] == "finished"
         assert rebuild(writer, state_dir, "victim").state == rebuild(
             writer, state_dir, "victim", use_generations=False).state
+
+
+def test_a_stop_right_after_a_result_keeps_it(
+        processes: ProcessTracker, state_dir: StateDir, ctx: zmq.Context[zmq.Socket[bytes]],
+        tmp_path: Path) -> None:
+    """A write's `tool_result` joins the next group of facts (docs/agents.md); an
+    operator's stop (SIGTERM) right after it makes it durable before the agent
+    exits, so the restarted agent goes on with no call settled by the abort rule."""
+    start_writer(processes, state_dir, ctx)
+    task = write_task(tmp_path / "t.yaml", [
+        {"op": "write_file", "path": "out/{i}.txt", "content": "pass {i}"}], repeat=4)
+    write_spec(state_dir, "stopped", spec(task))
+    code = start_agent(processes, state_dir, "stopped",
+                       env={"CORRAL_AGENT_FAULT": "after_tool_result@2.0:term"}).wait(timeout=30)
+    assert code == 75, processes.output("stopped")  # stopped with its session open
+    with WriterClient(ctx, state_dir, "probe") as writer:
+        events = stream_events(writer, "stopped")
+        assert [p["call_id"] for e, p in events if e == "tool_result"] == ["1.0", "2.0"]
+    assert start_agent(processes, state_dir, "stopped").wait(timeout=30) == 0
+    assert tree(state_dir.agent_dir("stopped") / "workspace") == {
+        f"out/{i}.txt": f"pass {i}" for i in range(4)}
+    with WriterClient(ctx, state_dir, "probe") as writer:
+        events = stream_events(writer, "stopped")
+        assert [e for e, _ in events if e == "turn_aborted"] == []
+        assert [p["call_id"] for e, p in events if e == "tool_result"] == [
+            "1.0", "2.0", "3.0", "4.0", "5.0"]
 
 
 def test_an_approval_survives_sigkill_and_is_not_asked_twice(

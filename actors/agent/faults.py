@@ -14,9 +14,12 @@ recorded), `after_input_consumed` (consumption facts durable, no model
 request yet), `after_model_reply` (the model answered, its `turn` not
 recorded), `after_compaction_recorded` (a compaction's record is durable, its
 boundary is not; actors/agent/compaction.py).
-A fault fires once per agent: a marker file `faults/<point>@<call_id>` in the
-agent's directory is written and fsynced before the kill, so the restarted
-process goes past it. Unset (the normal case), `hit()` costs one dict lookup.
+A fault ends the process with SIGKILL; `<point>@<call_id>:term` sends it
+SIGTERM instead (an operator's stop at that point: the loop ends its step
+and stops as it would on `supervisor stop`). A fault fires once per agent:
+a marker file `faults/<point>@<call_id>` in the agent's directory is
+written and fsynced before the kill, so the restarted process goes past it.
+Unset (the normal case), `hit()` costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -34,14 +37,19 @@ POINTS = ("before_tool_call", "before_tool_start", "after_tool_start", "after_ef
 class Faults:
     def __init__(self, agent_dir: Path, spec: str | None = None) -> None:
         spec = os.environ.get(ENV_FAULT, "") if spec is None else spec
-        self.armed = frozenset(x.strip() for x in spec.split(",") if x.strip())
+        self.armed: dict[str, signal.Signals] = {}
+        for item in (x.strip() for x in spec.split(",")):
+            if item:
+                name, _, how = item.partition(":")
+                self.armed[name] = signal.SIGTERM if how == "term" else signal.SIGKILL
         self.marker_dir = agent_dir / "faults"
 
     def hit(self, point: str, call_id: str) -> None:
         if not self.armed:
             return
         name = f"{point}@{call_id}"
-        if name not in self.armed:
+        how = self.armed.get(name)
+        if how is None:
             return
         marker = self.marker_dir / name
         if marker.exists():
@@ -54,4 +62,4 @@ class Faults:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), how)

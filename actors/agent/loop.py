@@ -28,12 +28,14 @@ after a crash): `_append` folds a fact at once and keeps it pending, and
 `flush()` makes the pending facts durable. The loop flushes before anything
 leaves the process: before an effect (so `tool_start`, the intent, is durable
 before the write; before the handler of an op that is not `local`, which acts
-through another actor), before a call to a remote model, after a call's
-`tool_result` when it had an effect, before it waits or ends (`WAIT`, `DONE`).
-So a scripted step that writes a file pays two durable waits (`turn`,
-`tool_call`, `permission`, `tool_start` together; then `tool_result`) instead
-of five. A crash loses only facts nobody outside has seen; the restarted
-process derives them again from the same state, so recovery is the one above.
+through another actor), before a call to a remote model, after the
+`tool_result` of a call that was not local, before it waits or ends (`WAIT`,
+`DONE`). The `tool_result` of a local effect joins the next group
+(`_result_may_wait`). So a scripted step that writes a file pays one durable
+wait (the previous result with `turn`, `tool_call`, `permission`,
+`tool_start`) instead of five. A crash loses only facts nobody outside has
+seen; the restarted process derives them again from the same state, or
+settles a call whose result was lost by the abort rule above.
 
 Idempotency keys are derived from the state ("c3.0:result", "t4:turn"), so a
 redone append is written once. Secret arguments (a terminal's input) are
@@ -568,7 +570,7 @@ class AgentLoop:
             except OSError as exc:
                 outcome = Done({"error": exc.strerror or type(exc).__name__}, ok=False)
         self.faults.hit("after_effect", cid)
-        may_wait = track.result_may_wait(self.state.pipeline, call.index)
+        may_wait = self._result_may_wait(call)  # (before the result settles the step)
         self._result(call, op, outcome.status or ("ok" if outcome.ok else "error"),
                      outcome.result)
         if not local or (effect is not None and not may_wait):
@@ -578,6 +580,23 @@ class AgentLoop:
             self._append(event, payload, key=f"c{cid}:fact{j}")
         if outcome.ok and op.ends_session:
             self._exit("finished", str(getattr(op, "summary", "")))
+
+    def _result_may_wait(self, call: Call) -> bool:
+        """Whether the `tool_result` of a local effect may join the next group
+        of facts (made durable with the next intent, or before a remote model
+        call, a non-local op, a wait or an end) instead of on its own.
+
+        An agent's: yes. Nothing outside the process has seen the result: the
+        actions of a turn were all fixed by its reply (none reads another's
+        result), a remote model is called only after a flush, and an in-process
+        model (scripted, replay) answers from its cursor. Lost in a crash, the
+        call is found started without a result and the abort rule settles it
+        from the file digests, as it did for a crash between the effect and
+        the result's own flush. A pipeline step's: only when no later step of
+        its batch reads it (actors/pipelines/track.py: result_may_wait)."""
+        if self.state.pipeline is None:
+            return True
+        return track.result_may_wait(self.state.pipeline, call.index)
 
     def _plan_write(self, call: Call, write: Write) -> tuple[dict[str, Any], Write | Done]:
         """The effect to record; `Done` when the effect journal shows this very write

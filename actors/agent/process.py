@@ -195,6 +195,9 @@ def _run_loop(
                     reporter.beat(loop.values())  # the supervisor sees phase finished/closed
                 log.info("agent_done", reason=loop.state.exit_reason, turn=loop.state.turn)
                 return EXIT_OK
+        # stopped: what is pending is made durable, so a stop does not lose a
+        # result (a restart would settle its call by the abort rule instead)
+        loop.flush()
     except CorralError as exc:
         log.error("agent_loop_failed", error=str(exc))
         return EXIT_STOPPED
