@@ -1,6 +1,6 @@
 """The atomic multi-record append (`append_many`): one round trip, one
 fdatasync, consecutive seqs, all or none of it after a crash, idempotent as a
-whole; and the agent loop on it (two durable waits for a step that writes a
+whole; and the agent loop on it (one durable wait for a step that writes a
 file, recovery unchanged after a group is cut).
 
 A group is written as one group-commit batch (every record names the batch's
@@ -168,7 +168,7 @@ def _drive(loop: AgentLoop) -> None:
     raise AssertionError("the loop did not finish")
 
 
-def test_a_step_that_writes_a_file_pays_two_durable_appends(
+def test_a_step_that_writes_a_file_pays_one_durable_append(
     state_dir: StateDir, tmp_path: Path
 ) -> None:
     task = write_task(tmp_path / "t.yaml", STEPS, repeat=5)
@@ -180,9 +180,13 @@ def test_a_step_that_writes_a_file_pays_two_durable_appends(
     before = writer.many_calls
     while loop.state.turn < 2 or loop.state.open_turn is not None:  # turn 2 settled
         loop.step()
-    assert writer.many_calls - before == 2  # turn+tool_call+permission+tool_start; tool_result
+    # turn 1's tool_result (pending since its effect), turn 2's workspace tree,
+    # turn, tool_call, permission, tool_start: one group; turn 2's result waits
+    assert writer.many_calls - before == 1
     events = [r.event for r in writer.records if r.stream == "agent/a1"]
-    assert events[-5:] == ["turn", "tool_call", "permission", "tool_start", "tool_result"]
+    assert events[-6:] == ["tool_result", "workspace_tree", "turn", "tool_call", "permission",
+                           "tool_start"]
+    assert loop.state.open_turn is None and loop._pending  # (turn 2's result)
     _drive(loop)
     assert sorted(tree(loop.workspace)) == [f"f{i}.txt" for i in range(5)]
 
@@ -192,9 +196,10 @@ def test_an_agent_recovers_after_its_group_is_cut_from_the_wal(
     processes: ProcessTracker, state_dir: StateDir, ctx: zmq.Context[zmq.Socket[bytes]],
     tmp_path: Path,
 ) -> None:
-    """The real writer; the agent's last group (a turn with its call, its
-    permission and its intent) is cut from the WAL as a torn write would: the
-    restarted agent rebuilds without any of it, decides the turn again, and
+    """The real writer; the agent's last group (the previous call's result, a
+    turn with its call, its permission and its intent) is cut from the WAL as a
+    torn write would: the restarted agent rebuilds without any of it, settles
+    the previous call from its digests (applied), decides the turn again, and
     ends with the workspace of an uninterrupted run."""
     task = write_task(tmp_path / "t.yaml", STEPS, repeat=4)
     reference = StateDir(tmp_path / "ref" / ".corral").ensure()
@@ -219,8 +224,9 @@ def test_an_agent_recovers_after_its_group_is_cut_from_the_wal(
     first = next(i for i, x in enumerate(lines)
                  if json.loads(x)["event"] == "turn" and json.loads(x)["payload"]["turn"] == 3)
     record = parse_record(lines[first])
-    # the group: (the previous turn's workspace_tree, if its workspace changed,)
-    # turn, tool_call, permission, tool_start
+    # the group: the previous call's tool_result, (the previous turn's
+    # workspace_tree, if its workspace changed,) turn, tool_call, permission,
+    # tool_start
     assert record is not None and record.batch_first is not None
     assert record.batch_first <= record.seq and record.batch_last == record.seq + 3
     path.write_bytes(b"".join(lines[: first + 2]) + lines[first + 2][:10])  # torn in the group
@@ -231,9 +237,10 @@ def test_an_agent_recovers_after_its_group_is_cut_from_the_wal(
     with WriterClient(ctx, state_dir, "a1", timeout_s=2, retries=10) as client:
         loop = AgentLoop("a1", state_dir, spec(task), client)
         loop.rebuild()
-        assert loop.state.turn == 2 and loop.state.open_turn is None
+        assert loop.state.turn == 2 and loop.state.open_turn == 2  # 2.0 without a result
         _drive(loop)
         events = [(r.event, r.payload()) for r in client.read_stream("agent/a1")]
     assert tree(loop.workspace) == tree(ref.workspace)
-    assert [e for e, _ in events].count("turn_aborted") == 0
+    assert [(c["call_id"], c["effect_applied"]) for e, p in events if e == "turn_aborted"
+            for c in p["calls"]] == [("2.0", True)]  # type: ignore[index]
     assert [p["turn"] for e, p in events if e == "turn"] == [1, 2, 3, 4, 5]  # type: ignore[index]
