@@ -18,7 +18,7 @@ from actors.changesets import manifest as mf
 from actors.changesets.build import build
 from actors.changesets.snapshot import snapshot
 from actors.subagents import remotepack as rp
-from actors.subagents.remote import Transfers, chunks, materialise, remote_id
+from actors.subagents.remote import Transfers, chunks, materialise
 from broker import protocol
 from broker.errors import ChangeSetRefusedError
 
@@ -112,7 +112,7 @@ def _built(tmp_path: Path) -> tuple[bytes, dict[str, tuple[str, int]], str, str]
     (b_dir / "work/src/app.py").write_text("def welcome():\n    return 'hi'\n")
     (b_dir / "work/new.md").write_text("new\n")
     (b_dir / "work/gone.txt").unlink()
-    cid = remote_id("ha", "s-0123456789ab")
+    cid = "s-0123456789ab"  # the parent's host's id (host B builds with it)
     manifest = build(cid, index, b_dir / "work", b_dir, limits=mf.Limits())
     assert manifest.status == "ready"
     blobs = {c.after_sha256: (b_dir / mf.BLOBS / c.after_sha256).read_bytes()
@@ -163,7 +163,7 @@ def test_a_change_set_from_another_host_verifies_and_forgeries_are_refused(
         "bad digest": lambda: rp.verify_changeset(
             blob, "0" * 64, changeset_id=cid, base=base, base_sha256=digest,
             limits=mf.Limits()),
-        "another child": lambda: _verify(blob, base, digest, remote_id("ha", "s-ffffffffffff")),
+        "another child": lambda: _verify(blob, base, digest, "s-ffffffffffff"),
         "another base": lambda: _verify(blob, base, "1" * 64, cid),
         "patch swapped": lambda: _verify(_repacked(blob, {mf.PATCH: b"diff --git evil\n"}),
                                          base, digest, cid),

@@ -291,7 +291,8 @@ class SubagentsHost:
         else:
             if not (directory / mf.MANIFEST).exists():
                 # sealed from what was built in memory, not from the files
-                manifest = build(child.subagent_id, BaseIndex.load(directory / "base"),
+                manifest = build(child.remote_id or child.subagent_id,  # (the parent host's id)
+                                 BaseIndex.load(directory / "base"),
                                  directory / "work", directory, limits=self.limits,
                                  task_sha256=hashlib.sha256(child.task.encode()).hexdigest())
                 seal = mf.Seal.of(manifest)

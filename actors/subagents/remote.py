@@ -19,7 +19,8 @@ reply only from the host it asked, for a child it sent there. Lost frames
 (core NATS stores nothing) are made up for by the parent's spawn rounds: a
 resent spawn finds the same record, and nudges B (the offer again while B
 has not accepted it, else a poll that makes B send its change set again).
-B names the child from (A, A's id), so a resent offer finds the same child.
+B names the child from (A, A's id), so a resent offer finds the same child;
+its change set carries A's id, so A's receipt and facts name the child as A knows it.
 """
 
 from __future__ import annotations
@@ -386,8 +387,7 @@ class RemoteLink:
         base = BaseIndex.load(directory / "base")
         try:
             verified = remotepack.verify_changeset(
-                blob, message.pack_sha256, changeset_id=remote_id(str(self.host),
-                                                                  child.subagent_id),
+                blob, message.pack_sha256, changeset_id=child.subagent_id,
                 base={p: (e.sha256, e.mode) for p, e in base.entries.items()},
                 base_sha256=str(child.base_sha256), limits=self.owner.limits)
         except ChangeSetRefusedError as exc:
