@@ -206,6 +206,10 @@ def test_a_subagent_runs_on_another_host_and_its_change_set_applies_here(
         assert [c["remote_id"] for c in registry(other_state_dir)
                 if c["remote_id"] == first.subagent_id] == [first.subagent_id]
         on_b = first.subagent_id
+        # a host the fleet does not have: refused, typed (the bridge's host_unreachable)
+        unknown = spawn(probe, ws, child_task, f"nohost{hb[2:]}", "k-unknown", wait_s=10)
+        assert unknown.state == "failed", unknown
+        assert unknown.refusal is not None and "host_unreachable" in unknown.refusal
 
         # host C, played by the test: A places a child there, C answers with hostile frames
         before = stats(probe, "subagents")["remote_refused_total"]

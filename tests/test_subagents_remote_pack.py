@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -18,7 +20,7 @@ from actors.changesets import manifest as mf
 from actors.changesets.build import build
 from actors.changesets.snapshot import snapshot
 from actors.subagents import remotepack as rp
-from actors.subagents.remote import Transfers, chunks, materialise
+from actors.subagents.remote import RemoteLink, Transfers, chunks, materialise
 from broker import protocol
 from broker.errors import ChangeSetRefusedError
 
@@ -96,6 +98,30 @@ def test_transfers_join_chunks_and_refuse_what_does_not_fit() -> None:
     lying = protocol.SubagentChunk(pack_sha256=parts[0].pack_sha256, pack_bytes=len(blob),
                                    index=2, total=3, data=b"short")
     assert transfers.add("hb", lying) is not None
+
+
+def test_transfers_stay_bounded_in_bytes_and_count() -> None:
+    transfers = Transfers(max_bytes=1000)
+    for i in range(40):  # a host sending many packs it never finishes
+        data = bytes([i]) * 900
+        digest = rp.sha256(data)
+        assert transfers.add("hc", protocol.SubagentChunk(
+            pack_sha256=digest, pack_bytes=900, index=0, total=1, data=data)) is None
+    assert sum(t.size for t in transfers._open.values()) <= 2000
+    assert transfers.take("hc", digest) == data  # the newest is kept
+
+
+def test_placement_is_refused_unless_fleet_mode_allows_it() -> None:
+    owner: Any = SimpleNamespace(limits=mf.Limits())
+    off = RemoteLink(owner, None, True, rp.PackLimits())
+    assert off.placement(None) is None
+    assert _refused(lambda: off.placement("hb")) == "remote_off"  # not in fleet mode
+    closed = RemoteLink(owner, "ha", False, rp.PackLimits())
+    assert closed.placement("ha") is None  # this host: a local child
+    assert _refused(lambda: closed.placement("hb")) == "remote_off"
+    link = RemoteLink(owner, "ha", True, rp.PackLimits())
+    assert link.placement("hb") == "hb"
+    assert _refused(lambda: link.placement("auto")) == "placement"  # not built
 
 
 # --- change sets built elsewhere -------------------------------------------------------

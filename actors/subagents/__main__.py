@@ -88,6 +88,8 @@ def _handle(host: SubagentsHost, sender: str, message: protocol.Message) -> None
             elif isinstance(message, protocol.ApplySubagent):
                 reply = host.apply(message.msg_id, child)
             else:
+                if child.host is not None and child.state == "running":  # on another host:
+                    host.remote.nudge(child)  # its change set asked for again, if lost
                 msg_id, found = message.msg_id, child
                 host.defer(sender, lambda: found.state not in ("running", "exited"),
                            lambda: host.reply(msg_id, found), message.wait_s)

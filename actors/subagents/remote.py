@@ -106,9 +106,13 @@ class Transfers:
         key = (host, chunk.pack_sha256)
         transfer = self._open.get(key)
         if transfer is None:
-            if len(self._open) >= MAX_TRANSFERS:
+            # at most MAX_TRANSFERS packs and twice the bound in bytes: the oldest go
+            while self._open and (len(self._open) >= MAX_TRANSFERS or chunk.pack_bytes + sum(
+                    t.size for t in self._open.values()) > 2 * self.max_bytes):
                 del self._open[next(iter(self._open))]
             transfer = self._open[key] = _Transfer(total, chunk.pack_bytes, now)
+        elif transfer.size != chunk.pack_bytes:
+            return "chunk does not fit its pack (size)"
         transfer.parts[chunk.index] = chunk.data
         return None
 
