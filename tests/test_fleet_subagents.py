@@ -11,8 +11,9 @@ test plays a third host C (its own bus key, registered; a status entry in
 the fleet view) that A places a child on, and answers as C's subagents with
 hostile frames: a reply about a child A placed on B, a change set whose bytes
 do not match the digest announced, one over its bound, one built on another
-base; each is refused (counted, the child untouched), and A's subagents
-actor goes on serving.
+base, and offers of its own children whose snapshot has a `..` path or bytes
+that are not its digest; each is refused (counted, typed, the child
+untouched, nothing run), and A's subagents actor goes on serving.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import pytest
 import yaml
 import zmq
 
+from actors.agent.settings import read_spec
 from actors.subagents import remotepack as rp
 from actors.subagents.remote import chunks, remote_id
 from actors.writer.client import WriterClient
@@ -82,6 +84,7 @@ def remote_config(state_dir: StateDir, host: str, cluster: Cluster, keys: FleetK
             if k not in ("name", "kind", "fatal_exit_codes")}
     config["children"].append({"name": "subagents", "kind": "subagents", **fast})
     config["fleet"]["remote_subagents"] = True
+    config["agent"] = {"budget": {"tokens": 123_456, "cost_units": 77.0}}  # bounded
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -189,6 +192,18 @@ def test_a_subagent_runs_on_another_host_and_its_change_set_applies_here(
             assert not list(writer_a.read_stream(f"agent/remote-p.{mine['subagent_id']}"))
             receipt = json.loads((Path(mine["directory"]) / "application.json").read_text())
             assert receipt["changeset_id"] == mine["subagent_id"]
+            # the parent's remaining budget went with it, as it goes with a local child
+            local_child = next(c for c in registry(state_dir) if c["parent"] == "local-p")
+            local_spec = read_spec(state_dir, local_child["name"])
+            remote_spec = read_spec(other_state_dir, theirs[0]["name"])
+            assert local_spec is not None and remote_spec is not None
+            remote_budget, local_budget = remote_spec.settings.budget, local_spec.settings.budget
+            # what was left of the parent's (each parent's use differs by a little)
+            assert remote_budget.tokens is not None and local_budget.tokens is not None
+            assert remote_budget.cost_units is not None and local_budget.cost_units is not None
+            assert remote_budget.tokens <= 123_456 and remote_budget.cost_units < 77.0
+            assert abs(remote_budget.tokens - local_budget.tokens) < 1000
+            assert abs(remote_budget.cost_units - local_budget.cost_units) < 1.0
             sealed = [r.payload() for r in writer_a.read_stream("subagents/remote-p")
                       if r.event == "subagent_ended"]
             assert len(sealed) == 1, sealed
@@ -216,7 +231,8 @@ def test_a_subagent_runs_on_another_host_and_its_change_set_applies_here(
         offer = asyncio.run(_hostile_host(fleet_cluster.urls, keys, ha, hc, probe, ws,
                                           child_task, on_b, other_state_dir))
         after = stats(probe, "subagents")
-        assert after["remote_refused_total"] >= before + 4, (before, after)
+        assert after["remote_refused_total"] >= before + 6, (before, after)
+        assert after["remote_hosted_total"] == 0  # nothing of C's ran on A
         hostile = changes(probe, offer)
         assert hostile.state == "running" and hostile.manifest is None, hostile
         assert hostile.refusal is not None and "foreign_changeset" in hostile.refusal
@@ -332,6 +348,28 @@ async def _hostile_host(urls: list[str], keys: FleetKeys, ha: str, hc: str,  # n
         # the last one's refusal is on the child once A took all four (in order)
         wait_for(lambda: "foreign_changeset" in str(changes(probe, offer.subagent_id).refusal),
                  10, "A refusing C's change sets", interval_s=0.2)
+        # C offers A children of its own (A runs other hosts' children too): a snapshot
+        # with a path out of the workspace, and one whose bytes are not its digest
+        header = json.dumps({"files": [["../escape", 0o100644, 1, rp.sha256(b"x")]]}).encode()
+        escaping = rp.MAGIC + len(header).to_bytes(4, "big") + header + b"x"
+        good = rp.pack([rp.PackedFile("a.txt", 0o100644, b"a")])
+        answers: dict[str, str | None] = {}
+        for name, blob, digest in (("escape", escaping, rp.sha256(escaping)),
+                                   ("digest", good, "ef" * 32)):
+            for chunk in chunks(blob):
+                await send(chunk.model_copy(update={"pack_sha256": digest}))
+            await send(protocol.SubagentRemote(
+                msg_id=f"off-{name}", op="offer", subagent_id="s-aaaaaaaaaaaa", parent="p",
+                pack_sha256=digest, pack_bytes=len(blob), base_sha256="0" * 64,
+                task=b"steps: []", settings=b"{}"))
+        while len(answers) < 2:
+            _, message = await asyncio.wait_for(frames.get(), 10)
+            if isinstance(message, protocol.SubagentRemoteReply) and \
+                    message.msg_id.startswith("off-"):
+                assert message.state == "refused", message
+                answers[message.msg_id] = message.refusal
+        assert str(answers["off-escape"]).startswith("unsafe_path"), answers
+        assert str(answers["off-digest"]).startswith("digest_mismatch"), answers
         keeper.cancel()
         return offer.subagent_id
     finally:
