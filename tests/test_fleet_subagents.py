@@ -32,7 +32,8 @@ import zmq
 
 from actors.agent.settings import read_spec
 from actors.subagents import remotepack as rp
-from actors.subagents.remote import chunks, remote_id
+from actors.subagents.remote import remote_id
+from actors.subagents.transfers import chunks
 from actors.writer.client import WriterClient
 from broker import buskeys, protocol
 from broker.bridge import bus_key, bus_subject, sign

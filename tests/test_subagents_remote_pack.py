@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +21,8 @@ from actors.changesets import manifest as mf
 from actors.changesets.build import build
 from actors.changesets.snapshot import snapshot
 from actors.subagents import remotepack as rp
-from actors.subagents.remote import RemoteLink, Transfers, chunks, materialise
+from actors.subagents.remote import OFFER_FILE, RemoteLink, clamp_usage
+from actors.subagents.transfers import TASK_MAX, Transfers, chunks, materialise, read_task
 from broker import protocol
 from broker.errors import ChangeSetRefusedError
 
@@ -226,3 +228,30 @@ def test_a_change_set_from_another_host_verifies_and_forgeries_are_refused(
     }
     oversized = rp.pack([rp.PackedFile("blobs/" + "a" * 64, 0o100644, b"x" * (2 << 20))])
     assert _refused(lambda: _verify(oversized, base, digest, cid)) == "pack_too_large"
+
+
+def test_the_task_file_is_read_bounded_and_only_if_regular(tmp_path: Path) -> None:
+    (tmp_path / "task.yaml").write_text("steps: []\n")
+    assert read_task(tmp_path / "task.yaml") == b"steps: []\n"
+    (tmp_path / "big.yaml").write_bytes(b"#" * (TASK_MAX + 1))
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link.yaml").symlink_to(tmp_path / "task.yaml")
+    bounds = {}
+    for name in ("big.yaml", "fifo", "link.yaml", "absent.yaml"):
+        with pytest.raises(ChangeSetRefusedError) as info:
+            read_task(tmp_path / name)
+        bounds[name] = info.value.bound
+    assert bounds == {"big.yaml": "task_too_large", "fifo": "task", "link.yaml": "task",
+                      "absent.yaml": "task"}
+    with pytest.raises(ChangeSetRefusedError):
+        read_task(Path("/dev/zero"))  # never read without end
+
+
+def test_a_remote_host_cannot_charge_more_than_the_budget_it_was_sent(tmp_path: Path) -> None:
+    (tmp_path / OFFER_FILE).write_text(json.dumps(
+        {"settings": {"budget": {"tokens": 1000, "cost_units": 2.5}}}))
+    assert clamp_usage(tmp_path, 10**12, 1e9) == (1000, 2.5)
+    assert clamp_usage(tmp_path, 10, 0.5) == (10, 0.5)
+    (tmp_path / OFFER_FILE).write_text(json.dumps(
+        {"settings": {"budget": {"tokens": None, "cost_units": None}}}))
+    assert clamp_usage(tmp_path, 10**12, 1e9) == (10**12, 1e9)  # unbounded stays so

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,9 +36,10 @@ import structlog
 
 from actors.agent.settings import AgentSettings, AgentSpec, write_spec
 from actors.changesets import manifest as mf
-from actors.changesets.snapshot import BaseIndex, snapshot, write_all
+from actors.changesets.snapshot import BaseIndex, snapshot
 from actors.subagents import remotepack
 from actors.subagents.children import ChildRecord
+from actors.subagents.transfers import Transfers, chunks, materialise, read_task
 from broker import protocol, ratelimit
 from broker.errors import ChangeSetRefusedError
 
@@ -52,8 +51,6 @@ _limiter = ratelimit.LogLimiter(log.warning)
 ACTOR = "subagents"
 OFFER_FILE = "remote-offer.json"  # on A: what the offer carries besides the pack
 NUDGE_S = 1.0  # at most one offer or poll per child this often
-TRANSFER_TTL_S = 120.0  # a pack whose chunks stop coming is dropped after this
-MAX_TRANSFERS = 16  # packs being received at once (the oldest is dropped)
 
 
 def remote_id(origin: str, subagent_id: str) -> str:
@@ -64,65 +61,6 @@ def remote_id(origin: str, subagent_id: str) -> str:
 def remote_label(origin: str, parent: str) -> str:
     """The parent's name on the child's host (never a local agent's)."""
     return "r-" + hashlib.sha256(f"{origin}\0{parent}".encode()).hexdigest()[:12]
-
-
-def chunks(blob: bytes) -> list[protocol.SubagentChunk]:
-    digest = remotepack.sha256(blob)
-    size = protocol.CHUNK_BYTES
-    total = max(1, -(-len(blob) // size))
-    return [protocol.SubagentChunk(pack_sha256=digest, pack_bytes=len(blob), index=i,
-                                   total=total, data=blob[i * size:(i + 1) * size])
-            for i in range(total)]
-
-
-@dataclass
-class _Transfer:
-    total: int
-    size: int
-    started: float
-    parts: dict[int, bytes] = field(default_factory=dict)
-
-
-class Transfers:
-    """Packs being received, chunk by chunk, per (sending host, digest);
-    bounded in count, in bytes and in time."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._open: dict[tuple[str, str], _Transfer] = {}
-
-    def add(self, host: str, chunk: protocol.SubagentChunk) -> str | None:
-        """None, or why the chunk is refused."""
-        now = time.monotonic()
-        for key in [k for k, t in self._open.items() if now - t.started > TRANSFER_TTL_S]:
-            del self._open[key]
-        size = protocol.CHUNK_BYTES
-        total = max(1, -(-chunk.pack_bytes // size))
-        if chunk.pack_bytes > self.max_bytes:
-            return f"pack of {chunk.pack_bytes} bytes over the bound {self.max_bytes}"
-        expected = min(size, chunk.pack_bytes - chunk.index * size)
-        if chunk.total != total or chunk.index >= total or len(chunk.data) != max(0, expected):
-            return "chunk does not fit its pack (index, total or size)"
-        key = (host, chunk.pack_sha256)
-        transfer = self._open.get(key)
-        if transfer is None:
-            # at most MAX_TRANSFERS packs and twice the bound in bytes: the oldest go
-            while self._open and (len(self._open) >= MAX_TRANSFERS or chunk.pack_bytes + sum(
-                    t.size for t in self._open.values()) > 2 * self.max_bytes):
-                del self._open[next(iter(self._open))]
-            transfer = self._open[key] = _Transfer(total, chunk.pack_bytes, now)
-        elif transfer.size != chunk.pack_bytes:
-            return "chunk does not fit its pack (size)"
-        transfer.parts[chunk.index] = chunk.data
-        return None
-
-    def take(self, host: str, digest: str) -> bytes | None:
-        """The whole pack once every chunk came (removed), else None."""
-        transfer = self._open.get((host, digest))
-        if transfer is None or len(transfer.parts) != transfer.total:
-            return None
-        del self._open[(host, digest)]
-        return b"".join(transfer.parts[i] for i in range(transfer.total))
 
 
 def split_sender(sender: str) -> str | None:
@@ -171,9 +109,7 @@ class RemoteLink:
             raise ChangeSetRefusedError("pack_too_large", f"{len(files)} files, {total} bytes: "
                                         f"over {self.pack_limits.max_files} files or "
                                         f"{self.pack_limits.max_bytes} bytes")
-        task = Path(child.task).read_bytes()
-        if len(task) > 64 * 1024:
-            raise ChangeSetRefusedError("task_too_large", f"{len(task)} bytes over 65536")
+        task = read_task(Path(child.task))
         child.base_sha256 = remotepack.base_digest(files)
         mf.write_once(directory / OFFER_FILE, json.dumps({
             "task": task.decode("utf-8", "surrogateescape"), "backend": backend,
@@ -405,7 +341,8 @@ class RemoteLink:
             mf.write_once(directory / mf.PATCH, verified.patch)
         mf.write_once(directory / mf.MANIFEST, verified.manifest_bytes)  # last: complete
         child.exit_code = message.exit_code
-        child.tokens_used, child.cost_used = message.tokens_used, message.cost_used
+        child.tokens_used, child.cost_used = clamp_usage(directory, message.tokens_used,
+                                                         message.cost_used)
         child.state, child.refusal = "ended", None
         self.owner.counts["ended"] += 1
         self._ended_fact(child, mf.Seal.of(verified.manifest, verified.manifest_bytes),
@@ -417,7 +354,8 @@ class RemoteLink:
               message: protocol.SubagentRemoteReply | None = None) -> None:
         child.state, child.refusal, child.exit_code = "failed", refusal[:2000], exit_code
         if message is not None:
-            child.tokens_used, child.cost_used = message.tokens_used, message.cost_used
+            child.tokens_used, child.cost_used = clamp_usage(
+                Path(child.directory), message.tokens_used, message.cost_used)
         self.owner.counts["failed"] += 1
         self._ended_fact(child, None, None)
         log.warning("subagent_remote_failed", subagent_id=child.subagent_id, host=child.host,
@@ -453,17 +391,13 @@ class RemoteLink:
             self._fail(child, f"{code.value}: {detail}", None)
 
 
-def materialise(root: Path, files: list[remotepack.PackedFile]) -> None:
-    """Write verified files under a new directory `root` (it must not exist):
-    paths were checked (no `..`, absolute, `.git`, ...) and nothing but what
-    is written here is in it, so no link can be on the way."""
-    root.mkdir(parents=True)
-    for item in files:
-        target = root.joinpath(*item.path.split("/"))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o755 if item.mode == 0o100755 else 0o644)
-        try:
-            write_all(fd, item.data)
-        finally:
-            os.close(fd)
+def clamp_usage(directory: Path, tokens: int, cost: float) -> tuple[int, float]:
+    """The usage another host reports, at most the budget the child was given
+    (a host cannot charge a parent more than it sent)."""
+    try:
+        budget = json.loads((directory / OFFER_FILE).read_bytes())["settings"]["budget"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return tokens, cost
+    limit_tokens, limit_cost = budget.get("tokens"), budget.get("cost_units")
+    return (tokens if limit_tokens is None else min(tokens, int(limit_tokens)),
+            cost if limit_cost is None else min(cost, float(limit_cost)))
