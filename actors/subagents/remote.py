@@ -387,7 +387,8 @@ class RemoteLink:
             "declared dead" in detail or "no such host" in detail)
         if gone or (str(error.msg_id).startswith("ro-") and code in (
                 protocol.ErrorCode.FORBIDDEN, protocol.ErrorCode.INVALID_MESSAGE,
-                protocol.ErrorCode.FRAME_TOO_LARGE)):
+                protocol.ErrorCode.FRAME_TOO_LARGE, protocol.ErrorCode.MALFORMED_FRAME)):
+            # (malformed: this broker has no bridge, so HOST:NAME is no name to it)
             self._fail(child, f"{code.value}: {detail}", None)
 
 
