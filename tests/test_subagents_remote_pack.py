@@ -255,3 +255,13 @@ def test_a_remote_host_cannot_charge_more_than_the_budget_it_was_sent(tmp_path: 
     (tmp_path / OFFER_FILE).write_text(json.dumps(
         {"settings": {"budget": {"tokens": None, "cost_units": None}}}))
     assert clamp_usage(tmp_path, 10**12, 1e9) == (10**12, 1e9)  # unbounded stays so
+
+
+def test_the_subagents_actor_gets_remote_children_only_when_the_config_says() -> None:
+    from supervisor.fleetconfig import FleetConfig
+
+    assert FleetConfig().subagents_args() == []  # one host on its own
+    urls = ["nats://127.0.0.1:4222"]
+    assert FleetConfig(host="h1", urls=urls).subagents_args() == ["--fleet-host", "h1"]
+    assert FleetConfig(host="h1", urls=urls, remote_subagents=True).subagents_args() == [
+        "--fleet-host", "h1", "--remote-subagents"]
