@@ -500,7 +500,8 @@ class Bridge:
                             claimed_from=str((msg.headers or {}).get(H_FROM, ""))[:140],
                             bytes=len(body), refused_total=self.refused_total)
             return
-        if to in auth.RESERVED:
+        if to in auth.RESERVED and not (to == auth.SUBAGENTS and sender.endswith(":subagents")):
+            # (one host's subagents actor to another's: remote children, docs/fleet.md)
             await self._error_back(to, sender, body, protocol.ErrorCode.FORBIDDEN,
                                    f"{to} serves only its own host's actors")
             return

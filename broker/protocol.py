@@ -535,6 +535,8 @@ class SpawnSubagent(_Message):
     # same key (a retry, or the same call redone after the parent crashed)
     # names the same child. None: the msg_id is the key.
     key: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")] | None = None
+    # fleet mode: the host the child runs on (docs/fleet.md); None: this host
+    host: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")] | None = None
 
 
 class SubagentChanges(_Message):
@@ -571,6 +573,55 @@ class SubagentReply(_Message):
     refusal: Annotated[str, Field(max_length=2000)] | None = None
     tokens_used: Annotated[int, Field(ge=0)] = 0  # the child's model usage (the parent's budget)
     cost_used: Annotated[float, Field(ge=0)] = 0.0
+
+
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+CHUNK_BYTES = 512 * 1024  # one `subagent_chunk`'s data (under the frame limit)
+
+
+class SubagentRemote(_Message):
+    """From one host's subagents actor to another's (docs/fleet.md, "Subagents
+    on another host"): `offer` a child on the snapshot whose pack went ahead
+    in `subagent_chunk`s, or `poll` it (the reply re-sends its change set)."""
+
+    kind: Literal["subagent_remote"] = "subagent_remote"
+    msg_id: MsgId
+    op: Literal["offer", "poll"]
+    subagent_id: SubagentId  # as the parent's host named it
+    parent: ActorName
+    pack_bytes: Annotated[int, Field(ge=0, le=2**40)] = 0
+    pack_sha256: Sha256Hex | None = None
+    base_sha256: Sha256Hex | None = None
+    task: Annotated[bytes, Field(max_length=64 * 1024)] | None = None  # the task file's text
+    settings: Annotated[bytes, Field(max_length=64 * 1024)] | None = None  # AgentSettings JSON
+    backend: Literal["scripted", "replay", "openai", "pipeline"] = "scripted"
+
+
+class SubagentChunk(_Message):
+    """One piece of a pack crossing hosts (a notice: never answered)."""
+
+    kind: Literal["subagent_chunk"] = "subagent_chunk"
+    pack_sha256: Sha256Hex
+    pack_bytes: Annotated[int, Field(ge=0, le=2**40)]
+    index: Annotated[int, Field(ge=0, lt=65_536)]
+    total: Annotated[int, Field(ge=1, le=65_536)]
+    data: Annotated[bytes, Field(max_length=CHUNK_BYTES)]
+
+
+class SubagentRemoteReply(_Message):
+    """A remote child's state; `ended` names the pack of its change set
+    (sent ahead in `subagent_chunk`s); `refusal` says why it cannot run."""
+
+    kind: Literal["subagent_remote_reply"] = "subagent_remote_reply"
+    msg_id: MsgId
+    subagent_id: SubagentId
+    state: Literal["running", "ended", "failed", "incomplete", "refused"]
+    exit_code: int | None = None
+    pack_sha256: Sha256Hex | None = None
+    pack_bytes: Annotated[int, Field(ge=0, le=2**40)] = 0
+    tokens_used: Annotated[int, Field(ge=0)] = 0
+    cost_used: Annotated[float, Field(ge=0)] = 0.0
+    refusal: Annotated[str, Field(max_length=2000)] | None = None
 
 
 Message = Annotated[
@@ -614,7 +665,10 @@ Message = Annotated[
     | SpawnSubagent
     | SubagentChanges
     | ApplySubagent
-    | SubagentReply,
+    | SubagentReply
+    | SubagentRemote
+    | SubagentChunk
+    | SubagentRemoteReply,
     Field(discriminator="kind"),
 ]
 
@@ -633,7 +687,8 @@ REPLY_KINDS = frozenset(
     {
         "error", "pong", "append_ok", "records", "stats", "ready", "heartbeat",
         "status_reply", "ack", "proc_status", "proc_output", "subagent_reply",
-        "reload_reply", "append_many_ok", "mcp_reply",
+        "reload_reply", "append_many_ok", "mcp_reply", "subagent_chunk",
+        "subagent_remote_reply",
     }
 )
 REQUEST_KINDS = frozenset(
@@ -643,7 +698,7 @@ REQUEST_KINDS = frozenset(
         "remove_request", "reload_request", "spawn_request", "bash", "bash_start",
         "bash_poll", "bash_kill", "terminal_start", "terminal_input", "terminal_read",
         "terminal_end", "session_end", "spawn_subagent", "subagent_changes",
-        "apply_subagent", "mcp_request",
+        "apply_subagent", "mcp_request", "subagent_remote",
     }
 )
 

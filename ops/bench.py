@@ -31,6 +31,7 @@ SUITES = {
     "compaction": "ops.bench_compaction",
     "fleet": "ops.bench_fleet",
     "bridge": "ops.bench_bridge",  # messages between hosts (docs/fleet.md)
+    "subagents-remote": "ops.bench_subagents_remote",  # a child on another host
     "pipeline": "ops.bench_pipeline",
 }
 

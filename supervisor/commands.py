@@ -50,7 +50,7 @@ def argv_for(spec: ChildSpec, config: Config, state_dir: StateDir) -> list[str]:
         argv += ["--name", spec.name, *log_args(config),
                  "--heartbeat-interval-ms", str(config.heartbeat.interval_ms)]
     else:  # subagents (the host hands them on to its child agents)
-        argv += log_args(config)
+        argv += [*log_args(config), *config.fleet.subagents_args()]
     return argv
 
 

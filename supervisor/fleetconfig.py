@@ -59,6 +59,9 @@ class FleetConfig(_Strict):
     operator_public_key: str | None = None  # the operator's Ed25519 public key (a file)
     bus_secret: str | None = None  # the hosts' shared secret (a file): bus frames' MAC
     max_agents: Annotated[int, Field(ge=0)] = 0  # placement: a host this full declines; 0: no cap
+    # an agent's subagent may run on another host, and this host runs other hosts'
+    # (docs/fleet.md, "Subagents on another host"); off: every child runs here
+    remote_subagents: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +126,13 @@ class FleetConfig(_Strict):
             key += ["--fleet-operator-public-key", self.operator_public_key]
         return [*self._cluster_args(), *key,
                 "--fleet-view-interval-s", str(min(1.0, self.host_ttl_s / 3))]
+
+    def subagents_args(self) -> list[str]:
+        """The subagents actor's: this host's name, and whether children cross hosts."""
+        if self.host is None:
+            return []
+        return ["--fleet-host", self.host, *(["--remote-subagents"] if self.remote_subagents
+                                             else [])]
 
     def _cluster_args(self) -> list[str]:
         assert self.host is not None

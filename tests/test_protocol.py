@@ -225,6 +225,24 @@ BUILDERS: dict[str, st.SearchStrategy[p._Message]] = {
             receipt=st.none() | st.binary(max_size=64), refusal=st.none() | st.text(max_size=50),
             tokens_used=st.integers(0, 2**40), cost_used=st.floats(0, 1e9),
         ),
+        "subagent_remote": st.builds(  # between hosts (docs/fleet.md)
+            p.SubagentRemote, msg_id=msg_ids, op=st.sampled_from(["offer", "poll"]),
+            subagent_id=subagent_ids, parent=actors,
+            pack_sha256=st.none() | st.from_regex(r"\A[0-9a-f]{64}\Z"),
+            pack_bytes=st.integers(0, 2**40), task=st.none() | st.binary(max_size=64),
+            settings=st.none() | st.binary(max_size=64),
+        ),
+        "subagent_chunk": st.builds(
+            p.SubagentChunk, pack_sha256=st.from_regex(r"\A[0-9a-f]{64}\Z"),
+            pack_bytes=st.integers(0, 2**40), index=st.integers(0, 65_535),
+            total=st.integers(1, 65_536), data=st.binary(max_size=64),
+        ),
+        "subagent_remote_reply": st.builds(
+            p.SubagentRemoteReply, msg_id=msg_ids, subagent_id=subagent_ids,
+            state=st.sampled_from(["running", "ended", "failed", "incomplete", "refused"]),
+            exit_code=st.none() | st.integers(-64, 255), pack_bytes=st.integers(0, 2**40),
+            refusal=st.none() | st.text(max_size=50),
+        ),
     },
     **{  # MCP servers through procs (docs/mcp.md)
         "mcp_request": st.builds(
@@ -452,6 +470,9 @@ TEMPLATES: list[p._Message] = [
     p.SubagentChanges(msg_id="m", parent="a", subagent_id="latest"),
     p.ApplySubagent(msg_id="m", parent="a", subagent_id="latest"),
     p.SubagentReply(msg_id="m", subagent_id="s-0123456789ab", state="running"),
+    p.SubagentRemote(msg_id="m", op="poll", subagent_id="s-0123456789ab", parent="a"),
+    p.SubagentChunk(pack_sha256="0" * 64, pack_bytes=1, index=0, total=1, data=b"x"),
+    p.SubagentRemoteReply(msg_id="m", subagent_id="s-0123456789ab", state="running"),
     p.McpRequest(msg_id="m", action="call", server="s", tool="t", arguments=b"{}"),
     p.McpReply(msg_id="m", ok=True, error=None, detail="", body=b"{}"),
 ]

@@ -24,6 +24,7 @@ import zmq
 
 from actors.changesets.manifest import Limits
 from actors.subagents.host import ACTOR_NAME, SubagentsHost
+from actors.subagents.remotepack import PackLimits
 from actors.writer.client import WriterClient
 from broker import lifeline, logconfig, protocol, ratelimit
 from broker.control import ControlReporter
@@ -40,6 +41,13 @@ _limiter = ratelimit.LogLimiter(_log.warning)
 
 
 def handle(host: SubagentsHost, sender: str, message: protocol.Message) -> None:
+    try:  # another host's subagents actor (docs/fleet.md, "Subagents on another host")
+        if host.remote.take(sender, message):
+            return
+    except Exception:  # noqa: BLE001 - a hostile frame stops nothing: logged (rate limited)
+        if _limiter.allow():
+            _log.exception("remote_frame_failed", kind=message.kind, sender=sender[:140])
+        return
     if protocol.is_reply(message):
         return  # an error (or any reply) nobody here asked for: never answered
     try:
@@ -80,6 +88,8 @@ def _handle(host: SubagentsHost, sender: str, message: protocol.Message) -> None
             elif isinstance(message, protocol.ApplySubagent):
                 reply = host.apply(message.msg_id, child)
             else:
+                if child.host is not None and child.state == "running":  # on another host:
+                    host.remote.nudge(child)  # its change set asked for again, if lost
                 msg_id, found = message.msg_id, child
                 host.defer(sender, lambda: found.state not in ("running", "exited"),
                            lambda: host.reply(msg_id, found), message.wait_s)
@@ -125,7 +135,8 @@ class _Wakeup:
 
 
 def serve(state: StateDir, limits: Limits, *, use_zygote: bool = True,
-          log_args: list[str] | None = None) -> int:
+          log_args: list[str] | None = None, fleet_host: str | None = None,
+          remote: bool = False, pack_limits: PackLimits | None = None) -> int:
     log = structlog.get_logger(ACTOR_NAME)
     wake = _Wakeup()
     if use_zygote:
@@ -141,7 +152,8 @@ def serve(state: StateDir, limits: Limits, *, use_zygote: bool = True,
     writer = WriterClient(ctx, state, origin=ACTOR_NAME)
     try:
         host = SubagentsHost(state, peer, writer, limits, use_zygote=use_zygote,
-                             log_args=log_args)
+                             log_args=log_args, fleet_host=fleet_host, remote=remote,
+                             pack_limits=pack_limits)
         host.watch = reporter
         if reporter is not None:
             reporter.ready()
@@ -190,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-patch-bytes", type=int, default=512 * 1024)
     parser.add_argument("--no-zygote", action="store_true",
                         help="start every child as a fresh interpreter (slow; for baselines)")
+    # fleet mode (docs/fleet.md, "Subagents on another host")
+    parser.add_argument("--fleet-host", default=None, help="this host's name in the fleet")
+    parser.add_argument("--remote-subagents", action="store_true",
+                        help="place children on other hosts and run theirs here")
+    parser.add_argument("--remote-max-files", type=int, default=PackLimits.max_files)
+    parser.add_argument("--remote-max-bytes", type=int, default=PackLimits.max_bytes)
     args = parser.parse_args(argv)
     try:
         state = StateDir.at(args.state_dir).ensure()
@@ -203,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     # child agents log like their host
     log_args = ["--log-level", args.log_level, "--log-max-bytes", str(args.log_max_bytes),
                 "--log-backups", str(args.log_backups)]
-    return serve(state, limits, use_zygote=not args.no_zygote, log_args=log_args)
+    return serve(state, limits, use_zygote=not args.no_zygote, log_args=log_args,
+                 fleet_host=args.fleet_host, remote=args.remote_subagents,
+                 pack_limits=PackLimits(max_files=args.remote_max_files,
+                                        max_bytes=args.remote_max_bytes))
 
 
 if __name__ == "__main__":

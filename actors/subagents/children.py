@@ -35,6 +35,16 @@ class ChildRecord:
     starts: int = 0
     tokens_used: int = 0
     cost_used: float = 0.0
+    # a child on another host (actors/subagents/remote.py): on the parent's host,
+    # `host` (where it runs), `accepted` (that host took it), `base_sha256` (of the
+    # snapshot sent); on the child's host, `origin` (the parent's host) and
+    # `remote_id` (the id the parent's host gave it); `refusal`: why it failed
+    host: str | None = None
+    accepted: bool = False
+    base_sha256: str | None = None
+    origin: str | None = None
+    remote_id: str | None = None
+    refusal: str | None = None
 
 
 class Children:

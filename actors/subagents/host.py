@@ -44,6 +44,8 @@ from actors.procs import launch
 from actors.procs.client import end_session_quietly
 from actors.subagents.children import ChildRecord, Children
 from actors.subagents.ops import task_path
+from actors.subagents.remote import RemoteLink
+from actors.subagents.remotepack import PackLimits
 from actors.subagents.starter import ChildStarter
 from actors.writer.client import WriterClient
 from broker import lifeline, protocol
@@ -81,6 +83,9 @@ class SubagentsStats(BaseModel):
     zygote_forks_total: int  # children forked by the host's zygote
     interpreter_starts_total: int  # children started as fresh interpreters (the fallback)
     zygote_ready: int  # 1 while the host's zygote is up and preloaded
+    remote_placed_total: int = 0  # children this host placed on other hosts
+    remote_hosted_total: int = 0  # other hosts' children run here
+    remote_refused_total: int = 0  # frames of other hosts refused (docs/fleet.md)
 
 
 @dataclass
@@ -94,7 +99,8 @@ class _Deferred:
 class SubagentsHost:
     def __init__(self, state: StateDir, peer: BrokerPeer, writer: WriterClient,
                  limits: Limits, *, use_zygote: bool = True,
-                 log_args: list[str] | None = None) -> None:
+                 log_args: list[str] | None = None, fleet_host: str | None = None,
+                 remote: bool = False, pack_limits: PackLimits | None = None) -> None:
         self.state = state
         self.peer = peer
         self.writer = writer
@@ -105,6 +111,7 @@ class SubagentsHost:
         self._deferred: list[_Deferred] = []
         self.counts = {"spawned": 0, "ended": 0, "failed": 0, "applied": 0, "refused": 0}
         self.watch: CallWatch | None = None  # the heartbeat, told about blocking appends
+        self.remote = RemoteLink(self, fleet_host, remote, pack_limits or PackLimits())
         self.starter.start_zygote()  # it preloads while the host recovers and waits
         self._recover()
 
@@ -118,7 +125,7 @@ class SubagentsHost:
     def _recover(self) -> None:
         for child in self.children.records.values():
             directory = Path(child.directory)
-            if child.state == "running":
+            if child.state == "running" and child.host is None:  # (remote: B runs it)
                 self._start(child)  # the agent resumes from its stream
             elif child.state == "exited":
                 self._build(child)
@@ -148,7 +155,10 @@ class SubagentsHost:
         subagent_id = f"s-{digest[:12]}"
         existing = self.children.records.get(subagent_id)
         if existing is not None:
+            if existing.host is not None and existing.state == "running":
+                self.remote.nudge(existing)  # a lost offer or change set: asked again
             return existing
+        placed = self.remote.placement(message.host)  # None: here; refused: typed
         workspace = Path(message.workspace)
         if not workspace.is_absolute() or not workspace.is_dir():
             raise ChangeSetRefusedError("invalid_workspace",
@@ -173,6 +183,10 @@ class SubagentsHost:
                  elapsed_ms=round((time.monotonic() - started) * 1000, 1))
         name = f"{message.parent}.{subagent_id}"
         backend = parent_spec.backend if parent_spec is not None else "scripted"
+        if placed is not None:
+            return self._place(message, placed, directory, task,
+                               settings.model_copy(update={"budget": budget}), backend,
+                               len(index.entries))
         write_spec(self.state, name, AgentSpec(
             task=task, backend=backend, workspace=str(directory / "work"),
             parent_agent=message.parent,
@@ -192,6 +206,29 @@ class SubagentsHost:
             raise
         self.counts["spawned"] += 1
         return child
+
+    def _place(self, message: protocol.SpawnSubagent, placed: str,  # noqa: PLR0917
+               directory: Path, task: str, settings: AgentSettings, backend: str,
+               files: int) -> ChildRecord:
+        """A child on host `placed` (actors/subagents/remote.py): its snapshot
+        goes there; its change set comes back into `directory`."""
+        subagent_id = directory.name
+        child = ChildRecord(subagent_id=subagent_id, parent=message.parent,
+                            name=f"{message.parent}.{subagent_id}", directory=str(directory),
+                            workspace=message.workspace, task=task, host=placed)
+        self.remote.place(child, settings, backend)
+        self.record(child.parent, "subagent_spawned", {
+            "subagent_id": subagent_id, "child": child.name, "descriptor": message.descriptor,
+            "task": task, "files": files, "host": placed,
+        }, f"{subagent_id}:spawned")
+        self.children.records[subagent_id] = child
+        self.children.save()
+        self.counts["spawned"] += 1
+        self.remote.nudge(child, force=True)
+        return child
+
+    def start_child(self, child: ChildRecord) -> None:
+        self._start(child)
 
     def remaining_budget(self, parent: str, limit: Budget) -> Budget:
         """What is left of `parent`'s bounds now (its stream is folded only when
@@ -254,7 +291,8 @@ class SubagentsHost:
         else:
             if not (directory / mf.MANIFEST).exists():
                 # sealed from what was built in memory, not from the files
-                manifest = build(child.subagent_id, BaseIndex.load(directory / "base"),
+                manifest = build(child.remote_id or child.subagent_id,  # (the parent host's id)
+                                 BaseIndex.load(directory / "base"),
                                  directory / "work", directory, limits=self.limits,
                                  task_sha256=hashlib.sha256(child.task.encode()).hexdigest())
                 seal = mf.Seal.of(manifest)
@@ -274,6 +312,7 @@ class SubagentsHost:
         self.children.save()
         log.info("subagent_ended", subagent_id=child.subagent_id, exit_code=child.exit_code,
                  status=manifest.status if manifest else None)
+        self.remote.ended(child)  # another host's child: its change set goes back
 
     def settle(self) -> None:
         now = time.monotonic()
@@ -308,7 +347,8 @@ class SubagentsHost:
         return protocol.SubagentReply(
             msg_id=msg_id, subagent_id=child.subagent_id, state=state,  # type: ignore[arg-type]
             exit_code=child.exit_code, manifest=read(mf.MANIFEST), patch=read(mf.PATCH),
-            receipt=read(mf.RECEIPT), refusal=refusal, tokens_used=child.tokens_used,
+            receipt=read(mf.RECEIPT), refusal=refusal or child.refusal,
+            tokens_used=child.tokens_used,
             cost_used=child.cost_used,
         )
 
@@ -350,6 +390,9 @@ class SubagentsHost:
             zygote_forks_total=self.starter.counts["zygote"],
             interpreter_starts_total=self.starter.counts["interpreter"],
             zygote_ready=int(self.starter.zygote_ready()),
+            remote_placed_total=self.remote.counts["placed"],
+            remote_hosted_total=self.remote.counts["hosted"],
+            remote_refused_total=self.remote.counts["refused"],
         )
 
     def shutdown(self, wake_fd: int) -> None:

@@ -88,6 +88,8 @@ class SpawnSubagentOp(OpBase):
     task: Annotated[str, Field(min_length=1, max_length=4096)]
     descriptor: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_\-]{0,31}$")] = "child"
     wait_s: Annotated[float, Field(gt=0, le=3600)] = 600.0
+    # fleet mode: the host the child runs on (docs/fleet.md); absent: this host
+    host: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")] | None = None
     command_field: ClassVar[str | None] = "task"
     replay_safe: ClassVar[bool] = True
 
@@ -135,7 +137,8 @@ def spawn_subagent(op: SpawnSubagentOp, ctx: OpContext) -> Outcome:
         wait_s = max(0.0, min(SPAWN_ROUND_S, deadline - time.monotonic()))
         message = protocol.SpawnSubagent(msg_id=new_msg_id("sa"), parent=ctx.agent,
                                          workspace=str(ctx.workspace.resolve()), task=task,
-                                         descriptor=op.descriptor, wait_s=wait_s, key=key)
+                                         descriptor=op.descriptor, wait_s=wait_s, key=key,
+                                         host=op.host)
         reply = _request(ctx, message, wait_s + REPLY_MARGIN_S, retries=HOST_RESTART_RETRIES)
         if not isinstance(reply, protocol.SubagentReply):
             return reply
