@@ -21,7 +21,7 @@ from actors.changesets import manifest as mf
 from actors.changesets.build import build
 from actors.changesets.snapshot import snapshot
 from actors.subagents import remotepack as rp
-from actors.subagents.remote import OFFER_FILE, RemoteLink, clamp_usage
+from actors.subagents.remote import OFFER_FILE, RemoteLink, clamp_usage, split_sender
 from actors.subagents.transfers import TASK_MAX, Transfers, chunks, materialise, read_task
 from broker import protocol
 from broker.errors import ChangeSetRefusedError
@@ -124,6 +124,23 @@ def test_placement_is_refused_unless_fleet_mode_allows_it() -> None:
     link = RemoteLink(owner, "ha", True, rp.PackLimits())
     assert link.placement("hb") == "hb"
     assert _refused(lambda: link.placement("auto")) == "placement"  # not built
+
+
+@pytest.mark.parametrize("backend", ["replay", "pipeline"])
+def test_a_child_from_another_host_may_not_read_this_hosts_streams_by_name(
+        backend: str) -> None:
+    """`replay` replays a stream of this host and `pipeline` runs a run file
+    of it, both named by the offer: refused before any chunk is looked at
+    (none was sent here: a check after the chunks would answer "incomplete")."""
+    owner: Any = SimpleNamespace(limits=mf.Limits())
+    link = RemoteLink(owner, "hb", True, rp.PackLimits())
+    offer = protocol.SubagentRemote(
+        msg_id="m-1", op="offer", subagent_id="s-0123456789ab", parent="p1",
+        pack_sha256="0" * 64, base_sha256="0" * 64, task=b"steps: []",
+        settings=b"{}", backend=backend)  # type: ignore[arg-type]
+    origin = split_sender("ha:subagents")
+    assert origin == "ha"
+    assert _refused(lambda: link._host_child(origin, offer)) == "backend_refused"
 
 
 # --- change sets built elsewhere -------------------------------------------------------

@@ -51,6 +51,10 @@ _limiter = ratelimit.LogLimiter(log.warning)
 ACTOR = "subagents"
 OFFER_FILE = "remote-offer.json"  # on A: what the offer carries besides the pack
 NUDGE_S = 1.0  # at most one offer or poll per child this often
+# the models a child from another host may run on: `replay` and `pipeline` read
+# this host's streams and files by name (a replayed stream, a run file), which
+# another host must not choose
+REMOTE_BACKENDS = frozenset({"scripted", "openai"})
 
 
 def remote_id(origin: str, subagent_id: str) -> str:
@@ -109,6 +113,9 @@ class RemoteLink:
             raise ChangeSetRefusedError("pack_too_large", f"{len(files)} files, {total} bytes: "
                                         f"over {self.pack_limits.max_files} files or "
                                         f"{self.pack_limits.max_bytes} bytes")
+        if backend not in REMOTE_BACKENDS:
+            raise ChangeSetRefusedError("backend_refused", f"a {backend} agent's child runs "
+                                        "on its own host only")
         task = read_task(Path(child.task))
         child.base_sha256 = remotepack.base_digest(files)
         mf.write_once(directory / OFFER_FILE, json.dumps({
@@ -214,6 +221,9 @@ class RemoteLink:
                 or message.settings is None:
             raise ChangeSetRefusedError("malformed_offer", "an offer without pack, base, task "
                                         "or settings")
+        if message.backend not in REMOTE_BACKENDS:
+            raise ChangeSetRefusedError("backend_refused", f"backend {message.backend}: a child "
+                                        "from another host runs on scripted or openai only")
         blob = self.transfers.take(origin, message.pack_sha256)
         if blob is None:
             return None
