@@ -3,7 +3,10 @@ child every few hundred milliseconds, then prove that nothing acknowledged was
 lost.
 
     python ops/soak.py --duration S --agents N --kill-interval-ms I [--seed X] [--json]
-    python ops/soak.py --hosts 3 --kill-host-interval-ms I [--duration S]   (ops/soak_fleet.py)
+    python ops/soak.py --hosts 3 --kill-host-interval-ms I [--agents N] [--duration S]
+        real fleet hosts, whole-host kills and adoption (ops/soak_hosts.py)
+    python ops/soak.py --hosts 3 --kill-host-interval-ms I --writers-only [--duration S]
+        fleet-mode writers and appenders only (ops/soak_fleet.py)
 
 It starts `supervisor up` in a fresh state directory with N agents on the soak
 task (config/tasks/soak.yaml), kills children of every kind (agents, writer,
@@ -289,10 +292,14 @@ def violations(figures: dict[str, object]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--hosts" in argv:  # the fleet soak (ops/soak_fleet.py, docs/fleet.md)
+    if "--hosts" in argv and "--writers-only" in argv:  # writers only (ops/soak_fleet.py)
         from ops import soak_fleet
 
-        return soak_fleet.main(argv)
+        return soak_fleet.main([a for a in argv if a != "--writers-only"])
+    if "--hosts" in argv:  # real hosts, host kills, adoption (ops/soak_hosts.py, docs/fleet.md)
+        from ops import soak_hosts
+
+        return soak_hosts.main(argv)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -1,0 +1,270 @@
+"""The invariants of the fleet soak with real hosts (ops/soak_hosts.py), checked
+once the live hosts have stopped, against every host incarnation's stream (read
+back from the cluster), local WAL, ack journals and supervisor log:
+
+- `lost`: an append a client saw acknowledged (its journal) that is not in
+  its host's stream at that seq with that origin and key;
+- `duplicates`: an (origin, key) twice in a stream or a local WAL;
+  `stream_gaps`: a stream's batches not gapless from seq 1;
+  `stream_mismatches`: a stream record that is not byte for byte the local
+  WAL's; `unreplicated_live`: records of a host that stopped cleanly that
+  never reached its stream;
+- `appends_after_fence`: a batch stored in a fenced host's stream after its
+  fence (the host, or any agent of it, acknowledged after its fencing);
+- `adoption_missing`: a record of an adopted agent's stream, up to the cut
+  the adopter chose (its log's `records`), that is not in the adopter's WAL
+  under its origin and key; `acked_after_cut`: acknowledged records after the
+  cut (left in the dead host's stream by design: that turn runs again);
+- per agent: owned by exactly one live host (`agents_on_two_hosts`,
+  `agents_unowned`), exited 0 there with exactly one `session_exit`
+  (`agents_finished`), no tool call run twice in its history (`double_runs`),
+  and its workspace equal to what the task gives with each op applied once
+  (`workspace_mismatches`);
+- `fenced_restarts`: the dead host restarted under its own name exits 69,
+  stores nothing in its stream, changes no workspace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from actors.writer.wal import WalRecord, list_segments, parse_record
+from broker.statedir import StateDir
+from ops.soakcheck import read_journal
+
+if TYPE_CHECKING:
+    from ops.soak_hosts import Soak
+
+SAVED = "generation_saved"  # its key names a seq: rewritten by an adoption
+
+
+def read_stream(urls: list[str], host: str) -> list[tuple[int, int, int, list[bytes], bool]]:
+    """(stream seq, first, last, lines, is_fence) of every message of `host`'s stream."""
+    import nats
+
+    from actors.writer.replicate import parse_seq_range, stream_name
+
+    async def go() -> list[tuple[int, int, int, list[bytes], bool]]:
+        nc: Any = await nats.connect(urls, connect_timeout=2)
+        try:
+            js = nc.jetstream(timeout=10)
+            info = await js.stream_info(stream_name(host))
+            found: list[tuple[int, int, int, list[bytes], bool]] = []
+            if int(info.state.messages):
+                for seq in range(int(info.state.first_seq), int(info.state.last_seq) + 1):
+                    msg = await js.get_msg(stream_name(host), seq)
+                    headers = dict(msg.headers or {})
+                    if "Corral-Fence" in headers:
+                        found.append((seq, 0, 0, [], True))
+                        continue
+                    first, last = parse_seq_range(headers["Corral-Seq"])
+                    found.append((seq, first, last,
+                                  (msg.data or b"").splitlines(keepends=True), False))
+            return found
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def wal_records(state_dir: StateDir) -> dict[int, WalRecord]:
+    records: dict[int, WalRecord] = {}
+    for _, path in list_segments(state_dir.wal_dir):
+        with open(path, "rb") as f:
+            for line in f:
+                record = parse_record(line)
+                if record is not None:
+                    records[record.seq] = record
+    return records
+
+
+def adoptions(state_dir: StateDir) -> list[dict[str, Any]]:
+    """The `fleet_agent_adopted` lines of a host's supervisor log."""
+    path = state_dir.root / "logs" / "supervisor.log"
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_bytes().splitlines():
+        if b"fleet_agent_adopted" not in line:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("event") == "fleet_agent_adopted":
+            found.append(entry)
+    return found
+
+
+def _dups(records: dict[int, WalRecord]) -> int:
+    counts = Counter((r.origin, r.key) for r in records.values())
+    return sum(1 for n in counts.values() if n > 1)
+
+
+def check(soak: Soak, finished: set[str], owned: dict[str, list[Any]],
+          stops: dict[str, int | None]) -> dict[str, Any]:
+    from ops.soak_hosts import expected_workspace, workspace
+
+    f: Counter[str] = Counter()
+    examples: dict[str, list[str]] = {}
+
+    def bad(kind: str, example: str, n: int = 1) -> None:
+        f[kind] += n
+        examples.setdefault(kind, [])
+        if len(examples[kind]) < 5:
+            examples[kind].append(example)
+
+    streams: dict[str, dict[int, WalRecord]] = {}
+    wals: dict[str, dict[int, WalRecord]] = {}
+    for host in soak.hosts:
+        try:
+            messages = read_stream(soak.urls, host.name)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            bad("stream_unreadable", f"{host.name}: {type(exc).__name__}")
+            messages = []
+        records: dict[int, WalRecord] = {}
+        expected, fenced = 1, False
+        for _seq, first, last, lines, is_fence in messages:
+            if is_fence:
+                fenced = True
+                continue
+            if fenced:
+                bad("appends_after_fence", f"{host.name}: batch {first}-{last}")
+            if first != expected or len(lines) != last - first + 1:
+                bad("stream_gaps", f"{host.name}: {first}-{last} after {expected - 1}")
+            for offset, line in enumerate(lines):
+                record = parse_record(line)
+                if record is None or record.seq != first + offset:
+                    bad("stream_gaps", f"{host.name}: unreadable record at {first + offset}")
+                    continue
+                records[record.seq] = record
+            expected = last + 1
+        if host.dead and not fenced:
+            bad("dead_not_fenced", host.name)
+        local = wal_records(host.state_dir)
+        streams[host.name], wals[host.name] = records, local
+        f["stream_records"] += len(records)
+        if n := _dups(records):
+            bad("duplicates", f"{host.name}: {n} in the stream", n)
+        if n := _dups(local):
+            bad("duplicates", f"{host.name}: {n} in the local WAL", n)
+        seqs = sorted(local)
+        if seqs and seqs != list(range(1, seqs[-1] + 1)):
+            bad("wal_gaps", host.name)
+        for seq, record in records.items():
+            if seq not in local or local[seq].line != record.line:
+                bad("stream_mismatches", f"{host.name}: seq {seq}")
+        beyond = [s for s in local if s > max(records, default=0)]
+        if beyond and not host.dead:
+            bad("unreplicated_live", f"{host.name}: {len(beyond)} records", len(beyond))
+        f["unreplicated_dead"] += len(beyond) if host.dead else 0
+        journals = sorted(host.journal.glob("*.acks")) if host.journal.is_dir() else []
+        for path in journals:
+            origin = path.name.removesuffix(".acks").replace("%", "/")
+            for key, seq, _at in read_journal(path):
+                f["acked"] += 1
+                stored = records.get(seq)
+                if stored is None or stored.key != key or stored.origin != origin:
+                    bad("lost", f"{host.name}: {origin}/{key}@{seq}")
+
+    by_name = {h.name: h for h in soak.hosts}
+    for adopter in soak.hosts:
+        adopter_keys: dict[str, set[tuple[str, str]]] = {}
+        for record in wals[adopter.name].values():
+            adopter_keys.setdefault(record.stream, set()).add((record.origin, record.key))
+        for entry in adoptions(adopter.state_dir):
+            dead, agent = str(entry.get("host")), str(entry.get("agent"))
+            f["adoptions_logged"] += 1
+            if dead not in by_name:
+                bad("adoption_unknown_host", dead)
+                continue
+            mine = [r for _, r in sorted(streams[dead].items()) if r.stream == f"agent/{agent}"]
+            count = int(entry.get("records", 0))
+            here = adopter_keys.get(f"agent/{agent}", set())
+            for record in mine[:count]:
+                if record.event != SAVED and (record.origin, record.key) not in here:
+                    bad("adoption_missing", f"{dead}->{adopter.name}: {agent} {record.key}")
+            f["adopted_records"] += count
+            f["dropped_after_cut"] += len(mine) - count
+            cut_seqs = {r.seq for r in mine[count:]}
+            dead_host = by_name[dead]
+            for path in sorted(dead_host.journal.glob("*.acks")):
+                f["acked_after_cut"] += sum(1 for _k, seq, _a in read_journal(path)
+                                            if seq in cut_seqs)
+
+    everyone = sorted({a for h in soak.hosts for a in h.agents})
+    agents_ok = 0
+    for agent in everyone:
+        hosts = owned.get(agent, [])
+        if len(hosts) > 1:
+            bad("agents_on_two_hosts", f"{agent}: {[h.name for h in hosts]}")
+            continue
+        if not hosts:
+            bad("agents_unowned", agent)
+            continue
+        owner = hosts[0]
+        mine = [r for _, r in sorted(wals[owner.name].items())
+                if r.stream == f"agent/{agent}" and r.event != SAVED]
+        exits = [r for r in mine if r.event == "session_exit"]
+        payload = exits[-1].payload() if exits else None
+        reason = payload.get("reason") if isinstance(payload, dict) else None
+        if agent not in finished or len(exits) != 1 or mine[-1] is not exits[-1] \
+                or reason != "finished":
+            bad("agents_not_finished", f"{agent} on {owner.name}: exits {len(exits)} "
+                f"{reason} running-exit-0 {agent in finished}")
+        else:
+            agents_ok += 1
+        calls = [p.get("call_id") for r in mine if r.event == "tool_result"
+                 and isinstance(p := r.payload(), dict)]
+        if len(calls) != len(set(calls)):
+            bad("double_runs", f"{agent} on {owner.name}")
+        have = workspace(owner.state_dir, agent)
+        want = expected_workspace(agent, soak.repeat)
+        if have != want:
+            diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+            bad("workspace_mismatches", f"{agent} on {owner.name}: {diff[:4]}")
+    for restart in soak.fenced_restarts:
+        if restart["exit"] != 69 or restart["stream_seq_after"] != restart["stream_seq_before"] \
+                or restart["workspaces_changed"]:
+            bad("fenced_restart_ran", json.dumps(restart))
+    for name, code in stops.items():
+        if code != 0:
+            bad("supervisor_exit", f"{name}: {code}")
+    return {**{k: f[k] for k in (
+        "acked", "lost", "duplicates", "stream_gaps", "wal_gaps", "stream_mismatches",
+        "unreplicated_live", "unreplicated_dead", "appends_after_fence", "dead_not_fenced",
+        "adoptions_logged", "adoption_missing", "adopted_records", "dropped_after_cut",
+        "acked_after_cut", "agents_on_two_hosts", "agents_unowned", "agents_not_finished",
+        "double_runs", "workspace_mismatches", "fenced_restart_ran", "supervisor_exit",
+        "stream_unreadable", "stream_records", "adoption_unknown_host")},
+        "agents": len(everyone), "agents_finished": agents_ok, "examples": examples}
+
+
+COUNTS = ("lost", "duplicates", "stream_gaps", "wal_gaps", "stream_mismatches",
+          "unreplicated_live", "appends_after_fence", "dead_not_fenced", "adoption_missing",
+          "agents_on_two_hosts", "agents_unowned", "agents_not_finished", "double_runs",
+          "workspace_mismatches", "fenced_restart_ran", "supervisor_exit", "stream_unreadable",
+          "adoption_unknown_host", "orphans")
+
+
+def violations(figures: dict[str, Any]) -> list[str]:
+    found = [f"{k}={figures[k]}" for k in COUNTS if figures.get(k)]
+    found += [f"error: {e}" for e in figures.get("errors", [])]
+    if "agents" not in figures:
+        found.append("the checks did not run")
+    if not figures.get("kills"):
+        found.append("no host was killed")
+    if not figures.get("adoptions"):
+        found.append("no agent was adopted")
+    if figures.get("not_adopted"):
+        found.append(f"not_adopted={figures['not_adopted']}")
+    if figures.get("agents") and figures.get("agents_finished") != figures.get("agents"):
+        found.append(f"agents_finished={figures.get('agents_finished')} of "
+                     f"{figures.get('agents')}")
+    if not figures.get("acked"):
+        found.append("nothing was acknowledged")
+    return found
+

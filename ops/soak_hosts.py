@@ -1,0 +1,524 @@
+"""The fleet soak with real hosts: a local 3-node JetStream cluster and N corral
+hosts (each `supervisor up` in fleet mode with its own state directory: writer,
+broker, scripted agents), and every I ms a whole random host SIGKILLed (its
+supervisor and every process under it; now and then its own NATS node with it),
+declared dead by the live hosts, fenced, its agents adopted; then the dead host
+started again under its own name (it must find itself fenced and run nothing)
+and a fresh host started in its place under a new name, with new agents.
+ops/soak_hostcheck.py checks the invariants at the end.
+
+    python ops/soak.py --hosts 3 --kill-host-interval-ms I [--agents N] [--duration S]
+                       [--task-repeat R] [--node-kill-chance P] [--seed X] [--json]
+
+One host is down at a time: a kill waits until the previous victim is adopted,
+its same-name restart refused and its replacement up, so I is the least gap
+between two kills (a cycle takes host_ttl_s + dead_grace_s + a few seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from broker.lifeline import die_with_parent
+from broker.statedir import StateDir
+from ops.soakruntime import MARKER_ENV, Control, orphans
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FAST = {"backoff": {"base_s": 0.05, "cap_s": 0.2, "jitter": 0.0},
+        "intensity": {"max_restarts": 1000, "period_s": 30}, "shutdown_timeout_s": 3}
+HOST_TTL_S = 5.0
+DEAD_GRACE_S = 1.0
+FENCED_EXIT = 69  # a supervisor whose writer met the fence gives up (docs/fleet.md)
+
+
+@dataclass
+class Host:
+    name: str
+    slot: int  # its NATS node: the cluster's node slot + 1
+    state_dir: StateDir
+    config: Path
+    journal: Path  # its clients' ack journals (CORRAL_ACK_JOURNAL_DIR)
+    marker: str  # CORRAL_SOAK_ID of every process of this incarnation
+    agents: list[str] = field(default_factory=list)  # spawned here (adopted ones aside)
+    proc: subprocess.Popen[bytes] | None = None
+    alive: bool = False
+    dead: bool = False  # declared dead (fenced) by the fleet
+    fenced_by: str = ""
+    fenced_restart_exit: int | None = None
+
+
+@dataclass
+class Soak:
+    root: Path
+    urls: list[str]
+    public_key: Path
+    bus_secret: Path
+    repeat: int
+    rng: random.Random
+    hosts: list[Host] = field(default_factory=list)
+    kills: int = 0
+    node_kills: int = 0
+    unplanned_deaths: list[str] = field(default_factory=list)  # fenced while running
+    failover_ms: list[float] = field(default_factory=list)  # kill -> member adopted
+    adopted: dict[str, list[str]] = field(default_factory=dict)  # dead host -> agents
+    not_adopted: dict[str, list[str]] = field(default_factory=dict)
+    fenced_restarts: list[dict[str, Any]] = field(default_factory=list)
+    leaked: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    node_down: int | None = None
+
+
+def task_text(agent: str, repeat: int) -> str:
+    """The agent's scripted task: a file shared by every agent (its objects land
+    in one agent's pack: the others' bundles need their extras), a log edited
+    every pass, a work item per pass (its own content)."""
+    return str(yaml.safe_dump({
+        "name": f"soak-{agent}",
+        "prompt": "Keep a log and write work items.",
+        "repeat": repeat,
+        "setup": [
+            {"op": "write_file", "path": "common.txt", "content": "shared by every agent\n"},
+            {"op": "write_file", "path": "log.txt", "content": "log\nend\n"},
+        ],
+        "steps": [
+            {"op": "write_file", "path": "work/{i}.txt", "content": f"item {{i}} of {agent}\n"},
+            {"op": "edit_file", "path": "log.txt", "old": "end", "new": "pass {i}\nend"},
+        ],
+    }, sort_keys=False))
+
+
+def expected_workspace(agent: str, repeat: int) -> dict[str, str]:
+    """What the task leaves when each op is applied exactly once."""
+    files = {"common.txt": "shared by every agent\n",
+             "log.txt": "log\n" + "".join(f"pass {i}\n" for i in range(repeat)) + "end\n"}
+    files.update({f"work/{i}.txt": f"item {i} of {agent}\n" for i in range(repeat)})
+    return files
+
+
+def workspace(state_dir: StateDir, agent: str) -> dict[str, str]:
+    root = state_dir.agent_dir(agent) / "workspace"
+    if not root.is_dir():
+        return {}
+    return {str(p.relative_to(root)): p.read_text(errors="replace")
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.endswith(".corral-tmp")}
+
+
+def _env(host: Host) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env[MARKER_ENV] = host.marker
+    env["CORRAL_ACK_JOURNAL_DIR"] = str(host.journal)
+    env.pop("CORRAL_OPERATOR_KEY", None)
+    return env
+
+
+def new_host(soak: Soak, name: str, slot: int) -> Host:
+    base = soak.root / name
+    state_dir = StateDir(base / ".corral").ensure()
+    config = {
+        "heartbeat": {"interval_ms": 200, "timeout_s": 5},
+        "status_interval_s": 0.5,
+        "broker": {"heartbeat_interval_ms": 200, "heartbeat_misses": 5},
+        "children": [
+            {"name": "writer", "kind": "writer", "fatal_exit_codes": [65, 77, 78], **FAST},
+            {"name": "broker", "kind": "broker", **FAST},
+        ],
+        "agents": {"count": 0, "restart": "transient", **FAST},
+        "agent": {"snapshot_every": 16, "max_turns": 4 * soak.repeat + 50},
+        "fleet": {"host": name, "urls": [soak.urls[slot - 1]],
+                  "operator_public_key": str(soak.public_key),
+                  "bus_secret": str(soak.bus_secret),
+                  "host_ttl_s": HOST_TTL_S, "dead_grace_s": DEAD_GRACE_S},
+    }
+    path = base / "corral-fleet.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return Host(name, slot, state_dir, path, base / "journal", uuid.uuid4().hex)
+
+
+def start(host: Host) -> None:
+    out = open(host.state_dir.root.parent / "supervisor.out", "ab")  # noqa: SIM115 - the child's
+    host.proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "up", "--state-dir", str(host.state_dir.root),
+         "--config", str(host.config)],
+        env=_env(host), cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=out,
+        stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=partial(die_with_parent, os.getpid()))  # noqa: PLW1509 - no thread yet
+    out.close()
+    host.alive = True
+
+
+async def _connect(urls: list[str]) -> Any:
+    import nats
+
+    async def quiet(_exc: Exception) -> None:
+        return None
+
+    return await nats.connect(urls, connect_timeout=2, error_cb=quiet)
+
+
+def fleet_entries(urls: list[str]) -> tuple[set[str], dict[str, dict[str, Any]]]:
+    """(hosts whose status entry is live, members: name -> entry)."""
+    from broker.fleetnats import kv_entries
+    from supervisor.fleethost import BUCKET
+    from supervisor.fleetwatch import MEMBERS
+
+    async def go() -> tuple[set[str], dict[str, dict[str, Any]]]:
+        nc = await _connect(urls)
+        try:
+            js = nc.jetstream(timeout=5)
+            live = set(await kv_entries(js, BUCKET))
+            entries = await kv_entries(js, MEMBERS)
+            members = {k: json.loads(v or b"{}") for k, v in entries.items()}
+            return live, members
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(go())
+    except Exception:  # noqa: BLE001 - a read under load or an election: try again
+        return set(), {}
+
+
+def stream_last(urls: list[str], host: str) -> int:
+    from actors.writer.replicate import stream_name
+
+    async def go() -> int:
+        nc = await _connect(urls)
+        try:
+            info = await nc.jetstream(timeout=5).stream_info(stream_name(host))
+            return int(info.state.last_seq)
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def wait(condition: Any, timeout_s: float, what: str, interval_s: float = 0.3) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:g}s: {what}")
+        time.sleep(interval_s)
+
+
+def wait_up(soak: Soak, host: Host, timeout_s: float = 90) -> None:
+    """Until its writer and broker run and it is in the fleet's status bucket."""
+    control = Control(host.state_dir)
+    try:
+        def up() -> bool:
+            if host.proc is not None and host.proc.poll() is not None:
+                raise RuntimeError(f"host {host.name} exited {host.proc.returncode} at start")
+            children = control.children(timeout_s=0.5)
+            if not children or not all(c.state == "running" for c in children
+                                       if c.kind != "agent"):
+                return False
+            return host.name in fleet_entries(soak.urls)[0]
+
+        wait(up, timeout_s, f"host {host.name} up")
+    finally:
+        control.close()
+
+
+def spawn_agents(soak: Soak, host: Host, count: int) -> None:
+    from supervisor import fleetctl
+
+    for i in range(1, count + 1):
+        name = f"{host.name}-a{i}"
+        reply = fleetctl.carry_out(host.state_dir, {
+            "verb": "spawn", "agent": name, "task": task_text(name, soak.repeat),
+            "model": None})
+        if not reply.get("ok"):
+            raise RuntimeError(f"spawn {name} on {host.name}: {reply}")
+        host.agents.append(name)
+
+
+def _tree_pids(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and \
+                    proc.environ().get(MARKER_ENV) == marker:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def kill_host(soak: Soak, host: Host) -> None:
+    """SIGKILL the host's supervisor and every process under it at once (the
+    machine gone), then make sure nothing of it survives."""
+    assert host.proc is not None
+    victims = _tree_pids(host.proc.pid)
+    for proc in victims:
+        try:
+            proc.kill()
+        except psutil.Error:
+            continue
+    host.proc.wait(10)
+    host.alive = False
+    soak.kills += 1
+    try:  # anything started between the listing and the kill dies by PDEATHSIG
+        wait(lambda: not marked(host.marker), 15, f"host {host.name}'s processes gone", 0.1)
+    except RuntimeError:
+        soak.leaked += orphans(host.marker)
+
+
+def wait_adopted(soak: Soak, host: Host, killed_at: float, timeout_s: float = 150) -> None:
+    def adopted() -> dict[str, Any] | None:
+        entry = fleet_entries(soak.urls)[1].get(host.name, {})
+        return entry if entry.get("dead") and "adopted_at" in entry else None
+
+    entry = wait(adopted, timeout_s, f"host {host.name} declared dead and adopted", 0.25)
+    soak.failover_ms.append(round((time.monotonic() - killed_at) * 1000))
+    host.dead = True
+    host.fenced_by = str(entry.get("fenced_by"))
+    soak.adopted[host.name] = list(entry.get("adopted", []))
+    soak.not_adopted[host.name] = list(entry.get("not_adopted", []))
+
+
+def restart_fenced(soak: Soak, host: Host) -> None:
+    """Start the dead host again under its own name and state directory: it must
+    find itself fenced (writer 77, supervisor 69), append nothing to its stream
+    and change none of its agents' workspaces."""
+    before_seq = stream_last(soak.urls, host.name)
+    names = sorted({*host.agents, *_spec_names(host.state_dir)})
+    before = {a: workspace(host.state_dir, a) for a in names}
+    start(host)
+    assert host.proc is not None
+    try:
+        code: int | None = host.proc.wait(90)
+    except subprocess.TimeoutExpired:
+        code = None
+        kill_host(soak, host)
+        soak.kills -= 1  # not a fault injected: the restart that did not stop
+    host.alive = False
+    host.fenced_restart_exit = code
+    try:
+        wait(lambda: not marked(host.marker), 15, f"restarted {host.name} gone", 0.1)
+    except RuntimeError:
+        soak.leaked += orphans(host.marker)
+    after_seq = stream_last(soak.urls, host.name)
+    changed = [a for a in names if workspace(host.state_dir, a) != before[a]]
+    soak.fenced_restarts.append({"host": host.name, "exit": code,
+                                 "stream_seq_before": before_seq, "stream_seq_after": after_seq,
+                                 "workspaces_changed": changed})
+
+
+def _spec_names(state_dir: StateDir) -> list[str]:
+    directory = state_dir.config_dir / "agents"
+    return sorted(p.stem for p in directory.glob("*.json")) if directory.is_dir() else []
+
+
+def check_unplanned(soak: Soak) -> None:
+    """A live host whose supervisor exited by itself was fenced while running (a
+    status put late on a loaded machine): safe, but counted; its agents are
+    adopted like a killed host's."""
+    for host in soak.hosts:
+        if host.alive and host.proc is not None and host.proc.poll() is not None:
+            host.alive = False
+            soak.unplanned_deaths.append(f"{host.name} exit {host.proc.returncode}")
+
+
+def kill_cycle(soak: Soak, agents: int, node_kill_chance: float, generation: int) -> None:
+    from supervisor import fleetcluster
+
+    live = [h for h in soak.hosts if h.alive]
+    victim = soak.rng.choice(live)
+    node_too = soak.rng.random() < node_kill_chance
+    killed_at = time.monotonic()
+    kill_host(soak, victim)
+    if node_too:
+        nodes = fleetcluster.read_cluster(soak.root / "cluster")
+        fleetcluster.stop_node(nodes[victim.slot - 1], signal.SIGKILL)
+        soak.node_kills += 1
+        soak.node_down = victim.slot
+    wait_adopted(soak, victim, killed_at)
+    if node_too:
+        nodes = fleetcluster.read_cluster(soak.root / "cluster")
+        fleetcluster.start_node(soak.root / "cluster", nodes[victim.slot - 1])
+        fleetcluster.wait_ready(soak.urls, 90)
+        soak.node_down = None
+    restart_fenced(soak, victim)
+    fresh = new_host(soak, f"{victim.name.split('g')[0]}g{generation}", victim.slot)
+    soak.hosts.append(fresh)
+    start(fresh)
+    wait_up(soak, fresh)
+    spawn_agents(soak, fresh, agents)
+
+
+def owners(soak: Soak) -> dict[str, list[Host]]:
+    """Agent -> the live hosts holding its spec (exactly one, if all is well)."""
+    found: dict[str, list[Host]] = {}
+    for host in soak.hosts:
+        if host.alive:
+            for name in _spec_names(host.state_dir):
+                found.setdefault(name, []).append(host)
+    return found
+
+
+def wait_finished(soak: Soak, timeout_s: float) -> set[str]:
+    """Until every agent ever spawned has exited 0 on the live host that runs it."""
+    everyone = {a for h in soak.hosts for a in h.agents}
+    done: set[str] = set()
+    controls = {h.name: Control(h.state_dir) for h in soak.hosts if h.alive}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done = set()
+            for host in soak.hosts:
+                if not host.alive:
+                    continue
+                children = controls[host.name].children() or []
+                done |= {c.name for c in children if c.kind == "agent"
+                         and c.state == "exited" and c.last_exit == "exit 0"}
+            if everyone <= done:
+                break
+            time.sleep(0.5)
+    finally:
+        for control in controls.values():
+            control.close()
+    return done & everyone
+
+
+def stop_host(host: Host) -> int | None:
+    subprocess.run([sys.executable, "-m", "supervisor.cli", "stop", "--state-dir",
+                    str(host.state_dir.root)], capture_output=True, timeout=120, check=False,
+                   env=_env(host), cwd=REPO_ROOT)
+    assert host.proc is not None
+    try:
+        code = host.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        for proc in _tree_pids(host.proc.pid):
+            proc.kill()
+        host.proc.wait()
+        code = None
+    host.alive = False
+    return code
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from broker import buskeys, operatorsig
+    from ops import soak_hostcheck
+    from supervisor import fleetcluster
+
+    root = Path(tempfile.mkdtemp(prefix="corral-shosts-", dir="/tmp"))
+    figures: dict[str, Any] = {"hosts": args.hosts, "kill_host_interval_ms":
+                               args.kill_host_interval_ms, "duration_s": args.duration,
+                               "agents_per_host": args.agents, "task_repeat": args.task_repeat,
+                               "seed": args.seed}
+    started = time.monotonic()
+    nodes = fleetcluster.up(root / "cluster", 3)
+    _private, public = operatorsig.make_keys(root / "keys" / "operator")
+    soak = Soak(root, [n.url for n in nodes], public,
+                buskeys.make_bus_secret(root / "keys" / "bus.secret"), args.task_repeat,
+                random.Random(args.seed))
+    tag = f"{os.getpid() % 1000:03d}"
+    stops: dict[str, int | None] = {}
+    try:
+        for i in range(args.hosts):
+            soak.hosts.append(new_host(soak, f"h{i + 1}x{tag}g0", i % 3 + 1))
+        for host in soak.hosts:
+            start(host)
+        for host in soak.hosts:
+            wait_up(soak, host)
+            spawn_agents(soak, host, args.agents)
+        deadline = time.monotonic() + args.duration
+        next_kill = time.monotonic() + args.kill_host_interval_ms / 1000
+        generation = 0
+        while time.monotonic() < deadline or soak.kills < args.min_kills:
+            check_unplanned(soak)
+            if time.monotonic() < next_kill:
+                time.sleep(min(0.2, next_kill - time.monotonic()))  # pacing the faults
+                continue
+            generation += 1
+            kill_cycle(soak, args.agents, args.node_kill_chance, generation)
+            next_kill = time.monotonic() + args.kill_host_interval_ms / 1000
+        check_unplanned(soak)
+        finished = wait_finished(soak, args.finish_timeout)
+        owned = owners(soak)
+        for host in soak.hosts:
+            if host.alive:
+                stops[host.name] = stop_host(host)
+        figures.update(soak_hostcheck.check(soak, finished, owned, stops))
+    except (RuntimeError, OSError, subprocess.SubprocessError, AssertionError) as exc:
+        soak.errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        for host in soak.hosts:
+            if host.proc is not None and host.proc.poll() is None:
+                for proc in _tree_pids(host.proc.pid):
+                    try:
+                        proc.kill()
+                    except psutil.Error:
+                        continue
+                host.proc.wait(10)
+        left = [line for host in soak.hosts for line in orphans(host.marker)]
+        fleetcluster.down(root / "cluster")
+    figures.update(
+        kills=soak.kills, node_kills=soak.node_kills,
+        adoptions=sum(len(a) for a in soak.adopted.values()),
+        adopted=soak.adopted, not_adopted={k: v for k, v in soak.not_adopted.items() if v},
+        failover_ms=soak.failover_ms, unplanned_deaths=soak.unplanned_deaths,
+        fenced_restarts=soak.fenced_restarts, replacements=len(soak.hosts) - args.hosts,
+        leaked=soak.leaked + left, orphans=len(soak.leaked) + len(left),
+        supervisor_exits=stops, errors=soak.errors,
+        elapsed_s=round(time.monotonic() - started, 1))
+    figures["violations"] = soak_hostcheck.violations(figures)
+    if args.keep:
+        figures["kept"] = str(root)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return figures
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ops/soak.py --hosts", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", type=int, required=True, help="2 or 3 (one NATS node each)")
+    parser.add_argument("--kill-host-interval-ms", type=int, required=True)
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of killing")
+    parser.add_argument("--agents", type=int, default=2, help="per host (and per new host)")
+    parser.add_argument("--task-repeat", type=int, default=60, help="passes per agent")
+    parser.add_argument("--node-kill-chance", type=float, default=0.3,
+                        help="share of host kills that take the host's NATS node too")
+    parser.add_argument("--min-kills", type=int, default=1,
+                        help="go on past the duration until this many hosts were killed")
+    parser.add_argument("--finish-timeout", type=float, default=300.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the state directories")
+    args = parser.parse_args(argv)
+    if not 2 <= args.hosts <= 3:
+        parser.error("--hosts: 2 or 3 (one adopter must stay up; one node per host)")
+    figures = run(args)
+    print(json.dumps(figures, indent=2 if args.json else None, sort_keys=True))
+    return 1 if figures["violations"] else 0
