@@ -99,8 +99,8 @@ def adoptions(state_dir: StateDir) -> list[dict[str, Any]]:
     return found
 
 
-def _dups(records: dict[int, WalRecord]) -> int:
-    counts = Counter((r.origin, r.key) for r in records.values())
+def _dups(records: list[WalRecord]) -> int:
+    counts = Counter((r.origin, r.key) for r in records)
     return sum(1 for n in counts.values() if n > 1)
 
 
@@ -126,6 +126,7 @@ def check(soak: Soak, finished: set[str], owned: dict[str, list[Any]],
             bad("stream_unreadable", f"{host.name}: {type(exc).__name__}")
             messages = []
         records: dict[int, WalRecord] = {}
+        every: list[WalRecord] = []  # as stored, a seq stored twice twice
         expected, fenced = 1, False
         for _seq, first, last, lines, is_fence in messages:
             if is_fence:
@@ -141,15 +142,16 @@ def check(soak: Soak, finished: set[str], owned: dict[str, list[Any]],
                     bad("stream_gaps", f"{host.name}: unreadable record at {first + offset}")
                     continue
                 records[record.seq] = record
+                every.append(record)
             expected = last + 1
         if host.dead and not fenced:
             bad("dead_not_fenced", host.name)
         local = wal_records(host.state_dir)
         streams[host.name], wals[host.name] = records, local
         f["stream_records"] += len(records)
-        if n := _dups(records):
+        if n := _dups(every):
             bad("duplicates", f"{host.name}: {n} in the stream", n)
-        if n := _dups(local):
+        if n := _dups(list(local.values())):
             bad("duplicates", f"{host.name}: {n} in the local WAL", n)
         seqs = sorted(local)
         if seqs and seqs != list(range(1, seqs[-1] + 1)):
@@ -268,3 +270,68 @@ def violations(figures: dict[str, Any]) -> list[str]:
         found.append("nothing was acknowledged")
     return found
 
+
+
+TAMPERED = ("lost", "workspace_mismatches", "appends_after_fence", "duplicates",
+            "adoption_missing")
+
+
+def tamper(soak: Soak) -> list[str]:
+    """Plant one fault of each kind the checks look for, after the honest
+    check (`--tamper`): the same checks run again must report every one, which
+    shows that they can fail. Planted: an acknowledgement journaled for a
+    record no stream holds (lost), a file added to a finished agent's
+    workspace, a copy of a fenced host's first batch stored after its fence (an
+    append after the fence, twice in the stream), and an adopter's log line
+    claiming the records after the cut were adopted too."""
+    import nats
+
+    from actors.writer.replicate import stream_name
+
+    planted: list[str] = []
+    journal = next((p for h in soak.hosts if h.journal.is_dir()
+                    for p in sorted(h.journal.glob("*.acks"))), None)
+    if journal is not None:
+        with open(journal, "a", encoding="utf-8") as f:
+            f.write("tampered-key\t999999999\t0.0\n")
+        planted.append(f"lost: {journal.name}")
+    owner = next((h for h in soak.hosts if not h.dead and h.agents), None)
+    if owner is not None:
+        target = owner.state_dir.agent_dir(owner.agents[0]) / "workspace" / "tampered.txt"
+        if target.parent.is_dir():
+            target.write_text("not written by the agent\n")
+            planted.append(f"workspace: {owner.agents[0]}")
+    dead = next((h for h in soak.hosts if h.dead), None)
+    if dead is not None:
+        async def go(host: str) -> None:
+            nc: Any = await nats.connect(soak.urls, connect_timeout=2)
+            try:
+                js = nc.jetstream(timeout=10)
+                info = await js.stream_info(stream_name(host))
+                for seq in range(int(info.state.first_seq), int(info.state.last_seq) + 1):
+                    first = await js.get_msg(stream_name(host), seq)
+                    if "Corral-Seq" in (first.headers or {}):
+                        break
+                else:
+                    raise RuntimeError(f"no batch in {host}'s stream")
+                await js.publish(f"corral.wal.{host}.batch", first.data or b"",
+                                 stream=stream_name(host),
+                                 headers={"Corral-Seq": (first.headers or {})["Corral-Seq"]})
+            finally:
+                await nc.close()
+
+        try:
+            asyncio.run(go(dead.name))
+            planted.append(f"after fence: {dead.name}")
+        except Exception as exc:  # noqa: BLE001 - not planted: the test sees 3 of 4
+            planted.append(f"not planted after the fence: {type(exc).__name__}: {exc}")
+    for adopter in soak.hosts:
+        entries = adoptions(adopter.state_dir)
+        if entries:
+            entry = entries[0]
+            log = adopter.state_dir.root / "logs" / "supervisor.log"
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(json.dumps({**entry, "records": 10**6}) + "\n")
+            planted.append(f"adoption: {entry.get('agent')} on {adopter.name}")
+            break
+    return planted

@@ -387,8 +387,9 @@ def owners(soak: Soak) -> dict[str, list[Host]]:
 
 
 def wait_finished(soak: Soak, timeout_s: float) -> set[str]:
-    """Until every agent ever spawned has exited 0 on the live host that runs it."""
-    everyone = {a for h in soak.hosts for a in h.agents}
+    """Until every agent that a live host holds has exited 0 there (one that no
+    live host holds cannot finish: the checks report it `agents_unowned`)."""
+    everyone = set(owners(soak))
     done: set[str] = set()
     controls = {h.name: Control(h.state_dir) for h in soak.hosts if h.alive}
     try:
@@ -431,7 +432,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ops import soak_hostcheck
     from supervisor import fleetcluster
 
-    root = Path(tempfile.mkdtemp(prefix="corral-shosts-", dir="/tmp"))
+    root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="corral-shosts-",
+                                                                     dir="/tmp"))
+    root.mkdir(parents=True, exist_ok=True)
     figures: dict[str, Any] = {"hosts": args.hosts, "kill_host_interval_ms":
                                args.kill_host_interval_ms, "duration_s": args.duration,
                                "agents_per_host": args.agents, "task_repeat": args.task_repeat,
@@ -470,8 +473,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if host.alive:
                 stops[host.name] = stop_host(host)
         figures.update(soak_hostcheck.check(soak, finished, owned, stops))
-    except (RuntimeError, OSError, subprocess.SubprocessError, AssertionError) as exc:
-        soak.errors.append(f"{type(exc).__name__}: {exc}")
+        if args.tamper:  # the checks must catch planted faults (soak_hostcheck.tamper)
+            planted = soak_hostcheck.tamper(soak)
+            again = soak_hostcheck.check(soak, finished, owned, stops)
+            figures["tamper"] = {"planted": planted, "detected": {
+                k: again[k] - figures[k] for k in soak_hostcheck.TAMPERED}}
+    except Exception as exc:  # noqa: BLE001 - reported as a violation, the JSON still printed
+        soak.errors.append(f"{type(exc).__name__}: {str(exc)[:500]}")
     finally:
         for host in soak.hosts:
             if host.proc is not None and host.proc.poll() is None:
@@ -493,7 +501,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         supervisor_exits=stops, errors=soak.errors,
         elapsed_s=round(time.monotonic() - started, 1))
     figures["violations"] = soak_hostcheck.violations(figures)
-    if args.keep:
+    tampered = figures.get("tamper", {}).get("detected", {})
+    figures["violations"] += [f"planted {k} not detected" for k, n in tampered.items() if n < 1]
+    if args.tamper and not tampered:
+        figures["violations"].append("--tamper: the faults were not planted")
+    if args.keep or args.root:
         figures["kept"] = str(root)
     else:
         shutil.rmtree(root, ignore_errors=True)
@@ -516,6 +528,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the state directories")
+    parser.add_argument("--root", help="the run's directory (kept; default: a new one in "
+                        "/tmp, removed at the end)")
+    parser.add_argument("--tamper", action="store_true",
+                        help="then plant one fault of each kind and check that the checks "
+                             "report them (tamper.detected)")
     args = parser.parse_args(argv)
     if not 2 <= args.hosts <= 3:
         parser.error("--hosts: 2 or 3 (one adopter must stay up; one node per host)")
