@@ -15,7 +15,10 @@ does not re-register.
 
 The fencing host then adopts the dead host's agents (supervisor/fleetadopt.py)
 and marks the member `adopted`; a fencer that stopped before that adopts at its
-next round (the agents' records go in under their keys, so nothing twice).
+next round (the agents' records go in under their keys, so nothing twice). A
+fencer that died before it adopted is declared dead and fenced in turn; its
+own fencer, once it has adopted the fencer's agents, adopts the first dead
+host's too (`Watch._adopts`: the live end of the chain of fencers).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from broker.statedir import StateDir
 log = structlog.get_logger("supervisor.fleet")
 
 MEMBERS = MEMBERS_BUCKET
+MAX_FENCER_HOPS = 16  # a chain of fencers that died before adopting, followed this far
 
 
 async def members_bucket(js: Any, replicas: int) -> Any:
@@ -131,7 +135,7 @@ class Watch:
             entry = await self.members.get(member)
             data = json.loads(entry.value or b"{}")
             if data.get("dead"):
-                if data.get("fenced_by") == self.host and "adopted_at" not in data:
+                if "adopted_at" not in data and await self._adopts(data):
                     await self._adopt(js, member, data)
                 continue
             since = self.missing_since.setdefault(member, now)
@@ -148,6 +152,28 @@ class Watch:
                 log.warning("fleet_host_declared_dead", host=member, fenced_by=self.host,
                             expired_s=round(now - since, 1))
                 await self._adopt(js, member, data)
+
+    async def _adopts(self, data: dict[str, Any]) -> bool:
+        """Whether this host adopts a dead member not yet adopted: it fenced it,
+        or it is the live end of the chain of fencers (the member's fencer died
+        before it adopted and was fenced in turn, and so on; docs/fleet.md,
+        "Declaring a host dead"). Each dead fencer on the way must have adopted
+        its own agents first, so an agent it had adopted resumes from its
+        stream, the newer, and the older copy finds its name taken."""
+        fencer = data.get("fenced_by")
+        for _hop in range(MAX_FENCER_HOPS):
+            if fencer == self.host:
+                return True
+            if not isinstance(fencer, str) or not fencer:
+                return False
+            try:
+                entry = json.loads((await self.members.get(fencer)).value or b"{}")
+            except Exception:  # noqa: BLE001 - gone or unreadable: not ours this round
+                return False
+            if not entry.get("dead") or "adopted_at" not in entry:
+                return False  # the fencer lives (it adopts), or has not adopted its own yet
+            fencer = entry.get("fenced_by")
+        return False
 
     async def _adopt(self, js: Any, member: str, data: dict[str, Any]) -> None:
         """Adopt the fenced member's agents here, then mark it `adopted`."""
