@@ -79,6 +79,9 @@ from broker.statedir import StateDir
 from supervisor import fleetbundle, fleetgens, fleetseqs
 
 log = structlog.get_logger("supervisor.fleet")
+# tests only: seconds each agent's adoption sleeps first (in the executor), as a
+# long stream on a loaded host would take (tests/test_soak_fleet_hosts.py)
+FAULT_DELAY_ENV = "CORRAL_FAULT_ADOPT_DELAY_S"
 
 OBJECTS = "corral_trees"
 MAX_CHUNKS = 64  # chunks of one pack generation before the next is uploaded whole
@@ -470,6 +473,8 @@ def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any]
     from actors.agent import workspace as agent_workspace  # noqa: PLC0415
     from actors.trees.restore import restore  # noqa: PLC0415
 
+    if delay := os.environ.get(FAULT_DELAY_ENV):  # tests only: a slow adoption
+        time.sleep(float(delay))
     if spec_path(state_dir, agent).exists():
         log.error("fleet_adopt_name_taken", host=dead, agent=agent)
         return Adopted(agent, None, 0, 0, False, False, "name taken on this host")

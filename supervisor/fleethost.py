@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from broker import operatorsig
 from broker.durable import write_atomic
 from broker.fleetnats import HOSTS_BUCKET, FleetSettings, connect_options
 from broker.statedir import StateDir
+from supervisor import fleetbeat
 from supervisor.fleetadopt import Uploader
 from supervisor.fleetconfig import FleetConfig
 from supervisor.fleetctl import read_hosts
@@ -150,6 +150,7 @@ class FleetHost:
         try:
             js = nc.jetstream(timeout=5)
             kv = None
+            beat: fleetbeat.Beat | None = None
             await nc.subscribe(control_subject(self.host), cb=self._on_control)
             self._js = js
             if self._operator_key() is not None:  # without it control is off: a
@@ -173,14 +174,16 @@ class FleetHost:
                         kv = await ensure_bucket(js, self.config)
                     if not watch.registered and not await watch.register(js):
                         return  # declared dead: this host reports nothing more
-                    entry = {**status, "host": self.host, "at": time.time()}
-                    await kv.put(self.host, json.dumps(entry).encode())
-                    self.published_total += 1
+                    if beat is None:  # the status entry, kept alive apart (fleetbeat.py)
+                        beat = fleetbeat.start(self, kv)
+                    await beat.put_now()
                     await uploader.sync(js)  # the agents' bundles (fleetadopt.py)
                     await watch.check(js, kv, await read_hosts(js, self.config.host_ttl_s))
                 except Exception as exc:  # noqa: BLE001 - stale until the cluster is back
                     log.warning("fleet_status_put_failed", error=type(exc).__name__)
         finally:
+            if beat is not None:
+                await beat.stop()
             with contextlib.suppress(Exception):
                 await nc.close()
 
