@@ -5,11 +5,12 @@ invariants, per host: every acknowledged append is in the host's stream at the
 seq it was acknowledged with, the stream is gapless and holds no append twice,
 and each stream record is byte for byte the local WAL's record.
 
-    python ops/soak.py --hosts 3 --kill-host-interval-ms I [--duration S] [--json]
+    python ops/soak.py --hosts 3 --kill-host-interval-ms I --writers-only [--duration S] [--json]
 
 A "host" here is its writer and its appenders (no supervisor, no agents): it
-soaks the replicated WAL and its ack rule under host kills. Adoption of a dead
-host's agents is not built (docs/fleet.md), so it is not soaked.
+soaks the replicated WAL and its ack rule under writer kills, many per minute.
+Real hosts (supervisors, agents, adoption, fencing) are soaked by
+ops/soak_hosts.py, the default of `--hosts`.
 """
 
 from __future__ import annotations

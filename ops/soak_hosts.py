@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -46,6 +47,8 @@ FAST = {"backoff": {"base_s": 0.05, "cap_s": 0.2, "jitter": 0.0},
         "intensity": {"max_restarts": 1000, "period_s": 30}, "shutdown_timeout_s": 3}
 HOST_TTL_S = 5.0
 DEAD_GRACE_S = 1.0
+MIN_ACKED = 20  # a host's agents' acknowledged appends before it may be killed
+ADOPT_DELAY_S = 0.0  # --adopt-delay-s: each agent's adoption made this slow (a fault)
 FENCED_EXIT = 69  # a supervisor whose writer met the fence gives up (docs/fleet.md)
 
 
@@ -76,6 +79,8 @@ class Soak:
     hosts: list[Host] = field(default_factory=list)
     kills: int = 0
     node_kills: int = 0
+    live_hosts_expired: list[str] = field(default_factory=list)
+    fencer_kills: int = 0  # a fencer killed the moment it fenced, before its adoption
     unplanned_deaths: list[str] = field(default_factory=list)  # fenced while running
     failover_ms: list[float] = field(default_factory=list)  # kill -> member adopted
     adopted: dict[str, list[str]] = field(default_factory=dict)  # dead host -> agents
@@ -128,6 +133,8 @@ def _env(host: Host) -> dict[str, str]:
     env[MARKER_ENV] = host.marker
     env["CORRAL_ACK_JOURNAL_DIR"] = str(host.journal)
     env.pop("CORRAL_OPERATOR_KEY", None)
+    if ADOPT_DELAY_S:  # the injected fault of --adopt-delay-s
+        env["CORRAL_FAULT_ADOPT_DELAY_S"] = str(ADOPT_DELAY_S)
     return env
 
 
@@ -175,8 +182,9 @@ async def _connect(urls: list[str]) -> Any:
     return await nats.connect(urls, connect_timeout=2, error_cb=quiet)
 
 
-def fleet_entries(urls: list[str]) -> tuple[set[str], dict[str, dict[str, Any]]]:
-    """(hosts whose status entry is live, members: name -> entry)."""
+def fleet_entries(urls: list[str]) -> tuple[set[str] | None, dict[str, dict[str, Any]]]:
+    """(hosts whose status entry is live, members: name -> entry); (None, {}) when
+    the read failed."""
     from broker.fleetnats import kv_entries
     from supervisor.fleethost import BUCKET
     from supervisor.fleetwatch import MEMBERS
@@ -195,7 +203,7 @@ def fleet_entries(urls: list[str]) -> tuple[set[str], dict[str, dict[str, Any]]]
     try:
         return asyncio.run(go())
     except Exception:  # noqa: BLE001 - a read under load or an election: try again
-        return set(), {}
+        return None, {}
 
 
 def stream_last(urls: list[str], host: str) -> int:
@@ -210,6 +218,51 @@ def stream_last(urls: list[str], host: str) -> int:
             await nc.close()
 
     return asyncio.run(go())
+
+
+def uploaded_specs(urls: list[str]) -> set[str]:
+    """`host/agent` of every agent bundle's spec in the object store."""
+    from supervisor.fleetadopt import OBJECTS
+
+    async def go() -> set[str]:
+        nc = await _connect(urls)
+        try:
+            bucket = await nc.jetstream(timeout=5).object_store(OBJECTS)
+            return {i.name.removesuffix("/spec") for i in await bucket.list()
+                    if i.name.endswith("/spec") and i.name.count("/") == 2}
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(go())
+    except Exception:  # noqa: BLE001 - no bucket yet, or a read under load: not yet
+        return set()
+
+
+def wait_bundles(soak: Soak, timeout_s: float = 60) -> None:
+    """Until every agent of every live host has its bundle in the object store,
+    and every host's agents have made some acknowledged progress. An agent
+    killed before its host's first upload of it cannot be adopted (a
+    documented limit, docs/fleet.md "What a host loss costs"), and one killed
+    before its first step adopts nothing: the soak kills after both, so that
+    every kill soaks the adoption of work."""
+    def up() -> bool:
+        want = {f"{h.name}/{a}" for h in soak.hosts if h.alive
+                for a in _spec_names(h.state_dir)}
+        return all(acked(h) >= MIN_ACKED for h in soak.hosts if h.alive and h.agents) \
+            and want <= uploaded_specs(soak.urls)
+
+    wait(up, timeout_s, "every agent's bundle uploaded, every host at work", 0.5)
+
+
+def acked(host: Host) -> int:
+    """Appends acknowledged to the host's agents so far (their ack journals)."""
+    total = 0
+    for agent in host.agents:
+        path = host.journal / f"{agent}.acks"
+        with contextlib.suppress(OSError):
+            total += path.read_bytes().count(b"\n")
+    return total
 
 
 def wait(condition: Any, timeout_s: float, what: str, interval_s: float = 0.3) -> Any:
@@ -234,7 +287,7 @@ def wait_up(soak: Soak, host: Host, timeout_s: float = 90) -> None:
             if not children or not all(c.state == "running" for c in children
                                        if c.kind != "agent"):
                 return False
-            return host.name in fleet_entries(soak.urls)[0]
+            return host.name in (fleet_entries(soak.urls)[0] or set())
 
         wait(up, timeout_s, f"host {host.name} up")
     finally:
@@ -293,13 +346,23 @@ def kill_host(soak: Soak, host: Host) -> None:
         soak.leaked += orphans(host.marker)
 
 
-def wait_adopted(soak: Soak, host: Host, killed_at: float, timeout_s: float = 150) -> None:
+def wait_adopted(soak: Soak, host: Host, killed_at: float | None,
+                 timeout_s: float = 150) -> None:
     def adopted() -> dict[str, Any] | None:
-        entry = fleet_entries(soak.urls)[1].get(host.name, {})
+        live, members = fleet_entries(soak.urls)
+        if live is not None:  # a read that failed: no host is judged on it
+            for other in soak.hosts:  # a running host must never go silent, even the
+                # one adopting (its status entry expired: the fleet would fence it)
+                if other.alive and other.name not in live and other.proc is not None \
+                        and other.proc.poll() is None:
+                    soak.live_hosts_expired.append(f"{other.name} while {host.name} "
+                                                   "was being adopted")
+        entry = members.get(host.name, {})
         return entry if entry.get("dead") and "adopted_at" in entry else None
 
     entry = wait(adopted, timeout_s, f"host {host.name} declared dead and adopted", 0.25)
-    soak.failover_ms.append(round((time.monotonic() - killed_at) * 1000))
+    if killed_at is not None:  # not for a host that died by itself: when is unknown
+        soak.failover_ms.append(round((time.monotonic() - killed_at) * 1000))
     host.dead = True
     host.fenced_by = str(entry.get("fenced_by"))
     soak.adopted[host.name] = list(entry.get("adopted", []))
@@ -339,22 +402,43 @@ def _spec_names(state_dir: StateDir) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.json")) if directory.is_dir() else []
 
 
-def check_unplanned(soak: Soak) -> None:
+def check_unplanned(soak: Soak) -> list[Host]:
     """A live host whose supervisor exited by itself was fenced while running (a
     status put late on a loaded machine): safe, but counted; its agents are
-    adopted like a killed host's."""
+    adopted like a killed host's, and it is restarted and replaced like one."""
+    found = []
     for host in soak.hosts:
         if host.alive and host.proc is not None and host.proc.poll() is not None:
             host.alive = False
             soak.unplanned_deaths.append(f"{host.name} exit {host.proc.returncode}")
+            found.append(host)
+    return found
 
 
-def kill_cycle(soak: Soak, agents: int, node_kill_chance: float, generation: int) -> None:
+def wait_fenced(soak: Soak, host: Host, timeout_s: float = 150) -> str:
+    """The live host that fenced `host` (its member entry marked dead)."""
+    def fenced() -> str:
+        entry = fleet_entries(soak.urls)[1].get(host.name, {})
+        return str(entry.get("fenced_by") or "") if entry.get("dead") else ""
+
+    return str(wait(fenced, timeout_s, f"host {host.name} declared dead", 0.05))
+
+
+def kill_cycle(soak: Soak, agents: int, node_kill_chance: float, fencer_kill_chance: float,
+               generation: int) -> None:
+    """Kill a random live host (now and then with its NATS node; now and then its
+    fencer too, the moment it has fenced, before or while it adopts), wait until
+    the fleet has adopted the victims' agents, then restart each victim under
+    its own name (fenced) and start a fresh host in its place."""
     from supervisor import fleetcluster
 
     live = [h for h in soak.hosts if h.alive]
+    if len(live) < 2:
+        raise RuntimeError(f"only {len(live)} live host(s): nobody would adopt")
+    wait_bundles(soak)
     victim = soak.rng.choice(live)
     node_too = soak.rng.random() < node_kill_chance
+    fencer_too = len(live) >= 3 and soak.rng.random() < fencer_kill_chance
     killed_at = time.monotonic()
     kill_host(soak, victim)
     if node_too:
@@ -362,14 +446,30 @@ def kill_cycle(soak: Soak, agents: int, node_kill_chance: float, generation: int
         fleetcluster.stop_node(nodes[victim.slot - 1], signal.SIGKILL)
         soak.node_kills += 1
         soak.node_down = victim.slot
-    wait_adopted(soak, victim, killed_at)
+    victims = [(victim, killed_at)]
+    if fencer_too:
+        fencer = next((h for h in soak.hosts if h.alive
+                       and h.name == wait_fenced(soak, victim)), None)
+        if fencer is not None:
+            victims.append((fencer, time.monotonic()))
+            kill_host(soak, fencer)
+            soak.fencer_kills += 1
+    for host, at in victims:
+        wait_adopted(soak, host, at)
     if node_too:
         nodes = fleetcluster.read_cluster(soak.root / "cluster")
         fleetcluster.start_node(soak.root / "cluster", nodes[victim.slot - 1])
         fleetcluster.wait_ready(soak.urls, 90)
         soak.node_down = None
-    restart_fenced(soak, victim)
-    fresh = new_host(soak, f"{victim.name.split('g')[0]}g{generation}", victim.slot)
+    for host, _at in victims:
+        replace(soak, host, agents, generation)
+
+
+def replace(soak: Soak, host: Host, agents: int, generation: int) -> None:
+    """The dead host started again under its name (fenced), then a fresh host in
+    its slot under a new name, with new agents."""
+    restart_fenced(soak, host)
+    fresh = new_host(soak, f"{host.name.split('g')[0]}g{generation}", host.slot)
     soak.hosts.append(fresh)
     start(fresh)
     wait_up(soak, fresh)
@@ -459,14 +559,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         next_kill = time.monotonic() + args.kill_host_interval_ms / 1000
         generation = 0
         while time.monotonic() < deadline or soak.kills < args.min_kills:
-            check_unplanned(soak)
+            for host in check_unplanned(soak):
+                generation += 1
+                wait_adopted(soak, host, None)
+                replace(soak, host, args.agents, generation)
             if time.monotonic() < next_kill:
                 time.sleep(min(0.2, next_kill - time.monotonic()))  # pacing the faults
                 continue
             generation += 1
-            kill_cycle(soak, args.agents, args.node_kill_chance, generation)
+            kill_cycle(soak, args.agents, args.node_kill_chance, args.fencer_kill_chance,
+                       generation)
             next_kill = time.monotonic() + args.kill_host_interval_ms / 1000
-        check_unplanned(soak)
+        for host in check_unplanned(soak):
+            generation += 1
+            wait_adopted(soak, host, None)
+            replace(soak, host, args.agents, generation)
         finished = wait_finished(soak, args.finish_timeout)
         owned = owners(soak)
         for host in soak.hosts:
@@ -492,7 +599,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         left = [line for host in soak.hosts for line in orphans(host.marker)]
         fleetcluster.down(root / "cluster")
     figures.update(
-        kills=soak.kills, node_kills=soak.node_kills,
+        kills=soak.kills, node_kills=soak.node_kills, fencer_kills=soak.fencer_kills,
+        live_hosts_expired=len(soak.live_hosts_expired),
+        live_hosts_expired_list=sorted(set(soak.live_hosts_expired))[:10],
         adoptions=sum(len(a) for a in soak.adopted.values()),
         adopted=soak.adopted, not_adopted={k: v for k, v in soak.not_adopted.items() if v},
         failover_ms=soak.failover_ms, unplanned_deaths=soak.unplanned_deaths,
@@ -522,6 +631,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--task-repeat", type=int, default=60, help="passes per agent")
     parser.add_argument("--node-kill-chance", type=float, default=0.3,
                         help="share of host kills that take the host's NATS node too")
+    parser.add_argument("--fencer-kill-chance", type=float, default=0.0,
+                        help="share of host kills after which the host that fenced the "
+                             "victim is killed too, the moment it fenced (3 hosts)")
+    parser.add_argument("--adopt-delay-s", type=float, default=0.0,
+                        help="fault: each agent's adoption sleeps this long first (a long "
+                             "stream on a loaded host); the adopter must stay in the fleet")
     parser.add_argument("--min-kills", type=int, default=1,
                         help="go on past the duration until this many hosts were killed")
     parser.add_argument("--finish-timeout", type=float, default=300.0)
@@ -534,6 +649,8 @@ def main(argv: list[str]) -> int:
                         help="then plant one fault of each kind and check that the checks "
                              "report them (tamper.detected)")
     args = parser.parse_args(argv)
+    global ADOPT_DELAY_S  # noqa: PLW0603 - set once, read by every host's environment
+    ADOPT_DELAY_S = args.adopt_delay_s
     if not 2 <= args.hosts <= 3:
         parser.error("--hosts: 2 or 3 (one adopter must stay up; one node per host)")
     figures = run(args)

@@ -1,10 +1,13 @@
 """The fleet soak with real hosts in small (ops/soak_hosts.py, docs/soak.md): two
 corral hosts on a local 3-node cluster, each a supervisor with its writer,
 broker and a scripted agent; one whole host SIGKILLed with its NATS node,
-declared dead, fenced and adopted; started again under its name (fenced: it
-runs nothing) and replaced under a new name with a new agent. Every invariant
-holds, at least one agent was really adopted, and the planted faults of
-`--tamper` are each reported by the same checks (so they can fail)."""
+declared dead, fenced and adopted (each agent's adoption made 7 s slow, over
+the status TTL: the adopter stays in the fleet all along); started again under
+its name (fenced: it runs nothing) and replaced under a new name with a new
+agent. Every invariant holds, at least one agent was really adopted, and the
+planted faults of `--tamper` are each reported by the same checks (so they can
+fail). On the code before supervisor/fleetbeat.py the adopter's status entry
+expired during the adoption (`live_hosts_expired`)."""
 
 from __future__ import annotations
 
@@ -28,8 +31,11 @@ def test_a_host_killed_with_its_node_is_adopted_fenced_and_loses_nothing(
     try:  # the kill comes once the agents' bundles are up (4 s: several status rounds)
         result = subprocess.run(
             [sys.executable, "ops/soak.py", "--hosts", "2", "--kill-host-interval-ms", "4000",
-             "--duration", "1", "--agents", "1", "--task-repeat", "25",
+             "--duration", "1", "--agents", "1", "--task-repeat", "20",
              "--node-kill-chance", "1", "--seed", "5", "--tamper", "--json",
+             # the adoption made slower than the status TTL (5 s): the adopter must
+             # stay in the fleet (supervisor/fleetbeat.py)
+             "--adopt-delay-s", "7",
              "--root", str(tmp_path / "soak"), "--finish-timeout", "90"],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=280, check=False)
     finally:  # a soak killed by the timeout leaves its NATS nodes (their own sessions)
@@ -41,6 +47,7 @@ def test_a_host_killed_with_its_node_is_adopted_fenced_and_loses_nothing(
     assert figures["violations"] == []
     # something was really killed and adopted: a soak that never killed cannot pass
     assert figures["kills"] == 1 and figures["node_kills"] == 1
+    assert figures["live_hosts_expired"] == 0, figures["live_hosts_expired_list"]
     assert figures["adoptions"] >= 1 and figures["adoptions_logged"] >= 1
     assert figures["adopted_records"] > 0
     [restart] = figures["fenced_restarts"]
