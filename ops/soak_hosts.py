@@ -350,14 +350,16 @@ def wait_adopted(soak: Soak, host: Host, killed_at: float | None,
                  timeout_s: float = 150) -> None:
     def adopted() -> dict[str, Any] | None:
         live, members = fleet_entries(soak.urls)
-        if live is not None:  # a read that failed: no host is judged on it
-            for other in soak.hosts:  # a running host must never go silent, even the
+        entry = members.get(host.name, {})
+        if live is not None and entry.get("dead"):  # fenced, being adopted (a read
+            # that failed judges nobody; before the fence a NATS node killed with the
+            # victim may hold the status bucket's leader: puts wait for the election)
+            for other in soak.hosts:  # a running host must not go silent, even the
                 # one adopting (its status entry expired: the fleet would fence it)
                 if other.alive and other.name not in live and other.proc is not None \
                         and other.proc.poll() is None:
                     soak.live_hosts_expired.append(f"{other.name} while {host.name} "
                                                    "was being adopted")
-        entry = members.get(host.name, {})
         return entry if entry.get("dead") and "adopted_at" in entry else None
 
     entry = wait(adopted, timeout_s, f"host {host.name} declared dead and adopted", 0.25)
