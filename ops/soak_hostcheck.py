@@ -173,6 +173,18 @@ def check(soak: Soak, finished: set[str], owned: dict[str, list[Any]],
                     bad("lost", f"{host.name}: {origin}/{key}@{seq}")
 
     by_name = {h.name: h for h in soak.hosts}
+    # read once per host: its stream's and its WAL's records by stream, its acked seqs
+    stream_by: dict[str, dict[str, list[WalRecord]]] = {}
+    wal_by: dict[str, dict[str, list[WalRecord]]] = {}
+    for name in by_name:
+        for source, into in ((streams[name], stream_by), (wals[name], wal_by)):
+            grouped: dict[str, list[WalRecord]] = {}
+            for _, record in sorted(source.items()):
+                grouped.setdefault(record.stream, []).append(record)
+            into[name] = grouped
+    acked_seqs = {h.name: [seq for path in (sorted(h.journal.glob("*.acks"))
+                                            if h.journal.is_dir() else [])
+                           for _k, seq, _a in read_journal(path)] for h in soak.hosts}
     for adopter in soak.hosts:
         adopter_keys: dict[str, set[tuple[str, str]]] = {}
         for record in wals[adopter.name].values():
@@ -183,7 +195,7 @@ def check(soak: Soak, finished: set[str], owned: dict[str, list[Any]],
             if dead not in by_name:
                 bad("adoption_unknown_host", dead)
                 continue
-            mine = [r for _, r in sorted(streams[dead].items()) if r.stream == f"agent/{agent}"]
+            mine = stream_by[dead].get(f"agent/{agent}", [])
             count = int(entry.get("records", 0))
             here = adopter_keys.get(f"agent/{agent}", set())
             for record in mine[:count]:
@@ -192,10 +204,7 @@ def check(soak: Soak, finished: set[str], owned: dict[str, list[Any]],
             f["adopted_records"] += count
             f["dropped_after_cut"] += len(mine) - count
             cut_seqs = {r.seq for r in mine[count:]}
-            dead_host = by_name[dead]
-            for path in sorted(dead_host.journal.glob("*.acks")):
-                f["acked_after_cut"] += sum(1 for _k, seq, _a in read_journal(path)
-                                            if seq in cut_seqs)
+            f["acked_after_cut"] += sum(1 for seq in acked_seqs[dead] if seq in cut_seqs)
 
     everyone = sorted({a for h in soak.hosts for a in h.agents})
     agents_ok = 0
@@ -208,8 +217,7 @@ def check(soak: Soak, finished: set[str], owned: dict[str, list[Any]],
             bad("agents_unowned", agent)
             continue
         owner = hosts[0]
-        mine = [r for _, r in sorted(wals[owner.name].items())
-                if r.stream == f"agent/{agent}" and r.event != SAVED]
+        mine = [r for r in wal_by[owner.name].get(f"agent/{agent}", []) if r.event != SAVED]
         exits = [r for r in mine if r.event == "session_exit"]
         payload = exits[-1].payload() if exits else None
         reason = payload.get("reason") if isinstance(payload, dict) else None

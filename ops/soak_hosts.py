@@ -469,11 +469,12 @@ def kill_cycle(soak: Soak, agents: int, node_kill_chance: float, fencer_kill_cha
 
 def replace(soak: Soak, host: Host, agents: int, generation: int) -> None:
     """The dead host started again under its name (fenced), then a fresh host in
-    its slot under a new name, with new agents."""
-    restart_fenced(soak, host)
+    its slot under a new name, with new agents (started first: the two come up
+    side by side, as they would on two machines)."""
     fresh = new_host(soak, f"{host.name.split('g')[0]}g{generation}", host.slot)
     soak.hosts.append(fresh)
     start(fresh)
+    restart_fenced(soak, host)
     wait_up(soak, fresh)
     spawn_agents(soak, fresh, agents)
 
@@ -513,20 +514,29 @@ def wait_finished(soak: Soak, timeout_s: float) -> set[str]:
     return done & everyone
 
 
-def stop_host(host: Host) -> int | None:
-    subprocess.run([sys.executable, "-m", "supervisor.cli", "stop", "--state-dir",
-                    str(host.state_dir.root)], capture_output=True, timeout=120, check=False,
-                   env=_env(host), cwd=REPO_ROOT)
-    assert host.proc is not None
-    try:
-        code = host.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        for proc in _tree_pids(host.proc.pid):
-            proc.kill()
-        host.proc.wait()
-        code = None
-    host.alive = False
-    return code
+def stop_hosts(hosts: list[Host]) -> dict[str, int | None]:
+    """`supervisor stop` on every host at once (one after the other, a stopped
+    host's status entry would expire and the others would fence it and adopt
+    its agents: a stopped host is silent like a dead one); their exit codes."""
+    stopping = [subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "stop", "--state-dir",
+         str(host.state_dir.root)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=_env(host), cwd=REPO_ROOT) for host in hosts]
+    codes: dict[str, int | None] = {}
+    for host, stop in zip(hosts, stopping, strict=True):
+        assert host.proc is not None
+        try:
+            stop.wait(120)
+            codes[host.name] = host.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            for proc in _tree_pids(host.proc.pid):
+                proc.kill()
+            host.proc.wait()
+            stop.kill()
+            stop.wait()
+            codes[host.name] = None
+        host.alive = False
+    return codes
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -548,6 +558,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 buskeys.make_bus_secret(root / "keys" / "bus.secret"), args.task_repeat,
                 random.Random(args.seed))
     tag = f"{os.getpid() % 1000:03d}"
+    fresh_agents = args.agents if args.new_host_agents is None else args.new_host_agents
     stops: dict[str, int | None] = {}
     try:
         for i in range(args.hosts):
@@ -564,23 +575,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for host in check_unplanned(soak):
                 generation += 1
                 wait_adopted(soak, host, None)
-                replace(soak, host, args.agents, generation)
+                replace(soak, host, fresh_agents, generation)
             if time.monotonic() < next_kill:
                 time.sleep(min(0.2, next_kill - time.monotonic()))  # pacing the faults
                 continue
             generation += 1
-            kill_cycle(soak, args.agents, args.node_kill_chance, args.fencer_kill_chance,
+            kill_cycle(soak, fresh_agents, args.node_kill_chance, args.fencer_kill_chance,
                        generation)
             next_kill = time.monotonic() + args.kill_host_interval_ms / 1000
         for host in check_unplanned(soak):
             generation += 1
             wait_adopted(soak, host, None)
-            replace(soak, host, args.agents, generation)
+            replace(soak, host, fresh_agents, generation)
         finished = wait_finished(soak, args.finish_timeout)
         owned = owners(soak)
-        for host in soak.hosts:
-            if host.alive:
-                stops[host.name] = stop_host(host)
+        stops = stop_hosts([h for h in soak.hosts if h.alive])
         figures.update(soak_hostcheck.check(soak, finished, owned, stops))
         if args.tamper:  # the checks must catch planted faults (soak_hostcheck.tamper)
             planted = soak_hostcheck.tamper(soak)
@@ -630,6 +639,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kill-host-interval-ms", type=int, required=True)
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of killing")
     parser.add_argument("--agents", type=int, default=2, help="per host (and per new host)")
+    parser.add_argument("--new-host-agents", type=int, default=None,
+                        help="agents of each fresh host started in a victim's place "
+                             "(default: --agents)")
     parser.add_argument("--task-repeat", type=int, default=60, help="passes per agent")
     parser.add_argument("--node-kill-chance", type=float, default=0.3,
                         help="share of host kills that take the host's NATS node too")
