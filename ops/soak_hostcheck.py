@@ -288,8 +288,8 @@ def tamper(soak: Soak) -> list[str]:
     shows that they can fail. Planted: an acknowledgement journaled for a
     record no stream holds (lost), a file added to a finished agent's
     workspace, a copy of a fenced host's first batch stored after its fence (an
-    append after the fence, twice in the stream), and an adopter's log line
-    claiming the records after the cut were adopted too."""
+    append after the fence, twice in the stream), and an adoption's log line
+    copied to a host that never held the agent (its records are not there)."""
     import nats
 
     from actors.writer.replicate import stream_name
@@ -331,13 +331,15 @@ def tamper(soak: Soak) -> list[str]:
             planted.append(f"after fence: {dead.name}")
         except Exception as exc:  # noqa: BLE001 - not planted: the test sees 3 of 4
             planted.append(f"not planted after the fence: {type(exc).__name__}: {exc}")
-    for adopter in soak.hosts:
-        entries = adoptions(adopter.state_dir)
-        if entries:
-            entry = entries[0]
-            log = adopter.state_dir.root / "logs" / "supervisor.log"
+    entry = next((e for h in soak.hosts for e in adoptions(h.state_dir)
+                  if int(e.get("records", 0)) > 0), None)
+    if entry is not None:  # an adoption claimed by a host that never held the agent
+        stream = f"agent/{entry.get('agent')}"
+        stranger = next((h for h in soak.hosts if not any(
+            r.stream == stream for r in wal_records(h.state_dir).values())), None)
+        if stranger is not None:
+            log = stranger.state_dir.root / "logs" / "supervisor.log"
             with open(log, "a", encoding="utf-8") as f:
-                f.write(json.dumps({**entry, "records": 10**6}) + "\n")
-            planted.append(f"adoption: {entry.get('agent')} on {adopter.name}")
-            break
+                f.write(json.dumps(entry) + "\n")
+            planted.append(f"adoption: {entry.get('agent')} on {stranger.name}")
     return planted
