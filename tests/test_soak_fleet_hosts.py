@@ -12,8 +12,10 @@ the adoption (`live_hosts_expired`)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,10 +26,11 @@ pytestmark = [pytest.mark.fleet, pytest.mark.process, pytest.mark.soak]
 
 
 @pytest.mark.timeout(300)  # ~35 s on a quiet machine: start-up, one host loss, the checks
-def test_a_host_killed_with_its_node_is_adopted_fenced_and_loses_nothing(
-        tmp_path: Path) -> None:
+def test_a_host_killed_with_its_node_is_adopted_fenced_and_loses_nothing() -> None:
     from supervisor import fleetcluster
 
+    # short: the hosts' ipc:// socket paths live under it (pytest-xdist's tmp_path is long)
+    tmp_path = Path(tempfile.mkdtemp(prefix="corral-sh-", dir="/tmp"))
     try:  # the kill comes once the agents' bundles are up and they have done some work
         result = subprocess.run(
             [sys.executable, "ops/soak.py", "--hosts", "2", "--kill-host-interval-ms", "1000",
@@ -41,6 +44,7 @@ def test_a_host_killed_with_its_node_is_adopted_fenced_and_loses_nothing(
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=280, check=False)
     finally:  # a soak killed by the timeout leaves its NATS nodes (their own sessions)
         fleetcluster.down(tmp_path / "soak" / "cluster")
+        shutil.rmtree(tmp_path, ignore_errors=True)
     assert result.stdout, result.stderr[-3000:]
     figures = json.loads(result.stdout)
     assert result.returncode == 0, (figures["violations"], figures.get("examples"),
