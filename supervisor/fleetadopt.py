@@ -268,11 +268,53 @@ class Uploader:
 
 
 async def _names(bucket: Any) -> list[str]:
+    """The bucket's object names; [] for an empty bucket (nats raises
+    NotFoundError for it). Any other failure (a timeout while the bucket's
+    stream elects a leader, the connection lost) is raised: read as "no
+    objects", it made an adopter record a dead host adopted with none of its
+    agents, which nobody then adopted (found by CI's fleet soak)."""
+    from nats.js.errors import NotFoundError  # noqa: PLC0415
+
     try:
         infos = await bucket.list()
-    except Exception:  # noqa: BLE001 - nats raises NotFoundError for an empty bucket
+    except NotFoundError:
         return []
     return [i.name for i in infos if not getattr(i, "deleted", False)]
+
+
+FETCH_RETRY_S = 60.0  # how long an adopter retries a bundle's transient read failures
+
+
+async def _fetch_bundle(bucket: Any, names: list[str], dead: str, agent: str
+                        ) -> tuple[Any, bytes, Any, Any]:
+    """An agent's spec, pack, extras and generations from the object store.
+    A missing object (a bundle half uploaded) is raised at once; a transient
+    failure (a timeout or no responders while the cluster elects a leader
+    after losing a node, often the dead host's own) is retried with backoff
+    for up to FETCH_RETRY_S, then raised, so the adoption round fails and is
+    tried again rather than skipping the agent for good."""
+    from nats.errors import Error as NatsError  # noqa: PLC0415
+    from nats.js.errors import NotFoundError  # noqa: PLC0415
+
+    deadline = time.monotonic() + FETCH_RETRY_S
+    delay = 0.25
+    while True:
+        try:
+            spec = json.loads((await bucket.get(spec_object(dead, agent))).data or b"{}")
+            pack = await download_pack(bucket, names, dead, agent)
+            extras = await download_extras(bucket, names, dead, agent)
+            gens = await fleetgens.download(bucket, names, dead, agent)
+        except NotFoundError:
+            raise
+        except (NatsError, TimeoutError, ConnectionError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("fleet_adopt_fetch_retry", host=dead, agent=agent,
+                        error=type(exc).__name__, retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 4.0)
+        else:
+            return spec, pack, extras, gens
 
 
 def chunk_object(host: str, agent: str, gen: str, offset: int, kind: str = "pack") -> str:
@@ -630,12 +672,18 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
     started = time.monotonic()
     records = await stream_records(js, dead)
     done: list[Adopted] = []
+    from nats.errors import Error as NatsError  # noqa: PLC0415
+    from nats.js.errors import NotFoundError  # noqa: PLC0415
+
     for agent in agents:
         try:
-            spec = json.loads((await bucket.get(spec_object(dead, agent))).data or b"{}")
-            pack = await download_pack(bucket, names, dead, agent)
-            extras = await download_extras(bucket, names, dead, agent)
-            gens = await fleetgens.download(bucket, names, dead, agent)
+            spec, pack, extras, gens = await _fetch_bundle(bucket, names, dead, agent)
+        except (NatsError, TimeoutError, ConnectionError) as exc:
+            if not isinstance(exc, NotFoundError):
+                raise  # the cluster still failing after the retries: the round again
+            log.error("fleet_adopt_bundle_missing", host=dead, agent=agent,
+                      error=type(exc).__name__)
+            continue
         except Exception as exc:  # noqa: BLE001 - a bundle half uploaded: skip the agent
             log.error("fleet_adopt_bundle_missing", host=dead, agent=agent,
                       error=type(exc).__name__)
