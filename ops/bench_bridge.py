@@ -57,6 +57,30 @@ def _put_hosts(urls: list[str], hosts: list[str]) -> None:
     asyncio.run(go())
 
 
+def fleet_hosts(root: Path, names: tuple[str, ...]
+                ) -> tuple[list[str], Path, dict[str, StateDir]]:
+    """A local 3-node cluster under `root/cluster`, the hosts' bus secret
+    (`fleet.bus_secret`) and a state directory per named host, each listed
+    in the fleet view: what the benchmarks of the bridge stand on."""
+    from supervisor import fleetcluster
+
+    urls = [n.url for n in fleetcluster.up(root / "cluster" / ".corral", 3)]
+    fleetcluster.wait_ready(urls, 30)
+    key = root / "bus.secret"
+    key.write_text(secrets.token_hex(32))
+    key.chmod(0o600)
+    states = {h: StateDir(root / h / ".corral").ensure() for h in names}
+    _put_hosts(urls, list(states))
+    return urls, key, states
+
+
+def bridged_broker(state: StateDir, host: str, urls: list[str], key: Path) -> list[str]:
+    """The arguments of a broker whose bridge joins the fleet as `host`."""
+    return ["-m", "broker.server", "--state-dir", str(state.root), "--log-level", "warning",
+            "--fleet-host", host, *[a for u in urls for a in ("--fleet-url", u)],
+            "--fleet-bus-secret", str(key), "--fleet-view-interval-s", "0.2"]
+
+
 def _rtts(peer: BrokerPeer, to: str, n: int) -> list[float]:
     out: list[float] = []
     for _ in range(n):
@@ -92,20 +116,9 @@ def run(quick: bool = False) -> dict[str, object]:
     cluster_root = root / "cluster" / ".corral"
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        urls = [n.url for n in fleetcluster.up(cluster_root, 3)]
-        fleetcluster.wait_ready(urls, 30)
-        key = root / "bus.secret"  # the hosts' bus secret (fleet.bus_secret)
-        key.write_text(secrets.token_hex(32))
-        key.chmod(0o600)
-        states = {h: StateDir(root / h / ".corral").ensure() for h in ("bha", "bhb")}
-        _put_hosts(urls, list(states))
+        urls, key, states = fleet_hosts(root, ("bha", "bhb"))
         for host, state in states.items():
-            procs.append(_spawn(["-m", "broker.server", "--state-dir", str(state.root),
-                                 "--log-level", "warning", "--fleet-host", host,
-                                 *[a for u in urls for a in ("--fleet-url", u)],
-                                 "--fleet-bus-secret", str(key),
-                                 "--fleet-view-interval-s", "0.2"],
-                                root / f"{host}.out"))
+            procs.append(_spawn(bridged_broker(state, host, urls, key), root / f"{host}.out"))
             procs.append(_spawn(["-m", "ops.bench_broker", "peer-echo", "--endpoint",
                                  state.endpoint("broker"), "--name", f"echo-{host}"],
                                 root / f"echo-{host}.out"))

@@ -32,8 +32,7 @@ from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
-from broker.statedir import StateDir
-from ops.bench_bridge import _put_hosts
+from ops.bench_bridge import bridged_broker, fleet_hosts
 from ops.bench_broker import _spawn, _stop, _wait_pong
 from ops.benchkit import percentile
 
@@ -73,20 +72,11 @@ def run(quick: bool = False) -> dict[str, object]:
     cluster_root = root / "cluster" / ".corral"
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        urls = [n.url for n in fleetcluster.up(cluster_root, 3)]
-        fleetcluster.wait_ready(urls, 30)
-        key = root / "bus.secret"
-        key.write_text(secrets.token_hex(32))
-        key.chmod(0o600)
-        states = {h: StateDir(root / h / ".corral").ensure() for h in ("sha", "shb")}
-        _put_hosts(urls, list(states))
+        urls, key, states = fleet_hosts(root, ("sha", "shb"))
         for host, state in states.items():
             quiet = ["--state-dir", str(state.root), "--log-level", "warning"]
             procs.append(_spawn(["-m", "actors.writer", *quiet], root / f"w-{host}.out"))
-            procs.append(_spawn(["-m", "broker.server", *quiet, "--fleet-host", host,
-                                 *[a for u in urls for a in ("--fleet-url", u)],
-                                 "--fleet-bus-secret", str(key),
-                                 "--fleet-view-interval-s", "0.2"], root / f"b-{host}.out"))
+            procs.append(_spawn(bridged_broker(state, host, urls, key), root / f"b-{host}.out"))
             procs.append(_spawn(["-m", "actors.subagents", *quiet, "--fleet-host", host,
                                  "--remote-subagents"], root / f"s-{host}.out"))
         ws = root / "ws"
