@@ -14,8 +14,10 @@ instead (`fleet.urls`) and never runs this.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -187,6 +189,34 @@ def wait_ready(urls: list[str], timeout_s: float) -> None:
             await nc.close()
         return True
 
+    async def placement(url: str, replicas: int) -> bool:
+        """A stream of `replicas` can be placed now: every peer is current with
+        the meta leader (answering account info is not enough: a node just
+        started, or lagging under load, makes an R3 bucket's creation fail
+        with "no suitable peers for placement", seen in CI). A throwaway
+        in-memory stream, named uniquely so that probes never meet, is made
+        and deleted."""
+        from nats.js.api import StorageType, StreamConfig  # noqa: PLC0415
+
+        try:
+            nc = await nats.connect(url, connect_timeout=1, allow_reconnect=False,
+                                    error_cb=_quiet)
+        except Exception:  # noqa: BLE001 - not up
+            return False
+        try:
+            js = nc.jetstream(timeout=2)
+            name = f"corral_ready_{secrets.token_hex(6)}"
+            await js.add_stream(StreamConfig(
+                name=name, subjects=[f"corral.ready.{name}"], num_replicas=replicas,
+                storage=StorageType.MEMORY, max_msgs=1))
+            with contextlib.suppress(Exception):
+                await js.delete_stream(name)
+        except Exception:  # noqa: BLE001 - no suitable peers yet, or no leader
+            return False
+        finally:
+            await nc.close()
+        return True
+
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
     while pending:
@@ -195,6 +225,12 @@ def wait_ready(urls: list[str], timeout_s: float) -> None:
             raise ConfigError(f"the cluster did not become ready in {timeout_s:g}s: {pending}")
         if pending:
             time.sleep(0.2)
+    replicas = min(3, len(urls))
+    while not asyncio.run(placement(urls[0], replicas)):
+        if time.monotonic() > deadline:
+            raise ConfigError(f"the cluster did not become ready in {timeout_s:g}s: no "
+                              f"{replicas} peers for a replicated stream")
+        time.sleep(0.2)
 
 
 def stop_node(node: Node, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
