@@ -678,13 +678,13 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
     for agent in agents:
         try:
             spec, pack, extras, gens = await _fetch_bundle(bucket, names, dead, agent)
-        except (NatsError, TimeoutError, ConnectionError) as exc:
-            if not isinstance(exc, NotFoundError):
-                raise  # the cluster still failing after the retries: the round again
+        except NotFoundError as exc:  # a bundle half uploaded: skip the agent
             log.error("fleet_adopt_bundle_missing", host=dead, agent=agent,
                       error=type(exc).__name__)
             continue
-        except Exception as exc:  # noqa: BLE001 - a bundle half uploaded: skip the agent
+        except (NatsError, TimeoutError, ConnectionError):
+            raise  # the cluster still failing after the retries: the round again
+        except Exception as exc:  # noqa: BLE001 - a bundle that does not parse: skip it
             log.error("fleet_adopt_bundle_missing", host=dead, agent=agent,
                       error=type(exc).__name__)
             continue
