@@ -14,6 +14,7 @@ from actors.trees import restore, tree
 from actors.trees.capture import Capturer
 from actors.trees.statcache import StatCache
 from actors.trees.store import CorruptObjectError, ObjectStore
+from tests.processes import wait_for
 
 
 def _snapshot(ws: Path) -> dict[str, tuple[str, bytes, int]]:
@@ -139,3 +140,56 @@ def test_store_refuses_damaged_objects_and_forged_trees(tmp_path: Path) -> None:
                 b'{"version":1,"entries":[["a",8192,"' + b"0" * 64 + b'",1]]}', b"[1"):
         with pytest.raises(tree.TreeFormatError):
             tree.decode(bad)
+
+
+def test_a_check_with_the_clock_stats_the_directory_once_and_still_sees_a_repack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from actors.trees.statcache import fs_now_ns
+
+    packs, clock_dir = tmp_path / "packs", tmp_path / "clock"
+    for writer in range(20):  # twenty agents' packs
+        ObjectStore(packs, f"agent-{writer}").put_many([(f"{writer:064x}", b"x")])
+    # the objects are named by their digest in the store's checks on read, not here
+    reader = ObjectStore(packs, "reader")
+    stats: list[str] = []
+    real_stat = os.stat
+
+    def counting_stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if str(path).startswith(str(packs)):  # the store's own, not the clock's
+            stats.append(str(path))
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    def clock_past_the_directory() -> int:
+        """The filesystem's clock once it is past the directory's last change
+        (a change in the same tick as a check is racy: every pack is checked)."""
+        st = real_stat(packs)
+        now: int = wait_for(lambda: (t := fs_now_ns(clock_dir)) > max(st.st_mtime_ns,
+                                                                     st.st_ctime_ns) and t,
+                            5, "the filesystem's clock to tick")
+        return now
+
+    monkeypatch.setattr(os, "stat", counting_stat)  # the store's module uses os.stat
+    assert reader.validate(clock_past_the_directory()) is False  # first: every pack
+    assert len(stats) == 21
+    stats.clear()
+    assert reader.validate(fs_now_ns(clock_dir)) is False  # nothing renamed: one stat
+    assert stats == [str(packs)]
+    # a collection rewrites one pack (a new file renamed over it)
+    victim = packs / "agent-7.pack"
+    copy = packs / ".agent-7.pack.tmp"
+    copy.write_bytes(victim.read_bytes())
+    os.replace(copy, victim)
+    generation = reader.generation
+    assert reader.validate(fs_now_ns(clock_dir)) is True
+    assert reader.generation == generation + 1
+    # racy: a check whose clock is not newer than the directory's timestamps
+    # vouches for nothing, so the next check looks at every pack again
+    racy = ObjectStore(packs, "racy")
+    assert racy.validate(0) is False  # a clock older than every timestamp
+    stats.clear()
+    assert racy.validate(clock_past_the_directory()) is False
+    assert len(stats) == 21
+    stats.clear()
+    assert racy.validate(fs_now_ns(clock_dir)) is False  # that check had a good clock
+    assert len(stats) == 1

@@ -82,7 +82,7 @@ class Capturer:
         """`durable=False`: the new objects' sync is left to the caller
         (`store.take_unsynced()`, before a fact names the tree)."""
         stamp = self._stamp()
-        self.store.validate()  # a collection since the last capture: index again
+        self.store.validate(stamp)  # a collection since the last capture: index again
         # cached rows name only objects held when the last capture ended well
         # and the index was not reset since (DirCache.rows; _rebuild)
         self._fast = self._fast_gen == self.store.generation
@@ -98,7 +98,7 @@ class Capturer:
             digest = digest_of(body)
             self._new[digest] = body
         gen = self.store.generation
-        stored = self.store.put_many(self._new.items(), durable=durable)
+        stored = self.store.put_many(self._new.items(), durable=durable, now_ns=stamp)
         if self.store.generation == gen:
             self._fast_gen = gen
         gone = [rel for rel in self.cache.dirs if rel not in self._seen]

@@ -106,6 +106,9 @@ class ObjectStore:
         self._ids: dict[str, tuple[int, int]] = {}  # pack name -> (device, inode) indexed
         self._unsynced: list[int] = []  # fds of packs appended with durable=False
         self.generation = 0  # counts the index's resets (a collection ran)
+        # the packs directory's (inode, mtime_ns, ctime_ns) when every pack was last
+        # checked one by one, and the filesystem clock read before that (validate)
+        self._checked: tuple[tuple[int, int, int], int] | None = None
         self.refresh()
 
     def take_unsynced(self) -> list[int]:
@@ -117,9 +120,34 @@ class ObjectStore:
         """The collection lease, shared (see `lease`)."""
         return lease(self.directory)
 
-    def validate(self) -> bool:
+    def validate(self, now_ns: int | None = None) -> bool:
         """Index again from scratch when a pack indexed was replaced or removed
-        (a collection ran); True when it did. A stat per pack."""
+        (a collection ran); True when it did. A stat per pack, or one stat in
+        all with `now_ns`, the filesystem's clock read just before the call
+        (statcache.fs_now_ns): a pack replaced, removed or created changes the
+        directory's mtime, so a directory whose identity and timestamps are
+        those seen at the last check, older than the clock read before it,
+        has had nothing renamed, removed or created since (the racy rule of
+        the stat cache: a change in the same tick as that check is not ruled
+        out by equal timestamps, so then every pack is checked). Without a
+        check per pack, the cost of a capture grew with the number of agents
+        that ever stored a tree."""
+        if now_ns is not None:
+            try:
+                st = os.stat(self.directory)
+            except FileNotFoundError:
+                st = None
+            seen = None if st is None else (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+            last = self._checked
+            if (seen is not None and last is not None and last[0] == seen
+                    and max(seen[1], seen[2]) < last[1]):
+                return False
+            self._checked = None if seen is None else (seen, now_ns)
+        else:
+            self._checked = None  # a check without a clock vouches for nothing later
+        return self._validate_each()
+
+    def _validate_each(self) -> bool:
         for name, known in list(self._ids.items()):
             try:
                 same = identity(os.stat(self.directory / name)) == known
@@ -202,14 +230,16 @@ class ObjectStore:
             raise CorruptObjectError(f"object {digest[:16]} in {where[0].name} is damaged")
         return data
 
-    def put_many(self, objects: Iterable[tuple[str, bytes]], *, durable: bool = True) -> int:
+    def put_many(self, objects: Iterable[tuple[str, bytes]], *, durable: bool = True,
+                 now_ns: int | None = None) -> int:
         """Append the objects the store lacks to this writer's pack, durably;
         return how many. Deduplicated against the index as validated now:
         under the lease (`lease()`) no collection removes what it names
         before the lease ends. `durable=False`: the pack's fdatasync is left
         to `sync_pending()`, which the caller runs (on another thread) before
-        anything names the objects (a new pack's directory is synced here)."""
-        self.validate()
+        anything names the objects (a new pack's directory is synced here).
+        `now_ns`: the filesystem's clock read before the call (`validate`)."""
+        self.validate(now_ns)
         given = list(objects)
         new: dict[str, bytes] = {}
         for digest, data in given:
