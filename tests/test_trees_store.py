@@ -13,7 +13,7 @@ from actors.changesets import confined
 from actors.trees import restore, tree
 from actors.trees.capture import Capturer
 from actors.trees.statcache import StatCache
-from actors.trees.store import CorruptObjectError, ObjectStore
+from actors.trees.store import CorruptObjectError, ObjectStore, digest_of
 from tests.processes import wait_for
 
 
@@ -193,3 +193,22 @@ def test_a_check_with_the_clock_stats_the_directory_once_and_still_sees_a_repack
     stats.clear()
     assert racy.validate(fs_now_ns(clock_dir)) is False  # that check had a good clock
     assert len(stats) == 1
+
+
+def test_an_append_to_the_same_pack_by_another_process_is_indexed_at_the_next_put(
+    tmp_path: Path,
+) -> None:
+    """`put_many` skips scanning its own pack when it is as this store left it;
+    one appended to meanwhile (a second process under the same writer name,
+    e.g. a rewind's capture) is scanned, and what was appended is indexed."""
+    packs = tmp_path / "packs"
+    mine, other = ObjectStore(packs, "agent-1"), ObjectStore(packs, "agent-1")
+    a, b, c, d = ((digest_of(x), x) for x in (b"one", b"two", b"three", b"four"))
+    assert mine.put_many([a]) == 1
+    assert mine.put_many([d]) == 1  # as it left it: no scan needed
+    assert other.put_many([b]) == 1
+    assert not mine.has(b[0])
+    assert mine.put_many([c]) == 1
+    assert mine.has(b[0])  # the other's append was scanned, not skipped
+    assert all(mine.get(name) == data for name, data in (a, b, c, d))
+    assert all(ObjectStore(packs, "reader").get(name) == data for name, data in (a, b, c, d))

@@ -108,7 +108,6 @@ class StatCache:
         """Persist this capture's changes (append), or everything (rewrite)."""
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         rewrite = self._lines == 0 or self._lines > 64
         names = list(self.dirs) if rewrite else changed
         dirs: dict[str, list[Any]] = {}
@@ -131,6 +130,14 @@ class StatCache:
             "version": FORMAT_VERSION, "stamp_ns": self.stamp_ns,
             "gone": [] if rewrite else gone, "dirs": dirs,
         }, separators=(",", ":")) + "\n"
+        try:
+            self._write(line, rewrite)
+        except FileNotFoundError:  # no cache directory (yet, or removed: it is derived)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._write(line, rewrite)
+
+    def _write(self, line: str, rewrite: bool) -> None:
+        assert self.path is not None
         if rewrite:
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             tmp.write_text(line, encoding="utf-8")

@@ -247,14 +247,19 @@ class ObjectStore:
                 new[digest] = data
         if not new:
             return 0
-        created_dir = not self.directory.is_dir()
-        if created_dir:
-            self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"{self.writer}{SUFFIX}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        created_dir = False
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileNotFoundError:  # no packs directory yet
+            created_dir = not self.directory.is_dir()
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            mine = identity(os.fstat(fd))
+            st = os.fstat(fd)
+            mine = identity(st)
             try:
                 renamed = mine != identity(os.stat(path))
             except FileNotFoundError:
@@ -267,8 +272,11 @@ class ObjectStore:
                 fd = -1
                 self._reset()
                 return self.put_many(given)
-            size = os.fstat(fd).st_size
-            end = self._scan(path) if size else 0
+            size = st.st_size
+            if size and known == mine and size == self._ends.get(path.name):
+                end = size  # as this store left it: nothing appended since to index
+            else:
+                end = self._scan(path) if size else 0
             if size and end == 0:
                 raise CorruptObjectError(f"{path} is not a pack")
             if end != size:
@@ -290,7 +298,7 @@ class ObjectStore:
                 os.fdatasync(fd)
             else:
                 self._unsynced.append(os.dup(fd))
-            self._ids[path.name] = identity(os.fstat(fd))
+            self._ids[path.name] = mine
         finally:
             if fd >= 0:
                 os.close(fd)  # releases the lock
