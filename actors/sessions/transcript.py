@@ -123,9 +123,14 @@ class Transcript:
                          _secrets(reply.actions, sealed_actions))
         directory = session_dir(self.root, state.session)
         try:
-            created = not directory.exists()
-            directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(directory / CURRENT, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            created = False
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+            try:
+                fd = os.open(directory / CURRENT, flags, 0o600)
+            except FileNotFoundError:  # the session's first line: its directory too
+                created = not directory.exists()
+                directory.mkdir(parents=True, exist_ok=True)
+                fd = os.open(directory / CURRENT, flags, 0o600)
             try:
                 os.write(fd, line.encode("utf-8", "surrogatepass") + b"\n")
                 if request is not None:  # a request that left the process: see the docstring

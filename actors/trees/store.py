@@ -70,9 +70,13 @@ def packs_dir(root: Path) -> Path:
 def take_lease(packs: Path, exclusive: bool = False) -> int:
     """The collection lease (see `lease`) taken; closing the fd it returns
     releases it (so does the process's death)."""
-    packs.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(packs.parent / LEASE_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
+    path = packs.parent / LEASE_NAME
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileNotFoundError:  # no trees directory yet
+        packs.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, flags, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
     except BaseException:
