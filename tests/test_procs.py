@@ -63,7 +63,8 @@ class Stack:
                 return False
             return isinstance(reply, protocol.Pong)
 
-        wait_for(answered, 15, "procs to answer a ping")
+        # three fresh interpreters (writer, broker, procs) import at once: 5-10 s under load
+        wait_for(answered, 30, "procs to answer a ping")
 
     def facts(self, event: str | None = None) -> list[dict[str, object]]:
         out = []
@@ -335,7 +336,7 @@ def test_agent_sigkilled_restarted_agent_reads_every_byte(stack: Stack) -> None:
         "print('started', flush=True); import time; time.sleep(300)"
     )
     agent = stack.processes.spawn(["-c", script], name="agent")
-    wait_for(lambda: "started" in stack.processes.output("agent"), 15, "the agent's starts")
+    wait_for(lambda: "started" in stack.processes.output("agent"), 30, "the agent's starts")
     os.killpg(agent.pid, signal.SIGKILL)
     agent.wait()
     proc_ids = [str(f["proc_id"]) for f in stack.facts("proc_start")]
