@@ -85,6 +85,7 @@ def all_running(processes: ProcessTracker, state_dir: StateDir) -> dict[str, dic
     return found if all(c["state"] == "running" for c in found.values()) else {}
 
 
+@pytest.mark.timeout(150)  # about twelve interpreters: 17 s at load ~5, far more at ~10
 def test_up_status_kill_restart_and_stop(processes: ProcessTracker, state_dir: StateDir) -> None:
     """Every kind is restarted after a kill and counted; restart works; stop leaves nothing."""
     proc = start(processes, state_dir, write_config(state_dir))
@@ -256,6 +257,7 @@ def _zygote_of(state_dir: StateDir) -> psutil.Process:
     return psutil.Process(int(lines[-1]["pid"]))
 
 
+@pytest.mark.timeout(150)  # 16-17 s at load ~5, far more at ~10
 @pytest.mark.parametrize("use_zygote", [True, False], ids=["zygote", "no-zygote"])
 def test_writer_and_broker_restart_forked_from_the_zygote_or_fresh_without_it(
     processes: ProcessTracker, state_dir: StateDir, use_zygote: bool,
