@@ -92,7 +92,7 @@ def test_up_status_kill_restart_and_stop(processes: ProcessTracker, state_dir: S
     first = wait_for(lambda: all_running(processes, state_dir), 40, "every child running")
     assert set(first) == {"writer", "broker", "agent-1", "agent-2"}
     wait_for(lambda: all(c["pid"] and c["uss_bytes"] is not None
-                         for c in children(processes, state_dir).values()), 5, "samples")
+                         for c in children(processes, state_dir).values()), 20, "samples")
 
     for name, sig in (("writer", "KILL"), ("broker", "TERM"), ("agent-1", "KILL")):
         done = cli(processes, state_dir, "kill", name, "--signal", sig)
