@@ -47,7 +47,7 @@ def test_tcp_with_curve_admits_only_authorized_keys(
         name="writer",
     )
     endpoints_file = state_dir.run_dir / "writer.endpoints"
-    wait_for(endpoints_file.exists, 15, "the writer to publish its endpoints")
+    wait_for(endpoints_file.exists, 30, "the writer to publish its endpoints")
     tcp = next(e for e in endpoints_file.read_text().split() if e.startswith("tcp://"))
 
     remote = WriterClient(
@@ -92,7 +92,7 @@ def test_plain_tcp_is_refused_at_start(processes: ProcessTracker, state_dir: Sta
         ["-m", "actors.writer", "--state-dir", str(state_dir.root), "--tcp", "tcp://127.0.0.1:*"],
         name="writer",
     )
-    assert proc.wait(timeout=15) == EXIT_CONFIG
+    assert proc.wait(timeout=30) == EXIT_CONFIG
     assert "only with CURVE" in processes.output("writer")
 
 
@@ -117,7 +117,7 @@ def test_broker_routes_between_a_tcp_peer_and_a_local_peer_with_curve(
         name="broker",
     )
     endpoints_file = state_dir.run_dir / "broker.endpoints"
-    wait_for(endpoints_file.exists, 15, "the broker to publish its endpoints")
+    wait_for(endpoints_file.exists, 30, "the broker to publish its endpoints")
     tcp = next(e for e in endpoints_file.read_text().split() if e.startswith("tcp://"))
     local = BrokerPeer(ctx, state_dir, "local-agent",
                        curve=curve.load_client(keys, "local-agent"))

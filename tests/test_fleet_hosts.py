@@ -126,9 +126,16 @@ def test_fleet_status_and_control_across_hosts(
             return None
 
         wait_for(both_running, 40, "both hosts running in the fleet view", interval_s=0.3)
-        view = fleet_view_cli(processes, state_dir)  # the real command
-        assert {c["name"] for c in view[ha]["children"]} == {"writer", "broker", "agent-1"}
-        assert {c["name"] for c in view[hb]["children"]} == {"writer", "broker"}
+
+        def cli_shows_both() -> dict[str, dict[str, Any]] | None:
+            view = fleet_view_cli(processes, state_dir)  # the real command
+            names = [{c["name"] for c in view.get(h, {}).get("children", [])} for h in (ha, hb)]
+            return view if names == [{"writer", "broker", "agent-1"}, {"writer", "broker"}] \
+                else None
+
+        # another read, maybe of a replica a put behind the one the wait above read
+        view = wait_for(cli_shows_both, 30, "both hosts' children in `status --fleet`",
+                        interval_s=0.3)
         assert not view[ha]["stale"] and not view[hb]["stale"]
         restarts = child(view[hb], "broker")["restarts"]
 
@@ -208,8 +215,12 @@ def test_fleet_status_and_control_across_hosts(
         # its entry expires; after the grace host A declares it dead and fences its stream
         dead = wait_for(lambda: host_b_if("dead"), 30, "host B declared dead", interval_s=0.3)
         assert dead["fenced_by"] == ha
-        text = cli(processes, state_dir, "status", "--fleet")
-        assert text.returncode == 0 and f"DEAD (fenced by {ha}" in text.stdout
+        # the table is another read, maybe of a replica that has yet to see the fence
+        def table_shows_it() -> bool:
+            text = cli(processes, state_dir, "status", "--fleet")
+            return text.returncode == 0 and f"DEAD (fenced by {ha}" in text.stdout
+
+        wait_for(table_shows_it, 30, "the status table showing host B dead", interval_s=0.3)
         # B's stream ends with A's fence: a writer of B that comes back meets it at its
         # first publish and stops (test_fleet_wal.py: test_a_fenced_host_...)
         fence = read_stream(fleet_cluster.urls, hb)[-1]

@@ -132,8 +132,11 @@ def test_an_unreplicated_tail_is_published_first_and_retries_answered_only_then(
     fleet_cluster.wait_ready()
     host = host_name()
     writer = start_fleet_writer(processes, state_dir, ctx, host, fleet_cluster.urls)
-    client = WriterClient(ctx, state_dir, "a1", timeout_s=0.3, retries=2)
+    # the first append waits for an R3 publish: seconds on a loaded machine, so only the
+    # append that must time out (the cluster stopped) gets the short deadline
+    client = WriterClient(ctx, state_dir, "a1", timeout_s=5, retries=5)
     assert client.append("agent/a1", "turn", {"n": 0}, key="k0").seq == 1
+    client.timeout_s, client.retries = 0.3, 2
     fleet_cluster.stop(1)
     fleet_cluster.stop(2)
     try:
@@ -206,8 +209,9 @@ def test_a_fenced_host_acknowledges_nothing_more_and_stops(
     fleet_cluster.wait_ready()
     host = host_name()
     writer = start_fleet_writer(processes, state_dir, ctx, host, fleet_cluster.urls)
-    client = WriterClient(ctx, state_dir, "a1", timeout_s=0.5, retries=2)
+    client = WriterClient(ctx, state_dir, "a1", timeout_s=5, retries=5)  # an R3 publish
     assert client.append("agent/a1", "turn", {"n": 0}, key="k0").seq == 1
+    client.timeout_s, client.retries = 0.5, 2  # for the append that must time out
     fenced = subprocess.run(
         [sys.executable, "-m", "supervisor.cli", "fleet", "fence", host,
          "--by", "h-adopter", *[a for u in fleet_cluster.urls for a in ("--url", u)]],

@@ -178,6 +178,10 @@ def test_a_checkpoint_that_cannot_be_written_is_skipped_and_the_writer_serves_on
     writer = start_writer(processes, state_dir, ctx, *fast)
     with WriterClient(ctx, state_dir, "agent-a") as client:
         assert [r.seq for r in client.read_stream("agent/a")] == [1, 2]
+        # this run's first checkpoint writes its file in a thread, after fsyncs: it must
+        # have failed before the obstacle goes, or it succeeds and never "recovers"
+        wait_for(lambda: len(_events(state_dir, "checkpoint_write_failed")) >= 2, 10,
+                 "the restarted writer's failure logged")
         (obstacle / "stuck").rmdir()
         obstacle.rmdir()
         wait_for(lambda: _events(state_dir, "checkpoint_write_recovered"), 10,

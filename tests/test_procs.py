@@ -21,6 +21,7 @@ import pytest
 import zmq
 
 from actors.agent.settings import AgentSpec, write_spec
+from actors.procs import launch
 from actors.procs.client import ProcsClient
 from actors.procs.launch import ENV_PROC_ID
 from actors.writer.client import WriterClient
@@ -63,7 +64,8 @@ class Stack:
                 return False
             return isinstance(reply, protocol.Pong)
 
-        wait_for(answered, 15, "procs to answer a ping")
+        # three fresh interpreters (writer, broker, procs) import at once: 5-10 s under load
+        wait_for(answered, 30, "procs to answer a ping")
 
     def facts(self, event: str | None = None) -> list[dict[str, object]]:
         out = []
@@ -78,14 +80,16 @@ class Stack:
 def marked(proc_id: str) -> list[psutil.Process]:
     """The live processes of a job: those carrying its marker (the wrapper;
     the sandbox's bwrap and pid 1, named by their hostname argument) and all
-    their descendants (inside the sandbox nothing carries a CORRAL_ variable)."""
-    host_arg = f"corral-{proc_id}"
+    their descendants (inside the sandbox nothing carries a CORRAL_ variable).
+    A marker is the proc id scoped to its runtime: `<proc_id>.<runtime>`."""
+    mark = f"{proc_id}."
     found: dict[int, psutil.Process] = {}
     for proc in psutil.process_iter(["status"]):
         try:
             if proc.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-            if proc.environ().get(ENV_PROC_ID) == proc_id or host_arg in proc.cmdline():
+            if (proc.environ().get(ENV_PROC_ID, "").startswith(mark)
+                    or any(a.startswith(f"corral-{mark}") for a in proc.cmdline())):
                 found[proc.pid] = proc
                 for child in proc.children(recursive=True):
                     if child.status() != psutil.STATUS_ZOMBIE:
@@ -335,7 +339,7 @@ def test_agent_sigkilled_restarted_agent_reads_every_byte(stack: Stack) -> None:
         "print('started', flush=True); import time; time.sleep(300)"
     )
     agent = stack.processes.spawn(["-c", script], name="agent")
-    wait_for(lambda: "started" in stack.processes.output("agent"), 15, "the agent's starts")
+    wait_for(lambda: "started" in stack.processes.output("agent"), 30, "the agent's starts")
     os.killpg(agent.pid, signal.SIGKILL)
     agent.wait()
     proc_ids = [str(f["proc_id"]) for f in stack.facts("proc_start")]
@@ -447,6 +451,32 @@ def test_sigterm_stops_procs_after_ending_every_job(stack: Stack) -> None:
     assert not marked(cmd.proc_id) and not marked(term.proc_id)
     registry = json.loads((stack.state.root / "procs" / "registry.json").read_text())
     assert {e["state"] for e in registry["entries"]} == {"killed"}
+
+
+def test_a_job_marker_is_scoped_to_its_runtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A proc id is a digest of (session, msg_id): two runtimes on one host whose
+    agents share a name and a call id name their jobs alike. One runtime's sweep
+    must neither find nor end the other's processes (before the fix, ending a job
+    in one killed the other's, and its `settled` waited on them)."""
+    proc_id = "p-0123456789abcdef"
+    monkeypatch.setitem(launch._SCOPE, "runtime", "")  # restored after the test
+    launch.scope_markers(str(tmp_path / "a" / ".corral"))
+    theirs = subprocess.Popen(["sleep", "60"], env=launch.job_env(os.environ, proc_id))
+    try:
+        wait_for(lambda: theirs.pid in launch.marked_pids(proc_id, False), 10,
+                 "the job found by its own runtime")
+        launch.scope_markers(str(tmp_path / "b" / ".corral"))  # another runtime, the same id
+        assert theirs.pid not in launch.marked_pids(proc_id, None)
+        assert launch.tree_gone(0, proc_id, group=False)
+        launch.end_tree(0, proc_id, signal.SIGKILL, group=False)
+        assert theirs.poll() is None  # not ours to end
+        launch.scope_markers(str(tmp_path / "a" / ".corral"))  # its own runtime, restarted
+        assert theirs.pid in launch.marked_pids(proc_id, None)
+    finally:
+        theirs.kill()
+        theirs.wait(10)
 
 
 def test_the_registry_file_keeps_live_jobs_and_only_the_newest_ended_ones(tmp_path: Path) -> None:

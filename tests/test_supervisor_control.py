@@ -55,7 +55,7 @@ def test_stop_start_remove_one_agent_and_status_of_one(
     """`stop NAME` holds one child down (no policy restart), the others untouched;
     `start` brings it back; `remove` drops it; unknown names and the writer are refused."""
     start(processes, state_dir, write_config(state_dir, agents=2))
-    first = wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
+    first = wait_for(lambda: all_running(processes, state_dir), 40, "every child running")
     cli = Cli(state_dir, capsys)
 
     code, out, err = cli("stop", "agent-1", "--json")
@@ -120,7 +120,7 @@ def test_spawn_uses_the_running_configuration_and_a_refusal_changes_nothing(
     config["agent"] = {"openai": {"base_url": url, "max_retries": 0, "timeout_s": 2}}
     config_path.write_text(yaml.safe_dump(config))
     start(processes, state_dir, config_path)
-    wait_for(lambda: all_running(processes, state_dir), 20, "every child running")
+    wait_for(lambda: all_running(processes, state_dir), 40, "every child running")
     spec_dir = state_dir.config_dir / "agents"
     cli = Cli(state_dir, capsys)
 

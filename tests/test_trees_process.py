@@ -67,6 +67,7 @@ def active_state(writer: WriterClient, name: str) -> AgentState:
     return fold(AgentState(), branch.active(events))
 
 
+@pytest.mark.timeout(180)  # about 17 interpreters in a row: 9 s in CI, far more at load ~10
 def test_sigkill_at_every_step_of_rewind_and_fork(
         processes: ProcessTracker, state_dir: StateDir, ctx: zmq.Context[zmq.Socket[bytes]],
         tmp_path: Path) -> None:

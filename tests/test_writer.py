@@ -57,7 +57,7 @@ def start_writer(
                 return False
             return True
 
-        wait_for(answered, 15, "the writer to answer a ping")
+        wait_for(answered, 30, "the writer to answer a ping")  # imports: 5-10 s under load
     finally:
         probe.close()
     return proc

@@ -124,6 +124,7 @@ class ProcsHost:
         reporter: ControlReporter | None = None,
     ) -> None:
         self.state = state
+        launch.scope_markers(str(state.root))  # another runtime's same-named jobs are not ours
         self.peer = peer
         self.facts = facts
         self.options = options
@@ -345,7 +346,7 @@ class ProcsHost:
         the job marker, which is then how its escaped descendants are found."""
         policy = self.options.sandbox
         inner = env if policy.enabled else launch.job_env(env, proc_id)
-        return sandbox.prefix(policy, confinement, cwd, inner, proc_id)
+        return sandbox.prefix(policy, confinement, cwd, inner, launch.marker(proc_id))
 
     def _entry(self, proc_id: str, kind: JobKind, session: str, pid: int, *, log_path: str,
                exit_path: str | None, cap_bytes: int, lifetime_s: float) -> Entry:

@@ -8,9 +8,10 @@ then opens the gate. If procs dies in between, the gate reads EOF and the
 child exits 125 without running anything: no process exists that the
 registry does not name.
 
-A job's processes outside the sandbox carry `CORRAL_PROC_ID=<id>` in their
+A job's processes outside the sandbox carry `CORRAL_PROC_ID=<marker>` (the
+job's id scoped to its runtime: `marker()`) in their
 environment (the command's wrapper; with the sandbox off, every process of
-the job), and a sandbox's bwrap and its pid 1 carry `--hostname corral-<id>`
+the job), and a sandbox's bwrap and its pid 1 carry `--hostname corral-<marker>`
 in their command line and nothing in their environment
 (actors/procs/sandbox.py); so `end_tree()` reaches,
 besides the process group, what left it: with the sandbox off, descendants
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import signal
 import struct
@@ -38,6 +40,25 @@ ENV_PROC_ID = "CORRAL_PROC_ID"
 GATE_CLOSED_EXIT = 125  # the start gate closed without "go": procs died first
 _EXEC_FAILED = 127
 _MAX_FD = 1 << 20
+# the runtime (state directory) whose jobs this procs marks and sweeps; "" leaves
+# the marker the bare proc id (a proc id is a digest of session and msg_id, the
+# same in two runtimes on one host whose agents share a name and a call id)
+_SCOPE = {"runtime": ""}
+
+
+def scope_markers(state_root: str) -> None:
+    """Scope every job marker to this runtime: another runtime's job with the
+    same proc id is then neither found nor signalled by this one's sweep. Set
+    once at procs' start, from the state directory (the same after a restart,
+    so a restarted procs still finds its own jobs)."""
+    digest = hashlib.sha256(os.fsencode(os.path.realpath(state_root))).hexdigest()
+    _SCOPE["runtime"] = digest[:12]
+
+
+def marker(proc_id: str) -> str:
+    """What marks a job's processes: `CORRAL_PROC_ID=<marker>`, `--hostname corral-<marker>`."""
+    runtime = _SCOPE["runtime"]
+    return f"{proc_id}.{runtime}" if runtime else proc_id
 
 
 @dataclass
@@ -181,8 +202,8 @@ def marked_pids(proc_id: str, sandboxed: bool | None = None) -> list[int]:
     whose command line is a sandbox's named `corral-<proc_id>`. A sandboxed
     job is found by the second alone (its sandbox is what outlives a group
     kill), an unconfined one by the first; None (unknown) looks for both."""
-    needle = f"{ENV_PROC_ID}={proc_id}".encode()
-    host_arg = f"\0--hostname\0{HOSTNAME_PREFIX}{proc_id}\0".encode()
+    needle = f"{ENV_PROC_ID}={marker(proc_id)}".encode()
+    host_arg = f"\0--hostname\0{HOSTNAME_PREFIX}{marker(proc_id)}\0".encode()
     me = os.getpid()
     found = []
     for entry in os.listdir("/proc"):
@@ -206,7 +227,7 @@ def marked_pids(proc_id: str, sandboxed: bool | None = None) -> list[int]:
 def sandbox_members(proc_id: str) -> list[int] | None:
     """The processes inside the job's sandbox (descendants of its bwrap, not
     bwrap itself nor the sandbox's pid 1); None when the job has no sandbox."""
-    host_arg = f"\0--hostname\0{HOSTNAME_PREFIX}{proc_id}\0".encode()
+    host_arg = f"\0--hostname\0{HOSTNAME_PREFIX}{marker(proc_id)}\0".encode()
     children: dict[int, list[int]] = {}
     roots: set[int] = set()
     for entry in os.listdir("/proc"):
@@ -268,5 +289,5 @@ def job_env(base: Mapping[str, str], proc_id: str) -> dict[str, str]:
     processes outside its sandbox (the command's wrapper), and with the
     sandbox off, added to the program's clean one."""
     env = {k: v for k, v in base.items() if k not in ("CORRAL_CONTROL", "CORRAL_ACTOR")}
-    env[ENV_PROC_ID] = proc_id
+    env[ENV_PROC_ID] = marker(proc_id)
     return env

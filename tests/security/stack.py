@@ -52,7 +52,7 @@ class Runtime:
         self.procs_runs += 1
         self.processes.spawn(["-m", "actors.procs", "--state-dir", self.root, "--kill-grace-s",
                               "0.3", *args], name=f"procs{self.procs_runs}", env=dict(KEY_ENV))
-        wait_for(self._procs_answers, 20, "procs to answer a ping")
+        wait_for(self._procs_answers, 30, "procs to answer a ping")
 
     def _procs_answers(self) -> bool:
         try:
