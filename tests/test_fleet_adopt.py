@@ -44,7 +44,7 @@ from tests.fleetkit import (
     operator_key_and_hosts,
     read_stream,
 )
-from tests.processes import ProcessTracker, wait_for
+from tests.processes import ProcessTracker, kill_runtime_jobs, wait_for
 from tests.test_fleet_hosts import cli, fleet_view, host_config, other_state_dir
 
 __all__ = ["other_state_dir"]  # the fixture, used by name
@@ -236,6 +236,9 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
             fleet_cluster.kill(OWN_NODE)
             node_down = True
             up_a.wait(10)
+            # and the command jobs that outlive their procs by design (`sleep 30`):
+            # a machine that goes takes them with it
+            kill_runtime_jobs(state_dir.root)
 
             with WriterClient(ctx, other_state_dir, "probe-b") as writer_b:
                 try:  # a stream leader on the dead node: its election comes first (~5 s idle)

@@ -46,13 +46,17 @@ _MAX_FD = 1 << 20
 _SCOPE = {"runtime": ""}
 
 
+def runtime_scope(state_root: str) -> str:
+    """The runtime part of the job markers of the runtime at `state_root`."""
+    return hashlib.sha256(os.fsencode(os.path.realpath(state_root))).hexdigest()[:12]
+
+
 def scope_markers(state_root: str) -> None:
     """Scope every job marker to this runtime: another runtime's job with the
     same proc id is then neither found nor signalled by this one's sweep. Set
     once at procs' start, from the state directory (the same after a restart,
     so a restarted procs still finds its own jobs)."""
-    digest = hashlib.sha256(os.fsencode(os.path.realpath(state_root))).hexdigest()
-    _SCOPE["runtime"] = digest[:12]
+    _SCOPE["runtime"] = runtime_scope(state_root)
 
 
 def marker(proc_id: str) -> str:
