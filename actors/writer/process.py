@@ -27,7 +27,7 @@ from types import FrameType
 import structlog
 import zmq
 
-from actors.writer import buckets, diskfull
+from actors.writer import buckets, diskfull, gcpolicy
 from actors.writer.checkpointsync import CheckpointThread, Job, Outcome
 from actors.writer.dedupe import DEFAULT_WINDOW
 from actors.writer.groupcommit import Ack, Batch, CommitPacer, ManyAck, SyncWorker
@@ -36,6 +36,7 @@ from actors.writer.payload import check_payload
 from actors.writer.recovery import Recovered, recover
 from actors.writer.replicate import EXIT_FENCED, FencedError, Replicator, add_fleet_arguments
 from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
+from actors.writer.streamindex import IndexWriteError
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
 from actors.writer.walgc import Collector, GcOptions
@@ -719,8 +720,9 @@ class Writer:
         names index entries that are not on disk, so a restart rebuilds what is
         missing from the WAL (docs/wal.md). The ledgers are fdatasynced here, not
         per batch: the checkpoint names their sizes as durable. The loop only
-        takes the snapshot and appends the index entries to the page cache; the
-        syncs and the write run in the checkpoint thread (actors/writer/
+        takes the snapshot (the idempotency windows copied, the index entries
+        taken from memory); the index writes, the syncs and the checkpoint's
+        encoding and write run in the checkpoint thread (actors/writer/
         checkpointsync.py), collected on a later turn unless `wait`."""
         if self.checkpointer.busy:
             if not wait:
@@ -728,7 +730,7 @@ class Writer:
             self._checkpoint_done(self.checkpointer.wait())
         self._checkpoint_at = time.monotonic()
         ledgers = self.ledgers.take_unsynced()
-        failures, unsynced = self.index.write_pending()
+        failures, unsynced = self.index.take_pending()  # written in the thread
         if failures:  # the entries stay in memory
             self.index.revert(unsynced)
             self.ledgers.restore_unsynced(ledgers)
@@ -743,8 +745,8 @@ class Writer:
                     segment_first_seq=self.head_segment if self.head else self.segment.first_seq,
                     offset=self.head_end_offset,
                     last_record_offset=self.last_record_offset if self.head else -1,
-                    dedupe=self.dedupe.dump(),
-                    index_counts=self.index.counts(),
+                    dedupe=self.dedupe.snapshot(),
+                    index_counts=self.index.counts_with(unsynced),
                     ledger_sizes=self.ledgers.sizes(),
                     ledger_last_seq=dict(self.ledger_last_seq),  # the loop goes on changing it
                     storage_epoch=self.gc.epoch,
@@ -762,6 +764,8 @@ class Writer:
         if outcome is None:
             return
         job, exc = outcome.job, outcome.error
+        if exc is None or outcome.stage == "checkpoint_write":  # the index entries are durable
+            self.index.commit(job.index)
         if exc is None:
             if self._derived_failing is not None:
                 self.log.info(f"{self._derived_failing[0]}_recovered")
@@ -775,6 +779,10 @@ class Writer:
             if not isinstance(exc, DurabilityError) or diskfull.space_errno(exc) is None:
                 raise exc
             self._derived_failed("ledger_sync", str(exc), str(exc.__cause__))
+        elif outcome.stage == "stream_index_write" and isinstance(exc, IndexWriteError):
+            failed = exc.failures[0]  # named as when the loop wrote them (one log line)
+            self._derived_failed("stream_index_write", str(failed.path), failed.error,
+                                 streams=len(exc.failures))
         elif outcome.stage == "stream_index_write":
             self._derived_failed("stream_index_write", str(job.index_dir), str(exc),
                                  streams=len(job.index.written))
@@ -917,6 +925,7 @@ def main(argv: list[str] | None = None) -> int:
         if reporter is not None:
             reporter.ready()
         log.info("writer_ready", endpoint=writer.endpoint, head_seq=writer.head)
+        gcpolicy.settle()  # start-up's objects out of every later collection
         writer.serve(reporter)
     except WalCorruptionError as exc:
         log.error("wal_corrupt", file=str(exc.path), offset=exc.offset, reason=exc.reason)
