@@ -67,6 +67,12 @@ RECORD_OVERHEAD_BYTES = 4096  # so a page holding one maximal record still fits 
 # (counted in dropped_total, logged at a bounded rate). A client with a few
 # requests in flight never comes near it.
 SNDHWM = 32
+# While a batch is being made durable the loop waits for it (not for each
+# request) up to this long, then serves the socket anyway (serve()).
+IN_FLIGHT_WAIT_MS = 2
+# Frames taken in one turn: the durable batch's acks wait for them (they are
+# staged first, so that they join the batch submitted at once).
+DRAIN_MAX = 256
 RCVHWM = 1000  # requests queued from one client before ZeroMQ stops reading it
 
 
@@ -241,7 +247,9 @@ class Writer:
 
     def serve(self, reporter: ControlReporter | None) -> None:
         """Receive, frame and acknowledge until SIGTERM. While one batch is being
-        made durable by the sync worker, the next one is received and framed."""
+        made durable by the sync worker, the requests arriving queue on the
+        socket; when it is durable they are received and framed, the batch they
+        make goes to the disk, then the durable one is acknowledged."""
         replicator = self.replicator
         self.worker = SyncWorker(self.segment, self.ledgers,
                                  replicator.replicate if replicator is not None else None)
@@ -249,9 +257,11 @@ class Writer:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.worker.fileno(), zmq.POLLIN)
         zap = self._zap
+        in_flight_poller = zmq.Poller()
+        in_flight_poller.register(self.worker.fileno(), zmq.POLLIN)
         if zap is not None:
             poller.register(zap.socket, zmq.POLLIN)
-        sock = self.sock
+            in_flight_poller.register(zap.socket, zmq.POLLIN)
         max_batch = self.options.max_batch
         self.inflight: Batch | None = None
         self.staged = Batch()
@@ -265,25 +275,22 @@ class Writer:
                 if self.inflight is None and self.staged.bodies:  # held by the pacer
                     hold = self.pacer.hold_s(self.staged.waiting(), time.monotonic())
                     timeout_ms = max(1, math.ceil(hold * 1000))
+                if self.inflight is not None:
+                    # the disk is busy: let requests queue meanwhile and take them
+                    # all when it is done (one turn per batch, not one per request;
+                    # they join the next batch all the same), but wait no longer
+                    # than IN_FLIGHT_WAIT_MS (a slow sync, a fleet batch waiting
+                    # for the cluster: reads and pings are answered meanwhile)
+                    in_flight_poller.poll(IN_FLIGHT_WAIT_MS)
+                    timeout_ms = 0
                 events = dict(poller.poll(timeout_ms))
-                if self.worker.fileno() in events:
-                    self._collect()
                 if zap is not None and zap.socket in events:
                     zap.handle()
-                if sock in events:
-                    frames: list[tuple[str, list[bytes]]] = []
-                    while len(frames) < max_batch:
-                        try:  # the first frame carries the sender's authenticated name
-                            head = sock.recv(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        parts = [head.bytes]
-                        while sock.getsockopt(zmq.RCVMORE):
-                            parts.append(sock.recv())
-                        frames.append((auth.user_of(head), parts))
-                    self._process(frames)
-                    if self.staged.bodies:
-                        self.pacer.staged(time.monotonic())
+                durable = self.worker.fileno() in events
+                if self.sock in events:  # first: what waits joins the batch staged now
+                    self._drain(min(max_batch, DRAIN_MAX) if durable else max_batch)
+                if durable:
+                    self._collect()
                 self._collect_checkpoint()
                 if self.inflight is None:  # the files are quiet: checkpoint if due
                     self._quiet_then_submit()
@@ -303,6 +310,23 @@ class Writer:
             self._checkpoint()
         finally:
             self.worker.close()
+
+    def _drain(self, max_batch: int) -> None:
+        """Receive and handle what waits on the socket (up to `max_batch` frames)."""
+        sock = self.sock
+        frames: list[tuple[str, list[bytes]]] = []
+        while len(frames) < max_batch:
+            try:  # the first frame carries the sender's authenticated name
+                head = sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            parts = [head.bytes]
+            while sock.getsockopt(zmq.RCVMORE):
+                parts.append(sock.recv())
+            frames.append((auth.user_of(head), parts))
+        self._process(frames)
+        if self.staged.bodies:
+            self.pacer.staged(time.monotonic())
 
     def _process(self, frames: list[tuple[str, list[bytes]]]) -> None:
         for user, parts in frames:
