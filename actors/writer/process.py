@@ -73,6 +73,12 @@ IN_FLIGHT_WAIT_MS = 2
 # Frames taken in one turn: the durable batch's acks wait for them (they are
 # staged first, so that they join the batch submitted at once).
 DRAIN_MAX = 256
+# pyzmq's flags and options as plain ints: an enum `|` per ack cost a Python call
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 RCVHWM = 1000  # requests queued from one client before ZeroMQ stops reading it
 
 
@@ -317,13 +323,16 @@ class Writer:
         frames: list[tuple[str, list[bytes]]] = []
         while len(frames) < max_batch:
             try:  # the first frame carries the sender's authenticated name
-                head = sock.recv(zmq.NOBLOCK, copy=False)
+                head = sock.recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 break
             parts = [head.bytes]
-            while sock.getsockopt(zmq.RCVMORE):
+            while sock.getsockopt(_RCVMORE):
                 parts.append(sock.recv())
             frames.append((auth.user_of(head), parts))
+            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+                break  # nothing more: asked, not found by a zmq.Again (an exception
+                # built per turn, with its message, cost more than the rest of a turn)
         self._process(frames)
         if self.staged.bodies:
             self.pacer.staged(time.monotonic())
@@ -662,24 +671,28 @@ class Writer:
         # values are ours and known valid: encoded in C without a model, and sent
         # as two frames (what send_multipart does, without its per-part checks);
         # ROUTER_MANDATORY refuses at the first frame, so nothing half-sent stays
+        if not acks:
+            return
         send = self.sock.send
-        more = zmq.NOBLOCK | zmq.SNDMORE
+        more = _NOBLOCK_SNDMORE
         encode = appendwire.encode_append_ok
         for ident, msg_id, seq, duplicate in acks:
             try:
                 send(ident, more)
-                send(encode(msg_id, seq, duplicate), zmq.NOBLOCK)
+                send(encode(msg_id, seq, duplicate), _NOBLOCK)
             except zmq.ZMQError as exc:
                 self._dropped(ident, exc)
 
     def _send_many_acks(self, acks: list[ManyAck]) -> None:
+        if not acks:
+            return
         send = self.sock.send
-        more = zmq.NOBLOCK | zmq.SNDMORE
+        more = _NOBLOCK_SNDMORE
         encode = appendwire.encode_append_many_ok
         for ident, msg_id, first, count, prev, duplicate in acks:
             try:
                 send(ident, more)
-                send(encode(msg_id, first, count, prev, duplicate), zmq.NOBLOCK)
+                send(encode(msg_id, first, count, prev, duplicate), _NOBLOCK)
             except zmq.ZMQError as exc:
                 self._dropped(ident, exc)
 
