@@ -76,7 +76,6 @@ DRAIN_MAX = 256
 # pyzmq's flags and options as plain ints: an enum `|` per ack cost a Python call
 _NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 RCVHWM = 1000  # requests queued from one client before ZeroMQ stops reading it
@@ -327,8 +326,10 @@ class Writer:
             except zmq.Again:
                 break
             parts = [head.bytes]
-            while sock.getsockopt(_RCVMORE):
-                parts.append(sock.recv())
+            frame = head
+            while frame.more:  # the frame says it (getsockopt built an enum per call)
+                frame = sock.recv(copy=False)
+                parts.append(frame.bytes)
             frames.append((auth.user_of(head), parts))
             if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 break  # nothing more: asked, not found by a zmq.Again (an exception
