@@ -27,7 +27,7 @@ from types import FrameType
 import structlog
 import zmq
 
-from actors.writer import buckets, diskfull
+from actors.writer import buckets, diskfull, gcpolicy
 from actors.writer.checkpointsync import CheckpointThread, Job, Outcome
 from actors.writer.dedupe import DEFAULT_WINDOW
 from actors.writer.groupcommit import Ack, Batch, CommitPacer, ManyAck, SyncWorker
@@ -36,6 +36,7 @@ from actors.writer.payload import check_payload
 from actors.writer.recovery import Recovered, recover
 from actors.writer.replicate import EXIT_FENCED, FencedError, Replicator, add_fleet_arguments
 from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
+from actors.writer.streamindex import IndexWriteError
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
 from actors.writer.walgc import Collector, GcOptions
@@ -66,6 +67,17 @@ RECORD_OVERHEAD_BYTES = 4096  # so a page holding one maximal record still fits 
 # (counted in dropped_total, logged at a bounded rate). A client with a few
 # requests in flight never comes near it.
 SNDHWM = 32
+# While a batch is being made durable the loop waits for it (not for each
+# request) up to this long, then serves the socket anyway (serve()).
+IN_FLIGHT_WAIT_MS = 2
+# Frames taken in one turn: the durable batch's acks wait for them (they are
+# staged first, so that they join the batch submitted at once).
+DRAIN_MAX = 256
+# pyzmq's flags and options as plain ints: an enum `|` per ack cost a Python call
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 RCVHWM = 1000  # requests queued from one client before ZeroMQ stops reading it
 
 
@@ -240,7 +252,9 @@ class Writer:
 
     def serve(self, reporter: ControlReporter | None) -> None:
         """Receive, frame and acknowledge until SIGTERM. While one batch is being
-        made durable by the sync worker, the next one is received and framed."""
+        made durable by the sync worker, the requests arriving queue on the
+        socket; when it is durable they are received and framed, the batch they
+        make goes to the disk, then the durable one is acknowledged."""
         replicator = self.replicator
         self.worker = SyncWorker(self.segment, self.ledgers,
                                  replicator.replicate if replicator is not None else None)
@@ -248,9 +262,11 @@ class Writer:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.worker.fileno(), zmq.POLLIN)
         zap = self._zap
+        in_flight_poller = zmq.Poller()
+        in_flight_poller.register(self.worker.fileno(), zmq.POLLIN)
         if zap is not None:
             poller.register(zap.socket, zmq.POLLIN)
-        sock = self.sock
+            in_flight_poller.register(zap.socket, zmq.POLLIN)
         max_batch = self.options.max_batch
         self.inflight: Batch | None = None
         self.staged = Batch()
@@ -264,25 +280,22 @@ class Writer:
                 if self.inflight is None and self.staged.bodies:  # held by the pacer
                     hold = self.pacer.hold_s(self.staged.waiting(), time.monotonic())
                     timeout_ms = max(1, math.ceil(hold * 1000))
+                if self.inflight is not None:
+                    # the disk is busy: let requests queue meanwhile and take them
+                    # all when it is done (one turn per batch, not one per request;
+                    # they join the next batch all the same), but wait no longer
+                    # than IN_FLIGHT_WAIT_MS (a slow sync, a fleet batch waiting
+                    # for the cluster: reads and pings are answered meanwhile)
+                    in_flight_poller.poll(IN_FLIGHT_WAIT_MS)
+                    timeout_ms = 0
                 events = dict(poller.poll(timeout_ms))
-                if self.worker.fileno() in events:
-                    self._collect()
                 if zap is not None and zap.socket in events:
                     zap.handle()
-                if sock in events:
-                    frames: list[tuple[str, list[bytes]]] = []
-                    while len(frames) < max_batch:
-                        try:  # the first frame carries the sender's authenticated name
-                            head = sock.recv(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        parts = [head.bytes]
-                        while sock.getsockopt(zmq.RCVMORE):
-                            parts.append(sock.recv())
-                        frames.append((auth.user_of(head), parts))
-                    self._process(frames)
-                    if self.staged.bodies:
-                        self.pacer.staged(time.monotonic())
+                durable = self.worker.fileno() in events
+                if self.sock in events:  # first: what waits joins the batch staged now
+                    self._drain(min(max_batch, DRAIN_MAX) if durable else max_batch)
+                if durable:
+                    self._collect()
                 self._collect_checkpoint()
                 if self.inflight is None:  # the files are quiet: checkpoint if due
                     self._quiet_then_submit()
@@ -302,6 +315,28 @@ class Writer:
             self._checkpoint()
         finally:
             self.worker.close()
+
+    def _drain(self, max_batch: int) -> None:
+        """Receive and handle what waits on the socket (up to `max_batch` frames)."""
+        sock = self.sock
+        frames: list[tuple[str, list[bytes]]] = []
+        while len(frames) < max_batch:
+            try:  # the first frame carries the sender's authenticated name
+                head = sock.recv(_NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            parts = [head.bytes]
+            frame = head
+            while frame.more:  # the frame says it (getsockopt built an enum per call)
+                frame = sock.recv(copy=False)
+                parts.append(frame.bytes)
+            frames.append((auth.user_of(head), parts))
+            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+                break  # nothing more: asked, not found by a zmq.Again (an exception
+                # built per turn, with its message, cost more than the rest of a turn)
+        self._process(frames)
+        if self.staged.bodies:
+            self.pacer.staged(time.monotonic())
 
     def _process(self, frames: list[tuple[str, list[bytes]]]) -> None:
         for user, parts in frames:
@@ -637,24 +672,28 @@ class Writer:
         # values are ours and known valid: encoded in C without a model, and sent
         # as two frames (what send_multipart does, without its per-part checks);
         # ROUTER_MANDATORY refuses at the first frame, so nothing half-sent stays
+        if not acks:
+            return
         send = self.sock.send
-        more = zmq.NOBLOCK | zmq.SNDMORE
+        more = _NOBLOCK_SNDMORE
         encode = appendwire.encode_append_ok
         for ident, msg_id, seq, duplicate in acks:
             try:
                 send(ident, more)
-                send(encode(msg_id, seq, duplicate), zmq.NOBLOCK)
+                send(encode(msg_id, seq, duplicate), _NOBLOCK)
             except zmq.ZMQError as exc:
                 self._dropped(ident, exc)
 
     def _send_many_acks(self, acks: list[ManyAck]) -> None:
+        if not acks:
+            return
         send = self.sock.send
-        more = zmq.NOBLOCK | zmq.SNDMORE
+        more = _NOBLOCK_SNDMORE
         encode = appendwire.encode_append_many_ok
         for ident, msg_id, first, count, prev, duplicate in acks:
             try:
                 send(ident, more)
-                send(encode(msg_id, first, count, prev, duplicate), zmq.NOBLOCK)
+                send(encode(msg_id, first, count, prev, duplicate), _NOBLOCK)
             except zmq.ZMQError as exc:
                 self._dropped(ident, exc)
 
@@ -719,8 +758,9 @@ class Writer:
         names index entries that are not on disk, so a restart rebuilds what is
         missing from the WAL (docs/wal.md). The ledgers are fdatasynced here, not
         per batch: the checkpoint names their sizes as durable. The loop only
-        takes the snapshot and appends the index entries to the page cache; the
-        syncs and the write run in the checkpoint thread (actors/writer/
+        takes the snapshot (the idempotency windows copied, the index entries
+        taken from memory); the index writes, the syncs and the checkpoint's
+        encoding and write run in the checkpoint thread (actors/writer/
         checkpointsync.py), collected on a later turn unless `wait`."""
         if self.checkpointer.busy:
             if not wait:
@@ -728,7 +768,7 @@ class Writer:
             self._checkpoint_done(self.checkpointer.wait())
         self._checkpoint_at = time.monotonic()
         ledgers = self.ledgers.take_unsynced()
-        failures, unsynced = self.index.write_pending()
+        failures, unsynced = self.index.take_pending()  # written in the thread
         if failures:  # the entries stay in memory
             self.index.revert(unsynced)
             self.ledgers.restore_unsynced(ledgers)
@@ -743,8 +783,8 @@ class Writer:
                     segment_first_seq=self.head_segment if self.head else self.segment.first_seq,
                     offset=self.head_end_offset,
                     last_record_offset=self.last_record_offset if self.head else -1,
-                    dedupe=self.dedupe.dump(),
-                    index_counts=self.index.counts(),
+                    dedupe=self.dedupe.snapshot(),
+                    index_counts=self.index.counts_with(unsynced),
                     ledger_sizes=self.ledgers.sizes(),
                     ledger_last_seq=dict(self.ledger_last_seq),  # the loop goes on changing it
                     storage_epoch=self.gc.epoch,
@@ -762,6 +802,8 @@ class Writer:
         if outcome is None:
             return
         job, exc = outcome.job, outcome.error
+        if exc is None or outcome.stage == "checkpoint_write":  # the index entries are durable
+            self.index.commit(job.index)
         if exc is None:
             if self._derived_failing is not None:
                 self.log.info(f"{self._derived_failing[0]}_recovered")
@@ -775,6 +817,10 @@ class Writer:
             if not isinstance(exc, DurabilityError) or diskfull.space_errno(exc) is None:
                 raise exc
             self._derived_failed("ledger_sync", str(exc), str(exc.__cause__))
+        elif outcome.stage == "stream_index_write" and isinstance(exc, IndexWriteError):
+            failed = exc.failures[0]  # named as when the loop wrote them (one log line)
+            self._derived_failed("stream_index_write", str(failed.path), failed.error,
+                                 streams=len(exc.failures))
         elif outcome.stage == "stream_index_write":
             self._derived_failed("stream_index_write", str(job.index_dir), str(exc),
                                  streams=len(job.index.written))
@@ -917,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
         if reporter is not None:
             reporter.ready()
         log.info("writer_ready", endpoint=writer.endpoint, head_seq=writer.head)
+        gcpolicy.settle()  # start-up's objects out of every later collection
         writer.serve(reporter)
     except WalCorruptionError as exc:
         log.error("wal_corrupt", file=str(exc.path), offset=exc.offset, reason=exc.reason)

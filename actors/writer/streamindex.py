@@ -3,11 +3,11 @@
 length), so that one stream can be read from any seq without scanning the WAL.
 New entries are kept in memory and appended to the files at each checkpoint
 (fsynced, and the directory fsynced when a file was created, before the
-checkpoint names their counts). The writer appends them in its loop
-(`write_pending`, page cache only) and fsyncs them in its checkpoint thread
-(`sync_files`, actors/writer/checkpointsync.py), the same helper storage
-collection uses for the files it rewrites; until then `revert` can give the
-entries back to memory. The index is derived: a full scan rebuilds it.
+checkpoint names their counts). The writer's loop only takes them from
+memory (`take_pending`: they stay readable while in flight); its checkpoint
+thread appends them to their files and fsyncs them (`write_unsynced`,
+actors/writer/checkpointsync.py), then the loop `commit`s them, or `revert`s
+them to memory when that failed. The index is derived: a full scan rebuilds it.
 
 A file that cannot be written (a full disk, a broken cache directory) never
 stops the writer: `flush` keeps that stream's entries in memory and reports
@@ -53,9 +53,10 @@ class FlushFailure:
 
 @dataclass
 class Unsynced:
-    """What `write_pending` appended to the files, not yet fsynced: the paths
-    to fsync, whether a file was created (its directory too), and per stream
-    the count before and the entries written (for `revert`)."""
+    """What `write_pending` appended to the files, not yet fsynced, or what
+    `take_pending` took for `write_unsynced` to append and fsync: the paths,
+    whether a file was created (its directory too), and per stream the count
+    before and the entries (for `revert`, or `commit`)."""
 
     paths: list[Path] = field(default_factory=list)
     created: bool = False
@@ -81,6 +82,49 @@ def sync_files(paths: Iterable[Path], directory: Path, *, missing_ok: bool = Fal
     durable.fsync_dir(directory)
 
 
+class IndexWriteError(OSError):
+    """`write_unsynced` could not write or fsync some streams' files."""
+
+    def __init__(self, failures: list[FlushFailure]) -> None:
+        first = failures[0]
+        super().__init__(f"{len(failures)} index file(s) failed, first {first.path}: "
+                         f"{first.error}")
+        self.failures = failures
+
+
+def write_unsynced(directory: Path, unsynced: Unsynced) -> None:
+    """Append the entries `take_pending` took to their files and fsync each
+    file, then the directory; OSError on failure (IndexWriteError naming the
+    streams that failed, after the others were written; the caller `revert`s
+    them all).
+    Runs in the checkpoint thread, through fds of its own: the loop reads the
+    same files meanwhile, never past the counts it has, which change only at
+    `commit`. A file longer than its count (a write that failed before) is
+    cut back first."""
+    failures: list[FlushFailure] = []
+    for stream, (count, entries) in unsynced.written.items():
+        path = directory / stream_filename(stream)
+        try:
+            unsynced.created = unsynced.created or not path.exists()
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                if os.fstat(fd).st_size != count * ENTRY.size:
+                    os.ftruncate(fd, count * ENTRY.size)
+                view = memoryview(b"".join(ENTRY.pack(*entry) for entry in entries))
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # the other streams are still written (one failure logged)
+            failures.append(FlushFailure(stream, path, str(exc)))
+            continue
+        unsynced.paths.append(path)
+    if failures:
+        raise IndexWriteError(failures)
+    durable.fsync_dir(directory)
+
+
 class StreamIndex:
     """Flushed entries live in files; the newest ones in memory until flush."""
 
@@ -93,6 +137,9 @@ class StreamIndex:
             self.unusable = f"cannot create {directory}: {exc}"
         self._file_counts: dict[str, int] = {}
         self._pending: dict[str, list[IndexEntry]] = {}
+        # taken by `take_pending`, being written by the checkpoint thread: still
+        # read from memory until `commit` (or back in _pending after `revert`)
+        self._writing: dict[str, list[IndexEntry]] = {}
         self._fds: OrderedDict[str, int] = OrderedDict()
 
     # --- start-up -------------------------------------------------------------
@@ -135,6 +182,7 @@ class StreamIndex:
                     stuck.append(str(path))
         self._file_counts.clear()
         self._pending.clear()
+        self._writing.clear()
         return stuck
 
     # --- writes ---------------------------------------------------------------
@@ -158,11 +206,43 @@ class StreamIndex:
         unsynced = Unsynced()
         return self._flush(False, unsynced), unsynced
 
-    def revert(self, unsynced: Unsynced) -> None:
-        """The written entries could not be made durable: back to memory, in
-        front of any added since; the next flush cuts the files back to the
-        counts before and writes them again."""
+    def take_pending(self) -> tuple[list[FlushFailure], Unsynced]:
+        """Take every pending entry for the checkpoint thread (`write_unsynced`),
+        without writing anything here: the loop's part of a checkpoint is this
+        swap. The entries stay readable (`lookup`, `last_seq`) until `commit`
+        (written and fsynced: the files' counts grow) or `revert` (back to
+        pending). `counts_with` gives the counts the checkpoint may name once
+        they are durable. Failures (an unusable directory) take nothing."""
+        unsynced = Unsynced()
+        if self._writing:
+            raise RuntimeError("index entries are already being written")
+        if self.unusable is not None:
+            return [FlushFailure(stream, self.directory, self.unusable)
+                    for stream in self._pending], unsynced
+        for stream, entries in self._pending.items():
+            unsynced.written[stream] = (self._file_counts.get(stream, 0), entries)
+        self._writing, self._pending = self._pending, {}
+        return [], unsynced
+
+    def counts_with(self, unsynced: Unsynced) -> dict[str, int]:
+        """The counts once `unsynced` is in the files (what a checkpoint names)."""
+        counts = dict(self._file_counts)
         for stream, (before, entries) in unsynced.written.items():
+            counts[stream] = before + len(entries)
+        return counts
+
+    def commit(self, unsynced: Unsynced) -> None:
+        """`write_unsynced` made the taken entries durable: they are the files' now."""
+        for stream, (before, entries) in unsynced.written.items():
+            if self._writing.pop(stream, None) is not None:
+                self._file_counts[stream] = before + len(entries)
+
+    def revert(self, unsynced: Unsynced) -> None:
+        """The written (or taken) entries could not be made durable: back to
+        memory, in front of any added since; the next write cuts the files
+        back to the counts before and writes them again."""
+        for stream, (before, entries) in unsynced.written.items():
+            self._writing.pop(stream, None)
             self._forget_fd(stream)
             if before:
                 self._file_counts[stream] = before
@@ -171,6 +251,8 @@ class StreamIndex:
             self._pending[stream] = entries + self._pending.get(stream, [])
 
     def _flush(self, fsync: bool, unsynced: Unsynced | None) -> list[FlushFailure]:
+        if self._writing:
+            raise RuntimeError("index entries are being written by a checkpoint")
         failures: list[FlushFailure] = []
         created = False
         for stream in list(self._pending):
@@ -215,10 +297,10 @@ class StreamIndex:
         return dict(self._file_counts)
 
     def pending_entries(self) -> int:
-        return sum(len(e) for e in self._pending.values())
+        return sum(len(e) for e in (*self._pending.values(), *self._writing.values()))
 
     def streams(self) -> int:
-        return len(set(self._file_counts) | set(self._pending))
+        return len(set(self._file_counts) | set(self._pending) | set(self._writing))
 
     # --- reads ----------------------------------------------------------------
     def lookup(self, stream: str, from_seq: int, limit: int) -> list[IndexEntry]:
@@ -239,15 +321,15 @@ class StreamIndex:
             if take > 0:
                 data = os.pread(fd, take * ENTRY.size, lo * ENTRY.size)
                 found.extend(ENTRY.iter_unpack(data))
-        if len(found) < limit:
-            pending = self._pending.get(stream, [])
-            start = bisect.bisect_left(pending, (from_seq,))
-            found.extend(pending[start : start + limit - len(found)])
+        for memory in (self._writing.get(stream), self._pending.get(stream)):
+            if memory and len(found) < limit:  # in flight to the files, then pending
+                start = bisect.bisect_left(memory, (from_seq,))
+                found.extend(memory[start : start + limit - len(found)])
         return found
 
     def last_seq(self, stream: str) -> int:
         """The seq of the stream's newest indexed record (0: none)."""
-        pending = self._pending.get(stream)
+        pending = self._pending.get(stream) or self._writing.get(stream)
         if pending:
             return pending[-1][0]
         count = self._file_counts.get(stream, 0)
@@ -258,18 +340,20 @@ class StreamIndex:
 
     # --- storage collection (actors/writer/walgc.py) ---------------------------
     def stream_names(self) -> list[str]:
-        return sorted(set(self._file_counts) | set(self._pending))
+        return sorted(set(self._file_counts) | set(self._pending) | set(self._writing))
 
     def entries(self, stream: str) -> list[IndexEntry]:
         """Every entry of `stream`, file and memory, in seq order."""
         return self.lookup(stream, 0, self._file_counts.get(stream, 0) + len(
-            self._pending.get(stream, [])))
+            self._pending.get(stream, [])) + len(self._writing.get(stream, [])))
 
     def rewrite(self, stream: str, entries: list[IndexEntry], fsync: bool = True) -> Path:
         """Replace `stream`'s entries (a compaction moved or removed some, a
         truncation dropped those below the floor): written whole, durably,
         nothing left pending. No entries: the file is deleted. Without
         `fsync` the caller makes the returned file durable (and the directory)."""
+        if self._writing:
+            raise RuntimeError("index entries are being written by a checkpoint")
         self._forget_fd(stream)
         path = self.directory / stream_filename(stream)
         self._pending.pop(stream, None)
@@ -295,6 +379,8 @@ class StreamIndex:
         not where `moved` says (the caller rewrites the stream whole)."""
         if not moved:
             return True
+        if self._writing:
+            raise RuntimeError("index entries are being written by a checkpoint")
         count = self._file_counts.get(stream, 0)
         found = self.lookup(stream, moved[0][0], len(moved))
         if [e[0] for e in found] != [m[0] for m in moved]:
