@@ -374,12 +374,19 @@ def test_frame_over_maxmsgsize_drops_only_that_connection(
     big = raw_dealer(ctx, state_dir, b"big")
     big.send_multipart([b"broker", protocol.encode(protocol.Ping(msg_id="small-1"))])
     assert isinstance(protocol.decode(recv_raw(big)[1]), protocol.Heartbeat | protocol.Pong)
+    dropped = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     big.send_multipart([b"a", b"\x00" * 10_000])
+    # positive: the broker's end dropped the connection (a 0.3 s silence at a alone
+    # could not tell a dropped frame from one a stalled broker had not routed yet)
+    assert dropped.poll(20_000), "the offender's connection was not dropped"
+    big.disable_monitor()
+    dropped.close(linger=0)
     assert a.recv(0.3) is None  # never delivered
     assert isinstance(a.request("broker", protocol.Ping(msg_id="after-1")), protocol.Pong)
     big.close()
     again = peer(ctx, state_dir, "big")
     assert isinstance(ping_until_served(again), protocol.Pong)
+    assert stats(again)["routed_total"] == 0  # the big frame was never routed
 
 
 @pytest.mark.process
