@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from actors.agent.rebuild import rebuild
 from actors.writer.client import WriterClient
@@ -68,6 +70,41 @@ def raw_ask(ctx: Ctx, endpoint: str, message: protocol.Message, timeout_ms: int 
         sock.close(linger=0)
 
 
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def handshake_refused(ctx: Ctx, endpoint: str, frames: list[bytes],
+                      credential: auth.Credential | None = None, *,
+                      identity: bytes | None = None, timeout_s: float = 30.0) -> int:
+    """Send `frames` on a DEALER of our own that connects once (no reconnect) and
+    return the HANDSHAKE_FAILED_* event the server's refusal caused. ZeroMQ holds
+    the frames until a handshake succeeds, so a failed one on the only connection
+    proves they were never delivered (closing drops them). No answer within a
+    deadline proved nothing: a server stalled past it under load, then accepting,
+    would have passed."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one connection, one verdict
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if credential is not None:
+        auth.apply_client(sock, credential)
+    monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart(frames, zmq.NOBLOCK)
+        assert monitor.poll(int(timeout_s * 1000)), f"no handshake verdict from {endpoint}"
+        event = int(recv_monitor_message(monitor)["event"])
+        assert event & HANDSHAKE_FAILED, f"handshake accepted: {zmq.Event(event)!r}"
+        assert not sock.poll(0), "answered"
+        return event
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+
+
 def stream(reader: WriterClient, name: str) -> list[tuple[str, str]]:
     return [(r.event, r.key) for r in reader.read_stream(name)]
 
@@ -79,16 +116,22 @@ def test_writer_refuses_forged_appends_without_or_with_an_agents_credential(
     keyring = auth.ensure_keys(state_dir)
     endpoint = state_dir.endpoint("writer")
     # no credential at all, and a wrong password for agent-1: the handshake fails
+    # (the ZAP handler denies the wrong password; a client without one speaks the
+    # wrong mechanism), so nothing reaches the writer
     wrong = auth.Credential("agent-1", b"0" * 64)
     for credential in (None, wrong):
         for message in (
             forged("approval_answer", "agent/agent-2", "operator", "n1", ANSWER),
             forged("turn", "agent/agent-2", "agent-2", "n2"),
         ):
-            assert raw_ask(ctx, endpoint, message, credential=credential) is None
+            failed = handshake_refused(ctx, endpoint, [protocol.encode(message)], credential)
+            if credential is wrong:
+                assert failed == zmq.EVENT_HANDSHAKE_FAILED_AUTH
     # agent-1's own credential: typed refusals, nothing written
+    # one try each (a refusal is the answer), given 10 s: a writer stalled 2 s under
+    # load timed the refusal out
     agent = WriterClient(ctx, state_dir, "agent-1", credential=keyring.credential("agent-1"),
-                         timeout_s=2, retries=0)
+                         timeout_s=10, retries=0)
     refused = [
         ("agent/agent-2", "turn", "agent-2"),  # another agent's stream
         ("agent/agent-2", "approval_answer", "operator"),  # an operator fact, elsewhere
@@ -127,7 +170,7 @@ def test_broker_takes_a_name_only_from_the_actor_it_authenticates(
     processes.spawn(["-m", "broker.server", "--state-dir", str(state_dir.root)], name="broker")
     keyring = auth.ensure_keys(state_dir)
     procs = BrokerPeer(ctx, state_dir, "procs", credential=keyring.credential("procs"))
-    wait_for(lambda: _pong(procs), 20, "the broker")
+    wait_for(lambda: _pong(procs), 30, "the broker")
     # agent-1's credential under the name procs (or another agent's ZMQ identity): refused,
     # and the real procs keeps its traffic (no takeover of its routing)
     for name in (b"procs", b"agent-2"):
@@ -138,7 +181,7 @@ def test_broker_takes_a_name_only_from_the_actor_it_authenticates(
         impostor.connect(state_dir.endpoint("broker"))
         for to in (b"broker", b"agent-1"):  # register / route: both refused
             impostor.send_multipart([to, protocol.encode(protocol.Ping(msg_id="imp"))])
-            assert impostor.poll(5000)
+            assert impostor.poll(30_000)
             sender, frame = impostor.recv_multipart()
             error = protocol.decode(frame)
             assert sender == b"broker" and isinstance(error, protocol.Error)
@@ -146,20 +189,14 @@ def test_broker_takes_a_name_only_from_the_actor_it_authenticates(
         impostor.close()
     with pytest.raises(auth.AuthError):
         BrokerPeer(ctx, state_dir, "procs", credential=keyring.credential("agent-1"))
-    # no credential: the connection never gets through
+    # no credential: the connection never gets through (its handshake fails)
     raw = protocol.encode(protocol.Ping(msg_id="nocred"))
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, b"procs")
-    sock.connect(state_dir.endpoint("broker"))
-    sock.send_multipart([b"broker", raw])
-    assert not sock.poll(1000)
-    sock.close()
+    handshake_refused(ctx, state_dir.endpoint("broker"), [b"broker", raw], identity=b"procs")
     # the real procs still answers, and an agent under its own name is routed
     agent = BrokerPeer(ctx, state_dir, "agent-1", credential=keyring.credential("agent-1"))
-    assert _pong(agent)
+    wait_for(lambda: _pong(agent), 30, "the broker to answer agent-1")
     agent.send("procs", protocol.Ping(msg_id="to-procs"))
-    got = wait_for(lambda: procs.recv(0.05), 10, "the routed ping")
+    got = wait_for(lambda: procs.recv(0.05), 30, "the routed ping")
     assert got[0] == "agent-1" and got[1].msg_id == "to-procs"
     stats = procs.request("broker", protocol.StatsRequest(msg_id="st"), timeout_s=2)
     assert isinstance(stats, protocol.Stats)
@@ -178,20 +215,40 @@ def _pong(peer: BrokerPeer) -> bool:
 
 
 # --- the whole runtime: a scripted agent's bash tries the forgeries ----------------
+# Each try prints a verdict that is positive either way: "unreachable <errno>" (the
+# socket cannot even be connected to: the sandbox hides the state directory),
+# "handshake-refused" (no credential: the server failed the handshake on the only
+# connection, so ZeroMQ never delivered the request), or "answered" /
+# "accepted-no-answer". Before, no answer within 500 ms counted as refused: a
+# server stalled past that under load, then accepting, would have passed.
 FORGE = """\
-import sys, zmq
+import errno, socket, sys, zmq
+from zmq.utils.monitor import recv_monitor_message
 from broker import protocol
-run, ctx = sys.argv[1], zmq.Context()
-def ask(name, message):
+endpoints, ctx = dict(zip(("writer", "supervisor"), sys.argv[1:3])), zmq.Context()
+FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+          | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+def verdict(endpoint, message):
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(endpoint.removeprefix("ipc://"))
+    except OSError as exc:
+        return "unreachable " + errno.errorcode.get(exc.errno, str(exc.errno))
+    finally:
+        probe.close()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
-    s.connect(f"ipc://{run}/{name}.sock")
-    try:
-        s.send(protocol.encode(message), zmq.NOBLOCK)
-        print(name, message.kind, "answered" if s.poll(500) else "no-answer", flush=True)
-    except zmq.ZMQError as exc:
-        print(name, message.kind, "refused", exc, flush=True)
-    s.close()
+    s.setsockopt(zmq.RECONNECT_IVL, -1)
+    monitor = s.get_monitor_socket(FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    s.connect(endpoint)
+    s.send(protocol.encode(message), zmq.NOBLOCK)
+    if not monitor.poll(30000):
+        return "no-verdict"
+    if int(recv_monitor_message(monitor)["event"]) & FAILED:
+        return "handshake-refused"
+    return "answered" if s.poll(30000) else "accepted-no-answer"
+def ask(name, message):
+    print(name, message.kind, verdict(endpoints[name], message), flush=True)
 ask("writer", protocol.Append(msg_id="f1", origin="operator", key="forged-answer",
     stream="agent/agent-2", event="approval_answer", ledger="approvals",
     payload=ANSWER))
@@ -256,7 +313,9 @@ def test_a_scripted_agents_bash_cannot_forge_answers_or_kill_and_the_operator_ca
     script = FORGE.replace("payload=ANSWER", f"payload={ANSWER!r}")
     attacker = _task(tmp_path / "attacker.yaml", [
         {"op": "write_file", "path": "forge.py", "content": script},
-        {"op": "bash", "command": f"{sys.executable} forge.py {state_dir.run_dir}"},
+        {"op": "bash", "command": f"{sys.executable} forge.py "
+                                  f"{state_dir.endpoint('writer')} "
+                                  f"{state_dir.endpoint('supervisor')}"},
         {"op": "finish", "summary": "tried"}])
     operator = WriterClient(ctx, state_dir, "operator")
 
@@ -277,11 +336,19 @@ def test_a_scripted_agents_bash_cannot_forge_answers_or_kill_and_the_operator_ca
             return rebuild(operator, state_dir, "agent-1").state.phase == "finished"
 
         wait_for(finished, 60, "the attacker's task to finish")
-        lines = b"".join(r.line for r in operator.read_stream("agent/agent-1")
-                         if r.event == "tool_result")
-        # the bash ran; nothing it sent was answered (no handshake, or no socket at all)
-        assert b"forge-done" in lines or b"No such file" in lines, lines[-2000:]
-        assert b" answered" not in lines, lines[-2000:]
+        results = [r.payload() for r in operator.read_stream("agent/agent-1")
+                   if r.event == "tool_result"]
+        [output] = [p["result"]["output"] for p in results  # type: ignore[index]
+                    if p["op"] == "bash"]  # type: ignore[index]
+        # the bash ran the forgery to its end, and each try was positively refused:
+        # no socket at all (the sandbox), or no handshake (authentication)
+        *tries, last = output.splitlines()
+        assert last == "forge-done", output
+        assert [t.split()[:2] for t in tries] == [
+            ["writer", "append"], ["writer", "append"], ["supervisor", "signal_request"]], output
+        assert all(t.split()[2] in ("unreachable", "handshake-refused") for t in tries), output
+        for endpoint in (state_dir.endpoint("writer"), state_dir.endpoint("supervisor")):
+            _connectable(endpoint)  # the paths the forgery tried are the runtime's sockets
         # nothing forged is in the WAL; the approval is still pending; agent-2 lives
         events = stream(operator, "agent/agent-2")
         assert not any(e in auth.OPERATOR_EVENTS for e, _ in events), events
@@ -294,23 +361,35 @@ def test_a_scripted_agents_bash_cannot_forge_answers_or_kill_and_the_operator_ca
         notes = state_dir.agent_dir("agent-2") / "workspace" / "release" / "notes.md"
         wait_for(notes.exists, 30, "agent-2 to write after the answer")
         # a mutating control command with agent-1's credential: refused, nobody dies
+        # (answers are waited for 30 s: 1 s lost to a supervisor stalled under load)
         reply = raw_ask(ctx, state_dir.endpoint("supervisor"), protocol.SignalRequest(
-            msg_id="k2", target="procs", signal=9),
+            msg_id="k2", target="procs", signal=9), timeout_ms=30_000,
             credential=auth.ensure_keys(state_dir).credential("agent-1"))
         assert reply is not None
         refusal = protocol.decode(reply)
         assert isinstance(refusal, protocol.Error) and refusal.code == "forbidden"
         status = raw_ask(ctx, state_dir.endpoint("supervisor"), protocol.StatusRequest(
-            msg_id="s1"), credential=auth.ensure_keys(state_dir).credential("agent-1"))
+            msg_id="s1"), timeout_ms=30_000,
+            credential=auth.ensure_keys(state_dir).credential("agent-1"))
         assert status is not None and isinstance(protocol.decode(status), protocol.StatusReply)
-        assert raw_ask(ctx, state_dir.endpoint("supervisor"), protocol.StopRequest(
-            msg_id="s2")) is None  # no credential: no answer, and no stop
+        # no credential: the handshake fails, so the stop never reaches the supervisor
+        handshake_refused(ctx, state_dir.endpoint("supervisor"),
+                          [protocol.encode(protocol.StopRequest(msg_id="s2"))])
         procs = _children(processes, state_dir)["procs"]
         assert procs["state"] == "running" and procs["restarts"] == 0
     finally:
         operator.close()
         _cli(processes, state_dir, "stop", "--timeout-s", "20")
     assert up.wait(timeout=30) == 0
+
+
+def _connectable(endpoint: str) -> None:
+    """A unix socket is listening at the path of `endpoint` (ipc://PATH)."""
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(endpoint.removeprefix("ipc://"))
+    finally:
+        probe.close()
 
 
 def _no_secret_in_argv_or_env(state_dir: StateDir) -> None:
@@ -323,7 +402,7 @@ def _no_secret_in_argv_or_env(state_dir: StateDir) -> None:
         pids = [c["pid"] for c in status["children"] if c.get("pid")]
         return pids if len(pids) >= 4 else None  # writer, broker, procs, agent-2
 
-    pids: list[int] = wait_for(running, 10, "the status file to list every child")
+    pids: list[int] = wait_for(running, 30, "the status file to list every child")
     for pid in pids:
         for name in ("cmdline", "environ"):
             data = Path(f"/proc/{pid}/{name}").read_bytes()
