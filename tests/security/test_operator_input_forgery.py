@@ -17,11 +17,11 @@ import zmq
 from actors.agent.operator_input import record_answer
 from actors.agent.rebuild import rebuild
 from actors.writer.client import WriterClient
-from broker import auth
+from broker import auth, protocol
 from broker.errors import RemoteError
 from broker.statedir import StateDir
 from tests.processes import ProcessTracker
-from tests.security.test_auth import forged, raw_ask
+from tests.security.test_auth import forged, handshake_refused
 from tests.test_writer import start_writer
 
 pytestmark = pytest.mark.process
@@ -75,9 +75,9 @@ def test_an_agent_cannot_forge_an_answer_or_a_correction(
                     ("todos", body({"items": []}), f"g{i}.0", None),
                     (event, body(payload), f"g{i}.1", None)])
             assert caught.value.code == "forbidden"
-            # no credential at all: no answer
-            assert raw_ask(ctx, state_dir.endpoint("writer"), forged(
-                event, STREAM, "operator", f"anon{i}", body(payload))) is None
+            # no credential at all: refused at the handshake, never delivered
+            handshake_refused(ctx, state_dir.endpoint("writer"), [protocol.encode(forged(
+                event, STREAM, "operator", f"anon{i}", body(payload)))])
         # a consumption for an input never recorded: allowed (its own stream), no effect
         agent.append(STREAM, "clarification_consumed", {"request": "req-1.0", "turn": 2},
                      key="t2:in:answer:req-1.0")
