@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import structlog
 import zmq
 
+from actors.procs import launch
+from actors.writer.replicate import EXIT_FENCED
 from actors.zygote import Forked
 from broker import lifeline, protocol
 from broker.control import ENV_HEARTBEAT_TIMEOUT
@@ -72,6 +74,7 @@ class Runtime:
         self.stop_phase = len(KIND_ORDER) - 1  # the same, backwards, while stopping
         self.stopping = False
         self.exit_code = EXIT_OK
+        self.fenced = False  # the writer stopped fenced: this host's agents live elsewhere
         self.rng = random.Random()  # noqa: S311 - backoff jitter, not secrets
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.control = ControlServer(self.ctx, state_dir)
@@ -156,8 +159,18 @@ class Runtime:
             self.control.close()
             self.ctx.destroy(linger=0)
             signal.set_wakeup_fd(-1)
+            if self.fenced:
+                self._end_fenced_jobs()
             log.info("supervisor_stopped", exit_code=self.exit_code)
         return self.exit_code
+
+    def _end_fenced_jobs(self) -> None:
+        """A fenced host runs nothing of its agents (they were adopted
+        elsewhere): the command jobs its procs left running before it died,
+        which outlive procs by design so that a restarted procs finds them
+        again, are ended once every child is down (docs/fleet.md)."""
+        ended = launch.end_runtime_jobs(str(self.state_dir.root))
+        log.warning("fenced_jobs_ended", processes=len(ended))
 
     def _child_base_env(self) -> dict[str, str]:
         """The environment every child starts from: ours, plus the heartbeat timeout
@@ -430,6 +443,8 @@ class Runtime:
         self._after_exit(child, record, now)
 
     def _after_exit(self, child: Child, record: Exit, now: float) -> None:
+        if child.kind == "writer" and record.code == EXIT_FENCED:
+            self.fenced = True
         if child.removing:
             requests.forget(self, child)
             return

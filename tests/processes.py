@@ -120,27 +120,3 @@ class ProcessTracker:
                 continue
         return leaked
 
-
-def kill_runtime_jobs(state_root: Path) -> list[int]:
-    """SIGKILL the command jobs of the runtime at `state_root` that outlived
-    its procs (they leave procs' process group, and a sandbox's whole tree
-    too, by design: a restarted procs finds them again). A test that plays a
-    host's loss by killing its supervisor calls this too: a machine that goes
-    takes them with it. Returns the pids killed."""
-    from actors.procs.launch import ENV_PROC_ID, runtime_scope
-    from actors.procs.sandbox import HOSTNAME_PREFIX
-
-    suffix = "." + runtime_scope(str(state_root))
-    killed = []
-    for proc in psutil.process_iter():
-        try:
-            marker = proc.environ().get(ENV_PROC_ID, "")
-            args = proc.cmdline()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        named = any(a.startswith(HOSTNAME_PREFIX) and a.endswith(suffix) for a in args)
-        if marker.endswith(suffix) or named:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-                killed.append(proc.pid)
-    return killed

@@ -30,6 +30,7 @@ import zmq
 
 from actors.agent.generations import SAVED_EVENT, list_generations
 from actors.agent.rebuild import rebuild
+from actors.procs import launch
 from actors.trees.store import packs_dir
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
@@ -44,7 +45,7 @@ from tests.fleetkit import (
     operator_key_and_hosts,
     read_stream,
 )
-from tests.processes import ProcessTracker, kill_runtime_jobs, wait_for
+from tests.processes import ProcessTracker, wait_for
 from tests.test_fleet_hosts import cli, fleet_view, host_config, other_state_dir
 
 __all__ = ["other_state_dir"]  # the fixture, used by name
@@ -55,7 +56,7 @@ STEPS = [
     {"op": "write_file", "path": "a.txt", "content": "one\n"},
     {"op": "edit_file", "path": "a.txt", "old": "one", "new": "one+two"},
     # running when its host dies, started before the newest tree (the cut): reported lost
-    {"op": "bash_start", "command": "sleep 30"},
+    {"op": "bash_start", "command": "sleep 300"},  # outlives the test: ended, not waited for
     {"op": "write_file", "path": "src/b.txt", "content": "bee"},
     {"op": "write_file", "path": "release/n.md", "content": "v1"},  # asks: the agent waits
     {"op": "bash_poll", "proc_id": "{last_command}"},  # on the adopter: reported lost
@@ -236,9 +237,6 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
             fleet_cluster.kill(OWN_NODE)
             node_down = True
             up_a.wait(10)
-            # and the command jobs that outlive their procs by design (`sleep 30`):
-            # a machine that goes takes them with it
-            kill_runtime_jobs(state_dir.root)
 
             with WriterClient(ctx, other_state_dir, "probe-b") as writer_b:
                 try:  # a stream leader on the dead node: its election comes first (~5 s idle)
@@ -327,6 +325,9 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
         assert "Corral-Fence" in last_before.headers
         log = state_dir.root / "logs" / "supervisor.log"
         mark = log.stat().st_size
+        # the supervisor's death left victim's command running (a command outlives
+        # procs by design; a machine's death would have taken it)
+        assert launch.runtime_job_pids(str(state_dir.root)), "victim's sleep on host A"
         up_a2 = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
                                  "--config", str(config_a)], name="up-a2")
         # its writer reads the fence when it loads its stream position (or meets it at
@@ -335,6 +336,11 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
         restarted = [json.loads(line) for line in log.read_bytes()[mark:].splitlines()]
         assert any(r["event"] == "child_gave_up" and r.get("child") == "writer" and
                    "77" in r.get("reason", "") for r in restarted)
+        # fenced, it ended what its procs had left running: the agent lives on B now
+        assert any(r["event"] == "fenced_jobs_ended" and r["processes"] >= 1
+                   for r in restarted), restarted[-5:]
+        wait_for(lambda: not launch.runtime_job_pids(str(state_dir.root)), 10,
+                 "host A's command ended")
         after = read_stream(fleet_cluster.urls, ha)
         assert after[-1].stream_seq == last_before.stream_seq  # nothing after the fence
         assert tree(victim_a) == before  # its copy of the agent changed nothing
@@ -344,6 +350,8 @@ def test_a_dead_hosts_agent_resumes_elsewhere_and_the_host_returns_fenced(
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(10)
+        for root in (state_dir.root, other_state_dir.root):  # their commands with them
+            launch.end_runtime_jobs(str(root))
         if node_down:  # the shared cluster whole again for the tests after this one
             fleet_cluster.restart(OWN_NODE)
             fleet_cluster.wait_ready()

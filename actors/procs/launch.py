@@ -228,6 +228,53 @@ def marked_pids(proc_id: str, sandboxed: bool | None = None) -> list[int]:
     return found
 
 
+def runtime_job_pids(state_root: str) -> list[int]:
+    """Live processes marked as jobs of the runtime at `state_root`, whatever
+    their proc id: `CORRAL_PROC_ID=<id>.<runtime>` in the environment, or a
+    sandbox's `--hostname corral-<id>.<runtime>` (killing a sandbox's bwrap
+    ends what runs inside it)."""
+    suffix = ("." + runtime_scope(state_root)).encode()
+    prefix = f"{ENV_PROC_ID}=".encode()
+    host_prefix = f"\0--hostname\0{HOSTNAME_PREFIX}".encode()
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = b"\0" + f.read()
+        except OSError:
+            continue
+        if any(v.startswith(prefix) and v.endswith(suffix) for v in env):
+            found.append(int(entry))
+            continue
+        at = cmdline.find(host_prefix)
+        if at >= 0 and cmdline[at + 1:].split(b"\0", 3)[1].endswith(suffix):
+            found.append(int(entry))
+    return found
+
+
+def end_runtime_jobs(state_root: str, passes: int = 5) -> list[int]:
+    """SIGKILL every job of the runtime at `state_root` (`runtime_job_pids`),
+    looking again until none is left (a job may fork meanwhile) or `passes`
+    looks were made. For a runtime that may not run them any more: a host
+    that comes back fenced, its agents adopted elsewhere (docs/fleet.md).
+    Returns the pids signalled."""
+    ended: list[int] = []
+    for _ in range(passes):
+        pids = runtime_job_pids(state_root)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                ended.append(pid)
+    return ended
+
+
 def sandbox_members(proc_id: str) -> list[int] | None:
     """The processes inside the job's sandbox (descendants of its bwrap, not
     bwrap itself nor the sandbox's pid 1); None when the job has no sandbox."""
