@@ -30,7 +30,7 @@ import os
 import signal
 import struct
 import termios
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from actors.procs.sandbox import HOSTNAME_PREFIX
@@ -201,6 +201,20 @@ def group_is_ours(pgid: int, proc_id: str, sandboxed: bool | None = None) -> boo
     return False
 
 
+def _other_pids() -> Iterator[int]:
+    """Every live process's pid but this one's (from /proc)."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            yield int(entry)
+
+
+def _read_proc(pid: int, name: str) -> bytes:
+    """/proc/<pid>/<name> (environ, cmdline); OSError when the process is gone."""
+    with open(f"/proc/{pid}/{name}", "rb") as f:
+        return f.read()
+
+
 def marked_pids(proc_id: str, sandboxed: bool | None = None) -> list[int]:
     """Live processes whose environment carries CORRAL_PROC_ID=<proc_id>, or
     whose command line is a sandbox's named `corral-<proc_id>`. A sandboxed
@@ -208,21 +222,13 @@ def marked_pids(proc_id: str, sandboxed: bool | None = None) -> list[int]:
     kill), an unconfined one by the first; None (unknown) looks for both."""
     needle = f"{ENV_PROC_ID}={marker(proc_id)}".encode()
     host_arg = f"\0--hostname\0{HOSTNAME_PREFIX}{marker(proc_id)}\0".encode()
-    me = os.getpid()
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
+    for pid in _other_pids():
         try:
-            if sandboxed is not True:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        found.append(int(entry))
-                        continue
-            if sandboxed is not False:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if host_arg in b"\0" + f.read():
-                        found.append(int(entry))
+            if ((sandboxed is not True and needle in _read_proc(pid, "environ").split(b"\0"))
+                    or (sandboxed is not False
+                        and host_arg in b"\0" + _read_proc(pid, "cmdline"))):
+                found.append(pid)
         except OSError:
             continue
     return found
@@ -236,24 +242,17 @@ def runtime_job_pids(state_root: str) -> list[int]:
     suffix = ("." + runtime_scope(state_root)).encode()
     prefix = f"{ENV_PROC_ID}=".encode()
     host_prefix = f"\0--hostname\0{HOSTNAME_PREFIX}".encode()
-    me = os.getpid()
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
+    for pid in _other_pids():
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = b"\0" + f.read()
+            env = _read_proc(pid, "environ").split(b"\0")
+            cmdline = b"\0" + _read_proc(pid, "cmdline")
         except OSError:
             continue
-        if any(v.startswith(prefix) and v.endswith(suffix) for v in env):
-            found.append(int(entry))
-            continue
         at = cmdline.find(host_prefix)
-        if at >= 0 and cmdline[at + 1:].split(b"\0", 3)[1].endswith(suffix):
-            found.append(int(entry))
+        if (any(v.startswith(prefix) and v.endswith(suffix) for v in env)
+                or (at >= 0 and cmdline[at + 1:].split(b"\0", 3)[1].endswith(suffix))):
+            found.append(pid)
     return found
 
 
