@@ -115,12 +115,17 @@ def test_budget_pause_and_resume_through_the_cli(
     task = REPO_ROOT / "config" / "tasks" / "notes.yaml"
     # the running configuration's budget (150 tokens) reaches the spawned agent
     assert cli(processes, state_dir, "spawn", "thrifty", "--task", str(task)).returncode == 0
-    early = cli(processes, state_dir, "resume", "thrifty", "--budget", "1")
-    assert early.returncode == 1  # not paused (yet), or no session yet
+    # refused until the agent is paused (no session yet, or running); whether the
+    # first tries come before the pause is a race, so they are not counted on
     wait_for(lambda: cli(processes, state_dir, "resume", "thrifty", "--budget",
                          "100000").returncode == 0, 30, "the budget pause")
     notes = state_dir.agent_dir("thrifty") / "workspace" / "notes.md"
     wait_for(lambda: notes.exists() and "reviewed" in notes.read_text(), 30, "the task to go on")
+    # with 100,000 tokens more it cannot be paused again: a resume now has nothing
+    # to resume, and is refused
+    late = cli(processes, state_dir, "resume", "thrifty", "--budget", "1")
+    assert late.returncode == 1, late.stdout + late.stderr
+    assert "not paused on its budget" in late.stderr, late.stderr
     budget = state_dir.budget_ledger_path.read_text()
     assert '"budget_resumed"' in budget and '"turn"' in budget
     assert cli(processes, state_dir, "stop").returncode == 0
