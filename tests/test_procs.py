@@ -479,6 +479,47 @@ def test_a_job_marker_is_scoped_to_its_runtime(
         theirs.wait(10)
 
 
+def test_a_fenced_runtimes_sweep_ends_its_own_jobs_and_no_other_runtimes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`end_runtime_jobs` (a host come back fenced) kills every process marked as
+    a job of its runtime, by the environment or by a sandbox's `--hostname`, and
+    nothing marked for another runtime, whatever the proc id; a process that
+    spells a marker without the runtime's part is not taken for one either."""
+    mine, other = str(tmp_path / "a" / ".corral"), str(tmp_path / "b" / ".corral")
+    monkeypatch.setitem(launch._SCOPE, "runtime", "")  # restored after the test
+    started: list[subprocess.Popen[bytes]] = []
+
+    def job(root: str, proc_id: str) -> subprocess.Popen[bytes]:
+        launch.scope_markers(root)
+        started.append(subprocess.Popen(["sleep", "60"], env=launch.job_env(os.environ, proc_id)))
+        return started[-1]
+
+    def named(argv1: str) -> subprocess.Popen[bytes]:  # a sandbox's bwrap, by its cmdline
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                                         "--hostname", argv1]))
+        return started[-1]
+
+    try:
+        own = [job(mine, "p-1111111111111111"), job(mine, "t-2222222222222222"),
+               named(f"corral-p-3333333333333333.{launch.runtime_scope(mine)}")]
+        theirs = [job(other, "p-1111111111111111"),
+                  named(f"corral-p-3333333333333333.{launch.runtime_scope(other)}"),
+                  named("corral-p-3333333333333333")]  # no runtime part: nobody's sweep
+        wait_for(lambda: {p.pid for p in own} <= set(launch.runtime_job_pids(mine)), 10,
+                 "the runtime's jobs found")
+        assert not {p.pid for p in theirs} & set(launch.runtime_job_pids(mine))
+        assert {p.pid for p in own} <= set(launch.end_runtime_jobs(mine))
+        for proc in own:
+            assert proc.wait(10) == -signal.SIGKILL
+        assert all(proc.poll() is None for proc in theirs)  # not its to end
+        assert launch.runtime_job_pids(mine) == []
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait(10)
+
+
 def test_the_registry_file_keeps_live_jobs_and_only_the_newest_ended_ones(tmp_path: Path) -> None:
     from actors.procs import registry as reg
 
