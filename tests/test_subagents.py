@@ -397,8 +397,11 @@ def test_host_sigkilled_leaves_no_child_or_zygote_and_a_restart_resumes_the_chil
     host = rig.start_host("subagents2")
     wait_for(lambda: rig.registry()[first.subagent_id]["starts"] == 2, 20, "the child resumed")
     resumed = psutil.Process(rig.registry()[first.subagent_id]["pid"])
-    assert resumed.pid != pid and resumed.ppid() == host.pid  # (forked, or fresh if the
-    # new zygote was still preloading: either way the host's own child)
+    assert resumed.pid != pid
+    # forked, or fresh if the new zygote was still preloading: either way the
+    # host's own child, once the go-between of its double fork has exited (the
+    # registry may name it before the host has adopted it)
+    wait_for(lambda: resumed.ppid() == host.pid, 10, "the resumed child adopted by the host")
     rig.answer(child)
     reply = rig.changes(first.subagent_id)
     assert reply.state == "ended", reply
