@@ -92,6 +92,11 @@ PHASE_CODES = {"new": 0, "running": 1, "paused": 2, "finished": 3, "closed": 4}
 LOCAL_BACKENDS = frozenset({"scripted", "replay"})  # no call leaves the process
 GROUP_MAX_RECORDS = 64  # pending facts flushed at once beyond these bounds
 GROUP_MAX_BYTES = 256 * 1024
+# ops that change the workspace only through the runtime's own writes, which a
+# watched capture sees (an event each); after any other op (a command, an MCP
+# tool, a change set) the next capture walks the whole workspace
+THROUGH_RUNTIME_ONLY = frozenset({"read_file", "write_file", "edit_file", "list_dir", "search",
+                                  "memory_write", "memory_read", "todos", "ask", "finish"})
 Pending = tuple[str, bytes, str, protocol.LedgerName | None]  # event, body, key, ledger
 
 
@@ -137,7 +142,8 @@ class AgentLoop:
         self._pending: list[Pending] = []  # folded, not yet durable (flush())
         self._pending_bytes = 0
         self._pending_base = 0  # state.last_seq before the first pending fact
-        self.trees = recorder.TreeRecorder(state_dir, name, self.workspace)
+        self.trees = recorder.TreeRecorder(state_dir, name, self.workspace,
+                                           watch=self.settings.watch_workspace)
         self._facts_appended = 0  # facts this loop appended (folded, maybe not yet flushed)
         self._tree_recorded_at = -1  # _facts_appended right after the last tree it recorded
 
@@ -545,6 +551,8 @@ class AgentLoop:
         local = is_local(op.op)
         if not local:
             self.flush()  # its handler acts through another actor: the call is durable first
+        if op.op not in THROUGH_RUNTIME_ONLY:
+            self.trees.unsure()  # a command, a change set: the next capture walks in full
         try:
             with self._busy(op.op, op.deadline_s(ctx)):
                 outcome = catalog.handler_for(op.op)(op, ctx)

@@ -114,6 +114,10 @@ class AgentSettings(_Strict):
     exclude: list[str] = Field(default_factory=list)
     permissions: Permissions = Permissions()
     snapshot_every: Annotated[int, Field(ge=1)] = 256
+    # the workspace capture at each turn boundary reads only what inotify reports
+    # changed, with a full walk at least every second (docs/trees.md, "Watched
+    # captures"); false: a full walk at every boundary
+    watch_workspace: bool = True
     generations_kept: Annotated[int, Field(ge=1)] = 3
     context_window: Annotated[int, Field(ge=1)] = 20
     max_result_chars: Annotated[int, Field(ge=256)] = 8192

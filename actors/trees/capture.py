@@ -14,6 +14,13 @@ rest is read, hashed and staged. A cached digest the store no longer holds
 (a collection removed it: the capture that cached it was never named by a
 fact) is a miss: read and stored again (actors/trees/collect.py).
 
+With a watch (actors/trees/watch.py; the agent's own capturer), a capture
+after a full walk lstats only the names inotify reported changed, and the
+entries with more than one link, and re-encodes only their directories; an
+unsure queue, a refused watch, the caller's `unsure()` or `FULL_EVERY_S`
+since the last full walk make it walk in full (docs/trees.md, "Watched
+captures").
+
 `Capturer.capture()` returns the root tree's digest; the trees and every new
 blob are in the store, durably (one pack), when it returns, so the caller
 can then append the fact that names the tree.
@@ -24,6 +31,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +40,22 @@ from actors.changesets import confined
 from actors.trees import tree
 from actors.trees.statcache import STAMP_NAME, DirCache, Ident, Signature, StatCache, fs_now_ns
 from actors.trees.store import ObjectStore, digest_of
+from actors.trees.watch import WorkspaceWatch
 
 EMPTY = ""
 # the newest timestamp of an entry listed but not kept (gone, or swapped, between
 # the listing and the read): its directory is looked at file by file next time
 UNSURE = 1 << 62
 Files = dict[str, tuple[Ident, str]]  # name -> (identity, digest)
+Entry = tuple[str, int, int, int, int, int]  # name, mode, ino, size, mtime, ctime
+# a watched capturer walks in full at least this often: what no event reports (a
+# write through a shared mapping after its file was closed, a write through a hard
+# link made from outside the workspace) is in a tree this much later at most
+FULL_EVERY_S = 1.0
+
+
+class _UnsureError(Exception):
+    """The watched capture met what the events did not describe: walk in full."""
 
 
 @dataclass(frozen=True)
@@ -49,9 +67,12 @@ class Captured:
 
 
 class Capturer:
-    def __init__(self, workspace: Path, store: ObjectStore, cache: StatCache,
-                 guard: confined.Guard = confined.NO_GUARD, stamp_dir: Path | None = None
+    def __init__(self, workspace: Path, store: ObjectStore, cache: StatCache,  # noqa: PLR0917
+                 guard: confined.Guard = confined.NO_GUARD, stamp_dir: Path | None = None,
+                 watch: WorkspaceWatch | None = None, full_every_s: float = FULL_EVERY_S
                  ) -> None:
+        """`watch`: captures after a full walk read only what it reports (this
+        capturer owns and closes it; it is dropped when a limit refuses a watch)."""
         self.workspace = workspace
         self.store = store
         self.cache = cache
@@ -59,6 +80,26 @@ class Capturer:
         self.stamp_dir = stamp_dir if stamp_dir is not None else store.directory.parent
         self._fast_gen: int | None = None  # the store's generation the cached rows are good for
         self._fast = False
+        self.watch = watch
+        self.full_every_s = full_every_s
+        self.full_walks = 0  # captures that walked the whole workspace (watched or not)
+        self._watched = False  # the last full walk watched every directory it read
+        self._full_at = 0.0  # (monotonic) when that walk began
+        self._unsure = False
+        # what the last full walk listed, kept current by the watched captures since
+        self._index: dict[str, dict[str, Entry]] = {}  # directory -> name -> entry
+        self._subnames: dict[str, list[str]] = {}  # directory -> subdirectories walked
+        self._linked: dict[str, set[str]] = {}  # directory -> files with other links
+
+    def unsure(self) -> None:
+        """The next capture walks in full: the caller knows of a change an event
+        may not report (a command ran)."""
+        self._unsure = True
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
 
     def _stamp(self) -> int:
         """The filesystem's clock (statcache.fs_now_ns), from a probe file kept
@@ -91,8 +132,18 @@ class Capturer:
         self._seen: set[str] = set()
         self._changed: list[str] = []
         self._hashed = 0
+        full = True
         with confined.open_root(self.workspace) as root_fd:
-            digest = self._dir(os.dup(root_fd), "", 0)
+            changes = self._watched_changes()
+            if changes is not None:
+                try:
+                    digest = self._watched_dir(os.dup(root_fd), "", changes, _dirty_dirs(
+                        changes, self._linked))
+                    full = False
+                except _UnsureError:
+                    pass
+            if full:
+                digest = self._full_walk(root_fd)
         if digest == EMPTY:
             body = tree.encode({})
             digest = digest_of(body)
@@ -101,14 +152,104 @@ class Capturer:
         stored = self.store.put_many(self._new.items(), durable=durable, now_ns=stamp)
         if self.store.generation == gen:
             self._fast_gen = gen
-        gone = [rel for rel in self.cache.dirs if rel not in self._seen]
+        gone = [rel for rel in self.cache.dirs if rel not in self._seen] if full else []
         for rel in gone:
             del self.cache.dirs[rel]
         self.cache.stamp_ns = stamp
-        self.cache.save(self._changed, gone)
+        self.cache.save(list(dict.fromkeys(self._changed)), gone)
         done = Captured(digest, self._hashed, len(self._changed), stored)
         del self._new
         return done
+
+    def _watched_changes(self) -> dict[str, set[str]] | None:
+        """The names to look at again, by directory, when the watch can say
+        them; None when this capture walks in full."""
+        watch = self.watch
+        if (watch is None or not self._watched or self._unsure or not self._fast
+                or time.monotonic() - self._full_at >= self.full_every_s):
+            return None
+        changes = watch.changes()
+        return changes.names if changes.sure else None
+
+    def _full_walk(self, root_fd: int) -> str:
+        """Walk every directory (watching each before it is listed, with a watch)."""
+        self.full_walks += 1
+        self._unsure = False
+        self._seen = set()
+        watch = self.watch
+        if watch is None:
+            return self._dir(os.dup(root_fd), "", 0)
+        self._full_at = time.monotonic()
+        self._watched = True  # until a watch is refused
+        self._index, self._subnames, self._linked = {}, {}, {}
+        watch.begin_walk()
+        digest = self._dir(os.dup(root_fd), "", 0)
+        if self._watched:
+            watch.end_walk()
+        else:  # a limit refused a watch: walk every time, as without one
+            self.close()
+            self._index, self._subnames, self._linked = {}, {}, {}
+        return digest
+
+    def _watched_dir(self, fd: int, rel: str, changed: dict[str, set[str]],
+                     dirty: set[str]) -> str:
+        """The tree digest of the directory open at `fd` (closed here), from
+        the last listing and the names reported changed in it (and its files
+        with other links, which an event through another link does not
+        reach); the subdirectories with nothing changed below keep theirs."""
+        try:
+            index = self._index.get(rel)
+            subnames = self._subnames.get(rel)
+            if index is None or subnames is None:
+                raise _UnsureError
+            linked = self._linked.get(rel)
+            names = changed.get(rel, set())
+            if linked:
+                names = names | linked
+            for name in names:
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    index.pop(name, None)
+                    if linked:
+                        linked.discard(name)
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    raise _UnsureError  # a directory where none was listed
+                index[name] = (name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns,
+                               st.st_ctime_ns)
+                if st.st_nlink > 1:
+                    self._linked.setdefault(rel, set()).add(name)
+                elif linked:
+                    linked.discard(name)
+            sub_digests = []
+            for name in subnames:
+                sub_rel = f"{rel}{name}/"
+                if sub_rel in dirty:
+                    try:
+                        sub = os.open(name, confined.DIR_FLAGS, dir_fd=fd)
+                    except OSError:
+                        raise _UnsureError from None  # gone, or swapped for a link
+                    d = self._watched_dir(sub, sub_rel, changed, dirty)
+                else:
+                    kept = self.cache.dirs.get(sub_rel)
+                    d = EMPTY if kept is None else kept.digest
+                    if kept is not None and not self.store.has(d):
+                        raise _UnsureError
+                if d != EMPTY:
+                    sub_digests.append((name, d))
+            signature = tuple(index.values())
+            subs = tuple(sub_digests)
+            cached = self.cache.dirs.get(rel)
+            if (cached is not None and cached.signature == signature and cached.subdirs == subs
+                    and cached.max_time_ns < self.cache.stamp_ns
+                    and self.store.has(cached.digest)):
+                return cached.digest
+            if cached is None and not signature and not subs:
+                return EMPTY
+            return self._rebuild(fd, rel, signature, subs, cached)
+        finally:
+            os.close(fd)
 
     def _dir(self, fd: int, rel: str, depth: int) -> str:
         """The tree digest of the directory open at `fd` (closed here); EMPTY
@@ -117,6 +258,10 @@ class Capturer:
             sig = []
             subdirs = []
             protected = self.guard.protected
+            watch = self.watch
+            if watch is not None and self._watched and not watch.watch(fd, rel):
+                self._watched = False
+            linked: set[str] | None = set() if watch is not None else None
             with os.scandir(fd) as it:
                 for item in it:
                     # the entry's type comes with the listing (d_type): a directory
@@ -132,8 +277,16 @@ class Capturer:
                         continue
                     sig.append((item.name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns,
                                 st.st_ctime_ns))
+                    if linked is not None and st.st_nlink > 1:
+                        linked.add(item.name)
+            subdirs.sort()
+            if linked is not None:
+                self._index[rel] = {e[0]: e for e in sig}
+                self._subnames[rel] = subdirs
+                if linked:
+                    self._linked[rel] = linked
             sub_digests = []
-            for name in sorted(subdirs):
+            for name in subdirs:
                 try:
                     sub = os.open(name, confined.DIR_FLAGS, dir_fd=fd)
                 except OSError as exc:
@@ -266,6 +419,18 @@ class Capturer:
         files[name] = (ident, d)
         rows[name] = tree.encode_row(name, st.st_mode, d, st.st_size)
         return max(mtime, ctime, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _dirty_dirs(changed: dict[str, set[str]], linked: dict[str, set[str]]) -> set[str]:
+    """The directories a watched capture goes into: those with names to look
+    at again, and every directory above them ("" the root; "a/b/" below it)."""
+    out = {""}
+    for start in (*changed, *(r for r, names in linked.items() if names)):
+        rel = start
+        while rel and rel not in out:
+            out.add(rel)
+            rel = rel[: rel.rstrip("/").rfind("/") + 1]
+    return out
 
 
 def _identity_of(item: os.DirEntry[str]) -> tuple[int, int] | None:

@@ -24,6 +24,7 @@ from actors.trees.capture import Capturer
 from actors.trees.statcache import StatCache
 from actors.trees.store import ObjectStore, packs_dir, sync_fds, take_lease
 from actors.trees.store import lease as store_lease
+from actors.trees.watch import WorkspaceWatch
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 
@@ -42,11 +43,15 @@ def store_for(state_dir: StateDir, writer: str = "shared") -> ObjectStore:
 
 
 def capturer_for(state_dir: StateDir, name: str, workspace: Path,
-                 store: ObjectStore | None = None) -> Capturer:
+                 store: ObjectStore | None = None, *, watch: bool = False) -> Capturer:
+    """`watch`: captures read what inotify reports changed (the agent's own
+    capturer; without an instance from the host, every capture walks)."""
     store = store if store is not None else store_for(state_dir, name)
     cache = StatCache.load(state_dir.cache_dir / "trees" / f"{name}.jsonl")
     return Capturer(workspace, store, cache, agent_workspace.guard_for(state_dir),
-                    state_dir.cache_dir / "trees")
+                    state_dir.cache_dir / "trees",
+                    watch=WorkspaceWatch.open(state_dir.run_dir / "watch-slots")
+                    if watch else None)
 
 
 class TreeRecorder:
@@ -62,8 +67,10 @@ class TreeRecorder:
       before the group naming the tree goes to the writer: a fact never
       names an object that is not durable."""
 
-    def __init__(self, state_dir: StateDir, name: str, workspace: Path) -> None:
+    def __init__(self, state_dir: StateDir, name: str, workspace: Path, *,
+                 watch: bool = False) -> None:
         self.state_dir, self.name, self.workspace = state_dir, name, workspace
+        self.watch = watch  # captures read what inotify reports (capturer_for)
         self._capturer: Capturer | None = None
         self._lease: weakref.finalize[Any, Any] | None = None  # the held lease's fd closer
         self._syncs: list[Future[None]] = []
@@ -86,6 +93,12 @@ class TreeRecorder:
         for sync in syncs:
             sync.result()
 
+    def unsure(self) -> None:
+        """The next capture walks the whole workspace: an op ran that may have
+        changed it in a way no event reports (a command, a change set)."""
+        if self._capturer is not None:
+            self._capturer.unsure()
+
     def released(self) -> None:
         """The facts are durable (or none was appended): let collections run."""
         self.settle()
@@ -97,7 +110,8 @@ class TreeRecorder:
         """(event, payload, key) of the `workspace_tree` to append, None if
         unchanged. Call under `hold()`; the new objects' sync runs meanwhile."""
         if self._capturer is None:
-            self._capturer = capturer_for(self.state_dir, self.name, self.workspace)
+            self._capturer = capturer_for(self.state_dir, self.name, self.workspace,
+                                          watch=self.watch)
         got = self._capturer.capture(durable=False)
         fds = self._capturer.store.take_unsynced()
         if fds:
