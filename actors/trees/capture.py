@@ -327,6 +327,9 @@ class Capturer:
                 and self._fast):
             touched = set()
             rows, files, max_time = self._changed_rows(fd, signature, subs, cached, touched)
+            # names changed earlier in this capture and not journaled yet (a
+            # watched pass that turned unsure, then the full walk): kept
+            touched = None if cached.touched is None else touched | cached.touched
         else:
             rows, files, max_time = self._all_rows(fd, signature, subs, cached)
         if not rows:
