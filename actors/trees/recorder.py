@@ -50,7 +50,7 @@ def capturer_for(state_dir: StateDir, name: str, workspace: Path,
     cache = StatCache.load(state_dir.cache_dir / "trees" / f"{name}.jsonl")
     return Capturer(workspace, store, cache, agent_workspace.guard_for(state_dir),
                     state_dir.cache_dir / "trees",
-                    watch=WorkspaceWatch.open(state_dir.run_dir / "watch-slots")
+                    watch=WorkspaceWatch.open(packs_dir(state_dir.root).parent / "watch-slots")
                     if watch else None)
 
 

@@ -20,7 +20,7 @@ The watch opens with `inotify_init1(IN_CLOEXEC | IN_NONBLOCK)`. Instances
 are limited per user on a host (`fs.inotify.max_user_instances`, 128 by
 default), and other programs of the same user need theirs, so a runtime's
 agents take at most a quarter of that limit: a watch holds a slot, an
-`flock` on one of `run/watch-slots/<n>.lock` (released when its process
+`flock` on one of `trees/watch-slots/<n>.lock` (released when its process
 ends, however). Without a free slot, without an instance, past
 `MAX_DIRS` directories or when a watch is refused (`max_user_watches`), the
 capturer walks every time, as without a watch.
