@@ -43,6 +43,7 @@ class Runtime:
     writer: WriterClient
     peer: BrokerPeer
     procs_runs: int = 0
+    procs: subprocess.Popen[bytes] | None = None
 
     @property
     def root(self) -> str:
@@ -50,8 +51,9 @@ class Runtime:
 
     def start_procs(self, *args: str) -> None:
         self.procs_runs += 1
-        self.processes.spawn(["-m", "actors.procs", "--state-dir", self.root, "--kill-grace-s",
-                              "0.3", *args], name=f"procs{self.procs_runs}", env=dict(KEY_ENV))
+        self.procs = self.processes.spawn(
+            ["-m", "actors.procs", "--state-dir", self.root, "--kill-grace-s", "0.3", *args],
+            name=f"procs{self.procs_runs}", env=dict(KEY_ENV))
         wait_for(self._procs_answers, 30, "procs to answer a ping")
 
     def _procs_answers(self) -> bool:
@@ -63,9 +65,13 @@ class Runtime:
         return isinstance(reply, protocol.Pong)
 
     def stop_procs(self) -> None:
-        proc = self.processes.started[-1]
-        proc.terminate()
-        proc.wait(30)
+        """Stop the procs `start_procs` started last (not whatever process was
+        started last: an agent run since would be stopped instead, and two
+        procs would then answer)."""
+        assert self.procs is not None, "no procs started"
+        self.procs.terminate()
+        self.procs.wait(30)
+        self.procs = None
 
     def start_agent(self, name: str, steps: list[dict[str, Any]], *,
                     workspace: Path | None = None,
