@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,12 +62,15 @@ def guard_for(state_dir: StateDir) -> confined.Guard:
     return guard
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f]")  # control characters: refused in a path
+
+
 def normalise(workspace: Path, raw: str) -> str:
     """The workspace-relative form of `raw` ("." for the root); raise
     PathRefusedError when it is malformed or escapes the workspace."""
     if not raw:
         raise PathRefusedError(raw, "empty path")
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in raw):
+    if _CONTROL.search(raw):
         raise PathRefusedError(raw, "control character in path")
     if has_format_char(raw):
         raise PathRefusedError(raw, "invisible format character in path (Unicode Cf, "

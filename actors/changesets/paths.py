@@ -38,6 +38,8 @@ def has_format_char(text: str) -> bool:
     """True when `text` holds a Unicode format character (category Cf: bidi
     overrides such as U+202E, zero-width joiners, BOM, ...): such a name can
     show as something else than it is."""
+    if text.isascii():  # no ASCII character is a format character: most paths end here
+        return False
     return any(unicodedata.category(ch) == "Cf" for ch in text)
 
 
