@@ -17,11 +17,25 @@ from broker.curve import CurveClient, apply_client
 from broker.errors import ProtocolError, RemoteError, RequestTimeoutError
 
 _counter = itertools.count(1)
+_stamp = ""  # "<pid>.<start>.": this process's, made again in a forked child
+_NOBLOCK = zmq.NOBLOCK
+
+
+def _restamp() -> None:
+    global _stamp  # noqa: PLW0603
+    _stamp = f"{os.getpid():x}.{time.monotonic_ns():x}."
+
+
+_restamp()
+os.register_at_fork(after_in_child=_restamp)
 
 
 def new_msg_id(prefix: str = "m") -> str:
-    """A msg_id unique within this process lifetime and across restarts."""
-    return f"{prefix}{os.getpid():x}.{time.monotonic_ns():x}.{next(_counter):x}"
+    """A msg_id unique within this process lifetime (a counter) and across
+    restarts (the pid and the monotonic clock when the process started or
+    forked). Made per request on the append path: no system call (getpid is
+    one), no clock read."""
+    return f"{prefix}{_stamp}{next(_counter):x}"
 
 
 class Requester:
@@ -109,31 +123,87 @@ class Requester:
     ) -> protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame:
         """`request` for an append or append_many already encoded
         (appendwire.encode_append*): its ack is decoded in C when it can be
-        (broker/appendwire.py), else by protocol.decode."""
+        (broker/appendwire.py), else by protocol.decode.
+
+        The common case takes one short path (docs/performance.md, "The
+        appender's CPU"): the socket takes the frame at once and the first
+        frame back is this request's ack. Anything else (a full pipe, a
+        timeout, a late or garbled reply, an error) goes on exactly as
+        `request`: the rest of the first attempt's wait, then the resends."""
+        sock = self._sock
+        if (len(frame) <= self._limits.max_frame_bytes
+                and self._rcvtimeo_ms == int(timeout_s * 1000)):
+            started = time.monotonic()
+            try:
+                sock.send(frame, _NOBLOCK)
+            except zmq.Again:
+                pass  # not sent: the general path sends it
+            else:
+                try:
+                    answer = sock.recv()
+                except zmq.Again:  # the first attempt timed out unanswered
+                    return self._exchange(frame, msg_id, kind, timeout_s, retries,
+                                          fast=True, first_attempt=1)
+                ack = appendwire.decode_reply(answer, self._limits)
+                if ack is not None and ack.msg_id == msg_id:
+                    return ack
+                reply = self._reply(answer, msg_id, ack)
+                if reply is None:  # not this request's: wait out the first attempt
+                    left_s = timeout_s - (time.monotonic() - started)
+                    reply = self._await(msg_id, left_s, fast=True) if left_s > 0 else None
+                if reply is not None:
+                    return self._answered(reply)
+                return self._exchange(frame, msg_id, kind, timeout_s, retries,
+                                      fast=True, first_attempt=1)
         return self._exchange(frame, msg_id, kind, timeout_s, retries, fast=True)
 
     def _exchange(
-        self, frame: bytes, msg_id: str, kind: str, timeout_s: float, retries: int, *, fast: bool
+        self, frame: bytes, msg_id: str, kind: str, timeout_s: float, retries: int, *,
+        fast: bool, first_attempt: int = 0,
     ) -> protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame:
+        """Attempts `first_attempt`..`retries` (each after the first on a new socket)."""
         if len(frame) > self._limits.max_frame_bytes:
             raise ProtocolError(
                 protocol.ErrorCode.FRAME_TOO_LARGE,
                 f"{kind} of {len(frame)} bytes > limit {self._limits.max_frame_bytes}",
             )
-        for attempt in range(retries + 1):
+        for attempt in range(first_attempt, retries + 1):
             if attempt:
                 self._reopen()
             if not self._send(frame, timeout_s):
                 continue  # no connection took the frame within the deadline: retry
             reply = self._await(msg_id, timeout_s, fast)
             if reply is not None:
-                if isinstance(reply, protocol.Error):
-                    raise RemoteError(reply.code.value, reply.detail)
-                return reply
+                return self._answered(reply)
         raise RequestTimeoutError(
             f"no reply from {self.endpoint} to {kind} {msg_id} "
             f"after {retries + 1} attempts of {timeout_s}s"
         )
+
+    @staticmethod
+    def _answered(
+        reply: protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame,
+    ) -> protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame:
+        """The reply to return; an `error` reply raised as RemoteError."""
+        if isinstance(reply, protocol.Error):
+            raise RemoteError(reply.code.value, reply.detail)
+        return reply
+
+    def _reply(
+        self, frame: bytes, msg_id: str,
+        fast_reply: appendwire.AppendOkFrame | appendwire.AppendManyOkFrame | None,
+    ) -> protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame | None:
+        """`frame` decoded (`fast_reply`: as appendwire decoded it, if it did)
+        when it answers `msg_id`; None when it is garbled or another's."""
+        reply: protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame
+        if fast_reply is not None:
+            reply = fast_reply
+        else:
+            try:
+                reply = protocol.decode(frame, self._limits)
+            except ProtocolError:  # a garbled reply is as good as none: keep waiting
+                return None
+        return reply if getattr(reply, "msg_id", None) == msg_id else None
 
     def _send(self, frame: bytes, timeout_s: float) -> bool:
         """Send without ever blocking past the deadline (a DEALER with no live
@@ -169,19 +239,11 @@ class Requester:
                 frame = sock.recv()
             except zmq.Again:
                 return None
-            reply: protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame
             fast_reply = appendwire.decode_reply(frame, self._limits) if fast else None
-            if fast_reply is not None:
-                reply = fast_reply
-            else:
-                try:
-                    reply = protocol.decode(frame, self._limits)
-                except ProtocolError:  # a garbled reply is as good as none: keep waiting
-                    remaining_ms = int((deadline - time.monotonic()) * 1000)
-                    continue
-            if getattr(reply, "msg_id", None) == msg_id:
+            reply = self._reply(frame, msg_id, fast_reply)
+            if reply is not None:
                 return reply
-            # a late reply to an earlier request: drop it
+            # garbled, or a late reply to an earlier request: drop it
             remaining_ms = int((deadline - time.monotonic()) * 1000)
 
     def close(self) -> None:

@@ -8,7 +8,9 @@ fdatasync (p50/p99), the floor under any acknowledgement's latency.
 Where the time goes, measured in the same run (docs/performance.md): the CPU
 each kind of process spends per acknowledged append at K = 64 (the writer,
 all of its threads, from /proc; the appenders, their own `os.times`), the
-same per round trip of the raw pyzmq echo, the echo's p99 at 64 clients (the
+same per round trip of the raw pyzmq echo and of the durable echo (the CPU a
+durable request/reply costs here with no work per record: the peer of the
+writer's and the appenders' figures), the echo's p99 at 64 clients (the
 latency floor of 64 closed-loop clients on this machine with no disk at all),
 and the writer's group-commit batches (records per fdatasync) at K = 64.
 
@@ -240,6 +242,10 @@ def run(quick: bool = False) -> dict[str, object]:
             f[f"durable_echo_per_s_k{k}"] = zmq_echo_per_s(root, k, seconds, durable,
                                                            durable=True)
             f[f"durable_echo_p99_ms_k{k}"] = percentile(durable["latencies"], 99) * 1000
+            if k == 64:  # the peer of the writer's and the appenders' CPU per ack
+                rts = max(1.0, f["durable_echo_per_s_k64"] * seconds)
+                f["durable_echo_server_cpu_us_per_rt_k64"] = durable["server_s"] / rts * 1e6
+                f["durable_echo_client_cpu_us_per_rt_k64"] = durable["clients_s"] / rts * 1e6
         state_dir = root / ".corral"
         writer = start_writer(state_dir)
         try:

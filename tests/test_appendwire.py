@@ -205,3 +205,34 @@ def test_a_repeated_kind_is_declined_or_decoded_as_protocol_decode_does(first: s
     frame = bytes([0x80 | len(pairs)]) + b"".join(
         msgpack.packb(k) + msgpack.packb(v, use_bin_type=True) for k, v in pairs)
     _check(frame)
+
+
+def _append_frame(**fields: Any) -> bytes:
+    body = {"kind": "append", "msg_id": "m1", "origin": "a", "key": "k", "stream": "agent/a",
+            "event": "turn", "payload": b"{}", "v": 1, **fields}
+    return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["msg_id", "origin", "key", "stream", "event"]),
+       msg_ids | keys | streams | odd_values)
+def test_an_append_with_names_already_seen_valid_is_still_checked_field_by_field(
+        name: str, value: Any) -> None:
+    # the writer remembers (origin, stream, event) once found valid and checks
+    # only msg_id and key each time: a frame that changes any of them, after
+    # the valid ones were remembered, is declined or decoded as protocol.decode
+    assert w.decode_request(_append_frame()) is not None  # remembered now
+    frame = _append_frame(**{name: value})
+    fast = w.decode_request(frame)
+    if fast is not None:
+        _same(fast, _slow(frame))
+    assert (_slow(frame) is None) <= (fast is None)  # refused there: declined here
+
+
+def test_the_remembered_names_are_bounded_and_checked_again_after_a_clear() -> None:
+    for i in range(w._REQUEST_NAMES_MAX + 10):
+        assert w.decode_request(_append_frame(origin=f"o{i}", stream=f"agent/o{i}")) is not None
+    assert len(w._REQUEST_NAMES) <= w._REQUEST_NAMES_MAX
+    assert w.decode_request(_append_frame(origin="o1\n")) is None
+    assert w.decode_request(_append_frame(event="Turn")) is None
+    assert w.decode_request(_append_frame(stream="agent/" + "x" * 123)) is None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,39 +92,63 @@ class WriterClient:
         key: str,
         ledger: protocol.LedgerName | None = None,
         origin: str | None = None,
-    ) -> protocol.AppendOk:
-        """Durably append one event; returns its seq once it is on disk.
-        `origin` (default: the client's) names the idempotency window of `key`:
-        an actor appending for many sessions gives each its own window."""
+    ) -> appendwire.AppendOkFrame:
+        """Durably append one event; returns its ack (`seq`, `duplicate`) once
+        it is on disk. `origin` (default: the client's) names the idempotency
+        window of `key`: an actor appending for many sessions gives each its
+        own window.
+
+        The ack is the frame decoded in C (no model is built for it: that
+        was a fifth of the appender's Python; docs/performance.md, "The
+        appender's CPU"); while the writer answers `storage_full` (a full
+        disk, docs/storage.md) the append is sent again under the same key,
+        backing off, for up to `storage_wait_s`, then the RemoteError raised."""
         body = payload if isinstance(payload, bytes) else encode_payload(payload)
         origin = origin or self.origin
-        the_origin = origin
-
-        def frame(msg_id: str) -> bytes:
-            encoded = appendwire.encode_append(msg_id=msg_id, origin=the_origin, key=key,
-                                               stream=stream, event=event, payload=body,
-                                               ledger=ledger)
-            if encoded is not None:
-                return encoded
-            # a field is not valid: the model says which (pydantic's ValidationError)
-            return protocol.encode(protocol.Append(msg_id=msg_id, origin=the_origin, key=key,
-                                                   stream=stream, event=event, payload=body,
-                                                   ledger=ledger))
-
-        answer = self._request_append(frame, "append")
-        if isinstance(answer, appendwire.AppendOkFrame):  # the ack, decoded in C
-            reply = protocol.AppendOk.model_validate(  # cheaper than model_construct
-                {"msg_id": answer.msg_id, "seq": answer.seq, "duplicate": answer.duplicate})
-        elif isinstance(answer, protocol.AppendOk):
+        deadline = time.monotonic() + self.storage_wait_s
+        backoff_s = 0.05
+        while True:
+            msg_id = new_msg_id("a")
+            frame = appendwire.encode_append(msg_id=msg_id, origin=origin, key=key,
+                                             stream=stream, event=event, payload=body,
+                                             ledger=ledger)
+            if frame is None:  # a field is not valid: the model says which (ValidationError)
+                frame = protocol.encode(protocol.Append(msg_id=msg_id, origin=origin, key=key,
+                                                        stream=stream, event=event,
+                                                        payload=body, ledger=ledger))
+            try:
+                answer = self._req.request_append(frame, msg_id, "append",
+                                                  timeout_s=self.timeout_s,
+                                                  retries=self.retries)
+                break
+            except RemoteError as exc:
+                backoff_s = self._storage_full_wait(exc, deadline, backoff_s)
+        if type(answer) is appendwire.AppendOkFrame:  # the ack, decoded in C
             reply = answer
+        elif isinstance(answer, protocol.AppendOk):  # what appendwire could not vouch for
+            reply = appendwire.AppendOkFrame(msg_id=answer.msg_id, seq=answer.seq,
+                                             duplicate=answer.duplicate, v=1)
         else:
             raise ProtocolError("unexpected_message", f"append answered with {_kind(answer)}")
         if self._journal_dir is not None:
-            journal = self._journals.get(origin)
-            if journal is None:
-                journal = self._journals[origin] = AckJournal(self._journal_dir, origin)
-            journal.record(key, reply.seq)
+            self._journal(origin).record(key, reply.seq)
         return reply
+
+    def _journal(self, origin: str) -> AckJournal:
+        assert self._journal_dir is not None
+        journal = self._journals.get(origin)
+        if journal is None:
+            journal = self._journals[origin] = AckJournal(self._journal_dir, origin)
+        return journal
+
+    @staticmethod
+    def _storage_full_wait(exc: RemoteError, deadline: float, backoff_s: float) -> float:
+        """After a refused append: raise `exc` unless the writer's disk is full and
+        `deadline` is ahead; else wait `backoff_s` and return the next backoff."""
+        if exc.code != protocol.ErrorCode.STORAGE_FULL or time.monotonic() >= deadline:
+            raise exc
+        time.sleep(backoff_s)
+        return min(backoff_s * 2, 1.0)
 
     def append_many(
         self,
@@ -132,61 +156,46 @@ class WriterClient:
         records: list[tuple[str, bytes, str, protocol.LedgerName | None]],
         *,
         origin: str | None = None,
-    ) -> protocol.AppendManyOk:
+    ) -> appendwire.AppendManyOkFrame:
         """Durably append `records` (event, payload, key, ledger) of one stream
         at once: one round trip, one fdatasync, consecutive seqs from the
         reply's `seq`, all or none of them after a crash. Retried under the
-        same keys until answered, like `append`."""
+        same keys until answered, like `append`; its ack is the frame decoded
+        in C, as `append`'s."""
         origin = origin or self.origin
-        the_origin = origin
-
-        def frame(msg_id: str) -> bytes:
-            encoded = appendwire.encode_append_many(msg_id=msg_id, origin=the_origin,
-                                                    stream=stream, records=records)
-            if encoded is not None:
-                return encoded
-            return protocol.encode(protocol.AppendMany(
-                msg_id=msg_id, origin=the_origin, stream=stream,
-                records=[protocol.AppendItem(key=key, event=event, payload=body, ledger=ledger)
-                         for event, body, key, ledger in records]))
-
-        answer = self._request_append(frame, "append_many")
-        if isinstance(answer, appendwire.AppendManyOkFrame):
-            reply = protocol.AppendManyOk.model_construct(
-                msg_id=answer.msg_id, seq=answer.seq, count=answer.count,
-                prev_seq=answer.prev_seq, duplicate=answer.duplicate)
-        elif isinstance(answer, protocol.AppendManyOk):
+        deadline = time.monotonic() + self.storage_wait_s
+        backoff_s = 0.05
+        while True:
+            msg_id = new_msg_id("m")
+            frame = appendwire.encode_append_many(msg_id=msg_id, origin=origin,
+                                                  stream=stream, records=records)
+            if frame is None:
+                frame = protocol.encode(protocol.AppendMany(
+                    msg_id=msg_id, origin=origin, stream=stream,
+                    records=[protocol.AppendItem(key=key, event=event, payload=body,
+                                                 ledger=ledger)
+                             for event, body, key, ledger in records]))
+            try:
+                answer = self._req.request_append(frame, msg_id, "append_many",
+                                                  timeout_s=self.timeout_s,
+                                                  retries=self.retries)
+                break
+            except RemoteError as exc:
+                backoff_s = self._storage_full_wait(exc, deadline, backoff_s)
+        if type(answer) is appendwire.AppendManyOkFrame:
             reply = answer
+        elif isinstance(answer, protocol.AppendManyOk):
+            reply = appendwire.AppendManyOkFrame(
+                msg_id=answer.msg_id, seq=answer.seq, count=answer.count,
+                prev_seq=answer.prev_seq, duplicate=answer.duplicate, v=1)
         else:
             raise ProtocolError("unexpected_message",
                                 f"append_many answered with {_kind(answer)}")
         if self._journal_dir is not None:
-            journal = self._journals.get(origin)
-            if journal is None:
-                journal = self._journals[origin] = AckJournal(self._journal_dir, origin)
+            journal = self._journal(origin)
             for i, (_, _, key, _) in enumerate(records):
                 journal.record(key, reply.seq + i)
         return reply
-
-    def _request_append(
-        self, frame: Callable[[str], bytes], kind: str
-    ) -> protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame:
-        """Send an append (`frame(msg_id)` encodes it); while the writer answers
-        `storage_full` (a full disk, docs/storage.md) resend it under the same
-        key, backing off, for up to `storage_wait_s`, then raise the RemoteError."""
-        deadline = time.monotonic() + self.storage_wait_s
-        backoff_s = 0.05
-        prefix = "a" if kind == "append" else "m"
-        while True:
-            msg_id = new_msg_id(prefix)
-            try:
-                return self._req.request_append(frame(msg_id), msg_id, kind,
-                                                timeout_s=self.timeout_s, retries=self.retries)
-            except RemoteError as exc:
-                if exc.code != protocol.ErrorCode.STORAGE_FULL or time.monotonic() >= deadline:
-                    raise
-            time.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 1.0)
 
     def read_page(self, stream: str, from_seq: int = 1, max_records: int = 512) -> protocol.Records:
         reply = self._req.request(
