@@ -47,6 +47,10 @@ FORKS_IN_FLIGHT = 8  # forks asked of the zygote and not yet answered (flow cont
 # these (docs/performance.md "Next round: spawn")
 AGENTS_STARTING = max(2, os.cpu_count() or 2)
 ZYGOTE_POLICY = Policy(max_restarts=5, period_s=60.0, base_s=0.2, cap_s=5.0)
+# The per-child scan (liveness, restarts, stop deadlines) runs this often at
+# most, or at the next deadline, not on every loop turn: with 500 children a
+# turn per heartbeat made the loop O(children) per message (docs/performance.md)
+SCAN_INTERVAL_S = 0.1
 
 if TYPE_CHECKING:
     from supervisor.metrics import MetricsServer
@@ -92,6 +96,8 @@ class Runtime:
         self._signals: deque[int] = deque()
         self._wake_r, self._wake_w = os.pipe()
         self._next_status = 0.0
+        self._scan_at = 0.0  # monotonic: the next per-child scan (0: on the next turn)
+        self._phase_due = True  # a start phase may move: _advance_start on the next turn
         self.gaps = monitor.GapDetector()
         self.listening_since = 0.0  # monotonic: silence before this is not counted
         self.metrics: MetricsServer | None = None  # started by run() when configured
@@ -178,11 +184,7 @@ class Runtime:
         return {**self.base_env, ENV_HEARTBEAT_TIMEOUT: repr(self.config.heartbeat.timeout_s)}
 
     def _timeout_ms(self, now: float) -> int:
-        wake = [self._next_status]
-        for child in self.children.values():
-            for t in (child.restart_at, child.stop_deadline):
-                if t is not None:
-                    wake.append(t)
+        wake = [self._next_status, self._scan_at]  # the scan's time covers every deadline
         if self.zygote_restart_at is not None:
             wake.append(self.zygote_restart_at)
         wait_s = min(wake) - now
@@ -191,6 +193,31 @@ class Runtime:
 
     def _advance(self, now: float) -> None:
         """Everything driven by time: restarts, deadlines, start phases, status."""
+        if now >= self._scan_at:
+            self._scan(now)
+        if self.zygote_restart_at is not None and now >= self.zygote_restart_at:
+            self.zygote_restart_at = None
+            if not self.stopping:
+                self._start_zygote(now)
+        self._flush_forks()
+        if self.stopping:
+            self._advance_stop(now)
+        else:
+            if self._phase_due:
+                self._phase_due = False
+                self._advance_start(now)
+            automation.service(self, now)
+        if now >= self._next_status:
+            self._next_status = now + self.config.status_interval_s
+            apply_samples(self.children.values(), self.sampler.take())
+            self.sampler.submit(c.pid for c in self.children.values() if c.pid is not None)
+            self._publish_status(now)
+
+    def _scan(self, now: float) -> None:
+        """The per-child deadlines: restarts due, stop deadlines, liveness; the
+        next scan at the earliest deadline left, SCAN_INTERVAL_S at the latest."""
+        self._scan_at = now + SCAN_INTERVAL_S
+        self._phase_due = True  # and the start phases, as often (besides their events)
         for child in self.children.values():
             if child.restart_at is not None and now >= child.restart_at and not self.stopping:
                 child.restart_at = None
@@ -208,21 +235,9 @@ class Runtime:
                 spawner.signal_group(child.pid, signal.SIGKILL)
                 child.heartbeat_at = None
                 child.started_at = now  # one kill per deadline
-        if self.zygote_restart_at is not None and now >= self.zygote_restart_at:
-            self.zygote_restart_at = None
-            if not self.stopping:
-                self._start_zygote(now)
-        self._flush_forks()
-        if self.stopping:
-            self._advance_stop(now)
-        else:
-            self._advance_start(now)
-            automation.service(self, now)
-        if now >= self._next_status:
-            self._next_status = now + self.config.status_interval_s
-            apply_samples(self.children.values(), self.sampler.take())
-            self.sampler.submit(c.pid for c in self.children.values() if c.pid is not None)
-            self._publish_status(now)
+            for t in (child.restart_at, child.stop_deadline):
+                if t is not None and now < t < self._scan_at:
+                    self._scan_at = t
 
     # --- starting ----------------------------------------------------------------
     def _advance_start(self, now: float) -> None:
@@ -243,6 +258,7 @@ class Runtime:
         child.restart_requested = False
         if child.kind == "agent" and self.use_zygote:
             child.fork_pending = True
+            self.starting.discard(child.name)  # queued again: not starting until asked
             self.fork_queue.append(child)
             self._flush_forks()
             return
@@ -281,6 +297,7 @@ class Runtime:
 
     def _register(self, child: Child, pid: int, now: float) -> None:
         child.spawned(pid, now)
+        self._phase_due = True  # a child without a ready timeout runs at once
         self.by_pid[pid] = child
         log.info("actor_spawned", child=child.name, kind=child.kind, pid=pid)
         ready_at = self.early_ready.pop(pid, None)
@@ -339,12 +356,11 @@ class Runtime:
     def _may_start_agent(self) -> bool:
         """Fewer than AGENTS_STARTING agents between their fork request and
         `ready` (one that exited, failed or went back to the queue is out)."""
-        if len(self.starting) >= AGENTS_STARTING:
-            queued = {c.name for c in self.fork_queue}
+        if len(self.starting) >= AGENTS_STARTING:  # (a child queued again left it in _start)
             self.starting = {
                 name for name in self.starting
                 if (c := self.children.get(name)) is not None and c.state == "starting"
-                and name not in queued and (c.fork_pending or c.pid is not None)}
+                and (c.fork_pending or c.pid is not None)}
         return len(self.starting) < AGENTS_STARTING
 
     def _start_zygote(self, now: float) -> None:
@@ -443,6 +459,7 @@ class Runtime:
         self._after_exit(child, record, now)
 
     def _after_exit(self, child: Child, record: Exit, now: float) -> None:
+        self._phase_due = True
         if child.kind == "writer" and record.code == EXIT_FENCED:
             self.fenced = True
         if child.removing:
@@ -460,6 +477,7 @@ class Runtime:
         if isinstance(decision, Restart):
             child.state = "backoff"
             child.restart_at = now + decision.delay_s
+            self._scan_at = min(self._scan_at, child.restart_at)  # restarted on time
             if decision.delay_s > 0:
                 log.info("child_backed_off", child=child.name, delay_s=round(decision.delay_s, 3))
         elif isinstance(decision, GiveUp):
@@ -514,6 +532,7 @@ class Runtime:
         assert child.pid is not None
         child.state = "stopping"
         child.stop_deadline = now + child.spec.shutdown_timeout_s
+        self._scan_at = min(self._scan_at, child.stop_deadline)
         spawner.signal_group(child.pid, signal.SIGTERM)
 
     def _all_down(self) -> bool:
@@ -522,6 +541,8 @@ class Runtime:
     # --- control -----------------------------------------------------------------
     def _on_message(self, incoming: Incoming, now: float) -> None:
         msg = incoming.message
+        if not isinstance(msg, protocol.Heartbeat):
+            self._phase_due = True  # a request may start or stop children
         match msg:
             case protocol.Ready(actor=actor, pid=pid):
                 child = self.children.get(actor)
@@ -573,6 +594,7 @@ class Runtime:
             return
         child.state = "running"
         child.heartbeat_at = now
+        self._phase_due = True
         if child.requested_at is not None:
             child.ready_ms = round((now - child.requested_at) * 1000, 2)
         log.info("actor_ready", child=child.name, pid=child.pid, ready_ms=child.ready_ms)
@@ -670,6 +692,7 @@ class Runtime:
 
     def _handle_signals(self) -> None:
         while self._signals:
+            self._phase_due = True
             sig = self._signals.popleft()
             if sig == signal.SIGHUP:  # like supervisord and systemd's ExecReload: reload
                 log.info("reload_signalled", signal="SIGHUP")
