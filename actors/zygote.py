@@ -10,18 +10,23 @@ socketpair `N` (SOCK_SEQPACKET: one datagram per request). It never creates a
 ZeroMQ context: contexts do not survive fork; each agent creates its own
 after the fork.
 
-Who is whose parent: the zygote's parent (the supervisor, or the subagents
-host) is a child subreaper (broker/lifeline.py). The zygote double-forks:
-an intermediate process (the go-between) forks the agent, sends the reply
-itself on its inherited copy of the socketpair and exits, so the agent is
-adopted by the zygote's parent, which reaps it and sees its exit status like
-any other child's. The zygote does not wait for the go-between: once its own
-fork returns it serves the next request, and it reaps go-betweens as they
-exit (a go-between that dies without replying is answered `failed` by the
-zygote), so the forks of a burst of requests overlap and the zygote's serial
-part is one fork each. Replies may therefore come in another order than the
-requests. The agent waits until its parent is the zygote's parent, then sets
-PDEATHSIG relative to it and checks getppid() once more.
+Who is whose parent: every agent is a child of the zygote's parent (the
+supervisor, or the subagents host), which reaps it and sees its exit status
+like any other child's. Where actors/sibling.py works (x86_64 glibc, a
+single-threaded zygote), the zygote forks each requested child with
+`clone(CLONE_PARENT)`: one fork, the child its parent's from the start, and
+the zygote replies `forked` itself. Elsewhere, or with `--double-fork`, it
+double-forks: an intermediate process (the go-between) forks the agent,
+sends the reply itself on its inherited copy of the socketpair and exits, so
+the agent is adopted by the zygote's parent, a child subreaper
+(broker/lifeline.py). The zygote does not wait for a go-between: once its
+own fork returns it serves the next request, and it reaps go-betweens as
+they exit (a go-between that dies without replying is answered `failed` by
+the zygote), so the forks of a burst of requests overlap and the zygote's
+serial part is one fork each. Replies may therefore come in another order
+than the requests. Either way the agent waits until its parent is the
+zygote's parent (at once after a clone), then sets PDEATHSIG relative to it
+and checks getppid() once more.
 
 The pool (`--pool N`, the supervisor's: as many as agents it starts at
 once; 0, the subagents host's: none). Like Android's pool of unspecialized
@@ -98,6 +103,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import get_args
 
+from actors import sibling
 from broker import logconfig
 from broker.lifeline import die_with_parent
 from broker.statedir import private_umask
@@ -265,6 +271,8 @@ class Zygote:
         self.pool_failures = 0
         self.last_request = 0.0  # monotonic: when the last request came
         self.poller = select.poll()
+        # one fork a request, the child our parent's (actors/sibling.py); else go-betweens
+        self.clone = not getattr(args, "double_fork", False) and sibling.available()
 
     def serve(self) -> int:
         try:
@@ -321,6 +329,10 @@ class Zygote:
             gate = rest[0] if rest else None
             try:
                 if request.module is None and self._hand_to_member(request, gate, credential):
+                    return True
+                pid = self._clone(request, gate, credential) if self.clone else None
+                if pid is not None:
+                    self.sock.send(f"forked {request.name} {pid}".encode())
                     return True
                 middle = self._fork(request, gate, credential)
             except OSError as exc:
@@ -428,6 +440,24 @@ class Zygote:
             except OSError:
                 return False
         return True
+
+    def _clone(self, request: ForkRequest, gate: int | None,
+               credential: int | None) -> int | None:
+        """Fork the child for `request` as our parent's child directly (one
+        fork, no go-between, nothing to adopt); its pid, or None when the
+        clone cannot be made here (the go-betweens serve the request then)."""
+        output = os.open(request.output, _OUTPUT_FLAGS, 0o600) if request.output else None
+        try:
+            pid = sibling.fork_sibling()
+        except OSError:
+            if output is not None:
+                os.close(output)
+            return None
+        if pid == 0:
+            self._become_agent(request, output, gate, credential)  # never returns
+        if output is not None:
+            os.close(output)
+        return pid
 
     def _fork(self, request: ForkRequest | None, gate: int | None, credential: int | None,
               member: tuple[socket.socket, socket.socket] | None = None) -> int:
@@ -570,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--broker-heartbeat-misses", type=int, default=3)
     parser.add_argument("--pool", type=int, default=0,
                         help="agents kept forked ahead of requests (0: none)")
+    parser.add_argument("--double-fork", action="store_true",
+                        help="serve requests by go-betweens even where clone(CLONE_PARENT) works")
     logconfig.add_arguments(parser)
     args = parser.parse_args(argv)
     private_umask()  # the agents it forks inherit it

@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
-from actors import zygote
+from actors import sibling, zygote
 from broker.statedir import StateDir
 from tests.processes import ProcessTracker
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_run_request_round_trips_and_names_only_preloaded_modules() -> None:
@@ -60,6 +62,7 @@ def test_scrub_removes_a_variable_from_the_environment_and_proc_environ() -> Non
 # A parent for a real zygote, as the supervisor is one: a child subreaper that
 # asks for a burst of forks at once (each agent held at its start gate), then
 # for one whose go-between dies (the fault), and reports what it saw as JSON.
+# The zygote is told to use go-betweens (--double-fork) where it would clone.
 _PARENT = r'''
 import json, os, sys, time
 import psutil
@@ -67,7 +70,7 @@ from actors.zygotelink import ZygoteLink
 from broker import lifeline
 
 lifeline.become_subreaper()
-link = ZygoteLink(["--state-dir", sys.argv[1]], dict(os.environ))
+link = ZygoteLink(["--state-dir", sys.argv[1], "--double-fork"], dict(os.environ))
 zygote_pid = link.start()
 assert link.wait_ready(60), "the zygote never said ready"
 gates = {}
@@ -211,3 +214,128 @@ def test_a_pool_member_serves_a_request_and_a_dead_one_is_passed_over(
     assert seen["refilled"] == 2
     assert seen["zygote"] == 0
     assert seen["members_exit"] == [0, 0]
+
+
+# A parent of a zygote that clones (actors/sibling.py): it asks for a burst of
+# agents held at their start gates and reads each reply with the sender's pid,
+# which the kernel stamps (SO_PASSCRED): a go-between's reply carries its own.
+_SIBLING_PARENT = r'''
+import json, os, socket, struct, sys, time
+import psutil
+from actors import zygote
+from actors.zygotelink import ZygoteLink
+from broker import lifeline
+
+lifeline.become_subreaper()
+link = ZygoteLink(["--state-dir", sys.argv[1]], dict(os.environ))
+zygote_pid = link.start()
+assert link.wait_ready(60), "the zygote never said ready"
+link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+gates = {}
+for i in range(6):
+    read_end, write_end = os.pipe()
+    assert link.request(f"agent-{i}", gate_fd=read_end)
+    os.close(read_end)
+    gates[f"agent-{i}"] = write_end
+pids, senders, parents = {}, set(), {}
+deadline = time.monotonic() + 30
+link.sock.setblocking(True)
+link.sock.settimeout(30)
+while len(pids) < 6 and time.monotonic() < deadline:
+    data, ancillary, _flags, _addr = link.sock.recvmsg(4096, socket.CMSG_SPACE(12))
+    reply = zygote.parse_reply(data)
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            senders.add(struct.unpack("iII", payload[:12])[0])
+    pids[reply.name] = reply.pid
+    parents[reply.name] = psutil.Process(reply.pid).ppid()  # at once, before any exit
+zygote_children = len(psutil.Process(zygote_pid).children())
+for write_end in gates.values():
+    os.close(write_end)  # EOF at the gate: each agent exits 125, unrun
+codes = {n: os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for n, p in pids.items()}
+link.close()  # EOF: the zygote exits
+zygote_code = os.waitstatus_to_exitcode(os.waitpid(zygote_pid, 0)[1])
+print(json.dumps({"forked": sorted(pids), "pids": len(set(pids.values())),
+                  "senders": sorted(senders), "zygote_pid": zygote_pid,
+                  "parents": sorted(set(parents.values())), "me": os.getpid(),
+                  "zygote_children": zygote_children, "codes": codes, "zygote": zygote_code}))
+'''
+
+
+@pytest.mark.skipif(not sibling.available(), reason="clone(CLONE_PARENT) is x86_64 glibc only")
+def test_a_burst_is_served_by_one_fork_each_the_agents_our_children_from_the_start(
+    processes: ProcessTracker, state_dir: StateDir,
+) -> None:
+    """Where actors/sibling.py works, the zygote forks each agent as its
+    parent's child itself: every `forked` reply comes from the zygote (no
+    go-between: before this change each came from one, and this fails), each
+    agent's parent is the zygote's parent when its reply is read, the zygote
+    has no child, and each agent exits 125 when its start gate closes."""
+    proc = processes.spawn(["-c", _SIBLING_PARENT, str(state_dir.root)], name="sibling-parent")
+    assert proc.wait(timeout=50) == 0, processes.output("sibling-parent")
+    seen = json.loads(processes.output("sibling-parent").strip().splitlines()[-1])
+    names = [f"agent-{i}" for i in range(6)]
+    assert seen["forked"] == names
+    assert seen["pids"] == 6
+    assert seen["senders"] == [seen["zygote_pid"]]
+    assert seen["parents"] == [seen["me"]]
+    assert seen["zygote_children"] == 0
+    assert seen["codes"] == dict.fromkeys(names, zygote.EXIT_GATE_CLOSED)
+    assert seen["zygote"] == 0
+
+
+_CLONE_CHILD = r'''
+import ctypes, json, os, random, sys, threading
+from actors import sibling
+
+assert sibling.available()
+before = random.random()
+pid = sibling.fork_sibling()
+if pid == 0:
+    libc = sibling._load()
+    tid = ctypes.c_int.from_address(sibling._tid_address(libc)).value
+    seen = {}
+    worker = threading.Thread(target=lambda: seen.update(native=threading.get_native_id()))
+    worker.start()
+    worker.join()
+    print(json.dumps({"who": "child", "pid": os.getpid(), "ppid": os.getppid(), "tid": tid,
+                      "thread_ran": seen.get("native") not in (None, os.getpid()),
+                      "random": random.random()}), flush=True)
+    os._exit(0)
+hold = threading.Event()
+held = threading.Thread(target=hold.wait)
+held.start()  # a second thread: no clone while it runs
+try:
+    sibling.fork_sibling()
+    refused = False
+except OSError:
+    refused = True
+hold.set()
+held.join()
+print(json.dumps({"who": "parent", "pid": os.getpid(), "ppid": os.getppid(), "child": pid,
+                  "refused_with_threads": refused, "random": random.random()}), flush=True)
+'''
+
+
+@pytest.mark.skipif(not sibling.available(), reason="clone(CLONE_PARENT) is x86_64 glibc only")
+def test_fork_sibling_makes_our_parents_child_with_its_own_thread_id() -> None:
+    """The clone's child is our parent's child (reaped here, by the parent),
+    its thread control block holds its own thread id (CLONE_CHILD_SETTID, as
+    glibc's fork), it can start threads, and the after-fork hooks ran (its
+    `random` was reseeded: it draws another number than we do). A process
+    with a second thread is refused."""
+    code = f"import sys; sys.path.insert(0, {str(_REPO)!r})\n" + _CLONE_CHILD
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    lines = {d["who"]: d for d in map(json.loads, out.strip().splitlines())}
+    child, parent = lines["child"], lines["parent"]
+    _pid, status = os.waitpid(child["pid"], 0)  # ours: the clone's parent is its caller's
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert parent["child"] == child["pid"]
+    assert child["ppid"] == os.getpid() == parent["ppid"]
+    assert child["tid"] == child["pid"]
+    assert child["thread_ran"] is True
+    assert child["random"] != parent["random"]
+    assert parent["refused_with_threads"] is True
+
