@@ -210,7 +210,8 @@ class Runtime:
         if now >= self._next_status:
             self._next_status = now + self.config.status_interval_s
             apply_samples(self.children.values(), self.sampler.take())
-            self.sampler.submit(c.pid for c in self.children.values() if c.pid is not None)
+            self.sampler.submit((c.pid for c in self.children.values() if c.pid is not None),
+                                uss=not self._agents_starting())
             self._publish_status(now)
 
     def _scan(self, now: float) -> None:
@@ -362,6 +363,12 @@ class Runtime:
                 if (c := self.children.get(name)) is not None and c.state == "starting"
                 and (c.fork_pending or c.pid is not None)}
         return len(self.starting) < AGENTS_STARTING
+
+    def _agents_starting(self) -> bool:
+        """Agents are being started (queued, or asked of the zygote and not ready)."""
+        return bool(self.fork_queue) or any(
+            (c := self.children.get(name)) is not None and c.state == "starting"
+            for name in self.starting)
 
     def _start_zygote(self, now: float) -> None:
         link = spawner.ZygoteLink(commands.zygote_args(self.config, self.state_dir),

@@ -12,7 +12,11 @@ GIL; the parsing does not, but the loop waits at most a switch interval.
 
 USS needs smaps_rollup, the expensive read: a pass reads it for at most
 `uss_per_pass` children (the never-measured first, then round robin) and for
-at most `uss_budget_s` of that pass.
+at most `uss_budget_s` of that pass; and for none while agents are being
+started (`submit(..., uss=False)`): in a ramp of 500 every pass found 25
+never-measured agents and spent its whole budget on them, CPU the starting
+agents needed (docs/performance.md). A child's USS is then the last figure
+read, or none yet, as between its round-robin turns.
 """
 
 from __future__ import annotations
@@ -49,12 +53,13 @@ class Sampler:
         self._uss_budget_s = uss_budget_s
         self._cursor = 0
 
-    def sample(self, pids: Sequence[int]) -> dict[int, Sample]:
+    def sample(self, pids: Sequence[int], with_uss: bool = True) -> dict[int, Sample]:
+        """CPU and RSS of each pid; USS of some (none when `with_uss` is False)."""
         live = set(pids)
         for pid in [p for p in self._procs if p not in live]:
             del self._procs[pid]
         self._uss_known &= live
-        turn = self._uss_turn(pids)
+        turn = self._uss_turn(pids) if with_uss else []
         spent = 0.0
         out: dict[int, Sample] = {}
         for pid in pids:
@@ -114,15 +119,18 @@ class SamplerThread:
         self._sampler = sampler or Sampler()
         self._cond = threading.Condition()
         self._want: tuple[int, ...] | None = None
+        self._uss = True
         self._done: dict[int, Sample] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
-    def submit(self, pids: Iterable[int]) -> None:
+    def submit(self, pids: Iterable[int], *, uss: bool = True) -> None:
+        """Sample `pids` next (`uss` False: no USS read in that pass)."""
         if not self._thread.is_alive() and not self._closed:
             self._thread.start()  # on the first pass
         with self._cond:
             self._want = tuple(pids)
+            self._uss = uss
             self._cond.notify()
 
     def take(self) -> dict[int, Sample]:
@@ -144,8 +152,8 @@ class SamplerThread:
                     self._cond.wait()
                 if self._closed:
                     return
-                pids, self._want = self._want, None
+                pids, self._want, uss = self._want, None, self._uss
             assert pids is not None
-            got = self._sampler.sample(pids)
+            got = self._sampler.sample(pids, uss)
             with self._cond:
                 self._done.update(got)

@@ -72,3 +72,28 @@ def test_the_thread_samples_the_submitted_pids_and_figures_go_to_the_child_with_
     assert other.rss_bytes is None and other.uss_bytes is None
     apply_samples([child], {sleeper: Sample(1.0, 7, None)})  # no USS read: the last one stands
     assert child.rss_bytes == 7 and child.uss_bytes == got[sleeper].uss_bytes
+
+
+def test_a_pass_without_uss_reads_none_and_the_next_reads_the_never_read(sleeper: int) -> None:
+    """While agents are being started the supervisor asks for passes without
+    USS (smaps_rollup, the expensive read); CPU and RSS are still read, and
+    the never-read children come first again once USS is asked for."""
+    me = os.getpid()
+    sampler = Sampler(uss_per_pass=2)
+    quiet = sampler.sample([me, sleeper], with_uss=False)
+    assert set(quiet) == {me, sleeper} and all(s.rss_bytes > 0 for s in quiet.values())
+    assert _with_uss(quiet) == set()
+    assert _with_uss(sampler.sample([me, sleeper])) == {me, sleeper}
+
+
+def test_the_thread_passes_on_the_uss_choice_of_each_submit(sleeper: int) -> None:
+    thread = SamplerThread()
+    try:
+        thread.submit([sleeper], uss=False)
+        got = wait_for(thread.take, 20, "a finished pass")
+        assert set(got) == {sleeper} and got[sleeper].uss_bytes is None
+        thread.submit([sleeper])
+        again = wait_for(thread.take, 20, "a finished pass")
+        assert again[sleeper].uss_bytes is not None
+    finally:
+        thread.close()
