@@ -19,19 +19,20 @@ Figures:
 Where `spawn_ready_ms` goes, same run (the supervisor logs at `info` here, so
 its `actor_spawned` lines time the zygote's replies):
     spawn_forked_to_ready_ms_p50  the zygote's `forked` reply to `ready`: the
-                                agent's own start (logging, zmq, two CURVE
-                                connections, `ready`)
+                                agent's own start (logging, zmq, two
+                                authenticated connections, `ready`)
     spawn_request_to_forked_ms_p50  the rest: the fork request's wait in the
-                                zygote's queue (up to FORKS_IN_FLIGHT = 8 asked
-                                at once) and its double fork
+                                zygote's queue and its fork
+    zygote_clone_ms_p50         one clone(CLONE_PARENT) (actors/sibling.py: the
+                                child is the caller's parent's; reaped there)
+                                of a process preloaded as the zygote is: what
+                                each agent's start pays for its fork where the
+                                zygote clones (x86_64 glibc); absent elsewhere
     zygote_double_fork_ms_p50   one double fork (fork, the go-between forks and
-                                exits, waitpid) of a process preloaded as the
-                                zygote is: what each agent's start pays for
-                                its forks (the zygote itself waits only for its
-                                own fork: zygote_fork_ms_p50)
+                                exits, waitpid) of the same process: what each
+                                start pays without the clone (`--double-fork`)
     zygote_fork_ms_p50          one plain fork (and the child's exit, waitpid)
-                                of the same process: what a single fork with
-                                CLONE_PARENT would cost instead
+                                of the same process
 
 The supervisor asks the zygote for at most AGENTS_STARTING agents not yet
 ready (supervisor/runtime.py), so `spawn_ready_ms` is one agent's start on a
@@ -106,14 +107,29 @@ def fresh_interpreter_ready_ms(root: Path, runs: int) -> float:
     return round(statistics.median(times), 1)
 
 
-def zygote_fork_ms(runs: int) -> tuple[float, float]:
+def zygote_fork_ms(runs: int) -> tuple[float, float, float | None]:
     """(one double fork as the zygote makes it (actors/zygote.py `_fork`), one
-    plain fork), medians in ms, in a child process preloaded as the zygote is
-    (its imports, gc.freeze)."""
+    plain fork, one clone(CLONE_PARENT) or None where there is none), medians
+    in ms, in a child process preloaded as the zygote is (its imports,
+    gc.freeze). The clones' children are ours (the preloaded process's
+    parent's): reaped here."""
     code = (
         "import os, statistics, sys, time\n"
-        "from actors import zygote\n"
+        "from actors import sibling, zygote\n"
         "zygote._preload()\n"
+        "clones = []\n"
+        f"for _ in range({runs} if sibling.available() else 0):\n"
+        "    t = time.perf_counter()\n"
+        "    r, w = os.pipe()\n"
+        "    pid = sibling.fork_sibling()\n"
+        "    if pid == 0:\n"
+        "        os.write(w, b'x')\n"
+        "        os._exit(0)\n"
+        "    os.close(w)\n"
+        "    os.read(r, 1)\n"
+        "    os.close(r)\n"
+        "    clones.append((time.perf_counter() - t) * 1000)\n"
+        "    print('clone', pid, flush=True)\n"
         "single = []\n"
         f"for _ in range({runs}):\n"
         "    t = time.perf_counter()\n"
@@ -138,11 +154,19 @@ def zygote_fork_ms(runs: int) -> tuple[float, float]:
         "    os.close(r)\n"
         "    os.waitpid(middle, 0)\n"
         "    times.append((time.perf_counter() - t) * 1000)\n"
-        "print(statistics.median(times), statistics.median(single))\n")
-    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
-                         check=True, text=True)
-    double, single = out.stdout.strip().splitlines()[-1].split()
-    return round(float(double), 2), round(float(single), 2)
+        "print(statistics.median(times), statistics.median(single),\n"
+        "      statistics.median(clones) if clones else -1)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE,
+                            text=True)
+    out, _ = proc.communicate(timeout=300)
+    for line in out.splitlines():  # the clones' children are ours: reap them
+        if line.startswith("clone "):
+            os.waitpid(int(line.split()[1]), 0)
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
+    double, single, clone = out.strip().splitlines()[-1].split()
+    return (round(float(double), 2), round(float(single), 2),
+            round(float(clone), 2) if float(clone) >= 0 else None)
 
 
 def _log_times(state: StateDir) -> tuple[list[float], list[float]]:
@@ -357,7 +381,9 @@ def run(quick: bool) -> dict[str, object]:
             finally:
                 bench.stop()
         figures["agents_alive"] = alive
-        double_ms, single_ms = zygote_fork_ms(10 if quick else 30)
+        double_ms, single_ms, clone_ms = zygote_fork_ms(10 if quick else 30)
         figures["zygote_double_fork_ms_p50"] = double_ms
         figures["zygote_fork_ms_p50"] = single_ms
+        if clone_ms is not None:
+            figures["zygote_clone_ms_p50"] = clone_ms
     return figures
