@@ -12,8 +12,8 @@ Figures:
     spawn_ready_single_ms_p50   the same for one agent spawned alone (the restarted
                                 ones), the others idle
     uss_mib_median / pss_mib_median   per idle agent, at the largest size
-    restart_ready_ms_p50        SIGKILL of an idle agent to its successor running
-                                (seen through status requests)
+    restart_ready_ms_p50        SIGKILL of an idle agent to its successor's
+                                `actor_ready` in the supervisor's log
     status_cli_ms_p50           `supervisor status --json` as a whole command
 
 Where `spawn_ready_ms` goes, same run (the supervisor logs at `info` here, so
@@ -37,7 +37,11 @@ its `actor_spawned` lines time the zygote's replies):
 The supervisor asks the zygote for at most AGENTS_STARTING agents not yet
 ready (supervisor/runtime.py), so `spawn_ready_ms` is one agent's start on a
 machine shared with the others starting; the ramp of all of them is
-`n<count>_all_running_s` (docs/performance.md, "Next round: spawn").
+`n<count>_all_running_s`, from `supervisor up` to the last agent's
+`actor_ready` (docs/performance.md, "Next round: spawn"). The bench follows
+the ramp and the restarts in the supervisor's log, not by `status` requests:
+a status of 500 children every 0.2 s took a tenth of a core from the
+supervisor during the ramp it measured ("spawn, perf7").
 """
 
 from __future__ import annotations
@@ -115,10 +119,15 @@ def zygote_fork_ms(runs: int) -> tuple[float, float, float | None]:
     parent's): reaped here."""
     code = (
         "import os, statistics, sys, time\n"
-        "from actors import sibling, zygote\n"
+        "from actors import zygote\n"
+        "try:\n"
+        "    from actors import sibling\n"
+        "    cloning = sibling.available()\n"
+        "except ImportError:  # a tree before the clone (an A/B run)\n"
+        "    cloning = False\n"
         "zygote._preload()\n"
         "clones = []\n"
-        f"for _ in range({runs} if sibling.available() else 0):\n"
+        f"for _ in range({runs} if cloning else 0):\n"
         "    t = time.perf_counter()\n"
         "    r, w = os.pipe()\n"
         "    pid = sibling.fork_sibling()\n"
@@ -201,6 +210,41 @@ def _log_times(state: StateDir) -> tuple[list[float], list[float]]:
     return to_forked, to_ready
 
 
+class ReadyLog:
+    """The supervisor's `actor_ready` lines as its log grows: (child, pid,
+    wall-clock time) of each one not seen before."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._tail = b""
+
+    def new(self) -> list[tuple[str, int | None, float]]:
+        from datetime import datetime
+
+        try:
+            with self.path.open("rb") as log:
+                log.seek(self._offset)
+                chunk = log.read()
+        except OSError:
+            return []
+        self._offset += len(chunk)
+        *lines, self._tail = (self._tail + chunk).split(b"\n")
+        out = []
+        for line in lines:
+            if b'"actor_ready"' not in line:
+                continue
+            try:
+                doc = json.loads(line)
+                at = datetime.fromisoformat(
+                    str(doc["timestamp"]).replace("Z", "+00:00")).timestamp()
+            except (ValueError, KeyError, TypeError):
+                continue
+            pid = doc.get("pid")
+            out.append((str(doc.get("child", "")), pid if isinstance(pid, int) else None, at))
+        return out
+
+
 class Run:
     """One `supervisor up` with `count` idle agents (or, given `prepare`, agents
     whose specs it writes: it may change the configuration before the start)."""
@@ -211,6 +255,7 @@ class Run:
         self.count = count
         config = yaml.safe_load((REPO / "config" / "default.yaml").read_text())
         config["agents"]["count"] = count
+        self.agent_prefix = str(config["agents"].get("name_prefix", "agent-"))
         pool = os.environ.get("CORRAL_BENCH_ZYGOTE_POOL")  # an A/B of the zygote's pool
         if pool is not None:
             config["agents"]["zygote_pool"] = int(pool)
@@ -228,6 +273,7 @@ class Run:
         )
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.requester: Requester | None = None
+        self.readies = ReadyLog(self.state.logs_dir / "supervisor.log")
 
     def status(self) -> list[protocol.ChildStatus]:
         if self.requester is None:
@@ -254,6 +300,23 @@ class Run:
                 return [c for c in children if c.kind == "agent" and c.state == "running"]
             time.sleep(0.2)
 
+    def wait_agents_ready_logged(self, timeout_s: float) -> float | None:
+        """Wait until every agent's `actor_ready` is in the supervisor's log
+        (read as it grows: no status request loads the supervisor's loop
+        during the ramp, as polling `status` for 500 children every 0.2 s
+        did); the wall-clock time of the last one, None at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        ready: dict[str, float] = {}
+        while len(ready) < self.count:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return None
+            for child, _pid, at in self.readies.new():
+                if child.startswith(self.agent_prefix):
+                    ready[child] = at
+            if len(ready) < self.count:
+                time.sleep(0.05)
+        return max(ready.values()) if ready else time.time()
+
     def pinged(self, names: list[str]) -> int:
         """How many agents answer a ping through the broker."""
         peer = BrokerPeer(self.ctx, self.state, "bench-pinger")
@@ -271,18 +334,21 @@ class Run:
         return answered
 
     def restart_ready_ms(self, victims: list[protocol.ChildStatus]) -> list[float]:
+        """SIGKILL of each victim to its successor's `actor_ready` (the
+        supervisor's log, read as it grows; no status request meanwhile)."""
         times = []
+        self.readies.new()  # what is logged already
         for victim in victims:
             assert victim.pid is not None
-            t0 = time.perf_counter()
+            t0 = time.time()
             os.kill(victim.pid, signal.SIGKILL)
-            while True:
-                now = {c.name: c for c in self.agents()}[victim.name]
-                if now.state == "running" and now.pid != victim.pid:
-                    times.append((time.perf_counter() - t0) * 1000)
+            while time.time() - t0 <= 10:
+                seen = [at for child, pid, at in self.readies.new()
+                        if child == victim.name and pid != victim.pid]
+                if seen:
+                    times.append((seen[0] - t0) * 1000)
                     break
-                if time.perf_counter() - t0 > 10:
-                    break
+                time.sleep(0.002)
         return times
 
     def status_cli_ms(self, runs: int) -> tuple[list[float], int]:
@@ -338,10 +404,11 @@ def run(quick: bool) -> dict[str, object]:
         alive = 0
         for count in sizes:
             bench = Run(root, count)
+            t0 = time.time()  # `supervisor up` started
             try:
-                t0 = time.perf_counter()
-                running = bench.wait_all_running(timeout_s=60 + count * 0.2)
-                up_s = time.perf_counter() - t0
+                last_ready = bench.wait_agents_ready_logged(timeout_s=60 + count * 0.2)
+                running = bench.wait_all_running(timeout_s=10 if last_ready else 1)
+                up_s = (last_ready or time.time()) - t0
                 answered = bench.pinged([c.name for c in running])
                 figures[f"n{count}_running"] = len(running)
                 figures[f"n{count}_answered_ping"] = answered
