@@ -298,9 +298,10 @@ if pid == 0:
     worker = threading.Thread(target=lambda: seen.update(native=threading.get_native_id()))
     worker.start()
     worker.join()
-    print(json.dumps({"who": "child", "pid": os.getpid(), "ppid": os.getppid(), "tid": tid,
-                      "thread_ran": seen.get("native") not in (None, os.getpid()),
-                      "random": random.random()}), flush=True)
+    os.write(1, (json.dumps({"who": "child", "pid": os.getpid(), "ppid": os.getppid(),
+                             "tid": tid,
+                             "thread_ran": seen.get("native") not in (None, os.getpid()),
+                             "random": random.random()}) + "\n").encode())  # one write
     os._exit(0)
 hold = threading.Event()
 held = threading.Thread(target=hold.wait)
@@ -312,30 +313,42 @@ except OSError:
     refused = True
 hold.set()
 held.join()
-print(json.dumps({"who": "parent", "pid": os.getpid(), "ppid": os.getppid(), "child": pid,
-                  "refused_with_threads": refused, "random": random.random()}), flush=True)
+os.write(1, (json.dumps({"who": "parent", "pid": os.getpid(), "ppid": os.getppid(),
+                         "child": pid, "refused_with_threads": refused,
+                         "random": random.random()}) + "\n").encode())
+'''
+
+
+# The parent of the process that clones (so the test's own process reaps
+# nothing): it runs _CLONE_CHILD, reaps the clone's child, which is its own,
+# and reports both sides' lines and that exit.
+_CLONE_GRANDPARENT = r'''
+import json, os, subprocess, sys
+proc = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+out, _ = proc.communicate(timeout=30)
+lines = {d["who"]: d for d in map(json.loads, out.strip().splitlines())}
+_pid, status = os.waitpid(lines["child"]["pid"], 0)
+print(json.dumps({"me": os.getpid(), "code": proc.returncode,
+                  "child_exit": os.waitstatus_to_exitcode(status), **lines}))
 '''
 
 
 @pytest.mark.skipif(not sibling.available(), reason="clone(CLONE_PARENT) is x86_64 glibc only")
 def test_fork_sibling_makes_our_parents_child_with_its_own_thread_id() -> None:
-    """The clone's child is our parent's child (reaped here, by the parent),
-    its thread control block holds its own thread id (CLONE_CHILD_SETTID, as
+    """The clone's child is its caller's parent's child (reaped there), its
+    thread control block holds its own thread id (CLONE_CHILD_SETTID, as
     glibc's fork), it can start threads, and the after-fork hooks ran (its
-    `random` was reseeded: it draws another number than we do). A process
-    with a second thread is refused."""
+    `random` was reseeded: it draws another number than its caller). A
+    process with a second thread is refused."""
     code = f"import sys; sys.path.insert(0, {str(_REPO)!r})\n" + _CLONE_CHILD
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0
-    lines = {d["who"]: d for d in map(json.loads, out.strip().splitlines())}
-    child, parent = lines["child"], lines["parent"]
-    _pid, status = os.waitpid(child["pid"], 0)  # ours: the clone's parent is its caller's
-    assert os.waitstatus_to_exitcode(status) == 0
+    done = subprocess.run([sys.executable, "-c", _CLONE_GRANDPARENT, code], capture_output=True,
+                          text=True, timeout=50, check=True)
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    child, parent = seen["child"], seen["parent"]
+    assert seen["code"] == 0 and seen["child_exit"] == 0
     assert parent["child"] == child["pid"]
-    assert child["ppid"] == os.getpid() == parent["ppid"]
+    assert child["ppid"] == seen["me"] == parent["ppid"]
     assert child["tid"] == child["pid"]
     assert child["thread_ran"] is True
     assert child["random"] != parent["random"]
     assert parent["refused_with_threads"] is True
-
