@@ -123,6 +123,7 @@ class ControlReporter:
         self._calls: tuple[Call, ...] = ()
         self._last_touch = time.monotonic()
         self._closing = False
+        self._readied = False  # pulse mode: the thread sends nothing before ready()
         self._linger_ms = 0
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket[bytes] | None = None
@@ -170,11 +171,22 @@ class ControlReporter:
             busy = protocol.Busy(op=calls[0].op, since_s=round(max(0.0, now - calls[0].since), 3))
         return protocol.Heartbeat(actor=self.actor, pid=self._pid, values=values, busy=busy)
 
-    def ready(self) -> None:
-        self.touch()
+    def connect(self) -> None:
+        """Pulse mode: start the pulse thread now, so that its connection and
+        its authentication are made while the actor goes on starting (an
+        agent: its logging, the broker's connection, its rebuild), not after
+        `ready()`; it sends nothing before `ready()`."""
         if self.pulse and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
             self._thread.start()
+
+    def ready(self) -> None:
+        self.touch()
+        if self.pulse:
+            with self._cond:
+                self._readied = True
+                self._cond.notify()
+            self.connect()
         self._send(protocol.Ready(actor=self.actor, pid=self._pid))
         self._next_beat = time.monotonic() + self.interval_s
 
@@ -240,9 +252,12 @@ class ControlReporter:
     # --- the pulse thread (owns its socket) ---------------------------------------
     def _run(self) -> None:
         sock = self._open()
-        next_beat = time.monotonic() + self.interval_s
-        was_alive = True
         try:
+            with self._cond:  # started by connect(): nothing is sent before ready()
+                while not self._readied and not self._closing:
+                    self._cond.wait()
+            next_beat = time.monotonic() + self.interval_s
+            was_alive = True
             while True:
                 with self._cond:
                     while not self._outbox and not self._closing:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import zmq
+import zmq.utils.monitor
 
 from actors.agent.openai_backend import ModelTimeoutError, OpenAIModel
 from actors.agent.settings import OpenAISettings, Task
@@ -153,6 +154,33 @@ def test_a_final_beat_leaves_before_the_pulse_closes(
 
     wait_for(final_beat_arrived, 5, "the final beat")
     assert isinstance(got[0], protocol.Ready)
+
+
+def test_connect_makes_the_pulses_connection_before_ready_and_sends_only_after_it(
+    router: Router,
+) -> None:
+    """An agent calls `connect()` as soon as its reporter exists: the pulse's
+    connection (and its handshake) is made while the agent goes on starting,
+    not after `ready()`; the first frame to arrive is still the Ready, and
+    the beats follow it."""
+    ctx, sock, endpoint = router
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    reporter = ControlReporter(ctx, endpoint, "agent-4", 0.05, pulse=True, stall_s=5)
+    try:
+        reporter.connect()
+        assert monitor.poll(10_000), "no handshake before ready()"
+        event = zmq.utils.monitor.recv_monitor_message(monitor)
+        assert event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        reporter.ready()
+        got: list[protocol.Message] = []
+        wait_for(lambda: (got.extend(_drain(sock)),
+                          any(isinstance(m, protocol.Heartbeat) for m in got))[1], 10,
+                 "a beat after ready")
+        assert isinstance(got[0], protocol.Ready)
+    finally:
+        reporter.close()
+        sock.disable_monitor()
+        monitor.close()
 
 
 # --- the supervisor's side ----------------------------------------------------------------

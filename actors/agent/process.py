@@ -95,6 +95,8 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
                         pulse=True, stall_s=stall_from_env())
         if endpoint else None
     )
+    if reporter is not None:
+        reporter.connect()  # its handshake overlaps the rest of the start; beats after ready
     peer = (
         BrokerPeer(
             ctx, state_dir, name,
