@@ -34,6 +34,21 @@ its `actor_spawned` lines time the zygote's replies):
     zygote_fork_ms_p50          one plain fork (and the child's exit, waitpid)
                                 of the same process
 
+What the ramp of the largest size cost, from the first agent's `ready` to the
+last one's (`RampCpu`; per agent started in between):
+    ramp_cpu_ms_per_start       CPU of the supervisor's whole tree, and by kind
+                                (`_supervisor`, `_zygote` with the go-betweens
+                                it reaped, `_agents`: their start and their
+                                beats, `_broker`, `_writer`, `_procs`,
+                                `_subagents`, `_other`)
+    ramp_cores_ours / ramp_cores_machine  cores busy on average with that
+                                tree's work / with anything (/proc/stat): the
+                                difference is what other work on the machine
+                                took; with AGENTS_STARTING agents starting at
+                                once a start takes about AGENTS_STARTING x
+                                ramp_cpu_ms_per_start / ramp_cores_ours
+                                (Little's law)
+
 The supervisor asks the zygote for at most AGENTS_STARTING agents not yet
 ready (supervisor/runtime.py), so `spawn_ready_ms` is one agent's start on a
 machine shared with the others starting; the ramp of all of them is
@@ -245,6 +260,84 @@ class ReadyLog:
         return out
 
 
+def _busy_jiffies() -> tuple[int, int]:
+    """(busy, all) CPU time of the whole machine so far (/proc/stat, jiffies)."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class RampCpu:
+    """CPU spent during a ramp by the supervisor's tree, by kind of process,
+    and by the whole machine: `mark()` at the first agent ready and at the
+    last; `figures()` per agent started between the two."""
+
+    def __init__(self, supervisor_pid: int) -> None:
+        self.pid = supervisor_pid
+        self.first: tuple[int, float, dict[int, tuple[str, float]], tuple[int, int]] | None = None
+        self.last: tuple[int, float, dict[int, tuple[str, float]], tuple[int, int]] | None = None
+
+    def _tree(self) -> dict[int, tuple[str, float]]:
+        """pid -> (kind, CPU seconds); the zygote's include its reaped
+        children's (the go-betweens of a double fork)."""
+        out: dict[int, tuple[str, float]] = {}
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return out
+        forked: list[tuple[float, int, float, float]] = []  # the zygote's argv
+        for proc in procs:
+            try:
+                cmd = " ".join(proc.cmdline())
+                times = proc.cpu_times()
+                born = proc.create_time()
+            except psutil.Error:
+                continue
+            own = times.user + times.system
+            if proc.pid == self.pid:
+                out[proc.pid] = ("supervisor", own)
+            elif "actors.zygote" in cmd:  # the zygote, or an agent (its argv is the zygote's)
+                forked.append((born, proc.pid, own, times.children_user + times.children_system))
+            else:
+                kind = next((k for k, mod in (("writer", "actors.writer"), ("broker", "broker."),
+                                              ("procs", "actors.procs"),
+                                              ("subagents", "actors.subagents"))
+                             if mod in cmd), "other")
+                out[proc.pid] = (kind, own)
+        for i, (_born, pid, own, reaped) in enumerate(sorted(forked)):
+            out[pid] = ("zygote", own + reaped) if i == 0 else ("agents", own)
+        return out
+
+    def mark(self, ready: int) -> None:
+        snap = (ready, time.monotonic(), self._tree(), _busy_jiffies())
+        if self.first is None:
+            self.first = snap
+        else:
+            self.last = snap
+
+    def figures(self) -> dict[str, float]:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return {}
+        started = self.last[0] - self.first[0]
+        wall_s = self.last[1] - self.first[1]
+        before, after = self.first[2], self.last[2]
+        spent: dict[str, float] = {}
+        for pid, (kind, cpu) in after.items():
+            spent[kind] = spent.get(kind, 0.0) + cpu - before.get(pid, (kind, 0.0))[1]
+        busy = self.last[3][0] - self.first[3][0]
+        total = self.last[3][1] - self.first[3][1]
+        cores = os.cpu_count() or 1
+        out = {f"ramp_cpu_ms_per_start_{k}": round(v * 1000 / started, 2)
+               for k, v in sorted(spent.items())}
+        ours = sum(spent.values())
+        out["ramp_cpu_ms_per_start"] = round(ours * 1000 / started, 2)
+        out["ramp_cores_ours"] = round(ours / wall_s, 2)
+        out["ramp_cores_machine"] = round(cores * busy / total, 2) if total else 0.0
+        return out
+
+
 class Run:
     """One `supervisor up` with `count` idle agents (or, given `prepare`, agents
     whose specs it writes: it may change the configuration before the start)."""
@@ -274,6 +367,7 @@ class Run:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.requester: Requester | None = None
         self.readies = ReadyLog(self.state.logs_dir / "supervisor.log")
+        self.ramp_cpu = RampCpu(self.proc.pid)
 
     def status(self) -> list[protocol.ChildStatus]:
         if self.requester is None:
@@ -304,7 +398,9 @@ class Run:
         """Wait until every agent's `actor_ready` is in the supervisor's log
         (read as it grows: no status request loads the supervisor's loop
         during the ramp, as polling `status` for 500 children every 0.2 s
-        did); the wall-clock time of the last one, None at the timeout."""
+        did); the wall-clock time of the last one, None at the timeout.
+        Meanwhile `self.ramp_cpu` takes the CPU spent from the first agent's
+        `ready` seen to the last one's (`RampCpu`)."""
         deadline = time.monotonic() + timeout_s
         ready: dict[str, float] = {}
         while len(ready) < self.count:
@@ -313,8 +409,11 @@ class Run:
             for child, _pid, at in self.readies.new():
                 if child.startswith(self.agent_prefix):
                     ready[child] = at
+            if ready and self.ramp_cpu.first is None:
+                self.ramp_cpu.mark(len(ready))
             if len(ready) < self.count:
                 time.sleep(0.05)
+        self.ramp_cpu.mark(len(ready))
         return max(ready.values()) if ready else time.time()
 
     def pinged(self, names: list[str]) -> int:
@@ -421,6 +520,7 @@ def run(quick: bool) -> dict[str, object]:
                     figures["spawn_ready_ms_p50"] = round(statistics.median(ready), 2)
                     figures["spawn_ready_ms_p90"] = round(
                         statistics.quantiles(ready, n=10)[-1], 2)
+                    figures.update(bench.ramp_cpu.figures())
                     to_forked, to_ready = _log_times(bench.state)
                     if to_ready:
                         figures["spawn_request_to_forked_ms_p50"] = round(
