@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,24 +105,19 @@ class WriterClient:
         backing off, for up to `storage_wait_s`, then the RemoteError raised."""
         body = payload if isinstance(payload, bytes) else encode_payload(payload)
         origin = origin or self.origin
-        deadline = time.monotonic() + self.storage_wait_s
-        backoff_s = 0.05
-        while True:
-            msg_id = new_msg_id("a")
-            frame = appendwire.encode_append(msg_id=msg_id, origin=origin, key=key,
+        the_origin = origin
+
+        def encode(msg_id: str) -> bytes:
+            frame = appendwire.encode_append(msg_id=msg_id, origin=the_origin, key=key,
                                              stream=stream, event=event, payload=body,
                                              ledger=ledger)
             if frame is None:  # a field is not valid: the model says which (ValidationError)
-                frame = protocol.encode(protocol.Append(msg_id=msg_id, origin=origin, key=key,
-                                                        stream=stream, event=event,
+                frame = protocol.encode(protocol.Append(msg_id=msg_id, origin=the_origin,
+                                                        key=key, stream=stream, event=event,
                                                         payload=body, ledger=ledger))
-            try:
-                answer = self._req.request_append(frame, msg_id, "append",
-                                                  timeout_s=self.timeout_s,
-                                                  retries=self.retries)
-                break
-            except RemoteError as exc:
-                backoff_s = self._storage_full_wait(exc, deadline, backoff_s)
+            return frame
+
+        answer = self._send_until_stored(encode, "a", "append")
         if type(answer) is appendwire.AppendOkFrame:  # the ack, decoded in C
             reply = answer
         elif isinstance(answer, protocol.AppendOk):  # what appendwire could not vouch for
@@ -140,6 +135,21 @@ class WriterClient:
         if journal is None:
             journal = self._journals[origin] = AckJournal(self._journal_dir, origin)
         return journal
+
+    def _send_until_stored(
+        self, encode: Callable[[str], bytes], prefix: str, kind: str,
+    ) -> protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame:
+        """The answer to the append `encode(msg_id)` makes, sent again under
+        its keys while the writer's disk is full (`_storage_full_wait`)."""
+        deadline = time.monotonic() + self.storage_wait_s
+        backoff_s = 0.05
+        while True:
+            msg_id = new_msg_id(prefix)
+            try:
+                return self._req.request_append(encode(msg_id), msg_id, kind,
+                                                timeout_s=self.timeout_s, retries=self.retries)
+            except RemoteError as exc:
+                backoff_s = self._storage_full_wait(exc, deadline, backoff_s)
 
     @staticmethod
     def _storage_full_wait(exc: RemoteError, deadline: float, backoff_s: float) -> float:
@@ -163,25 +173,20 @@ class WriterClient:
         same keys until answered, like `append`; its ack is the frame decoded
         in C, as `append`'s."""
         origin = origin or self.origin
-        deadline = time.monotonic() + self.storage_wait_s
-        backoff_s = 0.05
-        while True:
-            msg_id = new_msg_id("m")
-            frame = appendwire.encode_append_many(msg_id=msg_id, origin=origin,
+        the_origin = origin
+
+        def encode(msg_id: str) -> bytes:
+            frame = appendwire.encode_append_many(msg_id=msg_id, origin=the_origin,
                                                   stream=stream, records=records)
             if frame is None:
                 frame = protocol.encode(protocol.AppendMany(
-                    msg_id=msg_id, origin=origin, stream=stream,
+                    msg_id=msg_id, origin=the_origin, stream=stream,
                     records=[protocol.AppendItem(key=key, event=event, payload=body,
                                                  ledger=ledger)
                              for event, body, key, ledger in records]))
-            try:
-                answer = self._req.request_append(frame, msg_id, "append_many",
-                                                  timeout_s=self.timeout_s,
-                                                  retries=self.retries)
-                break
-            except RemoteError as exc:
-                backoff_s = self._storage_full_wait(exc, deadline, backoff_s)
+            return frame
+
+        answer = self._send_until_stored(encode, "m", "append_many")
         if type(answer) is appendwire.AppendManyOkFrame:
             reply = answer
         elif isinstance(answer, protocol.AppendManyOk):
