@@ -274,3 +274,37 @@ def test_only_local_ops_are_taken_as_writing_through_the_runtime() -> None:
     for op in ("bash", "bash_start", "terminal_input", "mcp_call", "apply_subagent",
                "pipeline_run"):
         assert op not in THROUGH_RUNTIME_ONLY
+
+
+class _FailingWatch(WorkspaceWatch):
+    """A walk that fails in the middle (an injected fault at one directory)."""
+
+    fail_at: str | None = None
+
+    def watch(self, dir_fd: int, rel: str) -> bool:
+        if rel == self.fail_at:
+            raise RuntimeError(f"injected at {rel!r}")
+        return super().watch(dir_fd, rel)
+
+
+def test_a_walk_that_failed_is_followed_by_a_full_walk(tmp_path: Path) -> None:
+    from inotify_simple import INotify
+
+    ws = _workspace(tmp_path)
+    watch = _FailingWatch(INotify(nonblocking=True, closefd=False))
+    cap = _watched(tmp_path, ws, watch=watch)
+    cap.capture()
+    cap.unsure()
+    watch.fail_at = "sub/deep/"
+    with pytest.raises(RuntimeError):
+        cap.capture()
+    watch.fail_at = None
+    (ws / "sub" / "deep" / "d").write_text("after the failed walk\n")
+    (ws / "out" / "base4").write_text("and here\n")
+    walks = cap.full_walks
+    assert cap.capture().digest == _fresh_digest(tmp_path, ws, 0)
+    assert cap.full_walks == walks + 1  # not trusted: walked again
+    (ws / "out" / "base5").write_text("watched again\n")
+    assert cap.capture().digest == _fresh_digest(tmp_path, ws, 1)
+    assert cap.full_walks == walks + 1
+    cap.close()

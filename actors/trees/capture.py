@@ -84,6 +84,7 @@ class Capturer:
         self.full_every_s = full_every_s
         self.full_walks = 0  # captures that walked the whole workspace (watched or not)
         self._watched = False  # the last full walk watched every directory it read
+        self._refused = False  # a watch was refused in the walk in progress
         self._full_at = 0.0  # (monotonic) when that walk began
         self._unsure = False
         # what the last full walk listed, kept current by the watched captures since
@@ -180,15 +181,17 @@ class Capturer:
         if watch is None:
             return self._dir(os.dup(root_fd), "", 0)
         self._full_at = time.monotonic()
-        self._watched = True  # until a watch is refused
+        self._watched = False  # until this walk has watched every directory it read
+        self._refused = False
         self._index, self._subnames, self._linked = {}, {}, {}
         watch.begin_walk()
-        digest = self._dir(os.dup(root_fd), "", 0)
-        if self._watched:
-            watch.end_walk()
-        else:  # a limit refused a watch: walk every time, as without one
+        digest = self._dir(os.dup(root_fd), "", 0)  # (raising: the next capture walks too)
+        if self._refused:  # a limit refused a watch: walk every time, as without one
             self.close()
             self._index, self._subnames, self._linked = {}, {}, {}
+        else:
+            watch.end_walk()
+            self._watched = True
         return digest
 
     def _watched_dir(self, fd: int, rel: str, changed: dict[str, set[str]],
@@ -259,8 +262,8 @@ class Capturer:
             subdirs = []
             protected = self.guard.protected
             watch = self.watch
-            if watch is not None and self._watched and not watch.watch(fd, rel):
-                self._watched = False
+            if watch is not None and not self._refused and not watch.watch(fd, rel):
+                self._refused = True
             linked: set[str] | None = set() if watch is not None else None
             with os.scandir(fd) as it:
                 for item in it:
