@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from actors.agent.loop import Step
-from actors.trees import tree
+from actors.trees import restore, tree
 from actors.trees.capture import Capturer
 from actors.trees.statcache import StatCache, fs_now_ns
 from actors.trees.store import ObjectStore
@@ -262,18 +262,50 @@ def test_the_agents_captures_are_watched_and_walk_after_a_command(
 
 
 def test_only_local_ops_are_taken_as_writing_through_the_runtime() -> None:
-    """An op trusted to change the workspace only by the runtime's own writes
-    must be served in the agent's process (a procs, MCP or subagents op runs
-    code the watch may not see)."""
+    """The loop trusts an op to change the workspace only by the runtime's own
+    writes (an event each) when it is served in the agent's process
+    (`is_local`); a procs, MCP or subagents op runs code the watch may not
+    see, and the next capture walks."""
     from actors.agent import catalog
-    from actors.agent.loop import THROUGH_RUNTIME_ONLY
     from actors.agent.ops import is_local
 
-    assert set(catalog.op_names()) >= THROUGH_RUNTIME_ONLY
-    assert all(is_local(op) for op in THROUGH_RUNTIME_ONLY)
+    local = {op for op in catalog.op_names() if is_local(op)}
+    assert local >= {"write_file", "edit_file"}
     for op in ("bash", "bash_start", "terminal_input", "mcp_call", "apply_subagent",
                "pipeline_run"):
-        assert op not in THROUGH_RUNTIME_ONLY
+        assert op not in local
+
+
+def test_hostile_names_are_read_from_the_events_as_the_walk_reads_them(
+        tmp_path: Path) -> None:
+    """Names that are not UTF-8, hold a newline or a backslash, start with a
+    dash or take the whole 255 bytes: an event's name goes back to the
+    kernel as the walk's does (fsdecode / fsencode), and the tree records
+    it (a name that is not UTF-8 made every capture raise before: any
+    command could stop its agent's captures with one `touch`)."""
+    ws = _workspace(tmp_path)
+    cap = _watched(tmp_path, ws)
+    cap.capture()
+    out = os.fsencode(ws / "out")
+    for n, name in enumerate([b"\xff\xfe-not-utf8", b"line\nbreak", b"-rf", b"back\\slash",
+                              b"x" * 255]):
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(b"hostile %d\n" % n)
+        assert cap.capture().digest == _fresh_digest(tmp_path, ws, n), name
+    recorded = tree.flatten(cap.store.get, cap.capture().digest)
+    assert "out/" + os.fsdecode(b"\xff\xfe-not-utf8") in recorded  # byte for byte, back
+    hostile = os.path.join(out, b"\xff\xfe-not-utf8")
+    before = cap.capture().digest
+    with open(hostile, "wb") as f:
+        f.write(b"changed\n")
+    after = cap.capture().digest
+    restore.restore(ws, cap.store, after, before)  # a rewind puts it back by its own name
+    with open(hostile, "rb") as f:
+        assert f.read() == b"hostile 0\n"
+    os.unlink(os.path.join(out, b"\xff\xfe-not-utf8"))
+    assert cap.capture().digest == _fresh_digest(tmp_path, ws, 10)
+    assert cap.full_walks == 1  # all of it from the queue
+    cap.close()
 
 
 class _FailingWatch(WorkspaceWatch):

@@ -46,16 +46,25 @@ Entries = dict[str, Entry]  # name (or path, flattened) -> entry
 
 
 def encode(entries: Entries) -> bytes:
-    rows = [[name, e.mode, e.digest, e.size] for name, e in sorted(entries.items())]
-    return json.dumps({"entries": rows, "version": FORMAT_VERSION},
-                      separators=(",", ":"), ensure_ascii=False).encode()
+    return encode_rows(encode_row(name, e.mode, e.digest, e.size)
+                       for name, e in sorted(entries.items()))
 
 
 def encode_row(name: str, mode: int, digest: str, size: int) -> str:
     """One entry as `encode` writes it inside the entries list: a capture keeps
     these per name and joins them (`encode_rows`) instead of encoding every
-    entry of a directory again when one changed."""
-    return json.dumps([name, mode, digest, size], separators=(",", ":"), ensure_ascii=False)
+    entry of a directory again when one changed.
+
+    A name that is not UTF-8 on disk comes as Python's surrogate escapes
+    (os.fsdecode); its row is written with JSON's \\u escapes, which decode
+    back to the same str, so the name goes back to the disk byte for byte."""
+    row = json.dumps([name, mode, digest, size], separators=(",", ":"), ensure_ascii=False)
+    if not row.isascii():
+        try:
+            row.encode()
+        except UnicodeEncodeError:
+            row = json.dumps([name, mode, digest, size], separators=(",", ":"))
+    return row
 
 
 def encode_rows(rows: Iterable[str]) -> bytes:
