@@ -92,11 +92,6 @@ PHASE_CODES = {"new": 0, "running": 1, "paused": 2, "finished": 3, "closed": 4}
 LOCAL_BACKENDS = frozenset({"scripted", "replay"})  # no call leaves the process
 GROUP_MAX_RECORDS = 64  # pending facts flushed at once beyond these bounds
 GROUP_MAX_BYTES = 256 * 1024
-# ops that change the workspace only through the runtime's own writes, which a
-# watched capture sees (an event each); after any other op (a command, an MCP
-# tool, a change set) the next capture walks the whole workspace
-THROUGH_RUNTIME_ONLY = frozenset({"read_file", "write_file", "edit_file", "list_dir", "search",
-                                  "memory_write", "memory_read", "todos", "ask", "finish"})
 Pending = tuple[str, bytes, str, protocol.LedgerName | None]  # event, body, key, ledger
 
 
@@ -551,8 +546,9 @@ class AgentLoop:
         local = is_local(op.op)
         if not local:
             self.flush()  # its handler acts through another actor: the call is durable first
-        if op.op not in THROUGH_RUNTIME_ONLY:
-            self.trees.unsure()  # a command, a change set: the next capture walks in full
+            # served by another actor (a command, an MCP tool, a change set): it may
+            # change the workspace in ways no event reports; the next capture walks
+            self.trees.unsure()
         try:
             with self._busy(op.op, op.deadline_s(ctx)):
                 outcome = catalog.handler_for(op.op)(op, ctx)
