@@ -84,6 +84,22 @@ def _authenticate(sock: zmq.Socket[bytes], state_dir: StateDir) -> None:
         sock.setsockopt(zmq.PLAIN_PASSWORD, lines[2])
 
 
+def _send_by(sock: zmq.Socket[bytes], frame: bytes, deadline: float) -> None:
+    """Send `frame` once a connection takes it, by `deadline`, else raise
+    NoAnswerError. A connection can be ready and then refused in its
+    handshake before the send (its pipe gone: zmq.Again); the DEALER
+    reconnects, and a refused credential is refused again until the deadline."""
+    while True:
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLOUT):
+            raise NoAnswerError("no connection to the control socket")
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            continue  # the connection went before the send: wait for the next one
+        return
+
+
 def ask_status(state_dir: StateDir, timeout_s: float) -> dict[str, Any]:
     """The supervisor's `status_reply` as plain data (with `kind`, without `v`).
 
@@ -99,9 +115,7 @@ def ask_status(state_dir: StateDir, timeout_s: float) -> dict[str, Any]:
         _authenticate(sock, state_dir)
         sock.connect(state_dir.endpoint("supervisor"))
         deadline = time.monotonic() + timeout_s
-        if not sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
-            raise NoAnswerError("no connection to the control socket")
-        sock.send(frame, zmq.NOBLOCK)
+        _send_by(sock, frame, deadline)
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import msgpack
@@ -158,3 +159,37 @@ def test_the_operator_credential_is_presented_when_there_is_one(state_dir: State
         sock.close(linger=0)
         auth.stop()
         ctx.term()
+
+
+class _DroppingSocket:
+    """A DEALER whose connection is ready and then refused before each send
+    (zmq.Again: its pipe went with the failed handshake), `drops` times."""
+
+    def __init__(self, drops: int) -> None:
+        self.drops = drops
+        self.sent: list[bytes] = []
+
+    def poll(self, timeout_ms: int, flags: int) -> int:
+        return flags
+
+    def send(self, frame: bytes, flags: int) -> None:
+        if self.drops > 0:
+            self.drops -= 1
+            raise zmq.Again()
+        self.sent.append(frame)
+
+
+def test_a_connection_dropped_before_the_send_is_no_answer_not_a_crash() -> None:
+    """The status client's send after a ready connection: a drop in between
+    (an injected fault; in CI a refused handshake under load) is waited out
+    until the deadline, and past it is NoAnswerError, never a raw zmq.Again
+    (which `supervisor status` showed as a traceback)."""
+    from supervisor.statusclient import _send_by
+
+    once = _DroppingSocket(drops=1)
+    _send_by(once, b"frame", time.monotonic() + 5)  # type: ignore[arg-type]
+    assert once.sent == [b"frame"]
+    always = _DroppingSocket(drops=10**9)
+    with pytest.raises(statusclient.NoAnswerError):
+        _send_by(always, b"frame", time.monotonic() + 0.2)  # type: ignore[arg-type]
+    assert always.sent == []
