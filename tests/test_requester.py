@@ -142,18 +142,20 @@ def test_an_error_reply_is_raised_with_its_code(
 
 def test_an_unanswered_append_is_sent_again_the_same_on_a_new_socket(
         ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, writer: ScriptedWriter) -> None:
-    req = warmed(ctx, endpoint, 0.3)
+    # 1 s an attempt: the resend must be answered within its own attempt, even
+    # with the scripted writer's thread waiting for a core under load
+    req = warmed(ctx, endpoint, 1.0)
     answered = threading.Event()
 
     def second_time(sock: zmq.Socket[bytes], ident: bytes, frame: bytes) -> None:
         if len(writer.seen) == 3:  # the warm-up, the lost one, the resend
+            answered.set()  # before the ack: the client may read it at once
             ack_it(sock, ident, frame)
-            answered.set()
 
     writer.script = second_time
     msg_id = new_msg_id("a")
     frame = append_frame(msg_id)
-    ack = req.request_append(frame, msg_id, "append", timeout_s=0.3, retries=3)
+    ack = req.request_append(frame, msg_id, "append", timeout_s=1.0, retries=3)
     assert answered.is_set() and ack.msg_id == msg_id
     assert req.reconnects == 1
     assert writer.seen[1:] == [frame, frame]
