@@ -124,11 +124,16 @@ async def bucket(js: Any, replicas: int = 1) -> Any:
 
 async def register(js: Any, host: str, public: str, replicas: int) -> bool:
     """Put this host's public key under its name unless the name has one; True
-    when the registered key is ours (False: another key holds the name)."""
+    when the registered key is ours (False: another key holds the name). A
+    cluster that does not answer (no responders, no stream response, a
+    timeout) raises: the caller tries again, as the bridge does; it was read
+    as "the name has a key", whose lookup then failed with KeyNotFoundError."""
+    from nats.js.errors import KeyWrongLastSequenceError  # noqa: PLC0415
+
     kv = await bucket(js, replicas)
     try:
         await kv.create(host, public.encode())
-    except Exception:  # noqa: BLE001 - the name has a key: ours, or another's
+    except KeyWrongLastSequenceError:  # the name has a key: ours, or another's
         entry = await kv.get(host)
         return bytes(entry.value or b"").decode(errors="replace") == public
     return True

@@ -204,3 +204,23 @@ def operator_key_and_hosts(state_dir_root: Path) -> tuple[FleetKeys, str, str]:
 
     tag = uuid.uuid4().hex[:6]
     return make_keys(state_dir_root.parent / "fleet-keys"), f"ha{tag}", f"hb{tag}"
+
+
+async def register_bus_key(js: Any, host: str, public: str, replicas: int = 3,
+                           timeout_s: float = 30.0) -> bool:
+    """`buskeys.register` for a host the test plays, tried again while the
+    cluster does not answer (a stream just made, a leader being elected), as
+    the bridge does, until `timeout_s`."""
+    import nats.errors
+
+    from broker import buskeys
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            return await buskeys.register(js, host, public, replicas)
+        except nats.errors.Error:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)  # the cluster's own recovery is awaited
+

@@ -21,7 +21,7 @@ from broker.bridge import bus_key, bus_subject, sign
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
-from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts
+from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts, register_bus_key
 from tests.processes import ProcessTracker, wait_for
 from tests.test_fleet_hosts import fleet_view, host_config, other_state_dir
 
@@ -76,7 +76,7 @@ async def _register(urls: list[str], host: str, public: str) -> bool:
 
     nc: Any = await nats.connect(urls, connect_timeout=2)
     try:
-        return await buskeys.register(nc.jetstream(timeout=5), host, public, 3)
+        return await register_bus_key(nc.jetstream(timeout=5), host, public, 3)
     finally:
         await nc.close()
 
@@ -183,3 +183,42 @@ def test_a_message_crosses_hosts_and_a_forged_one_is_refused(
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(10)
         forget_hosts(fleet_cluster.urls, [ha, hb, hc])
+
+
+class _Kv:
+    """A bus keys bucket whose `create` fails as told (an injected fault)."""
+
+    def __init__(self, fail: Exception, held: bytes | None = None) -> None:
+        self.fail, self.held = fail, held
+
+    async def create(self, key: str, value: bytes) -> int:
+        raise self.fail
+
+    async def get(self, key: str) -> Any:
+        from nats.js.errors import KeyNotFoundError
+
+        if self.held is None:
+            raise KeyNotFoundError
+        return type("Entry", (), {"value": self.held})()
+
+
+class _Js:
+    def __init__(self, kv: _Kv) -> None:
+        self.kv = kv
+
+    async def key_value(self, bucket: str) -> _Kv:
+        return self.kv
+
+
+def test_a_cluster_that_does_not_answer_is_not_taken_for_a_held_name() -> None:
+    """`register`: a name held by a key is told from a cluster that did not
+    answer the create; the second raises as it is (the caller tries again),
+    not as a failed lookup of a key that was never there."""
+    from nats.js.errors import KeyWrongLastSequenceError, NoStreamResponseError
+
+    with pytest.raises(NoStreamResponseError):
+        asyncio.run(buskeys.register(_Js(_Kv(NoStreamResponseError())), "hx", "ab", 1))
+    held = _Kv(KeyWrongLastSequenceError(), held=b"ab")
+    assert asyncio.run(buskeys.register(_Js(held), "hx", "ab", 1)) is True
+    other = _Kv(KeyWrongLastSequenceError(), held=b"cd")
+    assert asyncio.run(buskeys.register(_Js(other), "hx", "ab", 1)) is False

@@ -43,7 +43,13 @@ from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
 from broker.statedir import StateDir
 from tests.agentkit import tree, write_task
-from tests.fleetkit import Cluster, FleetKeys, forget_hosts, operator_key_and_hosts
+from tests.fleetkit import (
+    Cluster,
+    FleetKeys,
+    forget_hosts,
+    operator_key_and_hosts,
+    register_bus_key,
+)
 from tests.processes import ProcessTracker, wait_for
 from tests.test_fleet_hosts import cli, fleet_view, host_config, other_state_dir
 
@@ -290,7 +296,7 @@ async def _hostile_host(urls: list[str], keys: FleetKeys, ha: str, hc: str,  # n
 
     try:
         js = nc.jetstream(timeout=5)
-        assert await buskeys.register(js, hc, buskeys.public_hex(key_c), 3)
+        assert await register_bus_key(js, hc, buskeys.public_hex(key_c), 3)
         hosts = await js.key_value(HOSTS_BUCKET)
         await nc.subscribe(bus_subject(hc), cb=on_frame)
 
