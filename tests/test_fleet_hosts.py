@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,10 +91,29 @@ def fleet_view_cli(processes: ProcessTracker, state_dir: StateDir) -> dict[str, 
     return {h["host"]: h for h in json.loads(done.stdout)["hosts"]}
 
 
-def fleet_view(_processes: ProcessTracker, state_dir: StateDir) -> dict[str, dict[str, Any]]:
-    """The same view, asked in this process (the polls need no interpreter each)."""
+def fleet_view(_processes: ProcessTracker, state_dir: StateDir,
+               patience_s: float = 30.0) -> dict[str, dict[str, Any]]:
+    """The same view, asked in this process (the polls need no interpreter each).
+    A cluster that did not answer in time is asked again, as an operator would
+    run the command again, for up to `patience_s`; then ClusterSilentError.
+    (nats-py's timeout is a TimeoutError: raised as it is, it read as the
+    deadline of the caller's `wait_for` and was reported as hosts that never
+    came up, lost in CI on a loaded machine.)"""
     config = fleetctl.fleet_config(state_dir, None)
-    return {h["host"]: h for h in fleetctl.fleet_status(config)}
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return {h["host"]: h for h in fleetctl.fleet_status(config)}
+        except Exception as exc:
+            if time.monotonic() >= deadline:
+                raise ClusterSilentError(f"the cluster did not answer a status read for "
+                                         f"{patience_s:g}s: {exc!r}") from exc
+            time.sleep(0.2)
+
+
+class ClusterSilentError(RuntimeError):
+    """The test's status reads got no answer from the cluster (not a TimeoutError:
+    callers take that one for their own deadline)."""
 
 
 def child(host: dict[str, Any], name: str) -> dict[str, Any]:
