@@ -15,7 +15,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.writer.client import WriterClient
+from actors.writer.client import WriterClient, decode_payload, encode_payload
 from actors.writer.payload import MAX_DEPTH, check_payload
 from actors.writer.wal import list_segments, parse_record
 from broker import auth, protocol
@@ -66,6 +66,25 @@ def test_each_policy_breach_is_refused_with_a_typed_error(name: str) -> None:
 @pytest.mark.parametrize("payload", ACCEPTED)
 def test_compact_valid_json_is_accepted(payload: bytes) -> None:
     check_payload(payload)
+
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=4),
+    max_leaves=20)
+
+
+@given(_VALUES)
+@settings(max_examples=300, deadline=None)
+def test_the_agents_fold_reads_back_what_json_reads(value: object) -> None:
+    """The loop folds a fact from its own encoded bytes (decode_payload,
+    orjson) as json did before: the same values and types, integers past 64
+    bits included (orjson declines them: json reads them)."""
+    body = encode_payload(value)
+    got, want = decode_payload(body), json.loads(body)
+    assert got == want and repr(got) == repr(want)
 
 
 @given(st.binary(max_size=200))

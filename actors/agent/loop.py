@@ -45,7 +45,6 @@ their hash and size (actors/agent/vault.py).
 
 from __future__ import annotations
 
-import json
 from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
 from pathlib import Path
@@ -82,7 +81,7 @@ from actors.sessions.lifecycle import session_to_start
 from actors.sessions.purged import purged_of
 from actors.sessions.transcript import Transcript
 from actors.trees import recorder
-from actors.writer.client import WriterClient, encode_payload
+from actors.writer.client import WriterClient, decode_payload, encode_payload
 from broker import protocol
 from broker.control import CallWatch
 from broker.errors import PathRefusedError, WalError
@@ -236,7 +235,7 @@ class AgentLoop:
         self._pending.append((event, body, key, ledger))
         self._pending_bytes += len(body)
         # folded at the seq it gets if nothing of the stream comes between (flush checks)
-        fold_into(self.state, [(self.state.last_seq + 1, event, json.loads(body))])
+        fold_into(self.state, [(self.state.last_seq + 1, event, decode_payload(body))])
         if len(self._pending) >= GROUP_MAX_RECORDS or self._pending_bytes >= GROUP_MAX_BYTES:
             self.flush()
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import zmq
 
 from actors.writer.wal import WalRecord, parse_record
@@ -47,9 +49,26 @@ def _kind(reply: object) -> str:
     return str(getattr(reply, "kind", type(reply).__name__))
 
 
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")  # i64 and u64 need 19 and 20 digits at most
+
+
 def encode_payload(value: Any) -> bytes:
     """Compact JSON, the form the WAL stores."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def decode_payload(body: bytes) -> Any:
+    """The value of a payload `encode_payload` made, as json reads it back,
+    for the fold: orjson, a few times faster, except where it differs from
+    json. It reads an integer past 64 bits as a float (json keeps it an int),
+    so a body holding a run of 19 digits (anywhere, strings included) is read
+    by json; so is one orjson declines."""
+    if _LONG_DIGITS.search(body) is None:
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(body)
 
 
 class WriterClient:
