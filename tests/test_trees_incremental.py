@@ -15,7 +15,7 @@ from pathlib import Path
 
 from actors.trees import tree
 from actors.trees.capture import Capturer
-from actors.trees.statcache import StatCache
+from actors.trees.statcache import DirCache, StatCache
 from actors.trees.store import ObjectStore
 
 
@@ -157,3 +157,20 @@ def test_objects_a_collection_removed_are_stored_again(tmp_path: Path) -> None:
     assert got.hashed == 21
     assert sorted(tree.flatten(store.get, got.digest)) == sorted(
         [f"out/f{i}" for i in range(20)] + ["out/another"])
+
+
+def test_the_journal_kept_open_follows_its_rewrites(tmp_path: Path) -> None:
+    """The stat cache appends through an fd it keeps; a rewrite replaces the
+    file, so the lines after it must reach the new file, not the one replaced:
+    70 captures (one rewrite at the first, one past 64 lines) load back whole."""
+    path = tmp_path / "cache" / "a1.jsonl"
+    cache = StatCache(path)
+    for i in range(70):
+        rel = f"d{i}/"
+        cache.dirs[rel] = DirCache(f"{i:064x}", i, {"f": ((0o100644, i, 1, i, i), f"{i:064x}")})
+        cache.stamp_ns = i + 1
+        cache.save([rel], [])
+    loaded = StatCache.load(path)
+    assert loaded.stamp_ns == 70
+    assert {r: (d.digest, d.files) for r, d in loaded.dirs.items()} == \
+        {r: (d.digest, d.files) for r, d in cache.dirs.items()}

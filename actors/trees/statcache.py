@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 FORMAT_VERSION = 2  # 2: a directory's line may give only the files that changed
+_APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 STAMP_NAME = ".stamp"  # the probe file fs_now_ns writes
 Ident = tuple[int, int, int, int, int]  # mode, inode, size, mtime_ns, ctime_ns
 Signature = tuple[tuple[str, int, int, int, int, int], ...]
@@ -64,6 +66,11 @@ class StatCache:
     dirs: dict[str, DirCache] = field(default_factory=dict)
     stamp_ns: int = 0
     _lines: int = 0
+    # the journal's fd, appended to (its closer, with this cache or at a rewrite;
+    # a file removed meanwhile takes the lines up to the next rewrite with it,
+    # as a cache may: the next start hashes what they would have saved)
+    _append: weakref.finalize[Any, Any] | None = field(default=None, repr=False, compare=False)
+    _append_fd: int = field(default=-1, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: Path | None) -> StatCache:
@@ -143,10 +150,21 @@ class StatCache:
             tmp.write_text(line, encoding="utf-8")
             os.replace(tmp, self.path)
             self._lines = 1
-        else:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(line)
-            self._lines += 1
+            self._close_append()  # it names the file replaced
+            return
+        if self._append is None:  # kept open from capture to capture: one write a line
+            fd = os.open(self.path, _APPEND_FLAGS, 0o666)
+            self._append = weakref.finalize(self, os.close, fd)
+            self._append_fd = fd
+        view = memoryview(line.encode("utf-8"))
+        while view:
+            view = view[os.write(self._append_fd, view):]
+        self._lines += 1
+
+    def _close_append(self) -> None:
+        closer, self._append = self._append, None
+        if closer is not None:
+            closer()  # closes the fd
 
 
 def fs_now_ns(directory: Path) -> int:
