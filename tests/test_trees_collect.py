@@ -26,7 +26,7 @@ from actors.agent.loop import Step
 from actors.trees import branch, collect, restore
 from actors.trees import rewind as rewinding
 from actors.trees.recorder import TreeRecorder, capturer_for, store_for
-from actors.trees.store import LEASE_NAME, ObjectStore, digest_of, packs_dir
+from actors.trees.store import LEASE_NAME, ObjectStore, digest_of, packs_dir, take_lease
 from actors.writer import retention
 from actors.writer.wal import encode_record, segment_name
 from broker.statedir import StateDir
@@ -400,3 +400,36 @@ def test_a_tree_fact_goes_to_the_writer_only_after_its_objects_are_synced(
     monkeypatch.setattr(loop.writer, "append_many", checked)
     assert drive(loop) is Step.DONE
     assert trees_sent >= 3
+
+
+def test_the_recorders_lease_is_held_from_hold_to_released_on_the_lock_file_in_place(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    """The recorder keeps the lock file open from turn to turn and locks it
+    at `hold()`, unlocks it at `released()`; when the file was removed and
+    made again (a collection opens it by name), the next hold locks the file
+    in place, not the one it still has open."""
+    recorder = TreeRecorder(state_dir, "a1", tmp_path / "ws")
+    lock = packs_dir(state_dir.root).parent / LEASE_NAME
+
+    def a_collection_could_run() -> bool:
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+
+    for _ in range(3):
+        recorder.hold()
+        recorder.hold()  # held already: no second lock to undo
+        assert not a_collection_could_run()
+        recorder.released()
+        assert a_collection_could_run()
+    lock.unlink()
+    os.close(take_lease(packs_dir(state_dir.root), exclusive=True))  # makes it anew
+    recorder.hold()
+    assert not a_collection_could_run()
+    recorder.released()
+    assert a_collection_could_run()

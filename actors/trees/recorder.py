@@ -11,6 +11,7 @@ store before the fact is appended (actors/trees/capture.py).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import weakref
@@ -20,9 +21,10 @@ from typing import Any
 
 from actors.agent import workspace as agent_workspace
 from actors.agent.state import AgentState
+from actors.changesets import confined
 from actors.trees.capture import Capturer
 from actors.trees.statcache import StatCache
-from actors.trees.store import ObjectStore, packs_dir, sync_fds, take_lease
+from actors.trees.store import LEASE_NAME, ObjectStore, packs_dir, sync_fds, take_lease
 from actors.trees.store import lease as store_lease
 from actors.trees.watch import WorkspaceWatch
 from actors.writer.client import WriterClient
@@ -72,7 +74,11 @@ class TreeRecorder:
         self.state_dir, self.name, self.workspace = state_dir, name, workspace
         self.watch = watch  # captures read what inotify reports (capturer_for)
         self._capturer: Capturer | None = None
-        self._lease: weakref.finalize[Any, Any] | None = None  # the held lease's fd closer
+        self._lease: weakref.finalize[Any, Any] | None = None  # the lock file's fd closer
+        self._lease_fd = -1
+        self._lease_id: tuple[int, int] | None = None  # its (device, inode)
+        self._held = False  # the lock is taken (shared) on it
+        self._lease_path = os.fspath(packs_dir(state_dir.root).parent / LEASE_NAME)
         self._syncs: list[Future[None]] = []
         self._pool: ThreadPoolExecutor | None = None
 
@@ -82,10 +88,27 @@ class TreeRecorder:
         return store_lease(packs_dir(self.state_dir.root))
 
     def hold(self) -> None:
-        """Take the collection lease (shared) unless held already."""
-        if self._lease is None:  # closed when released, or when this recorder goes
-            self._lease = weakref.finalize(self, os.close,
-                                           take_lease(packs_dir(self.state_dir.root)))
+        """Take the collection lease (shared) unless held already. The lock
+        file stays open from one hold to the next (a lock and an unlock a
+        turn, not an open and a close), while it is still the file at its
+        path: one that was removed or replaced locks nothing a collection
+        takes, so then it is opened again."""
+        if self._held:
+            return
+        if self._lease is not None:
+            fcntl.flock(self._lease_fd, fcntl.LOCK_SH)
+            try:
+                same = self._lease_id == confined.identity(os.stat(self._lease_path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._held = True
+                return
+            self._close_lease()
+        fd = take_lease(packs_dir(self.state_dir.root))
+        self._lease = weakref.finalize(self, os.close, fd)  # closed when this recorder goes
+        self._lease_fd, self._lease_id = fd, confined.identity(os.fstat(fd))
+        self._held = True
 
     def settle(self) -> None:
         """Wait for the syncs of the objects captured so far (raises their error)."""
@@ -102,9 +125,17 @@ class TreeRecorder:
     def released(self) -> None:
         """The facts are durable (or none was appended): let collections run."""
         self.settle()
+        if self._held:
+            self._held = False
+            try:
+                fcntl.flock(self._lease_fd, fcntl.LOCK_UN)
+            except OSError:
+                self._close_lease()  # closing it releases the lock too
+
+    def _close_lease(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:
-            lease()  # closes the fd: the lease is released
+            lease()  # closes the fd (and releases a lock it holds)
 
     def fact(self, state: AgentState) -> tuple[str, dict[str, Any], str] | None:
         """(event, payload, key) of the `workspace_tree` to append, None if
