@@ -326,10 +326,11 @@ class Capturer:
         name: the same bytes as `tree.encode`, and not encoded again when
         the rows did not change."""
         touched: set[str] | None = None  # None: journal the directory whole
+        sigset = frozenset(signature)
         if (cached is not None and cached.rows is not None and cached.sigset is not None
                 and self._fast):
             touched = set()
-            rows, files, max_time = self._changed_rows(fd, signature, subs, cached, touched)
+            rows, files, max_time = self._changed_rows(fd, sigset, subs, cached, touched)
             # names changed earlier in this capture and not journaled yet (a
             # watched pass that turned unsure, then the full walk): kept
             touched = None if cached.touched is None else touched | cached.touched
@@ -349,14 +350,13 @@ class Capturer:
             digest = digest_of(body)
             self._new.setdefault(digest, body)
         self.cache.dirs[rel] = DirCache(digest, max_time, files, subs, signature, rows, order,
-                                        frozenset(signature), touched)
+                                        sigset, touched)
         self._changed.append(rel)
         return digest
 
-    def _changed_rows(self, fd: int, signature: Signature, subs: tuple[tuple[str, str], ...],
+    def _changed_rows(self, fd: int, new: frozenset[Entry], subs: tuple[tuple[str, str], ...],
                       cached: DirCache, touched: set[str]) -> tuple[dict[str, str], Files, int]:
         old = cached.sigset if cached.sigset is not None else frozenset()
-        new = frozenset(signature)
         added, removed = new - old, old - new
         stamp = self.cache.stamp_ns
         if cached.max_time_ns >= stamp:  # racy entries among those kept: read again
