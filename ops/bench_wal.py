@@ -57,6 +57,31 @@ def fdatasync_per_s(directory: Path, seconds: float,
     return count / (time.monotonic() - started)
 
 
+def fdatasync_overwrite_per_s(directory: Path, seconds: float) -> float:
+    """The same record and fdatasync, written in place into a file written out
+    (and synced) beforehand, as PostgreSQL pre-zeroes its WAL segments: no
+    size or block change to commit to the filesystem's journal, so the sync
+    is the data and the device's flush alone. Not what corral's WAL does (it
+    appends, and every reader takes a segment's size as its end): the rate a
+    preallocated WAL would be measured against (docs/performance.md)."""
+    region = 1 << 20
+    fd = os.open(directory / "overwrite.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, bytes(region))
+        os.fsync(fd)
+        count, offset = 0, 0
+        deadline = time.monotonic() + seconds
+        started = time.monotonic()
+        while time.monotonic() < deadline:
+            os.pwrite(fd, RECORD, offset)
+            os.fdatasync(fd)
+            offset = (offset + len(RECORD)) % (region - len(RECORD))
+            count += 1
+        return count / (time.monotonic() - started)
+    finally:
+        os.close(fd)
+
+
 def raw_ceiling_per_s(directory: Path, seconds: float) -> float:
     fd = os.open(directory / "raw.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     batch = RECORD * 64
@@ -226,6 +251,7 @@ def run(quick: bool = False) -> dict[str, object]:
         # the floor of any durable ack's latency on this disk, same run
         f["fdatasync_p50_ms"] = percentile(sync_lat, 50) * 1000
         f["fdatasync_p99_ms"] = percentile(sync_lat, 99) * 1000
+        f["fdatasync_overwrite_per_s"] = fdatasync_overwrite_per_s(root, seconds)
         f["raw_ceiling_per_s"] = raw_ceiling_per_s(root, seconds)
         f["sqlite_commits_per_s_k64"] = sqlite_commits_per_s(root, 64, seconds)
         for k in (1, 64):
@@ -268,6 +294,7 @@ def run(quick: bool = False) -> dict[str, object]:
         finally:
             stop(writer)
     f["k1_over_fdatasync"] = f["acked_per_s_k1"] / f["fdatasync_per_s"]
+    f["overwrite_over_append_fdatasync"] = f["fdatasync_overwrite_per_s"] / f["fdatasync_per_s"]
     f["k64_over_sqlite_k64"] = f["acked_per_s_k64"] / f["sqlite_commits_per_s_k64"]
     f["k64_over_zmq_echo_k64"] = f["acked_per_s_k64"] / f["zmq_echo_per_s_k64"]
     f["k1_over_durable_echo_k1"] = f["acked_per_s_k1"] / f["durable_echo_per_s_k1"]
