@@ -289,8 +289,8 @@ def test_purge_killed_at_every_step_then_retried_leaves_nothing_reachable(
         assert before.step is None
         assert any(e["path"].endswith("transcript.jsonl") for e in before.entries)
         effects = state_dir.agent_dir(f"p{n}") / "effects"  # the session's write notes
-        assert any(e["path"].endswith(f"@{sid}.json") for e in before.entries)
-        assert list(effects.glob(f"*@{sid}.json"))
+        assert any(e["path"].endswith(f"journal@{sid}.jsonl") for e in before.entries)
+        assert list(effects.glob(f"journal@{sid}.jsonl"))
         killed = _purge(processes, state_dir, sid, env={"CORRAL_PURGE_FAULT": step})
         assert killed.returncode == -signal.SIGKILL, (step, killed.stderr)
         if step == "journaled":  # what the operator sees of an interrupted purge

@@ -3,16 +3,22 @@ apply, so that a write is applied at most once even when the WAL loses the
 records that said it was (a disk that lost an acknowledged tail; the soak test
 cuts one on purpose).
 
-    .corral/agents/<name>/effects/<call_id>@<session>.json
-        {"call_id", "action_sha", "label", "before_sha", "after_sha", "result"}
+    .corral/agents/<name>/effects/journal@<session>.jsonl
+        one line per entry: {"call_id", "action_sha", "label", "before_sha",
+        "after_sha", "result"}; the last line of a call id is its entry
 
-Call ids (`turn.index`) start again in each session, so an entry is named by
-its call id and its session (`<call_id>.json` for a stream written before
-sessions existed): an entry is only ever matched in its own session, the
-other sessions' entries go at the next prune (their calls are all settled),
-and a purge of a session removes its entries (actors/sessions/purge.py).
+Call ids (`turn.index`) start again in each session, so an entry is kept in
+its session's journal (`journal.jsonl` for a stream written before sessions
+existed): an entry is only ever matched in its own session, the other
+sessions' journals go at the next prune (their calls are all settled), and a
+purge of a session removes its journal (actors/sessions/purge.py). The
+earlier layout, a file per entry (`<call_id>@<session>.json`, written with
+a temporary file and a rename), is still read, and pruned as before.
 
-Written (temp, rename; not fsynced) before the write is applied. When the loop is
+Appended (one write through an fd the journal keeps; not fsynced) before the
+write is applied, and read from memory (a file per entry cost a step an
+open, a write, a close, a rename and an open that failed for the lookup:
+docs/performance.md, "perf8"). When the loop is
 about to apply a write for a call id whose entry names the same action and
 target, and the target already has the entry's after-digest, the effect is
 there: the loop records it and does not apply it again. Only the last
@@ -61,67 +67,157 @@ def file_name(call_id: str, session: str | None) -> str:
 
 
 def session_of_file(name: str) -> str | None:
-    """The session an entry's file name carries (None: written before sessions)."""
-    stem = name.removesuffix(".json").removesuffix(".tmp").removesuffix(".json")
+    """The session an entry's file name carries (None: written before sessions):
+    a session's journal (`journal@<session>.jsonl`), an entry file of the
+    earlier layout (`<call_id>@<session>.json`), or either's temporary file."""
+    stem = name.removesuffix(".tmp").removesuffix(".jsonl").removesuffix(".json")
     return stem.partition("@")[2] or None
 
 
+def journal_name(session: str | None) -> str:
+    return "journal.jsonl" if session is None else f"journal@{session}.jsonl"
+
+
+def _turn_of(call_id: str) -> int | None:
+    head = call_id.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
 PRUNE_EVERY = 8  # turns between two prunes in one session (a listing each)
+REWRITE_OVER = 2  # a session's journal is rewritten when it holds this many times its live lines
 
 
 class EffectJournal:
+    """One session's entries at a time, in memory and in its journal: `get`
+    reads memory, `record` appends one line through an fd kept open (a line
+    a crash tore does not parse and is skipped, as a temporary file never
+    renamed was; the next append starts on a line of its own)."""
+
     def __init__(self, agent_dir: Path) -> None:
         self.dir = agent_dir / "effects"
-        self._made = False  # the directory exists (made by this process)
         self._pruned: tuple[int, str | None] | None = None  # (turn, session) of the last prune
-
-    def _path(self, call_id: str, session: str | None) -> Path:
-        return self.dir / file_name(call_id, session)
+        self._session: str | None = None
+        self._loaded = False  # `_entries` holds `_session`'s journal
+        self._entries: dict[str, Entry] = {}
+        self._lines = 0  # lines in the journal file, live or not
+        self._fd = -1  # the journal's, for appends (-1: not open)
+        self._torn = False  # the file does not end with a newline
 
     def get(self, call_id: str, session: str | None) -> Entry | None:
-        try:
-            data = json.loads(self._path(call_id, session).read_bytes())
-            return Entry(**data)
-        except (OSError, ValueError, TypeError):
-            return None
+        self._load(session)
+        return self._entries.get(call_id)
 
     def record(self, entry: Entry, session: str | None) -> None:
-        if not self._made:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._made = True
-        name = file_name(entry.call_id, session)
-        data = json.dumps(entry.__dict__, separators=(",", ":")).encode()
+        self._load(session)
+        line = json.dumps(entry.__dict__, separators=(",", ":")).encode() + b"\n"
         try:
-            self._write(name, data)
+            self._append(line)
         except FileNotFoundError:  # the directory went away under us: make it again
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._write(name, data)
+            self._close()
+            self._append(line)
+        self._entries[entry.call_id] = entry
+        self._lines += 1
 
-    def _write(self, name: str, data: bytes) -> None:
-        tmp = os.path.join(self.dir, name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    def _append(self, line: bytes) -> None:
+        if self._fd < 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.dir / journal_name(self._session),
+                               os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                               | os.O_CLOEXEC, 0o666)
+        if self._torn:  # a crash cut the last line: this one starts on its own
+            line = b"\n" + line
+        view = memoryview(line)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self._torn = False  # durable as the page cache is (module docstring)
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self._close()
+
+    def _load(self, session: str | None) -> None:
+        """Read `session`'s entries once (its journal, then any entry file of
+        the earlier layout, which a restart after an upgrade may find)."""
+        if self._loaded and self._session == session:
+            return
+        self._close()
+        self._session, self._loaded = session, True
+        self._entries, self._lines, self._torn = {}, 0, False
         try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        # whole or absent for a reader; durable as the page cache is
-        os.replace(tmp, os.path.join(self.dir, name))
+            data = (self.dir / journal_name(session)).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            data = b""
+        self._torn = bool(data) and not data.endswith(b"\n")
+        for line in data.splitlines():
+            self._lines += 1
+            entry = _parse(line)
+            if entry is not None:
+                self._entries[entry.call_id] = entry
+        try:
+            names = os.listdir(self.dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for name in names:
+            if name.endswith(".json") and session_of_file(name) == session:
+                try:
+                    entry = _parse((self.dir / name).read_bytes())
+                except OSError:
+                    continue
+                if entry is not None:
+                    self._entries.setdefault(entry.call_id, entry)
 
     def prune(self, turn: int, session: str | None) -> None:
-        """Drop entries of turns older than `turn - KEEP_TURNS`, and those of
-        other sessions (never matched again: a session begins after the
-        previous one is over). Within a session the directory is listed every
-        `PRUNE_EVERY` turns (a few more entries may stay meanwhile)."""
+        """Drop entries of turns older than `turn - KEEP_TURNS`, and other
+        sessions' files (never matched again: a session begins after the
+        previous one is over). Every `PRUNE_EVERY` turns within a session:
+        the directory is listed, and the journal rewritten (temp, rename)
+        once it holds `REWRITE_OVER` times its live lines."""
         last = self._pruned
         if last is not None and last[1] == session and 0 <= turn - last[0] < PRUNE_EVERY:
             return
         self._pruned = (turn, session)
+        self._load(session)
+        for call_id in [c for c in self._entries
+                        if (t := _turn_of(c)) is not None and t < turn - KEEP_TURNS]:
+            del self._entries[call_id]
         try:
             names = os.listdir(self.dir)
         except FileNotFoundError:
             return
+        mine = journal_name(session)
         for name in names:
-            head = name.split(".", 1)[0]
-            old = head.isdigit() and int(head) < turn - KEEP_TURNS
-            if old or session_of_file(name) != session:
+            t = None if name.startswith("journal") else _turn_of(name)  # an entry file
+            if (name != mine and session_of_file(name) != session) or (
+                    t is not None and t < turn - KEEP_TURNS):
                 (self.dir / name).unlink(missing_ok=True)
+        if self._lines > REWRITE_OVER * max(len(self._entries), 8):
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        data = b"".join(json.dumps(e.__dict__, separators=(",", ":")).encode() + b"\n"
+                        for e in self._entries.values())
+        name = journal_name(self._session)
+        tmp = self.dir / f"{name}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.dir / name)  # whole or absent; durable as the page cache is
+        self._close()  # it names the file replaced
+        self._lines, self._torn = len(self._entries), False
+
+
+def _parse(line: bytes) -> Entry | None:
+    try:
+        data = json.loads(line)
+        return Entry(**data) if isinstance(data, dict) else None
+    except (ValueError, TypeError):
+        return None

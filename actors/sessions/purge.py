@@ -6,8 +6,9 @@
 What a session owns: its directory `.corral/sessions/<id>/` (transcripts)
 and the snapshot generations of its agent that hold this session's state
 (`agents/<agent>/state/generations/gen-*.json`, `state/snapshot.json` whose
-`state.session` is the id), and its agent's effect journal entries named
-with the id (`agents/<agent>/effects/<call_id>@<id>.json`). Never the
+`state.session` is the id), and its agent's effect journal of the session
+(`agents/<agent>/effects/journal@<id>.jsonl`, and the entry files of the
+earlier layout, `<call_id>@<id>.json`). Never the
 agent's workspace, memory, other
 sessions, parents or children: those belong to the agent or to them.
 

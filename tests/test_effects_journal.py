@@ -1,0 +1,93 @@
+"""The effect journal (actors/agent/effects.py): one session's entries in
+memory and in its journal file, appended through a kept fd; read back by a
+restarted process, whatever a crash tore; pruned by turn and by session; the
+earlier layout (a file per entry) still read; a purge finds the session's
+journal by its name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from actors.agent.effects import (
+    KEEP_TURNS,
+    PRUNE_EVERY,
+    EffectJournal,
+    Entry,
+    file_name,
+    journal_name,
+    session_of_file,
+)
+
+S1, S2 = "01J0000000000000000000000A", "01J0000000000000000000000B"
+
+
+def entry(call_id: str, after: str = "a") -> Entry:
+    return Entry(call_id, "act", f"out/{call_id}.txt", None, after, {"bytes": 1})
+
+
+def test_entries_are_read_back_by_a_restarted_process_in_their_own_session(
+        tmp_path: Path) -> None:
+    journal = EffectJournal(tmp_path)
+    journal.record(entry("1.0"), S1)
+    journal.record(entry("2.0"), S1)
+    journal.record(entry("1.0", after="b"), S1)  # recorded again: the last line wins
+    assert journal.get("1.0", S1) == entry("1.0", after="b")
+    assert journal.get("1.0", S2) is None  # another session's call 1.0 is another call
+    del journal
+    again = EffectJournal(tmp_path)
+    assert again.get("1.0", S1) == entry("1.0", after="b")
+    assert again.get("2.0", S1) == entry("2.0")
+    assert again.get("3.0", S1) is None
+    assert sorted(p.name for p in (tmp_path / "effects").iterdir()) == [journal_name(S1)]
+
+
+def test_a_line_a_crash_tore_is_skipped_and_the_next_starts_on_its_own(tmp_path: Path) -> None:
+    journal = EffectJournal(tmp_path)
+    journal.record(entry("1.0"), S1)
+    del journal
+    path = tmp_path / "effects" / journal_name(S1)
+    whole = json.dumps(entry("2.0").__dict__, separators=(",", ":")).encode()
+    with open(path, "ab") as f:
+        f.write(whole[: len(whole) // 2])  # killed midway through a write
+    restarted = EffectJournal(tmp_path)
+    assert restarted.get("2.0", S1) is None  # whole or absent
+    restarted.record(entry("3.0"), S1)
+    del restarted
+    third = EffectJournal(tmp_path)
+    assert third.get("1.0", S1) == entry("1.0")
+    assert third.get("3.0", S1) == entry("3.0")  # not glued to the torn line
+
+
+def test_prune_drops_old_turns_rewrites_the_journal_and_removes_other_sessions(
+        tmp_path: Path) -> None:
+    effects = tmp_path / "effects"
+    effects.mkdir()
+    # the earlier layout: a file per entry, this session's and another's
+    (effects / file_name("1.1", S1)).write_text(json.dumps(entry("1.1").__dict__))
+    (effects / file_name("1.1", S2)).write_text(json.dumps(entry("1.1").__dict__))
+    (effects / journal_name(S2)).write_text(json.dumps(entry("5.0").__dict__) + "\n")
+    journal = EffectJournal(tmp_path)
+    assert journal.get("1.1", S1) == entry("1.1")  # read from the earlier layout
+    last = 3 * KEEP_TURNS
+    for turn in range(1, last + 1):
+        journal.record(entry(f"{turn}.0"), S1)
+        journal.prune(turn, S1)
+    assert sorted(p.name for p in effects.iterdir()) == [journal_name(S1)]
+    kept = [int(c.split(".")[0]) for c in journal._entries]
+    assert min(kept) >= last - KEEP_TURNS - PRUNE_EVERY and max(kept) == last
+    lines = (effects / journal_name(S1)).read_bytes().splitlines()
+    assert len(lines) <= 2 * len(kept) + PRUNE_EVERY  # rewritten, not grown with history
+    del journal
+    again = EffectJournal(tmp_path)
+    assert again.get(f"{last}.0", S1) == entry(f"{last}.0")
+    assert again.get("1.0", S1) is None and again.get("1.1", S1) is None
+
+
+def test_purge_finds_a_sessions_journal_and_entry_files_by_name() -> None:
+    assert session_of_file(journal_name(S1)) == S1
+    assert session_of_file(journal_name(S1) + ".tmp") == S1
+    assert session_of_file(file_name("3.1", S1)) == S1
+    assert session_of_file(file_name("3.1", S1) + ".tmp") == S1
+    assert session_of_file(journal_name(None)) is None
+    assert session_of_file(file_name("3.1", None)) is None
