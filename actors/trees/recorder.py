@@ -99,7 +99,7 @@ class TreeRecorder:
             fcntl.flock(self._lease_fd, fcntl.LOCK_SH)
             try:
                 same = self._lease_id == confined.identity(os.stat(self._lease_path))
-            except FileNotFoundError:
+            except OSError:  # gone (or its directory): take it anew, or say why not
                 same = False
             if same:
                 self._held = True
