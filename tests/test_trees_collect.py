@@ -412,14 +412,7 @@ def test_the_recorders_lease_is_held_from_hold_to_released_on_the_lock_file_in_p
     lock = packs_dir(state_dir.root).parent / LEASE_NAME
 
     def a_collection_could_run() -> bool:
-        fd = os.open(lock, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        finally:
-            os.close(fd)
-        return True
+        return _lease_free(state_dir)
 
     for _ in range(3):
         recorder.hold()
