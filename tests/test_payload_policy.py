@@ -81,7 +81,8 @@ _VALUES = st.recursive(
 def test_the_agents_fold_reads_back_what_json_reads(value: object) -> None:
     """The loop folds a fact from its own encoded bytes (decode_payload,
     orjson) as json did before: the same values and types, integers past 64
-    bits included (orjson declines them: json reads them)."""
+    bits included (orjson reads them as floats; a body with 19 digits in a
+    row goes to json)."""
     body = encode_payload(value)
     got, want = decode_payload(body), json.loads(body)
     assert got == want and repr(got) == repr(want)
