@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,7 @@ class EffectJournal:
         self._entries: dict[str, Entry] = {}
         self._lines = 0  # lines in the journal file, live or not
         self._fd = -1  # the journal's, for appends (-1: not open)
+        self._closer: weakref.finalize[Any, Any] | None = None  # closes it with this journal
         self._torn = False  # the file does not end with a newline
 
     def get(self, call_id: str, session: str | None) -> Entry | None:
@@ -124,6 +126,7 @@ class EffectJournal:
             self._fd = os.open(self.dir / journal_name(self._session),
                                os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
                                | os.O_CLOEXEC, 0o666)
+            self._closer = weakref.finalize(self, os.close, self._fd)
         if self._torn:  # a crash cut the last line: this one starts on its own
             line = b"\n" + line
         view = memoryview(line)
@@ -132,12 +135,9 @@ class EffectJournal:
         self._torn = False  # durable as the page cache is (module docstring)
 
     def _close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self) -> None:
-        self._close()
+        closer, self._closer, self._fd = self._closer, None, -1
+        if closer is not None:
+            closer()  # closes the fd
 
     def _load(self, session: str | None) -> None:
         """Read `session`'s entries once (its journal, then any entry file of
