@@ -18,6 +18,10 @@ from actors.agent.effects import (
     journal_name,
     session_of_file,
 )
+from actors.agent.loop import Step
+from broker.statedir import StateDir
+from tests.agentkit import FakeWriter, write_task
+from tests.test_trees_rewind import drive, start
 
 S1, S2 = "01J0000000000000000000000A", "01J0000000000000000000000B"
 
@@ -91,3 +95,36 @@ def test_purge_finds_a_sessions_journal_and_entry_files_by_name() -> None:
     assert session_of_file(file_name("3.1", S1) + ".tmp") == S1
     assert session_of_file(journal_name(None)) is None
     assert session_of_file(file_name("3.1", None)) is None
+
+
+EDIT_STEPS = [
+    {"op": "write_file", "path": "a.txt", "content": "one\n"},
+    {"op": "edit_file", "path": "a.txt", "old": "one", "new": "one+two"},
+    {"op": "finish", "summary": "done"},
+]
+
+
+def test_a_write_the_wal_lost_is_not_applied_again_by_a_restarted_agent(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    """What the journal is for: a disk that lost an acknowledged tail (from the
+    edit's `tool_start` on). The restarted agent, a new loop reading the
+    journal from disk, plans the same edit again; its target already holds
+    the after-digest, so it is recorded with the noted result, not applied
+    a second time (which would give "one+two+two")."""
+    writer = FakeWriter()
+    loop = start(state_dir, writer, "a1", write_task(tmp_path / "t.yaml", EDIT_STEPS))
+    assert drive(loop) is Step.DONE
+    target = loop.workspace / "a.txt"
+    assert target.read_text() == "one+two\n"
+    cut = next(i for i, r in enumerate(writer.records) if r.event == "tool_start"
+               and isinstance(p := r.payload(), dict) and p.get("op") == "edit_file")
+    lost = {r.seq for r in writer.records[cut:]}
+    del writer.records[cut:]
+    for key in [k for k, seq in writer.keys.items() if seq in lost]:
+        del writer.keys[key]
+    restarted = start(state_dir, writer, "a1")
+    assert drive(restarted) is Step.DONE
+    assert target.read_text() == "one+two\n"
+    edits = [p for e, p in writer.events("agent/a1")
+             if e == "tool_result" and isinstance(p, dict) and p.get("op") == "edit_file"]
+    assert [p["status"] for p in edits] == ["ok"]
