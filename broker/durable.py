@@ -1,12 +1,16 @@
 """Small files replaced whole and durably: a crash leaves the old file or the
 new one, never a mix. Every checkpoint, registry, manifest, receipt and spec
 corral writes goes through here (the WAL and the ledgers are appended, not
-replaced: see actors/segments.py and actors/ledgers.py)."""
+replaced: see actors/segments.py and actors/ledgers.py). Also the two ends of
+a small journal its owner keeps open to append to (`open_append`) and reads
+back whole at start (`read_regular`), neither ever through a link."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 from pathlib import Path
 
 
@@ -40,3 +44,49 @@ def write_atomic(
     os.replace(tmp, path)
     if sync_dir:
         fsync_dir(path.parent)
+
+
+_APPEND = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+           | os.O_NONBLOCK)
+
+
+def open_append(path: Path, mode: int = 0o666) -> int:
+    """An fd appending to the regular file at `path` (made if absent), for a
+    journal that keeps it open. A link, a fifo or a device at the name is
+    removed and a new file made: never written through, never waited on
+    (O_NONBLOCK: a fifo with no reader). A directory there raises."""
+    for _ in range(2):
+        try:
+            fd = os.open(path, _APPEND, mode)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENXIO):
+                raise
+        else:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.set_blocking(fd, True)
+                return fd
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    raise OSError(errno.EEXIST, "the name was taken again as it was replaced", str(path))
+
+
+def read_regular(path: Path) -> bytes | None:
+    """The bytes of the regular file at `path`; None when there is none, or
+    when the name is a link, a fifo or anything else (never read through,
+    never waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENXIO):
+            return None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

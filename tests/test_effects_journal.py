@@ -7,7 +7,10 @@ journal by its name."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+import pytest
 
 from actors.agent.effects import (
     KEEP_TURNS,
@@ -22,6 +25,8 @@ from actors.agent.loop import Step
 from broker.statedir import StateDir
 from tests.agentkit import FakeWriter, write_task
 from tests.test_trees_rewind import drive, start
+
+pytestmark = pytest.mark.timeout(60)  # a fifo waited on would hang
 
 S1, S2 = "01J0000000000000000000000A", "01J0000000000000000000000B"
 
@@ -128,3 +133,31 @@ def test_a_write_the_wal_lost_is_not_applied_again_by_a_restarted_agent(
     edits = [p for e, p in writer.events("agent/a1")
              if e == "tool_result" and isinstance(p, dict) and p.get("op") == "edit_file"]
     assert [p["status"] for p in edits] == ["ok"]
+
+
+def test_a_link_or_a_fifo_at_the_journals_name_is_never_read_or_written_through(
+        tmp_path: Path) -> None:
+    """Hostile files where the journal goes: a link to a file holding a forged
+    entry (one that would make the agent skip a write) is not read, and the
+    next entry replaces the link, the file it named untouched; a fifo is
+    neither waited on nor written to; lines that are not entries are skipped."""
+    effects = tmp_path / "effects"
+    effects.mkdir()
+    outside = tmp_path / "outside.jsonl"
+    forged = json.dumps(entry("7.0", after="forged").__dict__) + "\n"
+    outside.write_text(forged)
+    (effects / journal_name(S1)).symlink_to(outside)
+    (effects / journal_name(S2)).write_bytes(
+        b'not json\n[1,2]\n{"call_id":"x"}\n\xff\xfe\n' + json.dumps(entry("3.0").__dict__).encode()
+        + b"\n")
+    os.mkfifo(effects / journal_name(None))
+    journal = EffectJournal(tmp_path)
+    assert journal.get("7.0", S1) is None
+    journal.record(entry("8.0"), S1)
+    assert outside.read_text() == forged
+    assert not (effects / journal_name(S1)).is_symlink()
+    assert EffectJournal(tmp_path).get("8.0", S1) == entry("8.0")
+    assert journal.get("3.0", S2) == entry("3.0")  # the good line among the garbage
+    assert journal.get("1.0", None) is None  # the fifo: not waited on
+    journal.record(entry("1.0"), None)
+    assert EffectJournal(tmp_path).get("1.0", None) == entry("1.0")

@@ -174,3 +174,22 @@ def test_the_journal_kept_open_follows_its_rewrites(tmp_path: Path) -> None:
     assert loaded.stamp_ns == 70
     assert {r: (d.digest, d.files) for r, d in loaded.dirs.items()} == \
         {r: (d.digest, d.files) for r, d in cache.dirs.items()}
+
+
+def test_a_link_at_the_journals_name_is_replaced_not_written_through(tmp_path: Path) -> None:
+    """The kept journal fd is opened by name after a rewrite: a link put there
+    meanwhile is replaced by a new file, the file it named untouched."""
+    path = tmp_path / "cache" / "a1.jsonl"
+    cache = StatCache(path)
+    cache.dirs["d/"] = DirCache("0" * 64, 1, {"f": ((0o100644, 1, 1, 1, 1), "1" * 64)})
+    cache.stamp_ns = 2
+    cache.save(["d/"], [])  # the first line rewrites the file
+    outside = tmp_path / "outside"
+    outside.write_text("mine\n")
+    path.unlink()
+    path.symlink_to(outside)
+    cache.stamp_ns = 3
+    cache.save(["d/"], [])  # appended: through a new file, not the link
+    assert outside.read_text() == "mine\n"
+    assert not path.is_symlink()
+    assert StatCache.load(path).stamp_ns == 3

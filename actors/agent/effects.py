@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from broker.durable import open_append, read_regular
+
 KEEP_TURNS = 64
 
 
@@ -123,9 +125,7 @@ class EffectJournal:
     def _append(self, line: bytes) -> None:
         if self._fd < 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.dir / journal_name(self._session),
-                               os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-                               | os.O_CLOEXEC, 0o666)
+            self._fd = open_append(self.dir / journal_name(self._session))
             self._closer = weakref.finalize(self, os.close, self._fd)
         if self._torn:  # a crash cut the last line: this one starts on its own
             line = b"\n" + line
@@ -147,10 +147,7 @@ class EffectJournal:
         self._close()
         self._session, self._loaded = session, True
         self._entries, self._lines, self._torn = {}, 0, False
-        try:
-            data = (self.dir / journal_name(session)).read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            data = b""
+        data = read_regular(self.dir / journal_name(session)) or b""  # never through a link
         self._torn = bool(data) and not data.endswith(b"\n")
         for line in data.splitlines():
             self._lines += 1
@@ -164,7 +161,7 @@ class EffectJournal:
         for name in names:
             if name.endswith(".json") and session_of_file(name) == session:
                 try:
-                    entry = _parse((self.dir / name).read_bytes())
+                    entry = _parse(read_regular(self.dir / name) or b"")
                 except OSError:
                     continue
                 if entry is not None:

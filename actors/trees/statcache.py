@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from broker.durable import open_append
+
 FORMAT_VERSION = 2  # 2: a directory's line may give only the files that changed
-_APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 STAMP_NAME = ".stamp"  # the probe file fs_now_ns writes
 Ident = tuple[int, int, int, int, int]  # mode, inode, size, mtime_ns, ctime_ns
 Signature = tuple[tuple[str, int, int, int, int, int], ...]
@@ -153,7 +154,7 @@ class StatCache:
             self._close_append()  # it names the file replaced
             return
         if self._append is None:  # kept open from capture to capture: one write a line
-            fd = os.open(self.path, _APPEND_FLAGS, 0o666)
+            fd = open_append(self.path)  # a link there is replaced, never written through
             self._append = weakref.finalize(self, os.close, fd)
             self._append_fd = fd
         view = memoryview(line.encode("utf-8"))
