@@ -564,9 +564,11 @@ class Writer:
         batch, self.staged = self.staged, Batch()
         self.pacer.submitted(batch.waiting())
         batch.seal(self.head + 1)  # the worker is idle: head is the last durable seq
-        if inline_ok and len(batch.lines) == 1 and self.replicator is None:
-            # a lone append: sync here, no hand-off to wait for (in fleet mode the
-            # worker thread also publishes it, so it goes through the worker)
+        if inline_ok and batch.waiting() == 1 and self.replicator is None:
+            # one appender waits (a lone append, or one agent's multi-record
+            # group): sync here, no hand-off to wait for; nobody else's request
+            # is being framed meanwhile (in fleet mode the worker thread also
+            # publishes the batch, so it goes through the worker)
             try:
                 self._finish(self.worker.run_inline(batch))
             except DurabilityError as exc:
