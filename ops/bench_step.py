@@ -182,34 +182,46 @@ def _append_sync(fd: int, data: bytes) -> None:
 
 def sync_floor_ms(directory: Path, rounds: int) -> dict[str, list[float]]:
     """The synchronous disk work alone of one step, no CPU work around it, on
-    the disk the runs use, alternating so that load falls on both alike:
+    the disk the runs use, alternating so that load falls on all alike (each
+    is the calls a step makes, as strace shows them):
 
-    - corral: the effect journal's entry (temp, rename; not fsynced), an
-      append + fdatasync (the group: the step before's tool_result, turn ..
-      tool_start), the file (temp, fsync, rename, directory fsync): three
-      syncs;
+    - corral: the effect journal's line (an append, not synced: docs/agents.md),
+      the workspace tree's new objects appended to the agent's pack and
+      fdatasynced (the loop starts that sync at the turn boundary and waits for
+      it before the group that names the tree goes out: in the real step it
+      overlaps the next turn's CPU work, here it does not), an append +
+      fdatasync of the WAL (the group: the step before's tool_result, turn ..
+      tool_start), the file (temp, fsync, rename, directory fsync);
+    - corral_notree: the same without the tree's pack (the corral_notree run);
     - LangGraph (SQLite WAL, synchronous=FULL): the file, then one append +
-      fsync of the WAL at the checkpoint's commit: three syncs.
+      fsync of the WAL at the checkpoint's commit.
     """
     wal = os.open(directory / "wal", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    record = b"x" * 600
-    times: dict[str, list[float]] = {"corral": [], "langgraph": []}
+    journal = os.open(directory / "journal.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                      0o600)
+    pack = os.open(directory / "agent.pack", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    record, objects = b"x" * 600, b"t" * 2900  # a group's bytes; a 200-entry tree object's
+    times: dict[str, list[float]] = {"corral": [], "corral_notree": [], "langgraph": []}
     try:
         for i in range(rounds):
             started = time.perf_counter()
-            journal = directory / f"{i}.json"
-            with open(journal.with_name(journal.name + ".tmp"), "wb") as f:
-                f.write(record)
-            journal.with_name(journal.name + ".tmp").replace(journal)
+            os.write(journal, record[:240])
+            _append_sync(pack, objects)
             _append_sync(wal, record)
             _write(directory, f"c{i}.txt", i)
             times["corral"].append((time.perf_counter() - started) * 1000)
+            started = time.perf_counter()
+            os.write(journal, record[:240])
+            _append_sync(wal, record)
+            _write(directory, f"n{i}.txt", i)
+            times["corral_notree"].append((time.perf_counter() - started) * 1000)
             started = time.perf_counter()
             _write(directory, f"l{i}.txt", i)
             _append_sync(wal, record)
             times["langgraph"].append((time.perf_counter() - started) * 1000)
     finally:
-        os.close(wal)
+        for fd in (wal, journal, pack):
+            os.close(fd)
     return times
 
 
@@ -433,7 +445,7 @@ def run(quick: bool = False) -> dict[str, object]:
     # load falls on all of them alike
     ones: dict[str, list[dict[str, Any]]] = {name: [] for name in present}
     manys: dict[str, list[dict[str, Any]]] = {name: [] for name in present}
-    floors: dict[str, list[float]] = {"corral": [], "langgraph": []}
+    floors: dict[str, list[float]] = {"corral": [], "corral_notree": [], "langgraph": []}
     for _ in range(rounds):
         for name in present:
             ones[name].append(_one_run(name, 1, steps))
@@ -442,8 +454,9 @@ def run(quick: bool = False) -> dict[str, object]:
                 floors[name].extend(times)
         for name in present:
             manys[name].append(_one_run(name, AGENTS, steps))
-    # what the disk alone makes a step cost (no CPU work): five syncs in a corral
-    # step, three under a LangGraph super-step; same disk, same run
+    # what the disk alone makes a step cost (no CPU work): four syncs in a corral
+    # step (three without the tree), three under a LangGraph super-step; same
+    # disk, same run
     for name, times in floors.items():
         figures[f"{name}_sync_floor_ms_p50"] = round(percentile(times, 50), 2)
     for name in present:
