@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from actors.changesets import manifest as mf
+from actors.changesets import snapshot as snapshot_module
 from actors.changesets.apply import FAULT_ENV, apply
 from actors.changesets.build import build
 from actors.changesets.manifest import FileChange, Limits, Manifest
@@ -163,6 +164,38 @@ def test_child_changes_that_a_set_cannot_carry_are_refused(
     with pytest.raises(ChangeSetRefusedError) as info:
         apply(out, tmp / "parent")
     assert info.value.bound == "not_ready"
+
+
+@pytest.mark.parametrize("piece", [7, 1 << 30])  # a write for each file; one at the end
+def test_a_snapshot_copies_each_kind_and_packs_every_byte(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch, piece: int,
+) -> None:
+    """The copy is made through directory fds on both sides and the pack is
+    written in pieces: with pieces of a few bytes, every file's packed bytes
+    are still its own, links are copied as links, and what a set cannot
+    carry (a fifo, `.git`, a top-level `.corral`) is not copied."""
+    monkeypatch.setattr(snapshot_module, "PACK_FLUSH_BYTES", piece)
+    parent = tmp / "parent"
+    write_tree(parent, BASE_FILES, ("run.sh",))
+    (parent / "src" / "link").symlink_to("app.py")
+    os.mkfifo(parent / "fifo")
+    (parent / ".git").mkdir()
+    (parent / ".git" / "HEAD").write_text("ref\n")
+    (parent / ".corral").mkdir()
+    (parent / ".corral" / "x").write_text("x")
+    index = snapshot(parent, tmp / "sub" / "base", tmp / "sub" / "work")
+    work = tmp / "sub" / "work"
+    assert set(index.entries) == {*BASE_FILES, "src/link"}
+    for rel, data in BASE_FILES.items():
+        assert index.content(rel) == data
+        assert (work / rel).read_bytes() == data
+    assert os.readlink(work / "src" / "link") == "app.py"
+    assert index.entries["src/link"].mode == 0o120000
+    assert index.entries["run.sh"].mode == 0o100755
+    assert not (work / "fifo").exists() and not (work / ".git").exists()
+    assert not (work / ".corral").exists()
+    packed = sum(len(data) for data in BASE_FILES.values())
+    assert (tmp / "sub" / "base" / "base.pack").stat().st_size == packed
 
 
 def test_renaming_a_symlink_then_writing_through_it_is_refused(tmp: Path) -> None:

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.changesets import confined
@@ -109,64 +109,94 @@ def _copy_file(dir_fd: int, name: str) -> tuple[bytes, os.stat_result] | None:
         os.close(fd)
 
 
+PACK_FLUSH_BYTES = 1 << 20  # the pack is written in pieces of about this size
+_COPY_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 @dataclass
 class _Copy:
     """One snapshot in progress: where copies and packed bytes go."""
 
-    work_dir: Path
     pack: int
     guard: confined.Guard
     entries: dict[str, BaseEntry]
-    stack: list[tuple[list[str], int]]  # directories still to copy (open fds)
-    offset: int = 0
+    # directories still to copy: (path parts, the source's fd, the copy's fd)
+    stack: list[tuple[list[str], int, int]]
+    offset: int = 0  # where the next file's bytes start in the pack
+    pending: list[bytes] = field(default_factory=list)  # bytes not yet written to it
+    pending_bytes: int = 0
+
+    def pack_bytes(self, data: bytes) -> int:
+        """Queue `data` for the pack; return its offset there."""
+        at = self.offset
+        self.pending.append(data)
+        self.pending_bytes += len(data)
+        self.offset += len(data)
+        if self.pending_bytes >= PACK_FLUSH_BYTES:
+            self.flush_pack()
+        return at
+
+    def flush_pack(self) -> None:
+        if self.pending:
+            write_all(self.pack, b"".join(self.pending))
+            self.pending, self.pending_bytes = [], 0
 
 
-def _copy_dir(copy: _Copy, dir_fd: int, rel_parts: list[str]) -> None:
-    """Copy one directory's entries; its subdirectories go on the stack as fds."""
-    work_dir, pack, guard, entries, stack = (copy.work_dir, copy.pack, copy.guard,
-                                             copy.entries, copy.stack)
-    offset = copy.offset
-    dst_dir = work_dir.joinpath(*rel_parts)
+def _copy_dir(copy: _Copy, dir_fd: int, dst_fd: int, rel_parts: list[str]) -> None:
+    """Copy one directory's entries into the directory `dst_fd`; its
+    subdirectories go on the stack as fds. An entry's kind is its directory
+    entry's (no lstat where the filesystem reports it); every open that
+    follows checks it again without following a link, so an entry swapped
+    meanwhile is copied as what it is then or skipped, never followed."""
+    entries, guard = copy.entries, copy.guard
     with os.scandir(dir_fd) as it:
-        names = sorted(item.name for item in it)
-    for name in names:
-        if _skip(rel_parts, name):
-            continue
+        listed = sorted((item for item in it if not _skip(rel_parts, item.name)),
+                        key=lambda item: item.name)
+    for item in listed:
+        name = item.name
         rel = "/".join([*rel_parts, name])
-        dst = dst_dir / name
-        st = confined.lstat_at(dir_fd, name)
-        if st is None:
-            continue
-        if stat.S_ISLNK(st.st_mode):
-            target = os.readlink(name, dir_fd=dir_fd)
-            os.symlink(target, dst)
+        try:
+            is_link = item.is_symlink()
+            is_dir = not is_link and item.is_dir(follow_symlinks=False)
+            is_file = not is_link and not is_dir and item.is_file(follow_symlinks=False)
+        except OSError:
+            continue  # gone since the listing
+        if is_link:
+            try:
+                target = os.readlink(name, dir_fd=dir_fd)
+            except OSError:
+                continue  # gone, or no longer a link
+            os.symlink(target, name, dir_fd=dst_fd)
+            key = copy_key(os.stat(name, dir_fd=dst_fd, follow_symlinks=False))
             entries[rel] = BaseEntry(hashlib.sha256(os.fsencode(target)).hexdigest(),
-                                     0, 0o120000, -1, copy_key(os.lstat(dst)))
-        elif stat.S_ISDIR(st.st_mode):
+                                     0, 0o120000, -1, key)
+        elif is_dir:
             try:
                 sub = confined.open_dir(dir_fd, name, [*rel_parts, name], guard)
             except (OSError, confined.UnsafeFileError):
                 continue  # the state directory, or swapped for a link meanwhile: not copied
-            stack.append(([*rel_parts, name], sub))
-            dst.mkdir()
-        elif stat.S_ISREG(st.st_mode):
+            try:
+                os.mkdir(name, 0o777, dir_fd=dst_fd)
+                sub_dst = os.open(name, confined.DIR_FLAGS, dir_fd=dst_fd)
+            except BaseException:
+                os.close(sub)
+                raise
+            copy.stack.append(([*rel_parts, name], sub, sub_dst))
+        elif is_file:
             found = _copy_file(dir_fd, name)
             if found is None:
                 continue
             data, fst = found
             mode = git_mode(fst.st_mode)
-            out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                          0o755 if mode == 0o100755 else 0o644)
+            out = os.open(name, _COPY_FLAGS, 0o755 if mode == 0o100755 else 0o644,
+                          dir_fd=dst_fd)
             try:
                 write_all(out, data)
                 key = copy_key(os.fstat(out))  # after the last write: final times
             finally:
                 os.close(out)
-            write_all(pack, data)
             entries[rel] = BaseEntry(hashlib.sha256(data).hexdigest(), len(data), mode,
-                                     offset, key)
-            offset += len(data)
-    copy.offset = offset
+                                     copy.pack_bytes(data), key)
 
 
 def snapshot(source: Path, base_dir: Path, work_dir: Path,
@@ -174,23 +204,32 @@ def snapshot(source: Path, base_dir: Path, work_dir: Path,
     """Copy `source` into `work_dir` and index it into `base_dir`, walking
     `source` through directory fds without following a link (a directory
     swapped for a symlink meanwhile is not copied, nor one `guard` protects:
-    the state directory)."""
+    the state directory). The copies are made through directory fds too."""
     base_dir.mkdir(parents=True, exist_ok=True)
     work_dir.mkdir(parents=True, exist_ok=False)
     entries: dict[str, BaseEntry] = {}
     pack = os.open(base_dir / PACK, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    copy = _Copy(work_dir, pack, guard, entries, [])
+    copy = _Copy(pack, guard, entries, [])
     try:
-        copy.stack.append(([], os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)))
+        src = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            dst = os.open(work_dir, confined.DIR_FLAGS)
+        except BaseException:
+            os.close(src)
+            raise
+        copy.stack.append(([], src, dst))
         while copy.stack:
-            rel_parts, dir_fd = copy.stack.pop()
+            rel_parts, dir_fd, dst_fd = copy.stack.pop()
             try:
-                _copy_dir(copy, dir_fd, rel_parts)
+                _copy_dir(copy, dir_fd, dst_fd, rel_parts)
             finally:
                 os.close(dir_fd)
+                os.close(dst_fd)
+        copy.flush_pack()
     finally:
-        for _, fd in copy.stack:
+        for _, fd, dst_fd in copy.stack:
             os.close(fd)
+            os.close(dst_fd)
         os.close(pack)
     index = BaseIndex(base_dir, entries)
     index.save()
