@@ -17,6 +17,8 @@ Figures:
                             `git diff --binary`
     ratio_end_to_end / ratio_core   ours / baseline (target: within 2x)
     patch_applies           our patch passes `git apply --check` on the parent
+    file_create_us          what creating one empty file cost in the run's directory
+                            before the runs (both sides create 1,000 files a run)
 
 Where `changeset_ms` goes, same runs (medians, from the host's and the child's
 log lines):
@@ -229,9 +231,28 @@ def phases(state: StateDir, requested: list[float]) -> dict[str, list[float]]:
     return out
 
 
+CREATE_PROBE_FILES = 200
+
+
+def file_create_us(directory: Path) -> float:
+    """What creating an empty file costs in `directory` now (us, mean of
+    CREATE_PROBE_FILES): both sides of this benchmark create a thousand files a
+    run, and this filesystem's cost of a create varied from 16 to 850 us
+    between directories and hours (docs/performance.md, perf9)."""
+    probe = directory / "create-probe"
+    probe.mkdir()
+    started = time.perf_counter()
+    for i in range(CREATE_PROBE_FILES):
+        os.close(os.open(probe / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    elapsed = time.perf_counter() - started
+    shutil.rmtree(probe)
+    return elapsed / CREATE_PROBE_FILES * 1e6
+
+
 def run(quick: bool = False) -> dict[str, object]:
     runs = 3 if quick else 7
     with temp_state_root() as root:
+        create_us = file_create_us(root)
         ws = _workspace(root)
         repo = _repo(root, ws)
         baseline: list[float] = []
@@ -257,6 +278,7 @@ def run(quick: bool = False) -> dict[str, object]:
         "ratio_core": round(percentile(core, 50) / base_p50, 2),
         "patch_applies": check.returncode == 0,
         "patch_sha256": hashlib.sha256(patch).hexdigest()[:16],
+        "file_create_us": round(create_us, 1),
         **{f"phase_{name}_ms_p50": round(percentile(times, 50), 1)
            for name, times in parts.items() if times},
     }
