@@ -61,6 +61,7 @@ import psutil
 
 from ops.benchkit import (
     child_env,
+    file_create_us,
     percentile,
     start_writer,
     stop,
@@ -446,10 +447,12 @@ def run(quick: bool = False) -> dict[str, object]:
     ones: dict[str, list[dict[str, Any]]] = {name: [] for name in present}
     manys: dict[str, list[dict[str, Any]]] = {name: [] for name in present}
     floors: dict[str, list[float]] = {"corral": [], "corral_notree": [], "langgraph": []}
+    creates: list[float] = []  # what a file create costs in the runs' directory, a round
     for _ in range(rounds):
         for name in present:
             ones[name].append(_one_run(name, 1, steps))
         with temp_state_root() as root:
+            creates.append(file_create_us(root))
             for name, times in sync_floor_ms(root, FLOOR_ROUNDS).items():
                 floors[name].extend(times)
         for name in present:
@@ -459,6 +462,9 @@ def run(quick: bool = False) -> dict[str, object]:
     # disk, same run
     for name, times in floors.items():
         figures[f"{name}_sync_floor_ms_p50"] = round(percentile(times, 50), 2)
+    # every system's step creates a temp file: a slow create adds the same to
+    # each, and narrows their ratios (docs/performance.md, perf9)
+    figures["file_create_us"] = round(percentile(creates, 50), 1)
     for name in present:
         one, many = _pooled(ones[name]), _pooled(manys[name])
         figures[f"{name}_step_ms_p50"] = round(percentile(one["step_ms"], 50), 2)

@@ -54,7 +54,14 @@ from broker.errors import RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
 from broker.statedir import StateDir
-from ops.benchkit import child_env, percentile, stop, temp_state_root, wait_writer_ready
+from ops.benchkit import (
+    child_env,
+    file_create_us,
+    percentile,
+    stop,
+    temp_state_root,
+    wait_writer_ready,
+)
 
 PARENT = "bench-parent"
 N_FILES = 1000
@@ -229,24 +236,6 @@ def phases(state: StateDir, requested: list[float]) -> dict[str, list[float]]:
         out["child_steps"].append((exited[-1] - started[0]) * 1000)
         out["child_end"].append((ended[sid] - exited[-1]) * 1000)
     return out
-
-
-CREATE_PROBE_FILES = 200
-
-
-def file_create_us(directory: Path) -> float:
-    """What creating an empty file costs in `directory` now (us, mean of
-    CREATE_PROBE_FILES): both sides of this benchmark create a thousand files a
-    run, and this filesystem's cost of a create varied from 16 to 850 us
-    between directories and hours (docs/performance.md, perf9)."""
-    probe = directory / "create-probe"
-    probe.mkdir()
-    started = time.perf_counter()
-    for i in range(CREATE_PROBE_FILES):
-        os.close(os.open(probe / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-    elapsed = time.perf_counter() - started
-    shutil.rmtree(probe)
-    return elapsed / CREATE_PROBE_FILES * 1e6
 
 
 def run(quick: bool = False) -> dict[str, object]:

@@ -42,6 +42,24 @@ def child_env() -> dict[str, str]:
     return env
 
 
+CREATE_PROBE_FILES = 200
+
+
+def file_create_us(directory: Path) -> float:
+    """What creating an empty file costs in `directory` now (us, mean of
+    CREATE_PROBE_FILES). This VM's cost of a create varied from 16 to 850 us
+    between directories and hours (docs/performance.md, perf9); a benchmark
+    whose work creates files prints it, so that a run says which it met."""
+    probe = directory / "create-probe"
+    probe.mkdir()
+    started = time.perf_counter()
+    for i in range(CREATE_PROBE_FILES):
+        os.close(os.open(probe / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    elapsed = time.perf_counter() - started
+    shutil.rmtree(probe)
+    return elapsed / CREATE_PROBE_FILES * 1e6
+
+
 def start_writer(state_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "actors.writer", "--state-dir", str(state_dir), *extra],
