@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -161,8 +162,9 @@ def _wait_peer(peer: BrokerPeer, to: str) -> None:
     raise TimeoutError(f"{to} did not answer")
 
 
-def _end_to_end(root: Path, ws: Path, runs: int,
-                sent: list[float]) -> tuple[list[float], bytes]:
+def _end_to_end(root: Path, ws: Path, runs: int, sent: list[float],
+                before_each: Callable[[int], None] = lambda n: None,
+                ) -> tuple[list[float], bytes]:
     state = StateDir(root / ".corral").ensure()
     task = _child_task(root)
     started_procs: list[subprocess.Popen[bytes]] = []
@@ -177,7 +179,8 @@ def _end_to_end(root: Path, ws: Path, runs: int,
         started_procs.append(_spawn("actors.subagents", state))
         peer = BrokerPeer(ctx, state, PARENT)
         _wait_peer(peer, "subagents")
-        for _ in range(runs):
+        for n in range(runs):
+            before_each(n)
             message = protocol.SpawnSubagent(msg_id=new_msg_id("s"), parent=PARENT,
                                               workspace=str(ws), task=str(task),
                                               descriptor="bench", wait_s=60)
@@ -246,11 +249,16 @@ def run(quick: bool = False) -> dict[str, object]:
         repo = _repo(root, ws)
         baseline: list[float] = []
         core: list[float] = []
-        for n in range(runs):  # interleaved: both see the same disk weather
+
+        def peers(n: int) -> None:
             baseline.append(_baseline_once(root, repo, n))
             core.append(_core_once(root, ws, n))
+
+        # interleaved, a run of each in turn: all three see the same disk
+        # weather (here a file's create grows slower as a run creates and
+        # removes thousands, docs/performance.md)
         sent: list[float] = []
-        e2e, patch = _end_to_end(root, ws, runs, sent)
+        e2e, patch = _end_to_end(root, ws, runs, sent, peers)
         parts = phases(StateDir(root / ".corral"), sent)
         (root / "ours.patch").write_bytes(patch)
         check = subprocess.run(["git", "apply", "--check", str(root / "ours.patch")], cwd=ws,

@@ -25,10 +25,16 @@ def percentile(values: Sequence[float], pct: float) -> float:
     return ordered[rank]
 
 
+BENCH_DIR_ENV = "CORRAL_BENCH_DIR"  # where runs make their directories (default /tmp)
+
+
 @contextmanager
 def temp_state_root(prefix: str = "corral-bench-") -> Iterator[Path]:
-    """A short directory (ipc socket paths are limited to 107 bytes)."""
-    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    """A short directory (ipc socket paths are limited to 107 bytes) in
+    $CORRAL_BENCH_DIR, /tmp without it: the disk a run measures is the one
+    that directory is on (and, on this VM, how fast a file is created there:
+    `file_create_us`)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=os.environ.get(BENCH_DIR_ENV) or "/tmp"))
     try:
         yield root
     finally:
