@@ -37,10 +37,18 @@ class BaseEntry:
     copy_key: tuple[int, int, int, int]  # (ino, size, mtime_ns, ctime_ns) of the child's copy
 
 
+CopyStat = tuple[int, int, int, int, int]  # st_mode, st_ino, st_size, st_mtime_ns, st_ctime_ns
+
+
 class BaseIndex:
-    def __init__(self, directory: Path, entries: dict[str, BaseEntry]) -> None:
+    def __init__(self, directory: Path, entries: dict[str, BaseEntry],
+                 copies: dict[str, CopyStat] | None = None) -> None:
         self.directory = directory
         self.entries = entries
+        # in memory only, from `snapshot` (not saved): each regular file's copy
+        # as lstat shows it once written, with its mode (the child's stat cache
+        # is seeded from it: actors/trees/statcache.py, `seed`)
+        self.copies: dict[str, CopyStat] = copies if copies is not None else {}
 
     def content(self, path: str) -> bytes:
         entry = self.entries[path]
@@ -120,6 +128,7 @@ class _Copy:
     pack: int
     guard: confined.Guard
     entries: dict[str, BaseEntry]
+    copies: dict[str, CopyStat]
     # directories still to copy: (path parts, the source's fd, the copy's fd)
     stack: list[tuple[list[str], int, int]]
     offset: int = 0  # where the next file's bytes start in the pack
@@ -192,11 +201,13 @@ def _copy_dir(copy: _Copy, dir_fd: int, dst_fd: int, rel_parts: list[str]) -> No
                           dir_fd=dst_fd)
             try:
                 write_all(out, data)
-                key = copy_key(os.fstat(out))  # after the last write: final times
+                ost = os.fstat(out)  # after the last write: final times
             finally:
                 os.close(out)
             entries[rel] = BaseEntry(hashlib.sha256(data).hexdigest(), len(data), mode,
-                                     copy.pack_bytes(data), key)
+                                     copy.pack_bytes(data), copy_key(ost))
+            copy.copies[rel] = (ost.st_mode, ost.st_ino, ost.st_size, ost.st_mtime_ns,
+                                ost.st_ctime_ns)
 
 
 def snapshot(source: Path, base_dir: Path, work_dir: Path,
@@ -209,7 +220,7 @@ def snapshot(source: Path, base_dir: Path, work_dir: Path,
     work_dir.mkdir(parents=True, exist_ok=False)
     entries: dict[str, BaseEntry] = {}
     pack = os.open(base_dir / PACK, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    copy = _Copy(pack, guard, entries, [])
+    copy = _Copy(pack, guard, entries, {}, [])
     try:
         src = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -231,7 +242,7 @@ def snapshot(source: Path, base_dir: Path, work_dir: Path,
             os.close(fd)
             os.close(dst_fd)
         os.close(pack)
-    index = BaseIndex(base_dir, entries)
+    index = BaseIndex(base_dir, entries, copy.copies)
     index.save()
     return index
 

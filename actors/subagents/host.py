@@ -47,6 +47,7 @@ from actors.subagents.ops import task_path
 from actors.subagents.remote import RemoteLink
 from actors.subagents.remotepack import PackLimits
 from actors.subagents.starter import ChildStarter
+from actors.trees import recorder
 from actors.writer.client import WriterClient
 from broker import lifeline, protocol
 from broker.control import CallWatch
@@ -187,6 +188,7 @@ class SubagentsHost:
             return self._place(message, placed, directory, task,
                                settings.model_copy(update={"budget": budget}), backend,
                                len(index.entries))
+        self._seed_child_cache(name, index)
         write_spec(self.state, name, AgentSpec(
             task=task, backend=backend, workspace=str(directory / "work"),
             parent_agent=message.parent,
@@ -206,6 +208,19 @@ class SubagentsHost:
             raise
         self.counts["spawned"] += 1
         return child
+
+    def _seed_child_cache(self, name: str, index: BaseIndex) -> None:
+        """The child's first capture of its workspace trusts what the snapshot
+        hashed as it wrote each copy (a copy whose lstat identity is still the
+        one written, outside the racy tick) instead of reading and hashing
+        every file again. The stat cache is derived: when it cannot be written
+        the child's first capture hashes everything, as it would have."""
+        files = {rel: (ident, index.entries[rel].sha256) for rel, ident in index.copies.items()}
+        try:
+            recorder.seed_stat_cache(self.state, name, files)
+        except OSError as exc:
+            log.warning("subagent_cache_not_seeded", child=name,
+                        error=exc.strerror or type(exc).__name__)
 
     def _place(self, message: protocol.SpawnSubagent, placed: str,  # noqa: PLR0917
                directory: Path, task: str, settings: AgentSettings, backend: str,

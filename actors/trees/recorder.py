@@ -15,6 +15,7 @@ import fcntl
 import os
 import signal
 import weakref
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,9 @@ from typing import Any
 from actors.agent import workspace as agent_workspace
 from actors.agent.state import AgentState
 from actors.changesets import confined
+from actors.trees import statcache
 from actors.trees.capture import Capturer
-from actors.trees.statcache import StatCache
+from actors.trees.statcache import Ident, StatCache
 from actors.trees.store import LEASE_NAME, ObjectStore, packs_dir, sync_fds, take_lease
 from actors.trees.store import lease as store_lease
 from actors.trees.watch import WorkspaceWatch
@@ -44,12 +46,25 @@ def store_for(state_dir: StateDir, writer: str = "shared") -> ObjectStore:
     return ObjectStore(packs_dir(state_dir.root), writer)
 
 
+def stat_cache_path(state_dir: StateDir, name: str) -> Path:
+    """Agent `name`'s stat cache (the cache tier: derived, never needed)."""
+    return state_dir.cache_dir / "trees" / f"{name}.jsonl"
+
+
+def seed_stat_cache(state_dir: StateDir, name: str,
+                    files: Mapping[str, tuple[Ident, str]]) -> int:
+    """Agent `name`'s stat cache, written from identities and digests known
+    without reading the files (statcache.seed); how many it names."""
+    return statcache.seed(stat_cache_path(state_dir, name), state_dir.cache_dir / "trees",
+                          files)
+
+
 def capturer_for(state_dir: StateDir, name: str, workspace: Path,
                  store: ObjectStore | None = None, *, watch: bool = False) -> Capturer:
     """`watch`: captures read what inotify reports changed (the agent's own
     capturer; without an instance from the host, every capture walks)."""
     store = store if store is not None else store_for(state_dir, name)
-    cache = StatCache.load(state_dir.cache_dir / "trees" / f"{name}.jsonl")
+    cache = StatCache.load(stat_cache_path(state_dir, name))
     return Capturer(workspace, store, cache, agent_workspace.guard_for(state_dir),
                     state_dir.cache_dir / "trees",
                     watch=WorkspaceWatch.open(packs_dir(state_dir.root).parent / "watch-slots")

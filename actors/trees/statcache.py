@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from typing import Any
 from broker.durable import open_append
 
 FORMAT_VERSION = 2  # 2: a directory's line may give only the files that changed
+NO_DIGEST = ""  # a seeded directory's: no tree digest known (never one the store holds)
 STAMP_NAME = ".stamp"  # the probe file fs_now_ns writes
 Ident = tuple[int, int, int, int, int]  # mode, inode, size, mtime_ns, ctime_ns
 Signature = tuple[tuple[str, int, int, int, int, int], ...]
@@ -166,6 +168,33 @@ class StatCache:
         closer, self._append = self._append, None
         if closer is not None:
             closer()  # closes the fd
+
+
+def seed(path: Path, stamp_dir: Path, files: Mapping[str, tuple[Ident, str]]) -> int:
+    """Write the stat cache at `path` for a workspace whose files' lstat
+    identities and digests are known without reading them (a subagent's
+    snapshot hashed each file as it wrote the copy): its first capture then
+    reads only the files that changed since, or that the racy rule does not
+    let it trust. `files`: workspace-relative path -> (identity, sha256).
+
+    The stamp is the filesystem's clock now (`fs_now_ns` in `stamp_dir`, the
+    capturer's): call it after the files were written; one written within
+    the stamp's own tick is read again, as after any capture. A seeded
+    directory has no signature and no tree digest (NO_DIGEST), so a capture
+    compares its files one by one and never takes its digest from the seed.
+    Returns how many files the cache names."""
+    cache = StatCache(path)
+    cache.stamp_ns = fs_now_ns(stamp_dir)
+    for rel, (ident, digest) in files.items():
+        head, _, name = rel.rpartition("/")
+        directory = f"{head}/" if head else ""
+        entry = cache.dirs.get(directory)
+        if entry is None:
+            entry = cache.dirs[directory] = DirCache(NO_DIGEST, 0, {})
+        entry.files[name] = (ident, digest)
+        entry.max_time_ns = max(entry.max_time_ns, ident[3], ident[4])
+    cache.save(list(cache.dirs), [])  # a whole file (its first line): a rewrite
+    return len(files)
 
 
 def fs_now_ns(directory: Path) -> int:
