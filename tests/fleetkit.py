@@ -136,13 +136,15 @@ def stream_records(urls: list[str], host: str) -> dict[int, bytes]:
 
 
 def forget_hosts(urls: list[str], hosts: list[str]) -> None:
-    """Take a test's hosts out of the fleet's members and their bundles out of the
-    object store, so a later test's hosts neither declare them dead nor adopt
-    their agents (call once their supervisors are gone)."""
+    """Take a test's hosts out of the fleet's members, its status bucket and
+    their bundles out of the object store, so a later test's hosts neither see
+    them in the fleet view, declare them dead nor adopt their agents (call
+    once their supervisors are gone)."""
     import nats
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
     from broker.buskeys import BUCKET as BUS_KEYS
+    from broker.fleetnats import HOSTS_BUCKET
     from supervisor.fleetadopt import OBJECTS
     from supervisor.fleetwatch import MEMBERS
 
@@ -154,6 +156,13 @@ def forget_hosts(urls: list[str], hosts: list[str]) -> None:
                 members = await js.key_value(MEMBERS)
                 for host in hosts:
                     await members.purge(host)
+            except (BucketNotFoundError, NotFoundError):
+                pass
+            try:  # their status entries: the fleet view (and placement's least-loaded
+                # host) would otherwise show them, stale, to a later test's hosts
+                status = await js.key_value(HOSTS_BUCKET)
+                for host in hosts:
+                    await status.purge(host)
             except (BucketNotFoundError, NotFoundError):
                 pass
             try:  # their bus keys (broker/buskeys.py)
