@@ -138,9 +138,28 @@ class Approver:
         self._writer.close()
 
 
-def _cut_tail(state_dir: StateDir, rng: random.Random) -> Cut | None:
+@dataclass(frozen=True)
+class CutBudget:
+    """How many of the soak's agents (`agents`, their names: the origins of
+    their appends) the cuts may reach in all. An agent one of whose
+    acknowledged appends a cut took is exempt from the agent-level checks
+    (ops/soakcheck.py, cut_victims), which need the rest."""
+
+    agents: frozenset[str]
+    max_reached: int
+
+
+def _cut_tail(
+    state_dir: StateDir,
+    rng: random.Random,
+    budget: CutBudget | None = None,
+    reached: set[str] | None = None,
+) -> Cut | None:
     """Cut the active segment at a random byte of one of its last 3 records
-    (a torn write; the newest are often not yet acknowledged, older ones were)."""
+    (a torn write; the newest are often not yet acknowledged, older ones were).
+    No cut (None) when the records it would take were appended by more of
+    `budget`'s agents than it allows, with those the earlier cuts reached
+    (`reached`, which a cut made adds its own to)."""
     segments = list_segments(state_dir.wal_dir)
     if not segments:
         return None
@@ -163,6 +182,12 @@ def _cut_tail(state_dir: StateDir, rng: random.Random) -> Cut | None:
     lines = zip([0, *ends[:-1]], ends, strict=True)
     in_window = (parse_record(tail[a:b]) for a, b in lines)
     gone = [r for r in in_window if r is not None and r.seq >= gone[0].batch_first]
+    if budget is not None:
+        now = (reached or set()) | ({r.origin for r in gone} & budget.agents)
+        if len(now) > budget.max_reached:
+            return None
+        if reached is not None:
+            reached |= now
     start, end = bounds[victim]
     cut_at = size - window + rng.randrange(start, end)
     with open(path, "r+b") as f:
@@ -223,8 +248,11 @@ def kill_loop(  # noqa: PLR0917 - the soak's parts, wired once
     duration_s: float,
     interval_s: float,
     cut_chance: float,
+    cut_budget: CutBudget | None = None,
 ) -> None:
-    """Kill a random child every interval until the duration is over."""
+    """Kill a random child every interval until the duration is over; a
+    writer's kill cuts the WAL's tail at `cut_chance`, within `cut_budget`."""
+    reached: set[str] = set()  # the budget's agents the cuts so far reached
     sup = psutil.Process(supervisor.pid)
     deadline = time.monotonic() + duration_s
     next_kill = time.monotonic() + interval_s
@@ -260,7 +288,7 @@ def kill_loop(  # noqa: PLR0917 - the soak's parts, wired once
             try:
                 kill_group(pid)
                 _wait_gone(pid, 5.0)
-                cut = _cut_tail(state_dir, rng)
+                cut = _cut_tail(state_dir, rng, cut_budget, reached)
             finally:
                 os.kill(supervisor.pid, signal.SIGCONT)
             if cut is not None:
