@@ -294,6 +294,36 @@ def test_generations_are_derived(state_dir: StateDir, tmp_path: Path) -> None:
     assert rebuild(writer, state_dir, "a1").state == full  # type: ignore[arg-type]
 
 
+def test_snapshot_json_is_the_newest_generation_and_encode_round_trips(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    """`snapshot.json` names the newest generation's very bytes (another name
+    for its file, not a copy); a generation's bytes (pydantic's JSON inside
+    the envelope) parse back to the state they were made from, text outside
+    ASCII and fractional costs included; a replaced snapshot.json (a copy, a
+    stale link) is made to name the newest again."""
+    steps = [{"op": "write_file", "path": "f{i}.txt", "content": "é {i} ✓"}]
+    task = write_task(tmp_path / "t.yaml", steps, repeat=40)
+    writer = FakeWriter()
+    loop = new_loop(state_dir, writer, task, snapshot_every=16)
+    assert drive(loop) is Step.DONE
+    agent_dir = state_dir.agent_dir("a1")
+    snapshot = agent_dir / "state" / "snapshot.json"
+    newest = generations.list_generations(agent_dir)[-1]
+    assert snapshot.read_bytes() == newest.read_bytes()
+    assert snapshot.stat().st_ino == newest.stat().st_ino
+    state = loop.state.model_copy(deep=True)
+    state.budget.cost_used = 0.1 + 0.2
+    body = generations.encode("a1", state, "k")
+    gen = generations.parse(body)
+    assert gen is not None and gen.state == state and gen.key == "k"
+    snapshot.unlink()
+    snapshot.write_bytes(b"stale")
+    digest = generations.write(agent_dir, "a1", state, key="k")
+    assert snapshot.read_bytes() == body
+    assert generations.read(snapshot) is not None
+    assert digest == generations.parse(snapshot.read_bytes()).sha256  # type: ignore[union-attr]
+
+
 def test_a_generation_equals_the_fold_when_other_streams_interleave(
         state_dir: StateDir, tmp_path: Path) -> None:
     """Seqs are global: another stream's records put this stream's facts at
