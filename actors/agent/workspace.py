@@ -27,6 +27,7 @@ memory directory for memory ops) with its guard; handlers return one in
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -175,8 +176,12 @@ def apply_write(where: Place, content: bytes | None) -> None:
     """Replace the file atomically (None: delete it), through the walk."""
     if not where.parts:
         raise confined.UnsafeFileError(".", "is_a_directory", "'.' is a directory")
-    where.root.mkdir(parents=True, exist_ok=True)
-    with confined.open_root(where.root) as root_fd:
+    with contextlib.ExitStack() as stack:
+        try:
+            root_fd = stack.enter_context(confined.open_root(where.root))
+        except FileNotFoundError:  # the first write of a workspace (or memory directory)
+            where.root.mkdir(parents=True, exist_ok=True)
+            root_fd = stack.enter_context(confined.open_root(where.root))
         if content is None:
             confined.delete(root_fd, where.parts, where.guard)
         else:
