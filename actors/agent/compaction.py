@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,34 +58,50 @@ def tokens_of(value: Any) -> int:
 
 
 class _ItemSizes:
-    """`tokens_of` of each exchange, computed once per exchange object.
+    """The sum of `tokens_of` over the exchanges of `recent`, kept as the
+    list changes: amortized O(exchanges added), not O(history) per turn.
 
-    The context's size is asked for before every model request; encoding
-    every exchange each time made that O(history) per turn (a fifth of a
-    scripted step's CPU with 200 exchanges). The fold only appends new
-    exchange dicts to `recent` and drops old ones (never changes one in
-    place), so an exchange's size is fixed once it is there: remembered by
-    the object's identity, the object held so that its id is not reused while
-    remembered. Entries of exchanges no longer seen are dropped when the memo
-    outgrows what is asked for."""
+    The context's size is asked for before every model request. The fold
+    changes `recent` in two ways only: it appends a new exchange dict, and
+    it deletes the oldest ones (the window's bound, a compaction boundary);
+    an exchange is never changed in place. So the sizes are mirrored here
+    in the list's order: the oldest dropped until the mirror starts where the
+    list does, then the new exchanges sized and added. Anything else (another
+    list, as a rebuild or a generation gives, or a list whose kept part does
+    not line up with the mirror) is summed again from the start. Objects
+    are held, so no identity compared here is reused while mirrored."""
 
     def __init__(self) -> None:
-        self._memo: dict[int, tuple[Any, int]] = {}
+        self._items: list[Any] | None = None  # the list the mirror follows
+        self._mirror: deque[tuple[Any, int]] = deque()  # (exchange, its tokens)
+        self._total = 0
 
     def total(self, items: Sequence[Any]) -> int:
-        memo = self._memo
-        size = 0
+        mirror = self._mirror
+        if items is not self._items or not mirror or not items:
+            return self._again(items)
+        first = items[0]
+        while mirror and mirror[0][0] is not first:
+            self._total -= mirror.popleft()[1]
+        kept = len(mirror)
+        if not kept or kept > len(items) or items[kept - 1] is not mirror[-1][0]:
+            return self._again(items)
+        for item in items[kept:]:
+            self._add(item)
+        return self._total
+
+    def _again(self, items: Sequence[Any]) -> int:
+        self._items = items if isinstance(items, list) else None
+        self._mirror = deque()
+        self._total = 0
         for item in items:
-            hit = memo.get(id(item))
-            if hit is not None and hit[0] is item:
-                size += hit[1]
-                continue
-            n = tokens_of(item)
-            memo[id(item)] = (item, n)
-            size += n
-        if len(memo) > 2 * len(items) + 64:
-            self._memo = {id(item): memo[id(item)] for item in items}
-        return size
+            self._add(item)
+        return self._total
+
+    def _add(self, item: Any) -> None:
+        size = tokens_of(item)
+        self._mirror.append((item, size))
+        self._total += size
 
 
 _sizes = _ItemSizes()
