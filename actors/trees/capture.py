@@ -33,12 +33,21 @@ import os
 import stat
 import time
 import weakref
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 from pathlib import Path
 
 from actors.changesets import confined
 from actors.trees import tree
-from actors.trees.statcache import STAMP_NAME, DirCache, Ident, Signature, StatCache, fs_now_ns
+from actors.trees.statcache import (
+    NO_DIGEST,
+    STAMP_NAME,
+    DirCache,
+    Ident,
+    Signature,
+    StatCache,
+    fs_now_ns,
+)
 from actors.trees.store import ObjectStore, digest_of
 from actors.trees.watch import WorkspaceWatch
 
@@ -80,6 +89,7 @@ class Capturer:
         self.stamp_dir = stamp_dir if stamp_dir is not None else store.directory.parent
         self._fast_gen: int | None = None  # the store's generation the cached rows are good for
         self._fast = False
+        self._now_ns = 0  # the stamp of the capture in progress
         self.watch = watch
         self.full_every_s = full_every_s
         self.full_walks = 0  # captures that walked the whole workspace (watched or not)
@@ -123,7 +133,7 @@ class Capturer:
     def capture(self, *, durable: bool = True) -> Captured:
         """`durable=False`: the new objects' sync is left to the caller
         (`store.take_unsynced()`, before a fact names the tree)."""
-        stamp = self._stamp()
+        stamp = self._now_ns = self._stamp()
         self.store.validate(stamp)  # a collection since the last capture: index again
         # cached rows name only objects held when the last capture ended well
         # and the index was not reset since (DirCache.rows; _rebuild)
@@ -209,18 +219,24 @@ class Capturer:
             names = changed.get(rel, set())
             if linked:
                 names = names | linked
+            moved: dict[str, Entry | None] = {}  # name -> its entry before (None: new)
             for name in names:
+                old = index.get(name)
                 try:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
-                    index.pop(name, None)
+                    if old is not None:
+                        del index[name]
+                        moved[name] = old
                     if linked:
                         linked.discard(name)
                     continue
                 if stat.S_ISDIR(st.st_mode):
                     raise _UnsureError  # a directory where none was listed
-                index[name] = (name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns,
-                               st.st_ctime_ns)
+                ent = (name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                if ent != old:
+                    index[name] = ent
+                    moved[name] = old
                 if st.st_nlink > 1:
                     self._linked.setdefault(rel, set()).add(name)
                 elif linked:
@@ -241,10 +257,16 @@ class Capturer:
                         raise _UnsureError
                 if d != EMPTY:
                     sub_digests.append((name, d))
-            signature = tuple(index.values())
             subs = tuple(sub_digests)
             cached = self.cache.dirs.get(rel)
-            if (cached is not None and cached.signature == signature and cached.subdirs == subs
+            if cached is not None and _patchable(cached, index, moved):
+                if (not moved and cached.subdirs == subs
+                        and cached.max_time_ns < self.cache.stamp_ns
+                        and self.store.has(cached.digest)):
+                    return cached.digest
+                return self._patch(fd, rel, subs, cached, index=index, moved=moved)
+            signature = tuple(index.values())  # (not patchable: from the whole listing)
+            if (cached is not None and _listed(cached, signature) and cached.subdirs == subs
                     and cached.max_time_ns < self.cache.stamp_ns
                     and self.store.has(cached.digest)):
                 return cached.digest
@@ -303,9 +325,10 @@ class Capturer:
             subs = tuple(sub_digests)
             self._seen.add(rel)
             cached = self.cache.dirs.get(rel)
-            if (cached is not None and cached.signature == signature and cached.subdirs == subs
+            if (cached is not None and _listed(cached, signature) and cached.subdirs == subs
                     and cached.max_time_ns < self.cache.stamp_ns
                     and self.store.has(cached.digest)):
+                cached.signature = signature  # (compared as a tuple next time)
                 return cached.digest
             return self._rebuild(fd, rel, signature, subs, cached)
         finally:
@@ -326,7 +349,7 @@ class Capturer:
         name: the same bytes as `tree.encode`, and not encoded again when
         the rows did not change."""
         touched: set[str] | None = None  # None: journal the directory whole
-        sigset = frozenset(signature)
+        sigset = set(signature)
         if (cached is not None and cached.rows is not None and cached.sigset is not None
                 and self._fast):
             touched = set()
@@ -349,14 +372,97 @@ class Capturer:
             body = tree.encode_rows(map(rows.__getitem__, order))
             digest = digest_of(body)
             self._new.setdefault(digest, body)
+        racy = None
+        if self.watch is not None:  # (what a watched capture of it reads again: _patch)
+            now = self._now_ns
+            racy = {e[0]: t for e in signature if (t := max(e[4], e[5])) >= now}
         self.cache.dirs[rel] = DirCache(digest, max_time, files, subs, signature, rows, order,
-                                        sigset, touched)
+                                        sigset, touched, racy=racy, racy_floor=self._now_ns)
         self._changed.append(rel)
         return digest
 
-    def _changed_rows(self, fd: int, new: frozenset[Entry], subs: tuple[tuple[str, str], ...],
+    def _patch(self, fd: int, rel: str, subs: tuple[tuple[str, str], ...], cached: DirCache, *,
+               index: dict[str, Entry], moved: dict[str, Entry | None]) -> str:
+        """The tree of a watched directory, its cached state updated in place
+        from the names whose entries moved (`moved`: name -> its entry before,
+        None for a new name; `index` holds the entries now) and its racy
+        entries, never from the whole listing: the signature's set, rows,
+        files and sorted names (bisect) change by those names only, and the
+        rows are joined and hashed again only when one of them changed.
+
+        The racy rule is the walk's (`_changed_rows`): the kept entries whose
+        mtime or ctime is not older than the last capture's stamp are read
+        again, found in `DirCache.racy` instead of among every entry. The
+        digest is cleared first, so a pass that raises midway leaves none to
+        keep: the capture that follows is not `_fast` (no store generation
+        was recorded), walks in full and makes these rows again from scratch
+        (`_all_rows`), checking each file against the store."""
+        rows, order, sigset = cached.rows, cached.order, cached.sigset
+        assert rows is not None  # (_patchable)
+        assert order is not None
+        assert sigset is not None
+        stamp = self.cache.stamp_ns
+        racy = _racy(cached, index, stamp)
+        kept_racy = [name for name in racy if name not in moved]
+        before, cached.digest, cached.signature = cached.digest, NO_DIGEST, None
+        max_time = cached.max_time_ns  # an upper bound, as in _changed_rows
+        changed = False
+        touched: set[str] = set()
+        for name, old in moved.items():
+            ent = index.get(name)
+            if old is not None:
+                sigset.discard(old)
+            racy.pop(name, None)
+            if ent is not None:
+                sigset.add(ent)
+                if (t := max(ent[4], ent[5])) >= stamp:
+                    racy[name] = t
+            row_changed, t = self._reread(fd, cached, name, ent)
+            changed |= row_changed
+            max_time = max(max_time, t)
+            touched.add(name)
+        for name in kept_racy:  # listed as before, but maybe changed within the stamp's tick
+            row_changed, t = self._reread(fd, cached, name, index[name])
+            changed |= row_changed
+            max_time = max(max_time, t)
+            touched.add(name)
+        if subs != cached.subdirs:
+            old_subs, new_subs = dict(cached.subdirs), dict(subs)
+            for name in old_subs.keys() | new_subs.keys():
+                d = new_subs.get(name)
+                row = None if d is None else tree.encode_row(name, tree.DIR_MODE, d, 0)
+                changed |= _set_row(rows, order, name, row, rows.get(name))
+            cached.subdirs = subs
+        if not rows:
+            self.cache.dirs.pop(rel, None)
+            return EMPTY
+        if changed or not self.store.has(before):
+            body = tree.encode_rows(map(rows.__getitem__, order))
+            before = digest_of(body)
+            self._new.setdefault(before, body)
+        cached.digest, cached.max_time_ns = before, max_time
+        if cached.touched is not None:
+            cached.touched |= touched  # (None: the journal's next line gives it whole)
+        self._changed.append(rel)
+        return before
+
+    def _reread(self, fd: int, cached: DirCache, name: str, ent: Entry | None
+                ) -> tuple[bool, int]:
+        """Read one entry again (`ent`; None: gone) into the directory's rows,
+        files and sorted names: whether its row changed, and its newest
+        timestamp (0 for none kept)."""
+        rows, files, order = cached.rows, cached.files, cached.order
+        assert rows is not None  # (_patchable)
+        assert order is not None
+        row = rows.pop(name, None)
+        files.pop(name, None)
+        t = 0 if ent is None else self._entry(fd, ent, rows, files, None)
+        now = rows.pop(name, None)
+        return _set_row(rows, order, name, now, row), t
+
+    def _changed_rows(self, fd: int, new: set[Entry], subs: tuple[tuple[str, str], ...],
                       cached: DirCache, touched: set[str]) -> tuple[dict[str, str], Files, int]:
-        old = cached.sigset if cached.sigset is not None else frozenset()
+        old = cached.sigset if cached.sigset is not None else set()
         added, removed = new - old, old - new
         stamp = self.cache.stamp_ns
         if cached.max_time_ns >= stamp:  # racy entries among those kept: read again
@@ -425,6 +531,65 @@ class Capturer:
         files[name] = (ident, d)
         rows[name] = tree.encode_row(name, st.st_mode, d, st.st_size)
         return max(mtime, ctime, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _patchable(cached: DirCache, index: dict[str, Entry], moved: dict[str, Entry | None]
+               ) -> bool:
+    """Whether a watched capture can patch the directory's cached state from
+    the names that moved: it holds rows, and its signature's set is the
+    listing these names changed (what each entry was before is in it, what
+    each is now is not, and the sizes agree)."""
+    sigset = cached.sigset
+    if cached.rows is None or cached.order is None or sigset is None:
+        return False
+    size = len(index)
+    for name, old in moved.items():
+        ent = index.get(name)
+        if (old is not None and old not in sigset) or (ent is not None and ent in sigset):
+            return False
+        size += (old is not None) - (ent is not None)
+    return size == len(sigset)
+
+
+def _listed(cached: DirCache, signature: Signature) -> bool:
+    """Whether the directory lists what its cache holds: the signature, or
+    (after a watched capture patched it) the set of its entries."""
+    if cached.signature is not None:
+        return cached.signature == signature
+    sigset = cached.sigset
+    return sigset is not None and len(sigset) == len(signature) and sigset.issuperset(signature)
+
+
+def _racy(cached: DirCache, index: dict[str, Entry], stamp: int) -> dict[str, int]:
+    """The directory's entries whose newest timestamp is not older than
+    `stamp` (the last capture's), by name: the cached ones pruned, or (none
+    kept, or the clock went back past them) found from the listing."""
+    racy = cached.racy
+    if racy is None or stamp < cached.racy_floor:
+        racy = {e[0]: t for e in index.values() if (t := max(e[4], e[5])) >= stamp}
+    else:
+        for name in [name for name, t in racy.items() if t < stamp]:
+            del racy[name]
+    cached.racy, cached.racy_floor = racy, stamp
+    return racy
+
+
+def _set_row(rows: dict[str, str], order: list[str], name: str, row: str | None,
+             was: str | None) -> bool:
+    """Make `row` (None: none) the row of `name` in `rows`, keeping `order`
+    (the names of `rows`, sorted) by bisection; `was`: its row before.
+    Whether the row changed."""
+    if row is None:
+        rows.pop(name, None)
+        if was is not None:
+            i = bisect_left(order, name)
+            if i < len(order) and order[i] == name:
+                del order[i]
+    else:
+        rows[name] = row
+        if was is None:
+            insort(order, name)
+    return row != was
 
 
 def _dirty_dirs(changed: dict[str, set[str]], linked: dict[str, set[str]]) -> set[str]:

@@ -51,16 +51,25 @@ class DirCache:
     max_time_ns: int
     files: dict[str, tuple[Ident, str]]  # name -> (identity, digest)
     subdirs: tuple[tuple[str, str], ...] = ()
-    signature: Signature | None = None  # None after a load: compared file by file once
+    # None after a load (compared file by file once) and after a watched capture
+    # patched the directory (its entries are then compared as a set: `sigset`)
+    signature: Signature | None = None
     # in memory only (None after a load): each entry's encoded tree row
     # (tree.encode_row) by name, the names sorted, the signature as a set; a
-    # capture of this directory when it changed re-encodes only what changed
+    # capture of this directory when it changed re-encodes only what changed,
+    # and a watched capture updates these in place from the names changed
     rows: dict[str, str] | None = None
     order: list[str] | None = None
-    sigset: frozenset[tuple[str, int, int, int, int, int]] | None = None
+    sigset: set[tuple[str, int, int, int, int, int]] | None = None
     # the names whose file line changed since the journal's last line of this
     # directory (None: journal it whole)
     touched: set[str] | None = None
+    # in memory only: the names whose newest listed timestamp (mtime or ctime)
+    # is not older than `racy_floor`, with that timestamp (every such entry is
+    # here; None: not known, found from the listing when needed): a watched
+    # capture reads these again under the racy rule without a look at the rest
+    racy: dict[str, int] | None = None
+    racy_floor: int = 0
 
 
 @dataclass
