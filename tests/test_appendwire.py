@@ -236,3 +236,42 @@ def test_the_remembered_names_are_bounded_and_checked_again_after_a_clear() -> N
     assert w.decode_request(_append_frame(origin="o1\n")) is None
     assert w.decode_request(_append_frame(event="Turn")) is None
     assert w.decode_request(_append_frame(stream="agent/" + "x" * 123)) is None
+
+
+def _group_frame(records: list[dict[str, Any]] | None = None, **fields: Any) -> bytes:
+    items = records if records is not None else [
+        {"key": f"k{i}", "event": event, "payload": b"{}"}
+        for i, event in enumerate(["turn", "tool_call", "tool_start"])]
+    body = {"kind": "append_many", "msg_id": "m1", "origin": "a", "stream": "agent/a",
+            "records": items, "v": 1, **fields}
+    return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["msg_id", "origin", "stream", "key", "event"]),
+       st.integers(min_value=0, max_value=2), msg_ids | keys | streams | odd_values)
+def test_a_group_with_names_already_seen_valid_is_still_checked_name_by_name(
+        name: str, index: int, value: Any) -> None:
+    # a group's keys are checked in one match over them joined by newlines,
+    # its origin, stream and events once found valid: a group that changes
+    # any of them (a key holding the newline above all) is declined or
+    # decoded as protocol.decode
+    assert w.decode_request(_group_frame()) is not None  # remembered now
+    if name in ("key", "event"):
+        items = [{"key": f"k{i}", "event": "turn", "payload": b"{}"} for i in range(3)]
+        items[index][name] = value
+        frame = _group_frame(items)
+    else:
+        frame = _group_frame(**{name: value})
+    fast = w.decode_request(frame)
+    if fast is not None:
+        _same(fast, _slow(frame))
+    assert (_slow(frame) is None) <= (fast is None)  # refused there: declined here
+
+
+@pytest.mark.parametrize("bad", ["a\nb", "", "a\n", "\na", "x" * 129, "a b", "a\n" * 3])
+def test_a_group_key_the_joined_match_could_mistake_is_declined(bad: str) -> None:
+    items = [{"key": "k0", "event": "turn", "payload": b"{}"},
+             {"key": bad, "event": "turn", "payload": b"{}"}]
+    assert w.decode_request(_group_frame(items)) is None
+    assert _slow(_group_frame(items)) is None
