@@ -56,6 +56,49 @@ ACCEPTED = [
 ]
 
 
+def _verdict(payload: bytes) -> str | None:
+    try:
+        check_payload(payload)
+    except ProtocolError as exc:
+        return exc.detail.split(":")[0]
+    return None
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values, st.sampled_from([{}, {"separators": (",", ":")},
+                                     {"separators": (",", ":"), "ensure_ascii": False},
+                                     {"indent": 1}]),
+       st.integers(min_value=0, max_value=MAX_DEPTH + 2))
+def test_the_write_back_shortcut_gives_the_scans_verdict(value: object, how: dict[str, object],
+                                                        wrap: int) -> None:
+    """A payload orjson writes back byte for byte skips the whitespace scans
+    (compact by construction): its verdict is the one the scans give, for
+    payloads written compact or not, nested up to past MAX_DEPTH."""
+    payload = ("[" * wrap + json.dumps(value, **how) + "]" * wrap).encode()  # type: ignore[arg-type]
+    fast = _verdict(payload)
+    import orjson
+
+    from actors.writer import payload as policy
+
+    def declined(_: object) -> bytes:
+        raise orjson.JSONEncodeError("forced: the scans' path")
+
+    real, policy.orjson.dumps = policy.orjson.dumps, declined  # type: ignore[assignment]
+    try:
+        slow = _verdict(payload)
+    finally:
+        policy.orjson.dumps = real  # type: ignore[assignment]
+    assert fast == slow
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_each_policy_breach_is_refused_with_a_typed_error(name: str) -> None:
     with pytest.raises(ProtocolError) as info:

@@ -14,7 +14,10 @@ A payload is accepted only when it is
 An accepted payload is stored byte for byte; nothing is re-encoded. Anything
 else is refused with a typed `invalid_payload` error before it is framed.
 The check never recurses in Python: orjson parses (it is bounded at 1,024
-levels on its own) and the depth is measured on the bytes, iteratively."""
+levels on its own) and the depth is measured on the bytes, iteratively. A
+payload orjson writes back byte for byte is compact by construction (orjson
+writes no whitespace between tokens), so only its depth is measured; any
+other is scanned for whitespace outside its strings."""
 
 from __future__ import annotations
 
@@ -56,12 +59,25 @@ def check_payload(payload: bytes) -> None:
     paused = gc.isenabled()
     gc.disable()
     try:
-        orjson.loads(payload)
+        value = orjson.loads(payload)
+        # compact already when orjson writes the value back byte for byte (it
+        # writes no whitespace between tokens): what our clients send, mostly
+        # (json.dumps with compact separators); anything else takes the scans
+        try:
+            compact = orjson.dumps(value) == payload
+        except orjson.JSONEncodeError:  # nested past orjson's writer's bound
+            compact = False
+        del value
     except orjson.JSONDecodeError as exc:
         raise _refuse(f"payload is not one valid JSON value: {exc}") from exc
     finally:
         if paused:
             gc.enable()
+    if compact:
+        if (payload.count(b"[") + payload.count(b"{") > MAX_DEPTH
+                and _depth_exceeds(_STRING.sub(b'""', payload), MAX_DEPTH)):
+            raise _refuse(f"payload nests arrays/objects deeper than {MAX_DEPTH} levels")
+        return
     if b"\n" in payload or b"\r" in payload or b"\t" in payload:
         # JSON strings cannot hold these raw, so they can only be between tokens
         raise _refuse("payload has whitespace between tokens: send compact JSON on one line")
