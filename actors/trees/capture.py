@@ -16,10 +16,12 @@ fact) is a miss: read and stored again (actors/trees/collect.py).
 
 With a watch (actors/trees/watch.py; the agent's own capturer), a capture
 after a full walk lstats only the names inotify reported changed, and the
-entries with more than one link, and re-encodes only their directories; an
-unsure queue, a refused watch, the caller's `unsure()` or `FULL_EVERY_S`
-since the last full walk make it walk in full (docs/trees.md, "Watched
-captures").
+entries with more than one link, and re-encodes only their directories,
+each patched in place from those names (`Capturer._patch`: its cost follows
+the names changed, not the directory's size, but for joining and hashing
+the rows); an unsure queue, a refused watch, the caller's `unsure()` or
+`FULL_EVERY_S` since the last full walk make it walk in full (docs/trees.md,
+"Watched captures").
 
 `Capturer.capture()` returns the root tree's digest; the trees and every new
 blob are in the store, durably (one pack), when it returns, so the caller
