@@ -19,9 +19,10 @@ after a full walk lstats only the names inotify reported changed, and the
 entries with more than one link, and re-encodes only their directories,
 each patched in place from those names (`Capturer._patch`: its cost follows
 the names changed, not the directory's size, but for joining and hashing
-the rows); an unsure queue, a refused watch, the caller's `unsure()` or
-`FULL_EVERY_S` since the last full walk make it walk in full (docs/trees.md,
-"Watched captures").
+the rows); an unsure queue, a refused watch, a name that has other links
+and had none (its other names' directories had no event), the caller's
+`unsure()` or `FULL_EVERY_S` since the last full walk make it walk in full
+(docs/trees.md, "Watched captures").
 
 `Capturer.capture()` returns the root tree's digest; the trees and every new
 blob are in the store, durably (one pack), when it returns, so the caller
@@ -236,12 +237,15 @@ class Capturer:
                 if stat.S_ISDIR(st.st_mode):
                     raise _UnsureError  # a directory where none was listed
                 ent = (name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                if st.st_nlink > 1 and not (linked and name in linked):
+                    # a link made since the walk (or a linked file moved in): a
+                    # link count's change is no event in the directory of the
+                    # file's other names, which a walk finds
+                    raise _UnsureError
                 if ent != old:
                     index[name] = ent
                     moved[name] = old
-                if st.st_nlink > 1:
-                    self._linked.setdefault(rel, set()).add(name)
-                elif linked:
+                if st.st_nlink == 1 and linked:
                     linked.discard(name)
             sub_digests = []
             for name in subnames:
