@@ -353,7 +353,8 @@ class Capturer:
         collection, a failed capture) each file is checked one by one against
         the store (`_all_rows`). The tree is encoded from the rows, sorted by
         name: the same bytes as `tree.encode`, and not encoded again when
-        the rows did not change."""
+        the rows did not change. (A watched capture patches the directory
+        instead when its cached state allows: `_patch`.)"""
         touched: set[str] | None = None  # None: journal the directory whole
         sigset = set(signature)
         if (cached is not None and cached.rows is not None and cached.sigset is not None
@@ -428,7 +429,7 @@ class Capturer:
             max_time = max(max_time, t)
             touched.add(name)
         for name in kept_racy:  # listed as before, but maybe changed within the stamp's tick
-            row_changed, t = self._reread(fd, cached, name, index[name])
+            row_changed, t = self._reread(fd, cached, name, index.get(name))
             changed |= row_changed
             max_time = max(max_time, t)
             touched.add(name)
