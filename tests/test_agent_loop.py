@@ -284,7 +284,8 @@ def test_generations_are_derived(state_dir: StateDir, tmp_path: Path) -> None:
     agent_dir = state_dir.agent_dir("a1")
     gens = generations.list_generations(agent_dir)
     assert 1 <= len(gens) <= 3
-    assert (agent_dir / "state" / "snapshot.json").exists()
+    snapshot = agent_dir / "state" / "snapshot.json"  # another name for the newest
+    assert snapshot.stat().st_ino == gens[-1].stat().st_ino
     full = fold(AgentState(), [(r.seq, r.event, r.payload()) for r in writer.records
                                if r.stream == STREAM])
     with_gen = rebuild(writer, state_dir, "a1")  # type: ignore[arg-type]
@@ -294,34 +295,27 @@ def test_generations_are_derived(state_dir: StateDir, tmp_path: Path) -> None:
     assert rebuild(writer, state_dir, "a1").state == full  # type: ignore[arg-type]
 
 
-def test_snapshot_json_is_the_newest_generation_and_encode_round_trips(
-        state_dir: StateDir, tmp_path: Path) -> None:
-    """`snapshot.json` names the newest generation's very bytes (another name
-    for its file, not a copy); a generation's bytes (pydantic's JSON inside
-    the envelope) parse back to the state they were made from, text outside
-    ASCII and fractional costs included; a replaced snapshot.json (a copy, a
-    stale link) is made to name the newest again."""
-    steps = [{"op": "write_file", "path": "f{i}.txt", "content": "é {i} ✓"}]
-    task = write_task(tmp_path / "t.yaml", steps, repeat=40)
-    writer = FakeWriter()
-    loop = new_loop(state_dir, writer, task, snapshot_every=16)
-    assert drive(loop) is Step.DONE
-    agent_dir = state_dir.agent_dir("a1")
-    snapshot = agent_dir / "state" / "snapshot.json"
-    newest = generations.list_generations(agent_dir)[-1]
-    assert snapshot.read_bytes() == newest.read_bytes()
-    assert snapshot.stat().st_ino == newest.stat().st_ino
-    state = loop.state.model_copy(deep=True)
+def test_a_generation_s_bytes_parse_back_and_a_stale_snapshot_is_replaced(
+        tmp_path: Path) -> None:
+    """A generation's bytes (pydantic's JSON inside the envelope) parse back
+    to the state they were made from, text outside ASCII and fractional
+    costs included; a snapshot.json that is not the newest generation (a
+    copy, a stale file) is made another name for it."""
+    state = AgentState(last_seq=7, turn=3)
+    state.recent.append({"turn": 3, "text": "é ✓ \u2028 \"quoted\""})
     state.budget.cost_used = 0.1 + 0.2
     body = generations.encode("a1", state, "k")
     gen = generations.parse(body)
     assert gen is not None and gen.state == state and gen.key == "k"
-    snapshot.unlink()
+    agent_dir = tmp_path / "agents" / "a1"
+    snapshot = generations.state_dir_of(agent_dir) / "snapshot.json"
+    snapshot.parent.mkdir(parents=True)
     snapshot.write_bytes(b"stale")
     digest = generations.write(agent_dir, "a1", state, key="k")
-    assert snapshot.read_bytes() == body
-    assert generations.read(snapshot) is not None
-    assert digest == generations.parse(snapshot.read_bytes()).sha256  # type: ignore[union-attr]
+    [newest] = generations.list_generations(agent_dir)
+    assert snapshot.read_bytes() == newest.read_bytes() == body
+    assert snapshot.stat().st_ino == newest.stat().st_ino
+    assert digest == gen.sha256
 
 
 def test_a_generation_equals_the_fold_when_other_streams_interleave(
