@@ -304,9 +304,14 @@ def test_a_generation_s_bytes_parse_back_and_a_stale_snapshot_is_replaced(
     state = AgentState(last_seq=7, turn=3)
     state.recent.append({"turn": 3, "text": "é ✓ \u2028 \"quoted\""})
     state.budget.cost_used = 0.1 + 0.2
+    state.todos = [{"n": 2**70}]
     body = generations.encode("a1", state, "k")
     gen = generations.parse(body)
     assert gen is not None and gen.state == state and gen.key == "k"
+    odd = state.model_copy(deep=True)  # pydantic cannot write it as UTF-8: json does
+    odd.recent.append({"text": "\ud800"})
+    back = generations.parse(generations.encode("a1", odd, None))
+    assert back is not None and back.state == odd
     agent_dir = tmp_path / "agents" / "a1"
     snapshot = generations.state_dir_of(agent_dir) / "snapshot.json"
     snapshot.parent.mkdir(parents=True)

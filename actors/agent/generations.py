@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
 
 from actors.agent.state import AgentState
 from broker.durable import write_atomic
@@ -84,10 +85,17 @@ def write(agent_dir: Path, agent: str, state: AgentState, keep: int = 3,
 def encode(agent: str, state: AgentState, key: str | None) -> bytes:
     """A generation's bytes: the envelope around the state as pydantic's own
     JSON serializer writes it (in Rust: a sixth of `json.dumps(model_dump())`'s
-    cost for an agent's state of 200 exchanges; `parse` reads either)."""
-    head = json.dumps({"version": FORMAT_VERSION, "agent": agent, "seq": state.last_seq,
-                       "key": key}, separators=(",", ":")).encode()
-    return b'%s,"state":%s}' % (head[:-1], state.model_dump_json().encode())
+    cost for an agent's state of 200 exchanges; `parse` reads either). A
+    state it cannot write as UTF-8 (a lone surrogate, which no fact the WAL
+    took can hold) is written by json, escaped."""
+    envelope = {"version": FORMAT_VERSION, "agent": agent, "seq": state.last_seq, "key": key}
+    try:
+        inner = state.model_dump_json().encode()
+    except PydanticSerializationError:
+        return json.dumps({**envelope, "state": state.model_dump(mode="json")},
+                          separators=(",", ":")).encode()
+    head = json.dumps(envelope, separators=(",", ":")).encode()
+    return b'%s,"state":%s}' % (head[:-1], inner)
 
 
 def _refresh_snapshot(generation: Path, snapshot: Path, body: bytes) -> None:
