@@ -20,6 +20,7 @@ import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from broker import compactjson
 from broker.errors import CorralError
 
 FORMAT_VERSION = 1
@@ -58,13 +59,10 @@ def encode_row(name: str, mode: int, digest: str, size: int) -> str:
     A name that is not UTF-8 on disk comes as Python's surrogate escapes
     (os.fsdecode); its row is written with JSON's \\u escapes, which decode
     back to the same str, so the name goes back to the disk byte for byte."""
-    row = json.dumps([name, mode, digest, size], separators=(",", ":"), ensure_ascii=False)
-    if not row.isascii():
-        try:
-            row.encode()
-        except UnicodeEncodeError:
-            row = json.dumps([name, mode, digest, size], separators=(",", ":"))
-    return row
+    try:  # json's bytes, on orjson (broker/compactjson.py: the same for str and int)
+        return compactjson.dumps([name, mode, digest, size]).decode()
+    except UnicodeEncodeError:
+        return json.dumps([name, mode, digest, size], separators=(",", ":"))
 
 
 def encode_rows(rows: Iterable[str]) -> bytes:

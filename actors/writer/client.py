@@ -17,7 +17,7 @@ import orjson
 import zmq
 
 from actors.writer.wal import WalRecord, parse_record
-from broker import appendwire, auth, protocol
+from broker import appendwire, auth, compactjson, protocol
 from broker.curve import CurveClient
 from broker.errors import ProtocolError, RemoteError
 from broker.requester import Requester, new_msg_id
@@ -53,8 +53,9 @@ _LONG_DIGITS = re.compile(rb"[0-9]{19}")  # i64 and u64 need 19 and 20 digits at
 
 
 def encode_payload(value: Any) -> bytes:
-    """Compact JSON, the form the WAL stores."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    """Compact JSON, the form the WAL stores: json's bytes and refusals, on
+    orjson (broker/compactjson.py)."""
+    return compactjson.dumps(value)
 
 
 def decode_payload(body: bytes) -> Any:
