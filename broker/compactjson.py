@@ -7,8 +7,9 @@ small dicts a step appends (0.3 against 3.7 us). orjson writes what json
 writes for every string, integer, list, dict, bool and null; the only
 difference left is the form of a float's exponent (`1e-07` from json, `1e-7`
 from orjson: the same number, which every reader reads back alike), and a
-plain Enum, which orjson writes as its value where json refuses it (no
-payload holds one: json would have refused it before). So:
+plain Enum or a UUID, which orjson writes (the value, the canonical text)
+where json refuses them (no payload holds one: json would have refused it
+before). So:
 
 - orjson is asked to decline what json treats differently or refuses: a
   subclass of str, int, dict or list, a dataclass, a datetime

@@ -8,6 +8,7 @@ import datetime
 import enum
 import json
 import math
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -109,9 +110,10 @@ def test_what_orjson_would_write_its_own_way_goes_to_json() -> None:
     for _ in range(300):  # past orjson's nesting limit, within json's
         deep = [deep]
     assert compactjson.dumps(deep) == _json(deep)
-    # the one difference left: orjson writes an Enum as its value, where json
-    # refuses a plain one (no payload holds one: json would have refused it)
+    # the differences left: orjson writes a plain Enum and a UUID, which json
+    # refuses (no payload holds one: json would have refused it)
     assert compactjson.dumps(Colour.RED) == b'"red"'
+    assert compactjson.dumps(uuid.UUID(int=1)) == b'"00000000-0000-0000-0000-000000000001"'
 
 
 def test_a_none_and_a_null_inside_a_string_give_jsons_bytes() -> None:
