@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,3 +141,31 @@ def test_entries_whose_sync_failed_go_back_to_memory_and_are_written_again(
     assert [e[0] for e in index.entries("s")] == [1, 2, 3, 5]
     assert (tmp_path / "idx" / stream_filename("s")).stat().st_size == 4 * ENTRY.size
     index.close()
+
+
+def test_the_first_checkpoint_is_due_at_once_however_recently_the_machine_booted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Monotonic time counts from the boot: a writer on a machine up for 5 s,
+    its interval an hour, still checkpoints the first record it is behind by
+    at once (the process test above waited for an hour's interval on a
+    machine booted less than an hour before)."""
+    from actors.writer import process
+
+    sd = StateDir(tmp_path / ".corral").ensure()
+    writer = process.Writer(sd, process.WriterOptions(checkpoint_interval_s=3600,
+                                                      checkpoint_records=10))
+    writer.lock()
+    writer.recover()
+    try:
+        taken: list[bool] = []
+        monkeypatch.setattr(writer, "_checkpoint", lambda wait=True: taken.append(wait))
+        monkeypatch.setattr(time, "monotonic", lambda: 5.0)  # (the writer's clock)
+        writer._maybe_checkpoint()
+        assert taken == []  # nothing behind: nothing to take
+        writer.head = writer._checkpoint_head + 1
+        writer._maybe_checkpoint()
+        assert taken == [False]
+    finally:
+        monkeypatch.undo()
+        writer.close()

@@ -194,9 +194,12 @@ class Writer:
         for ledger, count in rec.ledger_dropped.items():
             self.log.error("ledger_cut_to_wal", ledger=ledger, records=count, head_seq=rec.head_seq)
         # The scanned tail is checkpointed at the first loop turn, after the
-        # writer answers: start-up does not wait for it.
+        # writer answers: start-up does not wait for it. Never checkpointed: the
+        # interval has passed, however recently the machine booted (0.0 would
+        # not do: monotonic time counts from the boot, so with a machine up for
+        # less than the interval the first checkpoint waited for it).
         self._checkpoint_head = rec.head_seq - rec.scanned_records
-        self._checkpoint_at = 0.0
+        self._checkpoint_at = -math.inf
         self.checkpointer = CheckpointThread(self.ledgers)  # syncs and writes it off the loop
         self.log.info(
             "wal_recovered",
