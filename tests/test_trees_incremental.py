@@ -4,7 +4,8 @@ changed, must give the very digest a capture from scratch gives, whatever
 changed the workspace and however, and its journal must replay to the same
 cache; a hostile rewrite that keeps size and
 mtime is seen; a collection that removed cached objects makes them stored
-again."""
+again; a cache that holds lines back (the agent's) replays to its last line,
+and a start from one that lost them still names the right trees."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ import random
 import shutil
 from pathlib import Path
 
-from actors.trees import tree
+import pytest
+
+from actors.agent.state import AgentState
+from actors.trees import recorder, tree
 from actors.trees.capture import Capturer
+from actors.trees.recorder import TreeRecorder, stat_cache_path
 from actors.trees.statcache import DirCache, StatCache
 from actors.trees.store import ObjectStore
+from actors.trees.watch import WorkspaceWatch
+from broker.statedir import StateDir
 
 
 def _fresh_digest(tmp: Path, ws: Path, n: int) -> str:
@@ -193,3 +200,96 @@ def test_a_link_at_the_journals_name_is_replaced_not_written_through(tmp_path: P
     assert outside.read_text() == "mine\n"
     assert not path.is_symlink()
     assert StatCache.load(path).stamp_ns == 3
+
+
+def _state(cache: StatCache) -> dict[str, tuple[str, dict[str, object]]]:
+    return {rel: (d.digest, dict(d.files)) for rel, d in cache.dirs.items()}
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_a_cache_holding_lines_back_replays_to_its_last_line_and_flushes_the_rest(
+        tmp_path: Path, watched: bool) -> None:
+    """`save_every` above 1 (the agent's capturer): the file gets a line every
+    n captures, each a whole state as of its capture; what is held goes out
+    with `flush`."""
+    ws = tmp_path / "ws"
+    (ws / "out").mkdir(parents=True)
+    for i in range(20):
+        (ws / "out" / f"base{i}").write_text(f"base {i}\n")
+    path = tmp_path / "state" / "c.jsonl"
+    cache = StatCache.load(path)
+    cache.save_every = 4
+    cap = Capturer(ws, ObjectStore(tmp_path / "state" / "packs"), cache,
+                   stamp_dir=tmp_path / "state",
+                   watch=WorkspaceWatch.open() if watched else None)
+    rng = random.Random(5)
+    cap.capture()
+    at_last_line = (cache.stamp_ns, _state(cache))  # the first capture writes its line
+    lines = 0
+    for step in range(30):
+        _mutate(rng, ws, step)
+        before = path.stat().st_size
+        got = cap.capture()
+        assert got.digest == _fresh_digest(tmp_path, ws, step), step
+        if path.stat().st_size != before:
+            lines += 1
+            at_last_line = (cache.stamp_ns, _state(cache))
+        loaded = StatCache.load(path)
+        assert (loaded.stamp_ns, _state(loaded)) == at_last_line, step
+    assert 30 // 4 - 1 <= lines <= 30 // 4 + 1  # (a rewrite past 64 lines aside: none here)
+    cache.flush()
+    loaded = StatCache.load(path)
+    assert (loaded.stamp_ns, _state(loaded)) == (cache.stamp_ns, _state(cache))
+    cap.close()
+
+
+def test_a_start_from_a_cache_that_missed_its_last_lines_gets_every_digest_right(
+        tmp_path: Path) -> None:
+    """A kill loses what a cache held back: the next start's capture reads the
+    files changed since its last line again (and only those and the racy
+    ones), and names the same tree as a capture from scratch."""
+    ws = tmp_path / "ws"
+    (ws / "out").mkdir(parents=True)
+    for i in range(40):
+        (ws / "out" / f"base{i}").write_text(f"base {i}\n")
+    path = tmp_path / "state" / "c.jsonl"
+    store = ObjectStore(tmp_path / "state" / "packs")
+    cache = StatCache.load(path)
+    cache.save_every, cache.save_every_s = 100, 3600.0
+    cap = Capturer(ws, store, cache, stamp_dir=tmp_path / "state")
+    cap.capture()  # the file's first line
+    cap.capture()  # a second capture: the first one's files are no longer racy
+    rng = random.Random(11)
+    for step in range(12):  # held back, all of them
+        _mutate(rng, ws, step)
+        cap.capture()
+    held = path.read_bytes()
+    # the process is killed: the held lines are gone; a new capturer starts from the file
+    again = Capturer(ws, store, StatCache.load(path), stamp_dir=tmp_path / "state")
+    got = again.capture()
+    assert path.read_bytes() != held  # (it wrote its own line: save_every 1)
+    assert got.digest == _fresh_digest(tmp_path, ws, 99)
+    assert got.hashed < 40 + 12  # the stale lines still vouch for the files unchanged
+
+
+def test_the_agents_recorder_holds_cache_lines_back_and_writes_them_when_it_closes(
+        state_dir: StateDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recorder, "CACHE_LINE_EVERY_S", 3600.0)  # (a slow machine's second)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    rec = TreeRecorder(state_dir, "a1", ws, watch=True)
+    state = AgentState()
+    path = stat_cache_path(state_dir, "a1")
+    sizes = []
+    for i in range(6):
+        (ws / f"f{i}.txt").write_text(f"{i}\n")
+        rec.hold()
+        assert rec.fact(state) is not None
+        rec.released()
+        sizes.append(path.stat().st_size)
+    assert len(set(sizes)) == 1  # the first capture's line only: the rest held (16 a line)
+    capturer = rec._capturer
+    assert capturer is not None
+    rec.close()
+    loaded = StatCache.load(path)
+    assert (loaded.stamp_ns, _state(loaded)) == (capturer.cache.stamp_ns, _state(capturer.cache))

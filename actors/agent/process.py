@@ -149,6 +149,8 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
         log.info("agent_stopped", pongs_total=pongs)
         return EXIT_OK
     finally:
+        if loop is not None:
+            loop.trees.close()
         if writer is not None:
             writer.close()
         if peer is not None:

@@ -33,6 +33,8 @@ from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 
 ENV_FAULT = "CORRAL_TREES_FAULT"
+CACHE_LINE_EVERY = 16  # captures a stat cache line may hold back (StatCache.save)
+CACHE_LINE_EVERY_S = 1.0  # and seconds
 
 
 def fault(point: str) -> None:
@@ -147,6 +149,15 @@ class TreeRecorder:
             except OSError:
                 self._close_lease()  # closing it releases the lock too
 
+    def close(self) -> None:
+        """The agent ends: the stat cache's held line written, the watch closed
+        (a kill skips this; the next start reads again what changed since)."""
+        capturer, self._capturer = self._capturer, None
+        if capturer is not None:
+            with contextlib.suppress(OSError):  # a cache: never worth failing an exit
+                capturer.cache.flush()
+            capturer.close()
+
     def _close_lease(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:
@@ -158,6 +169,10 @@ class TreeRecorder:
         if self._capturer is None:
             self._capturer = capturer_for(self.state_dir, self.name, self.workspace,
                                           watch=self.watch)
+            # a stat cache line a second or every 16 captures, not one a turn: a
+            # line was a tenth of a lone step's capture (docs/performance.md, perf12)
+            self._capturer.cache.save_every = CACHE_LINE_EVERY
+            self._capturer.cache.save_every_s = CACHE_LINE_EVERY_S
         got = self._capturer.capture(durable=False)
         fds = self._capturer.store.take_unsynced()
         if fds:

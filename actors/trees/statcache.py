@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -83,6 +84,15 @@ class StatCache:
     # as a cache may: the next start hashes what they would have saved)
     _append: weakref.finalize[Any, Any] | None = field(default=None, repr=False, compare=False)
     _append_fd: int = field(default=-1, repr=False, compare=False)
+    # a line every `save_every` captures (1: every capture) or, when above 0,
+    # `save_every_s` seconds after the last one, whichever comes first; what
+    # the captures between changed waits in memory for the next line (`save`)
+    save_every: int = 1
+    save_every_s: float = 0.0
+    _held: int = field(default=0, repr=False, compare=False)  # captures not yet in a line
+    _held_changed: dict[str, None] = field(default_factory=dict, repr=False, compare=False)
+    _held_gone: dict[str, None] = field(default_factory=dict, repr=False, compare=False)
+    _line_at: float = field(default=0.0, repr=False, compare=False)  # monotonic, the last line
 
     @classmethod
     def load(cls, path: Path | None) -> StatCache:
@@ -124,9 +134,44 @@ class StatCache:
         return ident[3] < self.stamp_ns and ident[4] < self.stamp_ns
 
     def save(self, changed: list[str], gone: list[str]) -> None:
-        """Persist this capture's changes (append), or everything (rewrite)."""
+        """Persist this capture's changes (append), or everything (rewrite).
+
+        With `save_every` above 1, a line is written only when one is due
+        (the file's first, a rewrite, `save_every` captures or `save_every_s`
+        since the last line); until then the directories changed and gone
+        are kept and go in the next line, each directory's files touched
+        since its last line with it. A line is a whole state as of its
+        capture, so a file that misses the last few is older, never wrong:
+        a start after a kill reads again the files changed since (a cache
+        may lose lines: the module's text). `flush()` writes what is held."""
         if self.path is None:
             return
+        if self.save_every > 1:
+            self._held += 1
+            self._held_changed.update(dict.fromkeys(changed))
+            self._held_gone.update(dict.fromkeys(gone))
+            now = time.monotonic()
+            due = (not self._lines or self._lines > 64 or self._held >= self.save_every
+                   or (self.save_every_s > 0 and now - self._line_at >= self.save_every_s))
+            if not due:
+                return
+            changed, gone = list(self._held_changed), list(self._held_gone)
+            self._line_at = now
+        self._held = 0
+        self._held_changed, self._held_gone = {}, {}
+        self._save(changed, gone)
+
+    def flush(self) -> None:
+        """Write the line `save` holds back, if any."""
+        if self._held:
+            self._held = 0
+            changed, gone = list(self._held_changed), list(self._held_gone)
+            self._held_changed, self._held_gone = {}, {}
+            self._line_at = time.monotonic()
+            self._save(changed, gone)
+
+    def _save(self, changed: list[str], gone: list[str]) -> None:
+        assert self.path is not None
         rewrite = self._lines == 0 or self._lines > 64
         names = list(self.dirs) if rewrite else changed
         dirs: dict[str, list[Any]] = {}
