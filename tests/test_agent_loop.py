@@ -401,3 +401,33 @@ def test_a_write_is_not_applied_twice_when_the_wal_lost_its_records(
     loop = new_loop(state_dir, writer, task)
     assert drive(loop) is Step.DONE
     assert tree(loop.workspace) == {"tally.txt": "start+1+2+3\n"}
+
+
+def test_each_action_is_parsed_once_a_turn_and_again_after_a_rebuild(
+        state_dir: StateDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's `_parsed`: a turn's action was parsed for its `tool_call`, its
+    `permission` and its dispatch; now once, and anew for a state folded again."""
+    from actors.agent import catalog
+
+    parsed: list[object] = []
+    real = catalog.parse_action
+
+    def counting(action: object) -> object:
+        parsed.append(action)
+        return real(action)
+
+    monkeypatch.setattr(catalog, "parse_action", counting)
+    writer = FakeWriter()
+    loop = new_loop(state_dir, writer, write_task(tmp_path / "t.yaml", COUNTER))
+    assert drive(loop) is Step.DONE
+    assert tree(loop.workspace) == {"tally.txt": "start+1+2+3\n"}
+    assert len(parsed) == len(COUNTER)  # one parse a turn, one action a turn
+    # a state folded again mid-turn parses again: the kept parse is the old state's
+    loop = new_loop(state_dir, FakeWriter(), write_task(tmp_path / "u.yaml", COUNTER))
+    parsed.clear()
+    while not loop.state.calls:  # up to the first turn's tool_call
+        loop.step()
+    loop.rebuild()
+    assert drive(loop) is Step.DONE
+    assert tree(loop.workspace) == {"tally.txt": "start+1+2+3\n"}
+    assert len(parsed) == len(COUNTER) + 1

@@ -140,6 +140,9 @@ class AgentLoop:
                                            watch=self.settings.watch_workspace)
         self._facts_appended = 0  # facts this loop appended (folded, maybe not yet flushed)
         self._tree_recorded_at = -1  # _facts_appended right after the last tree it recorded
+        # `_parsed`: the turn parsed, and by index the state's action object and its parse
+        self._parse_turn = -1
+        self._parse_cache: dict[int, tuple[Any, OpBase | Rejected]] = {}
 
     def _busy(self, op: str, deadline_s: float) -> AbstractContextManager[None]:
         """Declare a blocking call (heartbeats go on while it runs)."""
@@ -436,10 +439,9 @@ class AgentLoop:
         for index, action in enumerate(s.actions):
             cid = f"{turn}.{index}"
             call = s.calls.get(cid)
-            try:
-                parsed = catalog.parse_action(self.vault.open(action))
-            except SealedInputMissingError as exc:
-                parsed = Rejected(str(action.get("op")), [str(exc)])
+            if call is not None and call.settled:
+                continue
+            parsed = self._parsed(turn, index, action)
             if call is None:
                 if track.halted_before(s.pipeline, index):  # a pipeline step failed
                     self._append("turn_aborted", {"turn": turn, "reason": "halted", "calls": []},
@@ -451,8 +453,6 @@ class AgentLoop:
                     "op": parsed.op if isinstance(parsed, OpBase) else None,
                 }, key=f"c{cid}")
                 return Step.PROGRESS
-            if call.settled:
-                continue
             if isinstance(parsed, Rejected):
                 self._append("schema_reject", {"call_id": cid, "op": parsed.op,
                                                "errors": parsed.errors}, key=f"c{cid}:reject")
@@ -461,6 +461,25 @@ class AgentLoop:
                 return Step.PROGRESS
             return self._gate_and_dispatch(call, parsed)
         return Step.PROGRESS  # every call settled: the fold has closed the turn
+
+    def _parsed(self, turn: int, index: int, action: Any) -> OpBase | Rejected:
+        """Action `index` of `turn` parsed (its sealed texts opened): once a
+        turn, not once a loop step (a turn's action was parsed again for its
+        `tool_call`, its `permission` and its dispatch). Ops are frozen; the
+        parse is kept for the very action object the state holds, so a state
+        folded again (a rebuild) parses again."""
+        if turn != self._parse_turn:  # a new turn: the last one's parses (and texts) go
+            self._parse_cache.clear()
+            self._parse_turn = turn
+        kept = self._parse_cache.get(index)
+        if kept is not None and kept[0] is action:
+            return kept[1]
+        try:
+            parsed: OpBase | Rejected = catalog.parse_action(self.vault.open(action))
+        except SealedInputMissingError as exc:
+            parsed = Rejected(str(action.get("op")), [str(exc)])
+        self._parse_cache[index] = (action, parsed)
+        return parsed
 
     def _gate_and_dispatch(self, call: Call, op: OpBase) -> Step:
         cid = call.call_id
