@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from actors.agent.backends import NO_PROC, ScriptedModel
 from actors.agent.settings import Task
-from actors.agent.state import AgentState, fold
+from actors.agent.state import RECENT_RESULT_CHARS, AgentState, _clip, fold
 
 cids = st.sampled_from(["1.0", "1.1", "2.0", "3.0", "4.0"])
 requests = st.sampled_from(["req-1.0", "req-2.0", "req-3.0"])
@@ -139,3 +139,32 @@ def test_the_fold_of_a_stream_is_the_fold_of_its_newest_session(
     if not any(name == "session_started" for _, name, _ in newer):
         assert after.model_dump(exclude={"last_seq", "session_seq"}) == alone.model_dump(
             exclude={"last_seq", "session_seq"})
+
+
+def _clip_by_json(value: Any) -> Any:
+    """What `_clip` was before its orjson bound: json's length decides."""
+    encoded = json.dumps(value, ensure_ascii=False)
+    return value if len(encoded) <= RECENT_RESULT_CHARS else encoded[:RECENT_RESULT_CHARS]
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=300),
+    lambda inner: st.lists(inner, max_size=8) | st.dictionaries(st.text(max_size=20), inner,
+                                                                max_size=8),
+    max_leaves=120)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_JSON)
+def test_a_clipped_result_is_what_json_s_length_makes_it(value: Any) -> None:
+    """The fast bound (orjson's bytes, tripled) keeps a result whole only where
+    json's text is within the limit; near it and past it, json decides."""
+    assert repr(_clip(value)) == repr(_clip_by_json(value))
+
+
+def test_a_result_at_the_bound_is_clipped_as_json_clips_it() -> None:
+    for size in range(640, 700, 3):  # 3 x orjson's bytes crosses the limit here
+        for value in ({"k": "x" * size}, {"k": ["é"] * (size // 6)}, [1e-07] * (size // 6),
+                      {"a": [None, True, {"b": "ü" * (size // 2)}]}, "y" * (size * 3)):
+            assert repr(_clip(value)) == repr(_clip_by_json(value))

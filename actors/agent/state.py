@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterable
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.agent import branch_events
@@ -194,11 +195,27 @@ def _remember(state: AgentState, item: dict[str, Any]) -> None:
         del state.recent[: len(state.recent) - RECENT_MAX]
 
 
+# what json encodes its own way or refuses goes to json (broker/compactjson.py)
+_PASSTHROUGH = (orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
+                | orjson.OPT_PASSTHROUGH_DATETIME)
+
+
 def _clip(value: Any) -> Any:
+    """A result as the context keeps it: whole while its JSON (json's, spaces
+    after separators) is at most RECENT_RESULT_CHARS, else that JSON's head.
+    Most results are far below: orjson's compact bytes, tripled, bound json's
+    characters from above (a separator's space, a float's longer exponent,
+    NaN's name: each at most two more per byte orjson writes), so a result
+    under that bound is kept without json's encode; any other goes to json."""
     text = repr(value) if not isinstance(value, dict | list | str | int | float | None) else None
     if text is not None:
         return text[:RECENT_RESULT_CHARS]
-    import json  # noqa: PLC0415 - only for oversized results
+    try:
+        if 3 * len(orjson.dumps(value, option=_PASSTHROUGH)) <= RECENT_RESULT_CHARS:
+            return value
+    except (orjson.JSONEncodeError, TypeError):
+        pass  # (a key not a str, an integer past 64 bits, a lone surrogate: json says)
+    import json  # noqa: PLC0415 - only for large results
 
     encoded = json.dumps(value, ensure_ascii=False)
     return value if len(encoded) <= RECENT_RESULT_CHARS else encoded[:RECENT_RESULT_CHARS]
