@@ -51,6 +51,25 @@ def test_entries_are_read_back_by_a_restarted_process_in_their_own_session(
     assert sorted(p.name for p in (tmp_path / "effects").iterdir()) == [journal_name(S1)]
 
 
+def test_a_line_reads_back_whatever_its_text_holds(tmp_path: Path) -> None:
+    """Lines are orjson's (UTF-8, compact) and json's where orjson declines (a
+    lone surrogate, an integer past 64 bits): all read back as recorded."""
+    odd = [
+        Entry("1.0", "act", "out/ü 名.txt", None, "a", {"bytes": 1, "note": "é\n\"q\""}),
+        Entry("2.0", "act", "out/\udc80.txt", "b", None, {"bytes": 2}),  # a lone surrogate
+        Entry("3.0", "act", "out/big.txt", None, None, {"bytes": 2**70, "x": [1.5, -0.0]}),
+    ]
+    journal = EffectJournal(tmp_path)
+    for e in odd:
+        journal.record(e, S1)
+    del journal
+    again = EffectJournal(tmp_path)
+    for e in odd:
+        assert again.get(e.call_id, S1) == e
+    lines = (tmp_path / "effects" / journal_name(S1)).read_bytes().splitlines()
+    assert "ü 名".encode() in lines[0] and b", " not in lines[0]  # orjson's: UTF-8, compact
+
+
 def test_a_line_a_crash_tore_is_skipped_and_the_next_starts_on_its_own(tmp_path: Path) -> None:
     journal = EffectJournal(tmp_path)
     journal.record(entry("1.0"), S1)

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from broker.durable import open_append, read_regular
 
 KEEP_TURNS = 64
@@ -63,6 +65,23 @@ class Entry:
 def action_digest(action: Any) -> str:
     text = json.dumps(action, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _line(entry: Entry) -> bytes:
+    """One journal line: compact JSON on orjson, as json wrote it but for
+    non-ASCII text (UTF-8, not escaped: both read back alike) and a NaN
+    (null: a write's result is the op's own dict of names and counts, never
+    one); what orjson declines (a lone surrogate, an integer past 64 bits)
+    as json writes it, as every line was before."""
+    try:
+        return orjson.dumps(entry.__dict__, option=_PASSTHROUGH) + b"\n"
+    except (orjson.JSONEncodeError, TypeError):
+        return json.dumps(entry.__dict__, separators=(",", ":")).encode() + b"\n"
+
+
+# what json writes its own way or refuses goes to json (broker/compactjson.py)
+_PASSTHROUGH = (orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
+                | orjson.OPT_PASSTHROUGH_DATETIME)
 
 
 def file_name(call_id: str, session: str | None) -> str:
@@ -113,7 +132,7 @@ class EffectJournal:
 
     def record(self, entry: Entry, session: str | None) -> None:
         self._load(session)
-        line = json.dumps(entry.__dict__, separators=(",", ":")).encode() + b"\n"
+        line = _line(entry)
         try:
             self._append(line)
         except FileNotFoundError:  # the directory went away under us: make it again
@@ -195,8 +214,7 @@ class EffectJournal:
             self._rewrite()
 
     def _rewrite(self) -> None:
-        data = b"".join(json.dumps(e.__dict__, separators=(",", ":")).encode() + b"\n"
-                        for e in self._entries.values())
+        data = b"".join(_line(e) for e in self._entries.values())
         name = journal_name(self._session)
         tmp = self.dir / f"{name}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
