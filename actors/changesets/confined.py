@@ -31,7 +31,6 @@ import contextlib
 import errno
 import os
 import re
-import secrets
 import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -226,7 +225,7 @@ def read(root_fd: int, parts: Sequence[str], guard: Guard = NO_GUARD,
 
 def _temp(dir_fd: int, leaf: str, mode: int) -> tuple[int, str]:
     for _ in range(_TMP_TRIES):
-        name = f".{leaf[:100]}.{secrets.token_hex(8)}{TMP_SUFFIX}"
+        name = f".{leaf[:100]}.{os.urandom(8).hex()}{TMP_SUFFIX}"  # (what secrets.token_hex reads)
         try:
             return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                            | os.O_CLOEXEC, mode, dir_fd=dir_fd), name
