@@ -34,6 +34,16 @@ its `actor_spawned` lines time the zygote's replies):
     zygote_fork_ms_p50          one plain fork (and the child's exit, waitpid)
                                 of the same process
 
+What a start's page faults cost on this machine, same run (a forked start
+is mostly page faults: docs/performance.md, "spawn: a forked start is page
+faults"; on a VM whose memory the guest has not touched since boot, each
+first touch also faults in the host, several times the cost):
+    page_fault_us               one first write to a fresh anonymous page (a
+                                child maps 64 MiB and writes a byte a page),
+                                before the ramp and after it (`_after`)
+    agent_minor_faults_median   minor faults of an idle agent of the largest
+                                size since its fork (/proc/<pid>/stat)
+
 What the ramp of the largest size cost, from the first agent's `ready` to the
 last one's (`RampCpu`; per agent started in between):
     ramp_cpu_ms_per_start       CPU of the supervisor's whole tree, and by kind
@@ -62,6 +72,8 @@ supervisor during the ramp it measured ("spawn, perf7").
 from __future__ import annotations
 
 import json
+import mmap
+import multiprocessing as mp
 import os
 import signal
 import statistics
@@ -482,6 +494,43 @@ class Run:
         self.out.close()
 
 
+PROBE_BYTES = 64 << 20
+
+
+def _touch_pages(out: Any) -> None:
+    page = mmap.PAGESIZE
+    area = mmap.mmap(-1, PROBE_BYTES)
+    started = time.perf_counter()
+    for offset in range(0, PROBE_BYTES, page):
+        area[offset] = 1
+    out.send((time.perf_counter() - started) / (PROBE_BYTES // page) * 1e6)
+    out.close()
+
+
+def page_fault_us() -> float:
+    """The cost of one first write to a fresh anonymous page, in a new child
+    (what each of a forked start's faults costs here, its copies on write
+    aside), median of 3."""
+    ctx = mp.get_context("fork")
+    costs: list[float] = []
+    for _ in range(3):
+        recv, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_touch_pages, args=(send,))
+        child.start()
+        send.close()
+        costs.append(float(recv.recv()))
+        child.join()
+    return round(statistics.median(costs), 2)
+
+
+def _minor_faults(pid: int) -> int | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[7])  # minflt: the 10th field, the 8th after the name
+
+
 def _memory_mib(pids: list[int]) -> tuple[float, float]:
     uss, pss = [], []
     for pid in pids:
@@ -500,6 +549,7 @@ def run(quick: bool) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="cb-", dir="/tmp") as tmp:
         root = Path(tmp)
         figures["fresh_interpreter_ready_ms"] = fresh_interpreter_ready_ms(root, 3 if quick else 5)
+        figures["page_fault_us"] = page_fault_us()
         alive = 0
         for count in sizes:
             bench = Run(root, count)
@@ -528,6 +578,10 @@ def run(quick: bool) -> dict[str, object]:
                         figures["spawn_forked_to_ready_ms_p50"] = round(
                             statistics.median(to_ready), 2)
                     uss, pss = _memory_mib([c.pid for c in running if c.pid])
+                    faults = [f for c in running if c.pid
+                              and (f := _minor_faults(c.pid)) is not None]
+                    if faults:
+                        figures["agent_minor_faults_median"] = statistics.median(faults)
                     figures["uss_mib_median"] = uss
                     figures["pss_mib_median"] = pss
                     sup = psutil.Process(bench.proc.pid)
@@ -548,6 +602,7 @@ def run(quick: bool) -> dict[str, object]:
             finally:
                 bench.stop()
         figures["agents_alive"] = alive
+        figures["page_fault_us_after"] = page_fault_us()
         double_ms, single_ms, clone_ms = zygote_fork_ms(10 if quick else 30)
         figures["zygote_double_fork_ms_p50"] = double_ms
         figures["zygote_fork_ms_p50"] = single_ms
