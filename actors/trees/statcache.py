@@ -23,8 +23,9 @@ whose rows were updated in place gives only the files that changed and the
 names gone, applied to its previous line on replay), appended
 without fsync, rewritten whole when it grows past a few times its live
 size; or a line every few captures (`save_every`, the agent's: what the
-captures between changed goes in the next line). A missing, damaged or foreign file costs one full hashing pass, never
-a wrong digest (a line that does not parse ends the replay there).
+captures between changed goes in the next line). A missing, damaged or
+foreign file costs one full hashing pass, never a wrong digest (a line that
+does not parse ends the replay there).
 """
 
 from __future__ import annotations
