@@ -318,6 +318,7 @@ class AgentLoop:
         restarted, self._restarted = self._restarted, False
         if s.open_turn is None or s.phase != "running":
             self.vault.clear()  # it keeps texts only for an open turn of a running session
+            self._parse_cache.clear()  # (parses hold the texts opened)
         if s.phase in ("finished", "closed"):
             return Step.DONE
         if s.phase == "paused":
