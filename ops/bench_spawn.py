@@ -36,11 +36,13 @@ its `actor_spawned` lines time the zygote's replies):
 
 What a start's page faults cost on this machine, same run (a forked start
 is mostly page faults: docs/performance.md, "spawn: a forked start is page
-faults"; on a VM whose memory the guest has not touched since boot, each
-first touch also faults in the host, several times the cost):
+faults"; on a VM that hands free memory back to its host, a page the host
+no longer backs also faults there, and the same faults cost more: "perf12"):
     page_fault_us               one first write to a fresh anonymous page (a
                                 child maps 64 MiB and writes a byte a page),
-                                before the ramp and after it (`_after`)
+                                before the ramp and after it (`_after`): the
+                                guest's own cost of a fault, a floor (its
+                                pages come warm from the guest's lists)
     agent_minor_faults_median   minor faults of an idle agent of the largest
                                 size since its fork (/proc/<pid>/stat)
 
