@@ -32,14 +32,16 @@ from typing import Any
 
 import orjson
 
-_OPTIONS = (orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
-            | orjson.OPT_PASSTHROUGH_DATETIME)
+# orjson declines (raises for) what json writes its own way: callers that use
+# orjson with their own fallback (the effect journal, the context's clip) too
+PASSTHROUGH = (orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
+               | orjson.OPT_PASSTHROUGH_DATETIME)
 
 
 def dumps(value: Any) -> bytes:
     """Compact JSON of `value`, as json writes it (see the module's text)."""
     try:
-        out = orjson.dumps(value, option=_OPTIONS)
+        out = orjson.dumps(value, option=PASSTHROUGH)
     except (orjson.JSONEncodeError, TypeError):
         return _json(value)
     if b"null" in out:

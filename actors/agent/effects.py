@@ -47,6 +47,7 @@ from typing import Any
 
 import orjson
 
+from broker import compactjson
 from broker.durable import open_append, read_regular
 
 KEEP_TURNS = 64
@@ -74,14 +75,9 @@ def _line(entry: Entry) -> bytes:
     one); what orjson declines (a lone surrogate, an integer past 64 bits)
     as json writes it, as every line was before."""
     try:
-        return orjson.dumps(entry.__dict__, option=_PASSTHROUGH) + b"\n"
+        return orjson.dumps(entry.__dict__, option=compactjson.PASSTHROUGH) + b"\n"
     except (orjson.JSONEncodeError, TypeError):
         return json.dumps(entry.__dict__, separators=(",", ":")).encode() + b"\n"
-
-
-# what json writes its own way or refuses goes to json (broker/compactjson.py)
-_PASSTHROUGH = (orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
-                | orjson.OPT_PASSTHROUGH_DATETIME)
 
 
 def file_name(call_id: str, session: str | None) -> str:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from actors.agent import branch_events
 from actors.pipelines import track
+from broker import compactjson
 
 SESSION_STARTED = "session_started"
 _SESSION_ID = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")  # actors/sessions/ids.py
@@ -195,11 +196,6 @@ def _remember(state: AgentState, item: dict[str, Any]) -> None:
         del state.recent[: len(state.recent) - RECENT_MAX]
 
 
-# what json encodes its own way or refuses goes to json (broker/compactjson.py)
-_PASSTHROUGH = (orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
-                | orjson.OPT_PASSTHROUGH_DATETIME)
-
-
 def _clip(value: Any) -> Any:
     """A result as the context keeps it: whole while its JSON (json's, spaces
     after separators) is at most RECENT_RESULT_CHARS, else that JSON's head.
@@ -211,7 +207,7 @@ def _clip(value: Any) -> Any:
     if text is not None:
         return text[:RECENT_RESULT_CHARS]
     try:
-        if 3 * len(orjson.dumps(value, option=_PASSTHROUGH)) <= RECENT_RESULT_CHARS:
+        if 3 * len(orjson.dumps(value, option=compactjson.PASSTHROUGH)) <= RECENT_RESULT_CHARS:
             return value
     except (orjson.JSONEncodeError, TypeError):
         pass  # (a key not a str, an integer past 64 bits, a lone surrogate: json says)

@@ -148,29 +148,25 @@ class StatCache:
         may lose lines: the module's text). `flush()` writes what is held."""
         if self.path is None:
             return
-        if self.save_every > 1:
-            self._held += 1
-            self._held_changed.update(dict.fromkeys(changed))
-            self._held_gone.update(dict.fromkeys(gone))
-            now = time.monotonic()
-            due = (not self._lines or self._lines > 64 or self._held >= self.save_every
-                   or (self.save_every_s > 0 and now - self._line_at >= self.save_every_s))
-            if not due:
-                return
-            changed, gone = list(self._held_changed), list(self._held_gone)
-            self._line_at = now
-        self._held = 0
-        self._held_changed, self._held_gone = {}, {}
-        self._save(changed, gone)
+        if self.save_every <= 1:
+            self._save(changed, gone)
+            return
+        self._held += 1
+        self._held_changed.update(dict.fromkeys(changed))
+        self._held_gone.update(dict.fromkeys(gone))
+        if (not self._lines or self._lines > 64 or self._held >= self.save_every
+                or (self.save_every_s > 0
+                    and time.monotonic() - self._line_at >= self.save_every_s)):
+            self.flush()
 
     def flush(self) -> None:
         """Write the line `save` holds back, if any."""
-        if self._held:
-            self._held = 0
-            changed, gone = list(self._held_changed), list(self._held_gone)
-            self._held_changed, self._held_gone = {}, {}
-            self._line_at = time.monotonic()
-            self._save(changed, gone)
+        if not self._held:
+            return
+        changed, gone = list(self._held_changed), list(self._held_gone)
+        self._held, self._held_changed, self._held_gone = 0, {}, {}
+        self._line_at = time.monotonic()
+        self._save(changed, gone)
 
     def _save(self, changed: list[str], gone: list[str]) -> None:
         assert self.path is not None
