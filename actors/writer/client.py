@@ -1,7 +1,9 @@
 """The client side of the writer: append with an idempotency key (retried under
 the same key until answered), and read one stream in pages. Used by agents,
-benchmarks and tests; it talks to `run/writer.sock` directly, not through the
-broker."""
+benchmarks and tests; it talks to the writer directly, not through the
+broker: appends on the local lane (`run/writer.lane`, actors/writer/
+laneclient.py) when it can, on `run/writer.sock` (the ROUTER) otherwise and
+for everything else."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from typing import Any
 import orjson
 import zmq
 
+from actors.writer.lane import lane_path
+from actors.writer.laneclient import LaneClient, lane_enabled
 from actors.writer.wal import WalRecord, parse_record
 from broker import appendwire, auth, compactjson, protocol
 from broker.curve import CurveClient
@@ -88,13 +92,20 @@ class WriterClient:
     ) -> None:
         """`endpoint` defaults to the state directory's ipc socket; a tcp://
         endpoint of a writer on another host needs `curve` keys. `credential`
-        defaults to this process's own (broker/auth.py `process_credential`)."""
+        defaults to this process's own (broker/auth.py `process_credential`).
+        Appends go on the local lane unless an `endpoint` or `curve` is given
+        or CORRAL_WRITER_LANE=0."""
         self.origin = origin
         self.timeout_s = timeout_s
         self.retries = retries
         self.storage_wait_s = storage_wait_s
-        self._req = Requester(ctx, endpoint or state_dir.endpoint("writer"), curve=curve,
-                              credential=credential)
+        router = endpoint or state_dir.endpoint("writer")
+        self._req = Requester(ctx, router, curve=curve, credential=credential)
+        self._lane: LaneClient | None = None
+        if endpoint is None and curve is None and lane_enabled():
+            lane_credential = credential or auth.default_credential(router)
+            if lane_credential is not None:
+                self._lane = LaneClient(lane_path(state_dir.run_dir), lane_credential)
         journal_dir = os.environ.get(ENV_ACK_JOURNAL_DIR)
         self._journal_dir = Path(journal_dir) if journal_dir else None
         self._journals: dict[str, AckJournal] = {}
@@ -163,10 +174,16 @@ class WriterClient:
         its keys while the writer's disk is full (`_storage_full_wait`)."""
         deadline = time.monotonic() + self.storage_wait_s
         backoff_s = 0.05
+        lane = self._lane
         while True:
             msg_id = new_msg_id(prefix)
             try:
-                return self._req.request_append(encode(msg_id), msg_id, kind,
+                frame = encode(msg_id)
+                if lane is not None:
+                    answer = lane.request_append(frame, msg_id, timeout_s=self.timeout_s)
+                    if answer is not None:
+                        return answer
+                return self._req.request_append(frame, msg_id, kind,
                                                 timeout_s=self.timeout_s, retries=self.retries)
             except RemoteError as exc:
                 backoff_s = self._storage_full_wait(exc, deadline, backoff_s)
@@ -267,8 +284,14 @@ class WriterClient:
             raise ProtocolError("unexpected_message", f"stats answered with {reply.kind}")
         return reply.values
 
+    @property
+    def lane(self) -> LaneClient | None:
+        return self._lane
+
     def close(self) -> None:
         self._req.close()
+        if self._lane is not None:
+            self._lane.close()
         for journal in self._journals.values():
             journal.close()
         self._journals.clear()

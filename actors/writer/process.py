@@ -1,7 +1,9 @@
 """The writer process: the only process that appends to the WAL and the
-ledgers. One ROUTER socket (`run/writer.sock`) takes appends straight from
-clients (no broker hop); every append waiting when a batch begins shares that
-batch's fdatasync (group commit), and is acknowledged only after it.
+ledgers. One ROUTER socket (`run/writer.sock`) and the local lane
+(`run/writer.lane`, actors/writer/lane.py: the same frames as Unix socket
+packets) take appends straight from clients (no broker hop); every append
+waiting when a batch begins shares that batch's fdatasync (group commit), and
+is acknowledged only after it.
 
     python -m actors.writer --state-dir .corral [--segment-bytes N] ...
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import resource
 import signal
 import sys
 import time
@@ -31,6 +34,7 @@ from actors.writer import buckets, diskfull, gcpolicy
 from actors.writer.checkpointsync import CheckpointThread, Job, Outcome
 from actors.writer.dedupe import DEFAULT_WINDOW
 from actors.writer.groupcommit import Ack, Batch, CommitPacer, ManyAck, SyncWorker
+from actors.writer.lane import LaneServer, lane_path
 from actors.writer.ledgers import Ledgers
 from actors.writer.payload import check_payload
 from actors.writer.recovery import Recovered, recover
@@ -90,6 +94,8 @@ class WriterOptions:
     max_batch: int = 4096
     max_frame_bytes: int = protocol.DEFAULT_LIMITS.max_frame_bytes
     curve: bool = False  # CURVE on every connection (required for tcp://)
+    # the local lane's cap (None: from the fd limit; 0: no lane)
+    lane_connections: int | None = None
     tcp_endpoints: tuple[str, ...] = ()
     # WAL retention and compaction (actors/writer/walgc.py)
     gc: GcOptions = field(default_factory=GcOptions)
@@ -124,6 +130,7 @@ class Writer:
         self._stopping = False
         self.storage_full: diskfull.StorageFull | None = None
         self._zap: auth.ZapHandler | None = None
+        self.lane: LaneServer | None = None
         self.ledgers = Ledgers(
             {"budget": state_dir.budget_ledger_path, "approvals": state_dir.approvals_ledger_path}
         )
@@ -237,6 +244,8 @@ class Writer:
             path = endpoint.removeprefix("ipc://")
             if os.path.exists(path):
                 os.unlink(path)  # a stale socket file of a dead writer; we hold the lock
+            if not self.options.curve and self.options.lane_connections != 0:
+                self._bind_lane(keyring)  # (with CURVE every local client uses keys too)
             self.sock.bind(endpoint)
             bound = [endpoint]
             for extra in self.options.tcp_endpoints:
@@ -248,6 +257,16 @@ class Writer:
         write_atomic(
             self.state_dir.run_dir / "writer.endpoints", ("\n".join(bound) + "\n").encode()
         )
+
+    def _bind_lane(self, keyring: auth.Keyring) -> None:
+        """The local lane beside the ROUTER; without it (a path too long for
+        a Unix socket, say) clients use the ROUTER alone."""
+        path = lane_path(self.state_dir.run_dir)
+        try:
+            cap = self.options.lane_connections or lane_capacity()
+            self.lane = LaneServer(path, keyring, max_connections=cap)
+        except OSError as exc:
+            self.log.warning("lane_unavailable", path=str(path), error=str(exc))
 
     # --- the loop -------------------------------------------------------------
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
@@ -270,6 +289,10 @@ class Writer:
         if zap is not None:
             poller.register(zap.socket, zmq.POLLIN)
             in_flight_poller.register(zap.socket, zmq.POLLIN)
+        lane = self.lane
+        lane_fd = lane.fileno() if lane is not None else -1
+        if lane is not None:
+            poller.register(lane_fd, zmq.POLLIN)
         max_batch = self.options.max_batch
         self.inflight: Batch | None = None
         self.staged = Batch()
@@ -297,6 +320,9 @@ class Writer:
                 durable = self.worker.fileno() in events
                 if self.sock in events:  # first: what waits joins the batch staged now
                     self._drain(min(max_batch, DRAIN_MAX) if durable else max_batch)
+                if lane_fd in events:
+                    assert lane is not None
+                    self._drain_lane(lane, min(max_batch, DRAIN_MAX) if durable else max_batch)
                 if durable:
                     self._collect()
                 self._collect_checkpoint()
@@ -307,6 +333,8 @@ class Writer:
                 if reporter is not None:
                     reporter.tick(self.values)
                 self._limiter.tick()
+                if lane is not None:
+                    lane.tick(time.monotonic())
             self.log.info("writer_stopping", head_seq=self.head)
             if replicator is not None:  # a batch waiting for the cluster fails unacked
                 replicator.close(grace_s=2.0)
@@ -340,6 +368,16 @@ class Writer:
                 # past the first, the turn ends on one zmq.Again instead of asking
                 # after every frame (2 us each: pyzmq makes an enum per getsockopt)
         self._process(frames)
+        if self.staged.bodies:
+            self.pacer.staged(time.monotonic())
+
+    def _drain_lane(self, lane: LaneServer, max_batch: int) -> None:
+        """`_drain` for the lane's ready connections."""
+        got = lane.receive(max_batch)
+        for ident, exc in got.refusals:
+            self._refuse(ident, exc, None)
+        if got.frames:
+            self._process(got.frames)
         if self.staged.bodies:
             self.pacer.staged(time.monotonic())
 
@@ -679,17 +717,25 @@ class Writer:
         # values are ours and known valid: encoded in C without a model, and sent
         # as two frames (what send_multipart does, without its per-part checks);
         # ROUTER_MANDATORY refuses at the first frame, so nothing half-sent stays
+        # (a lane connection's ack is one packet on its socket instead)
         if not acks:
             return
         send = self.sock.send
         more = _NOBLOCK_SNDMORE
         encode = appendwire.encode_append_ok
+        lane_send = self.lane.send if self.lane is not None else _no_lane
         for ident, msg_id, seq, duplicate in acks:
+            frame = encode(msg_id, seq, duplicate)
+            sent = lane_send(ident, frame)
+            if sent is not None:
+                if sent != "sent":
+                    self._dropped(ident, sent)
+                continue
             try:
                 send(ident, more)
-                send(encode(msg_id, seq, duplicate), _NOBLOCK)
+                send(frame, _NOBLOCK)
             except zmq.ZMQError as exc:
-                self._dropped(ident, exc)
+                self._dropped(ident, _reason(exc), exc.errno)
 
     def _send_many_acks(self, acks: list[ManyAck]) -> None:
         if not acks:
@@ -697,12 +743,19 @@ class Writer:
         send = self.sock.send
         more = _NOBLOCK_SNDMORE
         encode = appendwire.encode_append_many_ok
+        lane_send = self.lane.send if self.lane is not None else _no_lane
         for ident, msg_id, first, count, prev, duplicate in acks:
+            frame = encode(msg_id, first, count, prev, duplicate)
+            sent = lane_send(ident, frame)
+            if sent is not None:
+                if sent != "sent":
+                    self._dropped(ident, sent)
+                continue
             try:
                 send(ident, more)
-                send(encode(msg_id, first, count, prev, duplicate), _NOBLOCK)
+                send(frame, _NOBLOCK)
             except zmq.ZMQError as exc:
-                self._dropped(ident, exc)
+                self._dropped(ident, _reason(exc), exc.errno)
 
     # --- replies --------------------------------------------------------------
     def _reply(
@@ -731,22 +784,34 @@ class Writer:
         self._send(ident, protocol.error_frame(exc, msg_id))
 
     def _send(self, ident: bytes, frame: bytes) -> None:
+        if self.lane is not None:
+            sent = self.lane.send(ident, frame)
+            if sent == "too_large":  # a reply (a page of records) no packet holds
+                sent = self.lane.send(ident, protocol.error_frame(ProtocolError(
+                    protocol.ErrorCode.FRAME_TOO_LARGE,
+                    "the reply is larger than a lane packet: ask on the ROUTER"),
+                    protocol.peek(frame, self.limits).msg_id))
+            if sent is not None:
+                if sent != "sent":
+                    self._dropped(ident, sent)
+                return
         try:
             self.sock.send_multipart([ident, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            self._dropped(ident, exc)
+            self._dropped(ident, _reason(exc), exc.errno)
 
-    def _dropped(self, ident: bytes, exc: zmq.ZMQError) -> None:
-        """A reply could not be queued: the client is gone (EHOSTUNREACH) or does
-        not read (EAGAIN: SNDHWM replies wait already). It is dropped; the
-        client's retry (same msg_id, same key) gets it again."""
+    def _dropped(self, ident: bytes, reason: str, errno: int | None = None) -> None:
+        """A reply could not be queued: the client is gone (EHOSTUNREACH, a
+        closed lane connection) or does not read (EAGAIN: SNDHWM replies wait
+        already; a lane socket's buffer is full). It is dropped; the client's
+        retry (same msg_id, same key) gets it again."""
         self.dropped_total += 1
         if self._limiter.allow():
             self.log.warning(
                 "reply_dropped",
                 peer=ident[:64].hex(),
-                errno=exc.errno,
-                reason="not_reading" if exc.errno == zmq.EAGAIN else "gone",
+                errno=errno,
+                reason=reason,
                 dropped_total=self.dropped_total,
             )
 
@@ -879,17 +944,44 @@ class Writer:
         storage = {"storage_full": int(full is not None),
                    "storage_free_bytes": full.free_bytes if full is not None else -1}
         fleet = self.replicator.values() if self.replicator is not None else {}
+        lane = self.lane.values() if self.lane is not None else {}
         return {**asdict(self.statistics()), **self.fsync_ms.values(),
-                **self.batch_sizes.values(), **storage, **self.gc.values(), **fleet}
+                **self.batch_sizes.values(), **storage, **self.gc.values(), **fleet, **lane}
 
     def close(self) -> None:
         if self._zap is not None:
             self._zap.close()
+        if self.lane is not None:
+            self.lane.close()
         self.segment.close()
         self.index.close()
         self.ledgers.close()
         self.reader.close()
         self._lock.release()
+
+
+def _no_lane(ident: bytes, frame: bytes) -> None:
+    return None
+
+
+def _reason(exc: zmq.ZMQError) -> str:
+    return "not_reading" if exc.errno == zmq.EAGAIN else "gone"
+
+
+def lane_capacity() -> int:
+    """How many lane connections the writer holds: half its fd limit (the rest
+    for segments, ZeroMQ's sockets and the ROUTER's peers), at most 4096."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(16, min(4096, soft // 2))
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a count (0 or more)")
+    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -906,6 +998,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dedupe-window", type=int, default=d.dedupe_window)
     parser.add_argument("--max-batch", type=int, default=d.max_batch)
     parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes)
+    parser.add_argument("--lane-connections", type=_count, default=None, metavar="N",
+                        help="connections the local lane (run/writer.lane) holds; 0: no lane "
+                             "(default: half the fd limit, at most 4096)")
     g = d.gc
     parser.add_argument("--gc-interval-s", type=float, default=g.interval_s)
     parser.add_argument("--gc-max-wal-bytes", type=int, default=g.max_wal_bytes)
@@ -940,6 +1035,7 @@ def main(argv: list[str] | None = None) -> int:
         dedupe_window=args.dedupe_window,
         max_batch=args.max_batch,
         max_frame_bytes=args.max_frame_bytes,
+        lane_connections=args.lane_connections,
         curve=args.curve,
         tcp_endpoints=tuple(args.tcp),
         gc=GcOptions(
