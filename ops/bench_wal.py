@@ -3,7 +3,11 @@ K = 1, 8, 64 closed-loop appender processes (~300-byte events), against
 baselines measured in the same run: raw write+fdatasync per record, SQLite
 (WAL mode, synchronous=FULL, one row per commit, 64 writers) and a raw ceiling
 (pre-encoded records, 64 per fdatasync); and the latency of one raw
-fdatasync (p50/p99), the floor under any acknowledgement's latency.
+fdatasync (p50/p99), the floor under any acknowledgement's latency. The
+appenders use the writer's local lane (run/writer.lane) as agents do; the
+`router_*` figures are the same writer with the appenders on the ROUTER
+alone (CORRAL_WRITER_LANE=0), and the `lane_echo_*` ones the echoes over
+SOCK_SEQPACKET, the lane's own ceilings.
 
 Where the time goes, measured in the same run (docs/performance.md): the CPU
 each kind of process spends per acknowledged append at K = 64 (the writer,
@@ -138,8 +142,12 @@ def sqlite_commits_per_s(directory: Path, writers: int, seconds: float) -> float
     return total / seconds
 
 
-def _appender(state_dir: str, index: int, start_at: float, stop_at: float, out: Connection) -> None:
+def _appender(state_dir: str, index: int, start_at: float, stop_at: float, out: Connection,
+              *, lane: bool = True) -> None:
     import zmq
+
+    if not lane:  # the ROUTER alone (actors/writer/laneclient.py)
+        os.environ["CORRAL_WRITER_LANE"] = "0"
 
     from actors.writer.client import WriterClient, encode_payload
     from broker.statedir import StateDir
@@ -194,10 +202,11 @@ def _stats(state_dir: Path) -> dict[str, int | float]:
 
 def writer_run(state_dir: Path, clients: int, seconds: float,
                cpu: dict[str, float] | None = None,
-               writer_pid: int | None = None) -> tuple[float, list[float]]:
+               writer_pid: int | None = None, *, lane: bool = True
+               ) -> tuple[float, list[float]]:
     """Acknowledged appends per second and each append's latency; with `cpu`,
     the appenders' CPU seconds (`clients_s`) and the writer's over the same
-    window (`writer_s`, from `writer_pid`)."""
+    window (`writer_s`, from `writer_pid`). Not `lane`: on the ROUTER only."""
     ctx = mp.get_context("fork")
     start_at = time.time() + 0.5 + clients * 0.02
     stop_at = start_at + seconds
@@ -205,8 +214,9 @@ def writer_run(state_dir: Path, clients: int, seconds: float,
     for i in range(clients):
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
-            target=_appender, args=(str(state_dir), i + clients * 1000, start_at, stop_at, send)
-        )
+            target=_appender,
+            args=(str(state_dir), i + clients * 1000, start_at, stop_at, send),
+            kwargs={"lane": lane})
         proc.start()
         send.close()
         pipes.append(recv)
@@ -272,6 +282,16 @@ def run(quick: bool = False) -> dict[str, object]:
                 rts = max(1.0, f["durable_echo_per_s_k64"] * seconds)
                 f["durable_echo_server_cpu_us_per_rt_k64"] = durable["server_s"] / rts * 1e6
                 f["durable_echo_client_cpu_us_per_rt_k64"] = durable["clients_s"] / rts * 1e6
+            # the same two over SOCK_SEQPACKET: the ceilings of the writer's local lane
+            for durably, name in ((False, "lane_echo"), (True, "durable_lane_echo")):
+                seq: dict[str, Any] = {}
+                f[f"{name}_per_s_k{k}"] = zmq_echo_per_s(root, k, seconds, seq,
+                                                         durable=durably, lane=True)
+                f[f"{name}_p99_ms_k{k}"] = percentile(seq["latencies"], 99) * 1000
+                if k == 64:
+                    rts = max(1.0, f[f"{name}_per_s_k64"] * seconds)
+                    f[f"{name}_server_cpu_us_per_rt_k64"] = seq["server_s"] / rts * 1e6
+                    f[f"{name}_client_cpu_us_per_rt_k64"] = seq["clients_s"] / rts * 1e6
         state_dir = root / ".corral"
         writer = start_writer(state_dir)
         try:
@@ -291,6 +311,15 @@ def run(quick: bool = False) -> dict[str, object]:
                     batches = after["batches_total"] - before["batches_total"]
                     f["records_per_fdatasync_k64"] = (
                         (after["appends_total"] - before["appends_total"]) / max(1, batches))
+            for k in (1, 64):  # the same writer, the appenders on the ROUTER only
+                cpu = {}
+                rate, lat = writer_run(state_dir, k, seconds, cpu, writer.pid, lane=False)
+                f[f"router_acked_per_s_k{k}"] = rate
+                f[f"router_p99_ms_k{k}"] = percentile(lat, 99) * 1000
+                if k == 64:
+                    acks = max(1.0, rate * seconds)
+                    f["router_writer_cpu_us_per_ack_k64"] = cpu["writer_s"] / acks * 1e6
+                    f["router_client_cpu_us_per_ack_k64"] = cpu["clients_s"] / acks * 1e6
         finally:
             stop(writer)
     f["k1_over_fdatasync"] = f["acked_per_s_k1"] / f["fdatasync_per_s"]
@@ -298,6 +327,12 @@ def run(quick: bool = False) -> dict[str, object]:
     f["k64_over_sqlite_k64"] = f["acked_per_s_k64"] / f["sqlite_commits_per_s_k64"]
     f["k64_over_zmq_echo_k64"] = f["acked_per_s_k64"] / f["zmq_echo_per_s_k64"]
     f["k1_over_durable_echo_k1"] = f["acked_per_s_k1"] / f["durable_echo_per_s_k1"]
+    f["k64_over_lane_echo_k64"] = f["acked_per_s_k64"] / f["lane_echo_per_s_k64"]
+    f["k64_over_durable_lane_echo_k64"] = (
+        f["acked_per_s_k64"] / f["durable_lane_echo_per_s_k64"])
+    f["k1_over_durable_lane_echo_k1"] = f["acked_per_s_k1"] / f["durable_lane_echo_per_s_k1"]
+    f["lane_over_router_k64"] = f["acked_per_s_k64"] / f["router_acked_per_s_k64"]
+    f["lane_over_router_k1"] = f["acked_per_s_k1"] / f["router_acked_per_s_k1"]
     f["k64_over_durable_echo_k64"] = f["acked_per_s_k64"] / f["durable_echo_per_s_k64"]
     # the best k1 can be on this machine: one raw round trip plus one fdatasync
     f["k1_bound_per_s"] = 1 / (1 / f["zmq_echo_per_s_k1"] + 1 / f["fdatasync_per_s"])
@@ -319,6 +354,80 @@ def run(quick: bool = False) -> dict[str, object]:
         "p99_ms_k64<=2x_fdatasync_p99": f["p99_ms_k64"] <= 2 * f["fdatasync_p99_ms"],
     }
     return figures
+
+
+def _lane_echo_server(path: str, ready: Connection, sync_path: str | None = None) -> None:
+    """`_echo_server` on an AF_UNIX SOCK_SEQPACKET socket, one epoll set of
+    the connections (the writer's lane, actors/writer/lane.py, without its
+    hello or any work per packet)."""
+    import select
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(512)
+    listener.setblocking(False)
+    epoll = select.epoll()
+    epoll.register(listener.fileno(), select.EPOLLIN)
+    conns: dict[int, socket.socket] = {}
+    fd = os.open(sync_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if sync_path else -1
+    ready.send(True)
+    while True:
+        batch: list[tuple[socket.socket, bytes]] = []
+        for ready_fd, _ in epoll.poll(0.1):
+            if ready_fd == listener.fileno():
+                while True:
+                    try:
+                        conn, _ = listener.accept()
+                    except BlockingIOError:
+                        break
+                    conn.setblocking(False)
+                    conns[conn.fileno()] = conn
+                    epoll.register(conn.fileno(), select.EPOLLIN)
+                continue
+            conn = conns[ready_fd]
+            try:
+                data = conn.recv(65536)
+            except BlockingIOError:
+                continue
+            if data == b"quit":
+                return
+            if not data:
+                epoll.unregister(ready_fd)
+                conns.pop(ready_fd).close()
+            elif fd < 0:
+                conn.send(data)
+            else:
+                batch.append((conn, data))
+        if batch:
+            os.write(fd, RECORD * len(batch))
+            os.fdatasync(fd)
+            for conn, data in batch:
+                conn.send(data)
+
+
+def _lane_echo_client(path: str, start_at: float, stop_at: float, out: Connection) -> None:
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(path)
+    frame = b"x" * 350
+    latencies: list[float] = []
+    while time.time() < start_at:
+        sock.send(frame)
+        sock.recv(65536)
+    n = 0
+    cpu0 = os.times()
+    while time.time() < stop_at:
+        t0 = time.perf_counter()
+        sock.send(frame)
+        sock.recv(65536)
+        latencies.append(time.perf_counter() - t0)
+        n += 1
+    cpu1 = os.times()
+    sock.close()
+    out.send((n, latencies, cpu1.user - cpu0.user + cpu1.system - cpu0.system))
+    out.close()
 
 
 def _echo_server(endpoint: str, ready: Connection, sync_path: str | None = None) -> None:
@@ -384,20 +493,29 @@ def _echo_client(endpoint: str, start_at: float, stop_at: float, out: Connection
 
 
 def zmq_echo_per_s(directory: Path, clients: int, seconds: float,
-                   figures: dict[str, Any] | None = None, durable: bool = False) -> float:
+                   figures: dict[str, Any] | None = None, durable: bool = False, *,
+                   lane: bool = False) -> float:
     """Raw pyzmq DEALER->ROUTER echo, closed loop: the ceiling any Python
     request/reply server on this machine can reach, with no disk at all; with
     `durable`, each request is also written and fdatasynced (group commit)
-    before its answer: the ceiling of any durable one on this disk.
-    `figures`, when given, gets the round trips' `latencies` and the CPU
-    seconds of the server (`server_s`) and of the clients (`clients_s`)."""
+    before its answer: the ceiling of any durable one on this disk; with
+    `lane`, the same over a SOCK_SEQPACKET socket instead (the writer's local
+    lane's transport). `figures`, when given, gets the round trips'
+    `latencies` and the CPU seconds of the server (`server_s`) and of the
+    clients (`clients_s`)."""
+    import socket
+
     import zmq
 
-    endpoint = f"ipc://{directory}/echo.sock"
+    endpoint = str(directory / "echo.lane") if lane else f"ipc://{directory}/echo.sock"
+    if lane and os.path.exists(endpoint):
+        os.unlink(endpoint)
+    serve, client = (_lane_echo_server, _lane_echo_client) if lane else (
+        _echo_server, _echo_client)
     ctx = mp.get_context("fork")
     ready_recv, ready_send = ctx.Pipe(duplex=False)
     sync_path = str(directory / "durable-echo.bin") if durable else None
-    server = ctx.Process(target=_echo_server, args=(endpoint, ready_send, sync_path))
+    server = ctx.Process(target=serve, args=(endpoint, ready_send, sync_path))
     server.start()
     ready_recv.recv()
     start_at = time.time() + 0.5 + clients * 0.02
@@ -405,7 +523,7 @@ def zmq_echo_per_s(directory: Path, clients: int, seconds: float,
     pipes, procs = [], []
     for _ in range(clients):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_echo_client, args=(endpoint, start_at, stop_at, send))
+        proc = ctx.Process(target=client, args=(endpoint, start_at, stop_at, send))
         proc.start()
         send.close()
         pipes.append(recv)
@@ -416,9 +534,14 @@ def zmq_echo_per_s(directory: Path, clients: int, seconds: float,
     if figures is not None:
         figures.update(latencies=latencies, server_s=server_s, clients_s=clients_s)
     zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    quit_sock = zctx.socket(zmq.DEALER)
-    quit_sock.connect(endpoint)
-    quit_sock.send(b"quit")
+    if lane:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as quit_lane:
+            quit_lane.connect(endpoint)
+            quit_lane.send(b"quit")
+    else:
+        quit_sock = zctx.socket(zmq.DEALER)
+        quit_sock.connect(endpoint)
+        quit_sock.send(b"quit")
     server.join(timeout=10)
     if server.is_alive():
         server.kill()
