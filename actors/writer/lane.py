@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.writer.laneacker import Frames, LaneAcker
 from broker import auth, protocol
 from broker.errors import ProtocolError
 
@@ -122,6 +123,7 @@ class LaneServer:
         self._listener = listener
         self._epoll = select.epoll()
         self._epoll.register(listener.fileno(), select.EPOLLIN)
+        self._acker = LaneAcker(self._socket_of)
 
     def fileno(self) -> int:
         return self._epoll.fileno()
@@ -237,6 +239,17 @@ class LaneServer:
         return True
 
     # --- sending ----------------------------------------------------------------
+    def _socket_of(self, ident: bytes) -> socket.socket | None:
+        """The acker's lookup (another thread: one dict read, atomic)."""
+        conn = self._by_ident.get(ident)
+        return conn.sock if conn is not None else None
+
+    def send_acks(self, frames: Frames) -> None:
+        """Send a durable batch's acks to lane connections, in order, on the
+        acker's thread unless they are few (actors/writer/laneacker.py). A
+        connection gone meanwhile is counted (`lane_acks_dropped_total`)."""
+        self._acker.send(frames)
+
     def send(self, ident: bytes, frame: bytes) -> str | None:
         """Send `frame` to lane connection `ident`: "sent"; "not_reading" (its
         buffer is full), "gone", "too_large" (over what a packet can hold): not
@@ -284,7 +297,7 @@ class LaneServer:
 
     def _close(self, conn: Connection) -> None:
         self._forget(conn)
-        conn.sock.close()
+        self._acker.close_socket(conn.sock)  # after acks queued for it, if any
 
     def values(self) -> dict[str, int | float]:
         c = self.counters
@@ -292,9 +305,11 @@ class LaneServer:
                 "lane_accepted_total": c.accepted_total,
                 "lane_refused_total": c.refused_total,
                 "lane_closed_total": c.closed_total,
-                "lane_hello_timeouts_total": c.hello_timeouts_total}
+                "lane_hello_timeouts_total": c.hello_timeouts_total,
+                "lane_acks_dropped_total": self._acker.dropped_total}
 
     def close(self) -> None:
+        self._acker.stop()
         for conn in list(self._by_fd.values()):
             self._close(conn)
         self._epoll.close()

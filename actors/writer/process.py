@@ -716,26 +716,28 @@ class Writer:
     def _send_acks(self, acks: list[Ack]) -> None:
         # values are ours and known valid: encoded in C without a model, and sent
         # as two frames (what send_multipart does, without its per-part checks);
-        # ROUTER_MANDATORY refuses at the first frame, so nothing half-sent stays
-        # (a lane connection's ack is one packet on its socket instead)
+        # ROUTER_MANDATORY refuses at the first frame, so nothing half-sent stays.
+        # A lane connection's ack is one packet, sent by the lane's acker.
         if not acks:
             return
         send = self.sock.send
         more = _NOBLOCK_SNDMORE
         encode = appendwire.encode_append_ok
-        lane_send = self.lane.send if self.lane is not None else _no_lane
+        lane = self.lane
+        on_lane: list[tuple[bytes, bytes]] = []
         for ident, msg_id, seq, duplicate in acks:
             frame = encode(msg_id, seq, duplicate)
-            sent = lane_send(ident, frame)
-            if sent is not None:
-                if sent != "sent":
-                    self._dropped(ident, sent)
+            if lane is not None and lane.owns(ident):
+                on_lane.append((ident, frame))
                 continue
             try:
                 send(ident, more)
                 send(frame, _NOBLOCK)
             except zmq.ZMQError as exc:
                 self._dropped(ident, _reason(exc), exc.errno)
+        if on_lane:
+            assert lane is not None
+            lane.send_acks(on_lane)
 
     def _send_many_acks(self, acks: list[ManyAck]) -> None:
         if not acks:
@@ -743,19 +745,21 @@ class Writer:
         send = self.sock.send
         more = _NOBLOCK_SNDMORE
         encode = appendwire.encode_append_many_ok
-        lane_send = self.lane.send if self.lane is not None else _no_lane
+        lane = self.lane
+        on_lane: list[tuple[bytes, bytes]] = []
         for ident, msg_id, first, count, prev, duplicate in acks:
             frame = encode(msg_id, first, count, prev, duplicate)
-            sent = lane_send(ident, frame)
-            if sent is not None:
-                if sent != "sent":
-                    self._dropped(ident, sent)
+            if lane is not None and lane.owns(ident):
+                on_lane.append((ident, frame))
                 continue
             try:
                 send(ident, more)
                 send(frame, _NOBLOCK)
             except zmq.ZMQError as exc:
                 self._dropped(ident, _reason(exc), exc.errno)
+        if on_lane:
+            assert lane is not None
+            lane.send_acks(on_lane)
 
     # --- replies --------------------------------------------------------------
     def _reply(
@@ -958,10 +962,6 @@ class Writer:
         self.ledgers.close()
         self.reader.close()
         self._lock.release()
-
-
-def _no_lane(ident: bytes, frame: bytes) -> None:
-    return None
 
 
 def _reason(exc: zmq.ZMQError) -> str:
