@@ -32,6 +32,16 @@ ENV_LANE = "CORRAL_WRITER_LANE"
 RETRY_AFTER_S = 1.0
 Answer = protocol.Message | appendwire.AppendOkFrame | appendwire.AppendManyOkFrame
 
+_forks = 0  # this process's fork generation: a connection made before a fork is the parent's
+
+
+def _forked() -> None:
+    global _forks  # noqa: PLW0603
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
 
 def lane_enabled() -> bool:
     return os.environ.get(ENV_LANE, "1") != "0"
@@ -51,6 +61,7 @@ class LaneClient:
         self._credential = credential
         self._limits = limits
         self._sock: socket.socket | None = None
+        self._made_in = _forks  # the fork generation that made `_sock`
         self._timeout_s = -1.0  # SO_RCVTIMEO/SO_SNDTIMEO as last set
         self._idle_until = 0.0
         self.connects = 0
@@ -66,6 +77,9 @@ class LaneClient:
         if len(frame) > MAX_PACKET:
             return None
         sock = self._sock
+        if sock is not None and self._made_in != _forks:
+            self._drop()  # inherited through a fork: the parent's connection, not ours
+            sock = None
         if sock is None:
             if time.monotonic() < self._idle_until:
                 return None
@@ -123,7 +137,7 @@ class LaneClient:
             sock.close()
             return None
         if answer == HELLO_OK:
-            self._sock = sock
+            self._sock, self._made_in = sock, _forks
             self.connects += 1
             return sock
         sock.close()

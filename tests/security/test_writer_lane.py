@@ -217,3 +217,36 @@ def test_without_the_lane_appends_go_on_the_router(
     off = WriterClient(ctx, state_dir, "agent-1")
     assert off.lane is None
     off.close()
+
+
+def test_a_forked_child_never_shares_its_parents_lane_connection(
+    processes: ProcessTracker, state_dir: StateDir, ctx: Ctx
+) -> None:
+    """A connection inherited through fork would mix two processes' replies
+    on one socket: the child makes its own, the parent keeps its own."""
+    start_writer(processes, state_dir, ctx)
+    client = WriterClient(ctx, state_dir, "operator")
+    assert client.append("agent/a", "turn", {}, key="parent-1").seq == 1
+    assert client.lane is not None and client.lane.connects == 1
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the same client object, a connection of its own
+        code = 1
+        try:
+            os.close(read_end)
+            ok = client.append("agent/a", "turn", {}, key="child-1")
+            assert client.lane is not None
+            os.write(write_end, f"{ok.seq} {client.lane.connects} {client.lane.fallbacks}"
+                     .encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        said = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert said == "2 2 0"  # its own hello (a second connect), on the lane
+    assert client.append("agent/a", "turn", {}, key="parent-2").seq == 3
+    assert (client.lane.connects, client.lane.fallbacks) == (1, 0)
+    client.close()
