@@ -30,6 +30,7 @@ from actors.changesets.manifest import (
 )
 from actors.changesets.paths import check_path
 from actors.changesets.snapshot import BaseIndex, copy_key, git_mode
+from broker.durable import fsync_dir
 from broker.errors import ChangeSetRefusedError
 
 _Current = tuple[int, bytes, os.stat_result]  # (git mode, content or link target, stat)
@@ -174,10 +175,14 @@ def build(
             changes, input_bytes)
     blobs = out / BLOBS
     blobs.mkdir(exist_ok=True)
+    # each file's data fsynced on its own, their names by one fsync of each
+    # directory, all before the manifest that names them (the commit point)
     for d, c in zip(diffs, changes, strict=True):
         if d.after is not None and c.after_sha256 is not None:
-            write_once(blobs / c.after_sha256, d.after)
-    write_once(out / PATCH, patch)
+            write_once(blobs / c.after_sha256, d.after, sync_dir=False)
+    write_once(out / PATCH, patch, sync_dir=False)
+    fsync_dir(blobs)
+    fsync_dir(out)
     manifest = Manifest(**common, status="ready", files=changes, input_bytes=input_bytes,
                         patch_bytes=len(patch), patch_sha256=hashlib.sha256(patch).hexdigest())
     write_once(out / MANIFEST, encode(manifest))

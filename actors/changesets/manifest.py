@@ -139,9 +139,12 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_once(path: Path, data: bytes, *, read_only: bool = True) -> None:
-    """temp + fsync + rename + fsync(dir); read-only afterwards."""
-    write_atomic(path, data, read_only=read_only)
+def write_once(path: Path, data: bytes, *, read_only: bool = True,
+               sync_dir: bool = True) -> None:
+    """temp + fsync + rename + fsync(dir); read-only afterwards. Without
+    `sync_dir` the rename is durable only once the caller fsyncs the
+    directory (one fsync for many files, before what names them)."""
+    write_atomic(path, data, read_only=read_only, sync_dir=sync_dir)
 
 
 def encode(manifest: Manifest) -> bytes:
