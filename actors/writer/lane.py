@@ -54,8 +54,8 @@ PACKETS_PER_CONNECTION = 64  # read from one connection in a turn, at most (fair
 DEFAULT_MAX_CONNECTIONS = 4096
 ACCEPT_PAUSE_S = 0.1  # after EMFILE: stop accepting this long (no busy loop)
 _IDENT_PREFIX = b"\x00L"  # 10 bytes: never a ROUTER identity (5 bytes, or no leading 0)
-_DONTWAIT = socket.MSG_DONTWAIT
-_TRUNC = socket.MSG_TRUNC
+_DONTWAIT = int(socket.MSG_DONTWAIT)  # plain ints: an IntFlag's `&` is a Python call
+_TRUNC = int(socket.MSG_TRUNC)
 
 
 def lane_path(run_dir: Path) -> Path:

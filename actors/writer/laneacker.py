@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 
 INLINE_ACKS = 2
-_DONTWAIT = socket.MSG_DONTWAIT
+_DONTWAIT = int(socket.MSG_DONTWAIT)  # plain ints: an IntFlag's `&` is a Python call
 
 Frames = list[tuple[bytes, bytes]]  # (connection ident, frame)
 Resolve = Callable[[bytes], socket.socket | None]
