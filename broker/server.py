@@ -37,6 +37,7 @@ from broker.control import ControlReporter
 from broker.curve import CurveServer, apply_server, check_endpoints
 from broker.durable import write_atomic
 from broker.errors import ConfigError, LockHeldError, ProtocolError, StateDirError
+from broker.fdlimit import raise_fd_limit
 from broker.heartbeat import HeartbeatRule, PeerTable
 from broker.pidlock import PidLock
 from broker.statedir import NAME_PATTERN, StateDir, bind_umask
@@ -616,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_LOCKED
     logconfig.configure("broker", state.log_path("broker"), level=args.log_level,
                         max_bytes=args.log_max_bytes, backups=args.log_backups)
+    raise_fd_limit()  # a connection an actor (broker/fdlimit.py)
     rule = HeartbeatRule(args.heartbeat_interval_ms / 1000.0, args.heartbeat_misses)
     limits = protocol.Limits(max_frame_bytes=args.max_frame_bytes)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

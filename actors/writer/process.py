@@ -57,6 +57,7 @@ from broker.errors import (
     WalCorruptionError,
     WalError,
 )
+from broker.fdlimit import raise_fd_limit
 from broker.pidlock import PidLock
 from broker.statedir import StateDir, bind_umask
 
@@ -1046,6 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
             disposable=tuple(args.gc_disposable),
         ),
     )
+    fd_limit = raise_fd_limit()  # a connection or two an agent (broker/fdlimit.py)
     writer = Writer(state_dir, options)
     try:
         writer.replicator = Replicator.from_args(args, state_dir.wal_dir)
@@ -1065,7 +1067,8 @@ def main(argv: list[str] | None = None) -> int:
         reporter = ControlReporter.from_env(ctx, "writer")
         if reporter is not None:
             reporter.ready()
-        log.info("writer_ready", endpoint=writer.endpoint, head_seq=writer.head)
+        log.info("writer_ready", endpoint=writer.endpoint, head_seq=writer.head,
+                 lane=writer.lane is not None, fd_limit=fd_limit)
         gcpolicy.settle()  # start-up's objects out of every later collection
         writer.serve(reporter)
     except WalCorruptionError as exc:
