@@ -612,9 +612,14 @@ class Writer:
             # is being framed meanwhile (in fleet mode the worker thread also
             # publishes the batch, so it goes through the worker)
             try:
-                self._finish(self.worker.run_inline(batch))
+                durable = self.worker.run_inline(batch)
             except DurabilityError as exc:
                 self._durability_failed(batch, exc)
+                return
+            # acknowledged before its bookkeeping: the appender's next request
+            # overlaps it, and no request is read before _finish has run
+            self._acknowledge(durable)
+            self._finish(durable, acknowledge=False)
             return
         self.inflight = batch
         self.worker.submit(batch)
