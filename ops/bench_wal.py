@@ -31,6 +31,7 @@ import multiprocessing as mp
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -412,22 +413,32 @@ def _lane_echo_client(path: str, start_at: float, stop_at: float, out: Connectio
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(path)
     frame = b"x" * 350
-    latencies: list[float] = []
-    while time.time() < start_at:
+
+    def round_trip() -> None:
         sock.send(frame)
         sock.recv(65536)
+
+    out.send(_closed_loop(round_trip, start_at, stop_at))
+    sock.close()
+    out.close()
+
+
+def _closed_loop(round_trip: Callable[[], None], start_at: float,
+                 stop_at: float) -> tuple[int, list[float], float]:
+    """An echo client's loop: round trips until `start_at` (warm-up, not
+    measured), then timed ones until `stop_at`: (count, latencies, CPU s)."""
+    latencies: list[float] = []
+    while time.time() < start_at:
+        round_trip()
     n = 0
     cpu0 = os.times()
     while time.time() < stop_at:
         t0 = time.perf_counter()
-        sock.send(frame)
-        sock.recv(65536)
+        round_trip()
         latencies.append(time.perf_counter() - t0)
         n += 1
     cpu1 = os.times()
-    sock.close()
-    out.send((n, latencies, cpu1.user - cpu0.user + cpu1.system - cpu0.system))
-    out.close()
+    return n, latencies, cpu1.user - cpu0.user + cpu1.system - cpu0.system
 
 
 def _echo_server(endpoint: str, ready: Connection, sync_path: str | None = None) -> None:
@@ -472,23 +483,15 @@ def _echo_client(endpoint: str, start_at: float, stop_at: float, out: Connection
     sock = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
     frame = b"x" * 350
-    latencies: list[float] = []
-    while time.time() < start_at:  # warm-up: the same round trips, not measured
+
+    def round_trip() -> None:
         sock.send(frame)
         sock.poll(5000)
         sock.recv()
-    n = 0
-    cpu0 = os.times()
-    while time.time() < stop_at:
-        t0 = time.perf_counter()
-        sock.send(frame)
-        sock.poll(5000)
-        sock.recv()
-        latencies.append(time.perf_counter() - t0)
-        n += 1
-    cpu1 = os.times()
+
+    result = _closed_loop(round_trip, start_at, stop_at)
     ctx.destroy(linger=0)
-    out.send((n, latencies, cpu1.user - cpu0.user + cpu1.system - cpu0.system))
+    out.send(result)
     out.close()
 
 
