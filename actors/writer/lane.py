@@ -51,6 +51,7 @@ HELLO_TIMEOUT_S = 5.0
 MAX_PACKET = 64 * 1024  # under the default SO_SNDBUF's message bound (~208 KiB)
 MAX_HELLO = 512
 PACKETS_PER_CONNECTION = 64  # read from one connection in a turn, at most (fairness)
+ACCEPTS_PER_TURN = 256  # a flood of connects cannot hold the loop either
 DEFAULT_MAX_CONNECTIONS = 4096
 ACCEPT_PAUSE_S = 0.1  # after EMFILE: stop accepting this long (no busy loop)
 _IDENT_PREFIX = b"\x00L"  # 10 bytes: never a ROUTER identity (5 bytes, or no leading 0)
@@ -128,10 +129,6 @@ class LaneServer:
     def fileno(self) -> int:
         return self._epoll.fileno()
 
-    @property
-    def connections(self) -> int:
-        return len(self._by_fd)
-
     def owns(self, ident: bytes) -> bool:
         return ident in self._by_ident
 
@@ -153,7 +150,7 @@ class LaneServer:
         return got
 
     def _accept(self) -> None:
-        while True:
+        for _ in range(ACCEPTS_PER_TURN):
             try:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
@@ -199,12 +196,14 @@ class LaneServer:
                 return
             if flags & _TRUNC:
                 self.counters.refused_total += 1
-                got.refusals.append((conn.ident, ProtocolError(
+                too_large = ProtocolError(
                     protocol.ErrorCode.FRAME_TOO_LARGE,
-                    f"a lane packet holds {MAX_PACKET} bytes at most: send it on the ROUTER")))
-                if conn.user is None:
-                    self._close(conn)
+                    f"a lane packet holds {MAX_PACKET} bytes at most: send it on the ROUTER")
+                if conn.user is None:  # no hello is that long: refused and closed
+                    self._forget(conn)
+                    self._answer_and_close(conn.sock, too_large)
                     return
+                got.refusals.append((conn.ident, too_large))
                 continue
             packet = bytes(view[:size])
             if conn.user is None:

@@ -86,6 +86,9 @@ def test_the_lane_refuses_bad_hellos_and_hostile_packets_and_keeps_serving(
                                              stream="agent/agent-2", event="turn",
                                              payload=b"{}"))
     assert refused_and_closed(lane_socket(state_dir), append).code == "forbidden"
+    # a first packet larger than any: frame_too_large, and closed
+    assert refused_and_closed(lane_socket(state_dir), b"\x00" * (MAX_PACKET + 1)
+                              ).code == "frame_too_large"
     # an empty first packet: the connection is closed
     sock = lane_socket(state_dir)
     sock.send(b"")
@@ -124,7 +127,7 @@ def test_the_lane_refuses_bad_hellos_and_hostile_packets_and_keeps_serving(
     assert owner.append("agent/agent-1", "turn", {"n": 2}, key="k2").seq == 2
     assert owner.lane.fallbacks == 0
     stats = owner.stats()
-    assert stats["lane_refused_total"] == 10  # the hellos and the oversized packet
+    assert stats["lane_refused_total"] == 11  # the hellos and the oversized packets
     assert writer.poll() is None
     owner.close()
 
