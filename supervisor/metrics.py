@@ -51,6 +51,13 @@ _NAMED: dict[str, dict[str, tuple[str, str, bool]]] = {
         "fsyncs_total": ("corral_writer_fsyncs", "fdatasync calls", True),
         "head_seq": ("corral_writer_head_seq", "last durable seq", False),
         "appends_per_s": ("corral_writer_appends_per_second", "append rate", False),
+        "dropped_total": ("corral_writer_replies_dropped", "replies not delivered", True),
+        "lane_connections": ("corral_writer_lane_connections",
+                             "connections on the local lane (run/writer.lane)", False),
+        "lane_refused_total": ("corral_writer_lane_refused",
+                               "lane hellos, packets and connections refused", True),
+        "lane_acks_dropped_total": ("corral_writer_lane_acks_dropped",
+                                    "lane acks not delivered (the client gone)", True),
     },
     "broker": {
         "routed_total": ("corral_broker_routed", "messages routed", True),

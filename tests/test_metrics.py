@@ -107,6 +107,8 @@ def test_scrape_a_running_runtime(processes: ProcessTracker, state_dir: StateDir
     batches = value(m, "corral_writer_batch_records_count", **w)
     assert batches == value(m, "corral_writer_batches_total", **w)
     assert value(m, "corral_writer_batch_records_sum", **w) == appends
+    assert value(m, "corral_writer_lane_connections", **w) is not None  # the local lane
+    assert value(m, "corral_writer_lane_refused_total", **w) == 0
     worker = {"name": "worker", "kind": "agent"}
     calls = value(m, "corral_agent_calls_total", **worker)
     assert calls is not None and calls >= 3
