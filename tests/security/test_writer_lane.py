@@ -135,20 +135,29 @@ def test_the_lane_refuses_bad_hellos_and_hostile_packets_and_keeps_serving(
 def test_a_connection_without_a_hello_is_closed_and_the_lane_has_a_cap(
     processes: ProcessTracker, state_dir: StateDir, ctx: Ctx
 ) -> None:
-    """Connections that never authenticate cannot hold the lane: they are
-    closed after the hello timeout; past the cap a connection is answered
-    recipient_busy, and a client refused so appends on the ROUTER instead."""
+    """Past the cap a connection is answered recipient_busy, and a client
+    refused so appends on the ROUTER instead; connections that never
+    authenticate cannot hold the lane: they are closed after the hello
+    timeout. (The cap is filled by connections that said hello, which no
+    timeout closes, so nothing here races the 5 s.)"""
     writer = start_writer(processes, state_dir, ctx, "--lane-connections", "4")
-    silent = [lane_socket(state_dir) for _ in range(4)]
+    keyring = auth.ensure_keys(state_dir)
+    holders = [lane_socket(state_dir) for _ in range(4)]
+    for sock in holders:
+        sock.send(hello(keyring.credential("agent-2")))
+        assert sock.recv(MAX_PACKET) == HELLO_OK
     busy = lane_socket(state_dir)  # answered at once, before any hello
     reply = protocol.decode(busy.recv(MAX_PACKET))
     assert isinstance(reply, protocol.Error) and reply.code == "recipient_busy"
     assert busy.recv(MAX_PACKET) == b""
     busy.close()
-    client = WriterClient(ctx, state_dir, "agent-1",
-                          credential=auth.ensure_keys(state_dir).credential("agent-1"))
+    client = WriterClient(ctx, state_dir, "agent-1", credential=keyring.credential("agent-1"))
     assert client.append("agent/agent-1", "turn", {}, key="busy").seq == 1  # on the ROUTER
     assert client.lane is not None and client.lane.fallbacks == 1 and client.lane.connects == 0
+    for sock in holders:
+        sock.close()
+    wait_for(lambda: client.stats()["lane_connections"] == 0, 30, "the holders' ends seen")
+    silent = [lane_socket(state_dir) for _ in range(4)]
     for sock in silent:  # closed by the writer within the hello timeout (5 s)
         assert sock.recv(MAX_PACKET) == b""
         sock.close()
@@ -158,6 +167,30 @@ def test_a_connection_without_a_hello_is_closed_and_the_lane_has_a_cap(
     wait_for(lambda: _on_lane_after(client, connects=1), 30, "an append on the lane again")
     assert writer.poll() is None
     client.close()
+
+
+def test_a_lane_peer_that_never_reads_loses_its_replies_not_the_writer(
+    processes: ProcessTracker, state_dir: StateDir, ctx: Ctx
+) -> None:
+    """A connection that sends and never reads: its replies past the socket's
+    buffer are dropped and counted (it would retry), the writer holds nothing
+    more for it and serves everyone else."""
+    writer = start_writer(processes, state_dir, ctx)
+    keyring = auth.ensure_keys(state_dir)
+    flooder = lane_socket(state_dir)
+    flooder.send(hello(keyring.credential("agent-2")))
+    assert flooder.recv(MAX_PACKET) == HELLO_OK
+    for i in range(3000):  # ~3,000 pongs: far past what a socket buffer holds
+        flooder.send(protocol.encode(protocol.Ping(msg_id=f"flood{i}")))
+    owner = WriterClient(ctx, state_dir, "agent-1", credential=keyring.credential("agent-1"))
+    wait_for(lambda: owner.stats()["dropped_total"] > 0, 30, "the flooder's replies dropped")
+    assert owner.append("agent/agent-1", "turn", {}, key="served").seq == 1
+    assert owner.lane is not None and owner.lane.fallbacks == 0
+    pong = protocol.decode(flooder.recv(MAX_PACKET))  # what it did get is its own, in order
+    assert isinstance(pong, protocol.Pong) and pong.msg_id == "flood0"
+    flooder.close()
+    assert writer.poll() is None
+    owner.close()
 
 
 _n = 0
