@@ -27,7 +27,15 @@ step's effect has begun.
 - corral_notree (a decomposition, not a peer): the same corral run with the
   loop's workspace-tree capture at each turn boundary switched off (the
   tree behind `rewind`/`fork` of the workspace, which neither peer keeps),
-  so what that feature costs a step is read in the same run.
+  so what that feature costs a step is read in the same run. Its two
+  parts are timed in the corral run itself: `corral_tree_capture_cpu_us_p50`
+  (the capture's CPU on the loop's thread, a boundary) and
+  `corral_tree_sync_wait_us_per_step` (the loop's wait for the pack's
+  fdatasync that its thread did not overlap: a second flush of the disk a
+  step, which the `*_sync_floor_ms_p50` figures show on the disk alone).
+- `cpu_ms_per_step_for_2x_on_2_cores`: the CPU a step (all of a system's
+  processes) at which this machine's two cores could run 2x the better
+  peer's 8-agent rate at all; against `corral_cpu_ms_per_step_8`.
 
 A step's time is the interval between the starts of two consecutive steps
 (everything a step pays, durable records included); `*_step_ms_p50` is their
@@ -118,11 +126,15 @@ def corral_worker(state_root: Path, agent: str, steps: int, *,
     write_spec(state_dir, agent, spec)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     starts: list[float] = []
+    capture_us: list[float] = []
+    sync_wait_us: list[float] = []
     try:
         with WriterClient(ctx, state_dir, agent, timeout_s=30) as writer:
             loop = AgentLoop(agent, state_dir, spec, writer)
             if not trees:
                 loop._record_tree = lambda: False  # type: ignore[method-assign]
+            else:
+                capture_us, sync_wait_us = _time_the_tree(loop.trees)
             loop.rebuild()
             if barrier:
                 _wait_go()
@@ -147,7 +159,37 @@ def corral_worker(state_root: Path, agent: str, steps: int, *,
         ctx.destroy(linger=0)
     # the last turn is the scripted model's `finish`: its start closes the last step
     return {"step_ms": _intervals_ms(starts[: steps + 1]), "wall_s": wall, "steps": steps,
-            "files": written, "ended_at": ended, "cpu_s": cpu}
+            "files": written, "ended_at": ended, "cpu_s": cpu,
+            "tree_capture_us": capture_us, "tree_sync_wait_us": sum(sync_wait_us)}
+
+
+def _time_the_tree(trees: Any) -> tuple[list[float], list[float]]:
+    """Wrap the loop's tree recorder (actors/trees/recorder.py) so the run
+    says what the tree costs a step: the capture's CPU on the loop's thread
+    (`fact`: the walk or the watched update, the objects appended to the
+    pack) and the time the loop waited for the pack's fdatasync before the
+    group naming the tree went out (`settle`: the part the sync's thread did
+    not overlap)."""
+    capture_us: list[float] = []
+    sync_wait_us: list[float] = []
+    fact, settle = trees.fact, trees.settle
+
+    def timed_fact(state: Any) -> Any:
+        began = time.thread_time()
+        try:
+            return fact(state)
+        finally:
+            capture_us.append((time.thread_time() - began) * 1e6)
+
+    def timed_settle() -> None:
+        began = time.perf_counter()
+        try:
+            settle()
+        finally:
+            sync_wait_us.append((time.perf_counter() - began) * 1e6)
+
+    trees.fact, trees.settle = timed_fact, timed_settle
+    return capture_us, sync_wait_us
 
 
 def run_corral(agents: int, steps: int, system: str = "corral") -> dict[str, Any]:
@@ -399,6 +441,8 @@ def _merge(outs: list[dict[str, Any]], agents: int, steps: int) -> dict[str, Any
     # processes start together: wall time is the slowest one's
     return {"step_ms": step_ms, "wall_s": max(float(o["wall_s"]) for o in outs),
             "steps": agents * steps, "cpu_s": sum(float(o["cpu_s"]) for o in outs),
+            "tree_capture_us": [us for o in outs for us in o.get("tree_capture_us", [])],
+            "tree_sync_wait_us": sum(float(o.get("tree_sync_wait_us", 0.0)) for o in outs),
             **{k: v for k, v in outs[0].items() if k in ("sqlite_synchronous", "journal_mode")}}
 
 
@@ -429,7 +473,9 @@ def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**runs[0], "step_ms": [ms for r in runs for ms in r["step_ms"]],
             "steps": sum(r["steps"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs),
             "cpu_s": sum(r["cpu_s"] for r in runs),
-            "writer_cpu_s": sum(r.get("writer_cpu_s", 0.0) for r in runs)}
+            "writer_cpu_s": sum(r.get("writer_cpu_s", 0.0) for r in runs),
+            "tree_capture_us": [us for r in runs for us in r.get("tree_capture_us", [])],
+            "tree_sync_wait_us": sum(r.get("tree_sync_wait_us", 0.0) for r in runs)}
 
 
 def run(quick: bool = False) -> dict[str, object]:
@@ -484,6 +530,13 @@ def run(quick: bool = False) -> dict[str, object]:
         figures["corral_tree_ms_per_step_p50"] = round(
             float(figures["corral_step_ms_p50"])  # type: ignore[arg-type]
             - float(figures["corral_notree_step_ms_p50"]), 2)  # type: ignore[arg-type]
+    if "corral" in present:  # of which: the capture's CPU, the wait for the pack's sync
+        lone = _pooled(ones["corral"])
+        if lone["tree_capture_us"]:
+            figures["corral_tree_capture_cpu_us_p50"] = round(
+                percentile(lone["tree_capture_us"], 50), 1)
+        figures["corral_tree_sync_wait_us_per_step"] = round(
+            float(lone["tree_sync_wait_us"]) / lone["steps"], 1)
     peers = [float(v) for k, v in figures.items()  # type: ignore[arg-type]
              if k in ("langgraph_step_ms_p50", "dbos_step_ms_p50")]
     rates = [float(v) for k, v in figures.items()  # type: ignore[arg-type]
@@ -494,6 +547,9 @@ def run(quick: bool = False) -> dict[str, object]:
             float(figures["corral_step_ms_p50"]) / best, 2)  # type: ignore[arg-type]
         figures["corral_over_best_peer_steps_per_s_8"] = round(
             float(figures["corral_steps_per_s_8"]) / max(rates), 2)  # type: ignore[arg-type]
+        # the CPU a step (all processes) at which two cores could run 2x the
+        # better peer's rate at all: against corral_cpu_ms_per_step_8
+        figures["cpu_ms_per_step_for_2x_on_2_cores"] = round(1000 / max(rates), 2)
         figures["targets"] = {
             "corral_step_ms_p50<=best_peer": float(figures["corral_step_ms_p50"])  # type: ignore[arg-type]
             <= best,
