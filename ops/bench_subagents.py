@@ -24,6 +24,9 @@ Where `changeset_ms` goes, same runs (medians, from the host's and the child's
 log lines):
     phase_snapshot_ms_p50   the request to `subagent_snapshotted` (the host's
                             copy of the 1,000 files, and the parent's record)
+    phase_snapshot_copy_ms_p50  of it, the copy alone (`snapshot()`: the files
+                            copied and packed, the base index saved), as the
+                            host logs it (`elapsed_ms`)
     phase_child_start_ms_p50  `subagent_snapshotted` to the child's first log
                             line (its fork from the host's zygote, its start)
     phase_child_steps_ms_p50  the child's `session_started` to `session_exited`:
@@ -223,18 +226,20 @@ def phases(state: StateDir, requested: list[float]) -> dict[str, list[float]]:
     """Per run, the phases of `changeset_ms` (see the module's docstring):
     `requested` are the wall-clock times the requests were sent."""
     host = _log_events(state.logs_dir / "subagents.log")
-    out: dict[str, list[float]] = {"snapshot": [], "child_start": [], "child_steps": [],
-                                   "child_end": []}
-    snapped = [(at, str(doc.get("subagent_id"))) for at, ev, doc in host
+    out: dict[str, list[float]] = {"snapshot": [], "snapshot_copy": [], "child_start": [],
+                                   "child_steps": [], "child_end": []}
+    snapped = [(at, str(doc.get("subagent_id")), doc.get("elapsed_ms")) for at, ev, doc in host
                if ev == "subagent_snapshotted"]
     ended = {str(doc.get("subagent_id")): at for at, ev, doc in host if ev == "subagent_ended"}
-    for sent, (snap_at, sid) in zip(requested, snapped, strict=False):
+    for sent, (snap_at, sid, copy_ms) in zip(requested, snapped, strict=False):
         child = _log_events(state.logs_dir / f"{PARENT}.{sid}.log")
         started = [at for at, ev, _ in child if ev == "session_started"]
         exited = [at for at, ev, _ in child if ev == "session_exited"]
         if not (child and started and exited and sid in ended):
             continue
         out["snapshot"].append((snap_at - sent) * 1000)
+        if isinstance(copy_ms, int | float):
+            out["snapshot_copy"].append(float(copy_ms))
         out["child_start"].append((child[0][0] - snap_at) * 1000)
         out["child_steps"].append((exited[-1] - started[0]) * 1000)
         out["child_end"].append((ended[sid] - exited[-1]) * 1000)
