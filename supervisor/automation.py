@@ -7,16 +7,18 @@ hands it what only the loop knows (the agents' names, children that gave up)
 and takes back what only the loop may do (spawning agents) through queues,
 drained once per loop turn by `service`.
 
-- Schedules (`config/schedules.yaml`): each enabled entry's cron slots are
-  computed from its anchor (its last fired or skipped slot, else when it was
-  armed), all recorded in the stream `automation/schedules`; a slot is fired
-  by appending `schedule_fired` (key `fire:<name>:<slot>`, so never twice)
-  before the agent `<name>-<slot as YYYYmmddHHMMSS>` is spawned (a pipeline
-  schedule: its run file is written first, then the fact, then the runner of
-  that name is spawned with backend `pipeline`). Slots older
-  than `catchup_grace_s` passed while nothing ran them: `missed: skip` records
-  `schedule_skipped`, `run_once` fires one catch-up.
-- Hooks (`config/hooks.yaml`): the agents' streams are read from a watermark
+- Schedules (the `schedules` registry, read through actors/registries/store.py):
+  each enabled entry's cron slots are computed from its anchor (its last
+  fired or skipped slot, else when it was armed), all recorded in the stream
+  `automation/schedules`; a slot is fired by appending `schedule_fired` (key
+  `fire:<name>:<slot>`, so never twice) before the agent
+  `<name>-<slot as YYYYmmddHHMMSS>` is spawned (a pipeline schedule: its run
+  file is written first, then the fact, then the runner of that name is
+  spawned with backend `pipeline`). Slots older than `catchup_grace_s` passed
+  while nothing ran them: `missed: skip` records `schedule_skipped`,
+  `run_once` fires one catch-up. A schedule an agent added runs with at most
+  that agent's grants and spends its budget (`Grant`).
+- Hooks (the `hooks` registry): the agents' streams are read from a watermark
   (a fact of `automation/hooks`); each matching event becomes `hook_due`
   (key `due:<delivery>`) and is delivered by a worker (HTTP POST, or a command
   run by procs in the sandbox as the session `automation`) with retries and
@@ -49,6 +51,7 @@ import zmq
 from croniter import croniter
 
 from actors.registries import entries as registries
+from actors.registries import store
 from broker import auth, protocol
 from broker.errors import CorralError
 from broker.statedir import StateDir
@@ -96,27 +99,28 @@ class SpawnOrder:
 
 
 class _Registry:
-    """Re-reads one registry file when it changes; keeps the last good one."""
+    """Re-reads one registry's newest generation (actors/registries/store.py)
+    when a newer one is written; keeps the last good one."""
 
-    def __init__(self, path: Path, loader: Callable[[Path], dict[str, Any]]) -> None:
-        self.path = path
+    def __init__(self, state_dir: StateDir, registry: str,
+                 loader: Callable[[StateDir], dict[str, Any]]) -> None:
+        self.state_dir = state_dir
+        self.registry = registry
         self.loader = loader
         self.entries: dict[str, Any] = {}
-        self._stamp: tuple[int, int, int] | None = None
+        self._seq: int | None = None
 
     def refresh(self) -> dict[str, Any]:
-        try:
-            st = self.path.stat()
-            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
-        except FileNotFoundError:
-            stamp = (0, 0, 0)
-        if stamp != self._stamp:
-            self._stamp = stamp
+        seq = store.newest_seq(self.state_dir, self.registry)
+        if seq != self._seq:
+            self._seq = seq
             try:
-                self.entries = self.loader(self.path.parent)
-                log.info("registry_loaded", file=self.path.name, entries=len(self.entries))
-            except registries.RegistryError as exc:
-                log.error("registry_refused", file=self.path.name, reason=str(exc))
+                self.entries = self.loader(self.state_dir)
+                log.info("registry_loaded", registry=self.registry, generation_seq=seq,
+                         entries=len(self.entries))
+            except store.RegistryError as exc:
+                log.error("registry_refused", registry=self.registry, generation_seq=seq,
+                          reason=str(exc)[:500])
         return self.entries
 
 
@@ -166,7 +170,6 @@ def prepare_pipeline_run(state_dir: StateDir, entry: registries.ScheduleEntry,
     path), checked with its inputs. Written once: a tick retried after the
     fact's reply was lost keeps the file the fact was recorded with."""
     from actors.pipelines import runfile  # noqa: PLC0415
-    from actors.registries import store  # noqa: PLC0415
     from supervisor.pipelinecli import resolve  # noqa: PLC0415
 
     path = runfile.path_for(state_dir, runner)
@@ -196,8 +199,7 @@ class Scheduler:
         self.state_dir = state_dir
         self.config = config
         self.spawns = spawns
-        self.registry = _Registry(state_dir.config_dir / "schedules.yaml",
-                                  registries.load_schedules)
+        self.registry = _Registry(state_dir, "schedules", store.load_schedules)
         self.anchors: dict[str, float] = {}
         self.last_fire: dict[str, dict[str, Any]] = {}
 
@@ -354,7 +356,7 @@ class Hooks:
         self.state_dir = state_dir
         self.config = config
         self.keyring = keyring
-        self.registry = _Registry(state_dir.config_dir / "hooks.yaml", registries.load_hooks)
+        self.registry = _Registry(state_dir, "hooks", store.load_hooks)
         self.due: dict[str, dict[str, Any]] = {}  # delivery -> hook_due payload (no outcome yet)
         self.known: set[str] = set()  # every delivery recorded due
         self.watermark: int | None = None

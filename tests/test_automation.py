@@ -78,6 +78,13 @@ def _config(state_dir: StateDir, *kinds: str) -> Path:
     return path
 
 
+def _apply(processes: ProcessTracker, state_dir: StateDir, op: str, entry: Any) -> None:
+    """A registry op as the operator runs it (`supervisor registry apply`)."""
+    done = cli(processes, state_dir, "registry", "apply", op, "--args",
+               json.dumps({"entry": entry}))
+    assert done.returncode == 0, done.stderr
+
+
 def _stop(processes: ProcessTracker, state_dir: StateDir, up: Any) -> None:
     assert cli(processes, state_dir, "stop").returncode == 0
     assert up.wait(timeout=30) == 0
@@ -91,16 +98,16 @@ def test_a_schedule_fires_across_a_supervisor_restart_by_its_missed_policy(
     clock.write_text("0")
     env = {ENV_CLOCK_OFFSET_FILE: str(clock)}
     task = write_task(state_dir.root.parent / "quick.yaml", [{"op": "finish", "summary": "ok"}])
-    schedules = state_dir.config_dir / "schedules.yaml"
     entries = [{"name": "once", "cron": "*/10 * * * *", "task": str(task), "missed": "run_once"},
                {"name": "skip", "cron": "*/10 * * * *", "task": str(task), "missed": "skip"}]
-    schedules.write_text(yaml.safe_dump({"schedules": entries}))
 
     def facts(event: str, schedule: str) -> list[dict[str, Any]]:
         return [p for e, p in _facts(writer, "automation/schedules")
                 if e == event and p["schedule"] == schedule]
 
     up = supervisor_up(processes, state_dir, config, "up1", env)
+    for entry in entries:
+        _apply(processes, state_dir, "schedule_add", entry)
     wait_for(lambda: facts("schedule_armed", "once") and facts("schedule_armed", "skip"), 20,
              "both schedules armed")
     armed = facts("schedule_armed", "once")[0]["since"]
@@ -121,13 +128,12 @@ def test_a_schedule_fires_across_a_supervisor_restart_by_its_missed_policy(
     wait_for(lambda: ended(agent), 30, f"the scheduled agent {agent} to run its task")
     _stop(processes, state_dir, up)
 
-    # 25 minutes pass while the supervisor is down: two slots of */10; a schedule
-    # added last is armed in the same pass that checks the others
+    # 25 minutes pass while the supervisor is down: two slots of */10; the first
+    # pass after the restart applies both policies
     clock.write_text(repr(first_slot + 1500 - time.time()))
-    schedules.write_text(yaml.safe_dump({"schedules": [*entries, {
-        "name": "late", "cron": "*/10 * * * *", "task": str(task)}]}))
     up = supervisor_up(processes, state_dir, config, "up2", env)
-    wait_for(lambda: facts("schedule_armed", "late"), 20, "the pass after the restart")
+    wait_for(lambda: len(facts("schedule_fired", "once")) == 2
+             and facts("schedule_skipped", "skip"), 20, "the pass after the restart")
     fired = facts("schedule_fired", "once")
     assert len(fired) == 2 and fired[1]["catchup"] is True  # one run for both missed slots
     assert (fired[1]["slot"], fired[1]["missed"]) == (first_slot + 1200, 2)
@@ -154,11 +160,11 @@ def test_a_pipeline_schedule_starts_its_runner_once_across_a_restart_after_the_f
     installed = cli(processes, state_dir, "registry", "apply", "pipeline_install",
                     "--args", json.dumps({"path": str(source)}))
     assert installed.returncode == 0, installed.stderr
-    (state_dir.config_dir / "schedules.yaml").write_text(yaml.safe_dump({"schedules": [
-        {"name": "greet", "cron": "*/10 * * * *", "action": "pipeline", "pipeline": "hello",
-         "inputs": {"who": "cron"}},
-        {"name": "ghost", "cron": "*/10 * * * *", "action": "pipeline", "pipeline": "nope"},
-    ]}))
+    for entry in [{"name": "greet", "cron": "*/10 * * * *", "action": "pipeline",
+                   "pipeline": "hello", "inputs": {"who": "cron"}},
+                  {"name": "ghost", "cron": "*/10 * * * *", "action": "pipeline",
+                   "pipeline": "nope"}]:
+        _apply(processes, state_dir, "schedule_add", entry)
 
     def fired(schedule: str) -> list[dict[str, Any]]:
         return [p for e, p in _facts(writer, "automation/schedules")
@@ -228,7 +234,9 @@ def test_hooks_post_once_per_event_after_a_500_and_run_commands_in_the_sandbox(
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/notify"
         root = state_dir.root
-        (state_dir.config_dir / "hooks.yaml").write_text(yaml.safe_dump({"hooks": [
+        up = supervisor_up(processes, state_dir, _config(state_dir, "procs"), "up",
+                 {"OPENAI_API_KEY": "sk-hook-test-key"})
+        for hook in [
             {"name": "notify", "on": ["agent_finished", "approval_requested"], "url": url,
              "retries": 3, "backoff_s": 0.05, "timeout_s": 5},
             {"name": "script", "on": ["agent_finished"], "timeout_s": 20,
@@ -236,9 +244,8 @@ def test_hooks_post_once_per_event_after_a_500_and_run_commands_in_the_sandbox(
                         f'ls -A {root} > statedir.txt; echo "$OPENAI_API_KEY" > key.txt'},
             {"name": "outside", "on": ["agent_finished"], "url": "http://192.0.2.1:9/x",
              "retries": 0},
-        ]}))
-        up = supervisor_up(processes, state_dir, _config(state_dir, "procs"), "up",
-                 {"OPENAI_API_KEY": "sk-hook-test-key"})
+        ]:
+            _apply(processes, state_dir, "hook_add", hook)
         task = write_task(state_dir.root.parent / "ask.yaml", [
             {"op": "ask", "question": "ship it?"}, {"op": "finish", "summary": "done"}])
         assert cli(processes, state_dir, "spawn", "worker", "--task", str(task)).returncode == 0

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from actors.agent.settings import Permissions, Rule
+from actors.registries import ops
 from tests.processes import wait_for
 from tests.security.stack import Runtime, shared  # noqa: F401 - the fixture
 
@@ -87,17 +87,18 @@ WIDE = """
 
 
 def _install(rt: Runtime, agent: str) -> Path:
-    """The servers' scripts in the agent's workspace (what its sandbox shows)
-    and config/mcp.yaml naming them."""
+    """The servers' scripts in the agent's workspace (what its sandbox shows),
+    installed by the operator's `mcp_install` (the `mcp` registry)."""
     workspace = rt.state.agent_dir(agent) / "workspace"
     workspace.mkdir(parents=True, exist_ok=True)
     (workspace / "server.py").write_text(textwrap.dedent(SERVER))
     (workspace / "wide.py").write_text(textwrap.dedent(WIDE))
-    (rt.state.config_dir / "mcp.yaml").write_text(yaml.safe_dump({"mcp": [
-        {"name": "t", "command": [sys.executable, str(workspace / "server.py")],
-         "call_timeout_s": 20},
-        {"name": "wide", "command": [sys.executable, str(workspace / "wide.py")]},
-    ]}))
+    for entry in [{"name": "t", "command": [sys.executable, str(workspace / "server.py")],
+                   "call_timeout_s": 20},
+                  {"name": "wide", "command": [sys.executable, str(workspace / "wide.py")]}]:
+        ops.apply(ops.McpInstall.model_validate({"entry": entry}), rt.state, rt.writer,
+                  key=f"cfg:operator:{agent}:{entry['name']}", actor="operator",
+                  read_pipeline=lambda _p: ("", ""))
     return workspace
 
 

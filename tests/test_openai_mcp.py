@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from actors.agent import catalog, gate, mcp_functions
 from actors.agent.mcp_ops import McpCall
@@ -22,6 +21,9 @@ from actors.agent.openai_backend import OpenAIModel
 from actors.agent.ops import Rejected
 from actors.agent.settings import AgentSettings, OpenAISettings, Task
 from actors.agent.state import AgentState
+from actors.registries import ops
+from broker.statedir import StateDir
+from tests.agentkit import FakeWriter
 from tests.test_openai_backend import Server, call, completion
 
 READ = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
@@ -40,10 +42,12 @@ def server() -> Iterator[Server]:
 @pytest.fixture
 def agent_dir(tmp_path: Path) -> Path:
     root = tmp_path / ".corral"
-    (root / "config").mkdir(parents=True)
-    (root / "config" / "mcp.yaml").write_text(yaml.safe_dump({"mcp": [
-        {"name": "files", "command": ["/bin/true"]},
-        {"name": "off", "command": ["/bin/true"], "enabled": False}]}))
+    state = StateDir(root).ensure()
+    writer = FakeWriter().as_origin("operator")
+    for key, entry in enumerate([{"name": "files", "command": ["/bin/true"]},
+                                 {"name": "off", "command": ["/bin/true"], "enabled": False}]):
+        ops.apply(ops.McpInstall.model_validate({"entry": entry}), state, writer,
+                  key=f"k{key}", actor="operator", read_pipeline=lambda _p: ("", ""))
     path = root / "agents" / "a1"
     path.mkdir(parents=True)
     return path
@@ -107,5 +111,8 @@ def test_the_offer_is_bounded_and_survives_a_hostile_tool_file(agent_dir: Path) 
     for junk in (b"\xff\x00", b"[1, 2]", b'{"files": "nope"}', b"[" * 100_000):
         (agent_dir / mcp_functions.TOOLS_FILE).write_bytes(junk)
         assert mcp_functions.offer({"files": True}, agent_dir).functions == []
-    (agent_dir.parent.parent / "config" / "mcp.yaml").write_text("mcp: [{name: 5}]")
-    assert mcp_functions.installed(agent_dir.parent.parent / "config") == {}
+    config_dir = agent_dir.parent.parent / "config"
+    assert mcp_functions.installed(config_dir) == {"files": True, "off": False}
+    newest = sorted((config_dir / "generations" / "mcp").glob("0*.json"))[-1]
+    newest.write_text('{"version": 1, "registry": "mcp", "entries": [{"name": 5}]}')
+    assert mcp_functions.installed(config_dir) == {}  # a generation it cannot read

@@ -131,3 +131,24 @@ def test_a_rule_denies_a_registry_op(state_dir: StateDir, tmp_path: Path) -> Non
     results = [p for e, p in writer.events("agent/a1") if e == "tool_result"]
     assert results[0]["status"] == "denied"
     assert store.history(state_dir, "mcp") == []
+
+
+def test_the_readers_read_what_the_ops_wrote_and_a_schedule_is_owned_by_its_caller(
+        state_dir: StateDir, tmp_path: Path) -> None:
+    """One format, written and read by the store: what the ops committed is
+    what the scheduler, the hook deliverer and procs' MCP bridge load; a
+    schedule's owner is the agent that added it, whatever its entry claimed."""
+    writer = FakeWriter()
+    forged = {"name": "esc", "cron": "*/5 * * * * *", "task": "/t.yaml", "owner": "operator"}
+    run_agent(state_dir, writer, write_task(tmp_path / "t.yaml", [
+        {"op": "schedule_add", "entry": forged},
+        {"op": "hook_add", "entry": {"name": "h", "on": ["agent_finished"], "command": "true"}},
+        {"op": "mcp_install", "entry": {"name": "m", "command": ["srv"]}},
+        {"op": "finish", "summary": "done"}]))
+    assert store.newest_seq(state_dir, "schedules") > 0
+    schedules = store.load_schedules(state_dir)
+    assert list(schedules) == ["esc"] and schedules["esc"].owner == "a1"
+    assert store.load_hooks(state_dir)["h"].command == "true"
+    assert store.load_mcp(state_dir)["m"].command == ["srv"]
+    view = yaml.safe_load(store.yaml_path(state_dir, "schedules").read_text())
+    assert view["entries"][0]["owner"] == "a1"  # the copy for people says the same

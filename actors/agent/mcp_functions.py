@@ -5,7 +5,7 @@ When the agent lists a server's tools (`mcp_tools`, or `mcp_call`, which
 lists them first), the list is noted in `.corral/agents/<name>/mcp-tools.json`
 (`note_tools`: names, descriptions, input schemas; atomic, bounded). The
 openai backend then offers each tool of an installed, enabled server
-(`config/mcp.yaml`) that the agent has listed as the function
+(the `mcp` registry) that the agent has listed as the function
 `mcp__<server>__<tool>` with the tool's input schema as its parameters
 (`offer`); a call of one is turned back into the action
 `{"op": "mcp_call", "server", "tool", "arguments"}` (`to_action`), so it goes
@@ -124,13 +124,17 @@ def offer(servers: dict[str, bool], agent_dir: Path) -> Offer:
 
 
 def installed(config_dir: Path) -> dict[str, bool]:
-    """The installed MCP servers (name -> enabled); {} when the file is refused."""
-    from actors.registries import entries  # noqa: PLC0415 - the registries import the ops
+    """The installed MCP servers (name -> enabled), from the newest generation of
+    the `mcp` registry of the state directory whose `config/` is `config_dir`;
+    {} when it cannot be read."""
+    from actors.registries import store  # noqa: PLC0415 - the registries import the ops
+    from broker.statedir import StateDir  # noqa: PLC0415
 
     try:
-        return {name: e.enabled for name, e in entries.load_mcp(config_dir).items()}
-    except entries.RegistryError:
+        servers = store.load_mcp(StateDir(config_dir.parent))
+    except store.RegistryError:
         return {}
+    return {name: e.enabled for name, e in servers.items()}
 
 
 def to_action(action: Any, targets: dict[str, tuple[str, str]]) -> Any:

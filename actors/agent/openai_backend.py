@@ -172,7 +172,8 @@ class OpenAIModel:
         self.window: int | None = None if self.compaction.window_tokens else window
         self.sleep = sleep
         self.agent_dir = agent_dir
-        # the MCP servers' registry (config/mcp.yaml): agent_dir is <root>/agents/<name>
+        # the MCP servers' registry (actors/registries/store.py) is under
+        # <root>/config; agent_dir is <root>/agents/<name>
         self.config_dir = (agent_dir.parent.parent / "config" if agent_dir is not None
                            else None)
         self.summaries = SummaryCache(agent_dir) if agent_dir is not None else None

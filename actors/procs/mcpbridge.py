@@ -1,9 +1,9 @@
 """MCP servers as supervised children of procs (docs/mcp.md).
 
 An agent reaches an MCP server only through procs (`mcp_request`, answered by
-`mcp_reply`). procs runs one instance of each installed server
-(`config/mcp.yaml`, actors/registries/entries.py) per *sender*, the actor the broker
-authenticated: the server runs in that session's sandbox (its workspace, the
+`mcp_reply`). procs runs one instance of each installed server (the `mcp`
+registry, read through actors/registries/store.py) per *sender*, the actor
+the broker authenticated: the server runs in that session's sandbox (its workspace, the
 state directory hidden, a clean environment), so an agent can neither reach
 another agent's server nor its files.
 
@@ -39,6 +39,7 @@ import structlog
 
 from actors.procs import sandbox
 from actors.registries import entries as registries
+from actors.registries import store
 from broker import protocol
 
 if TYPE_CHECKING:
@@ -285,7 +286,7 @@ class McpBridge:
     def __init__(self, host: ProcsHost) -> None:
         self.host = host
         self.instances: dict[tuple[str, str], ServerInstance] = {}
-        self._stamp: tuple[int, int] | None = None
+        self._seq: int | None = None
         self._entries: dict[str, registries.McpServerEntry] = {}
         self._error: str | None = None
 
@@ -296,17 +297,14 @@ class McpBridge:
             threading.Thread(target=_import_sdk, daemon=True, name="mcp-import").start()
 
     def entries(self) -> dict[str, registries.McpServerEntry]:
-        path = self.host.state.config_dir / "mcp.yaml"
-        try:
-            st = path.stat()
-            stamp = (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            stamp = (0, 0)
-        if stamp != self._stamp:
-            self._stamp = stamp
+        """The installed servers: the `mcp` registry's newest generation, read
+        again when a newer one is written (the last good one is kept)."""
+        seq = store.newest_seq(self.host.state, "mcp")
+        if seq != self._seq:
+            self._seq = seq
             try:
-                self._entries, self._error = registries.load_mcp(path.parent), None
-            except registries.RegistryError as exc:
+                self._entries, self._error = store.load_mcp(self.host.state), None
+            except store.RegistryError as exc:
                 self._error = str(exc)
                 log.error("mcp_registry_refused", reason=self._error)
         return self._entries

@@ -3,7 +3,8 @@ operator's `supervisor registry ...`) changes `.corral/config/<registry>`.
 
     pipeline_install  path, name=None      a workspace file, checked by the DSL
     pipeline_remove   name
-    schedule_add      entry (entries.ScheduleEntry)   replaces an entry of that name
+    schedule_add      entry (entries.ScheduleEntry)   replaces an entry of that name;
+                      its `owner` is the caller (the agent, or `operator`)
     schedule_remove   name
     schedule_enable   name, enabled=true
     hook_add          entry (entries.HookEntry)
@@ -149,14 +150,17 @@ def pipeline_entry(text: str, source: str, name: str | None) -> dict[str, Any]:
             "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
-def change_for(op: OpBase, read_pipeline: Callable[[str], tuple[str, str]]
+def change_for(op: OpBase, read_pipeline: Callable[[str], tuple[str, str]], actor: str
                ) -> Callable[[Entries], Entries]:
-    """The change an op makes; `read_pipeline(path)` gives (text, source)."""
+    """The change an op made by `actor` makes; `read_pipeline(path)` gives (text,
+    source). A schedule's `owner` is `actor`, whatever the entry said."""
     match op:
         case PipelineInstall():
             text, source = read_pipeline(op.path)
             return put(pipeline_entry(text, source, op.name))
-        case ScheduleAdd() | HookAdd() | McpInstall():
+        case ScheduleAdd():
+            return put({**op.entry.model_dump(), "owner": actor})
+        case HookAdd() | McpInstall():
             return put(op.entry.model_dump())
         case ScheduleEnable():
             return enable(op.name, op.enabled)
@@ -169,7 +173,7 @@ def apply(op: OpBase, state_dir: Any, writer: Any, *, key: str, actor: str,
           read_pipeline: Callable[[str], tuple[str, str]]) -> dict[str, Any]:
     """Run a registry op: one generation; the result a caller reports."""
     registry = REGISTRY_OF[op.op]
-    gen, new = store.commit(state_dir, writer, registry, change_for(op, read_pipeline),
+    gen, new = store.commit(state_dir, writer, registry, change_for(op, read_pipeline, actor),
                             key=key, op=op.op, actor=actor)
     return {"registry": registry, "generation_seq": gen.seq, "entries": gen.names(),
             "changed": new}

@@ -23,6 +23,12 @@ the newest generation already has that key the change was made (a call run
 again after a crash) and is not made twice; the writer dedupes the fact by
 the same key.
 
+Readers (the supervisor's schedules and hooks, procs' MCP servers, the
+agent's MCP offer) read the newest generation here too (`load_schedules`,
+`load_hooks`, `load_mcp`, and `newest_seq` to notice a change), so one module
+writes and reads the format; `config/<registry>.yaml` is a copy for people to
+read (`{registry, generation_seq, entries}`), which nothing reads back.
+
 `at(seq)` is the generation in force at a seq (the newest at or before it);
 `restore_registries(state_dir, writer, seq)` makes each registry's content at
 `seq` the newest again, as new generations (none is ever deleted): what a
@@ -39,13 +45,15 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import yaml
 from pydantic import ValidationError
 
 from actors.registries import schemas
+from actors.registries.base import Entry
+from actors.registries.entries import HookEntry, McpServerEntry, ScheduleEntry
 from broker.errors import CorralError
 from broker.statedir import StateDir
 
@@ -124,6 +132,34 @@ def at(state_dir: StateDir, registry: str, seq: int | None = None) -> Generation
 
 def newest(state_dir: StateDir, registry: str) -> Generation:
     return at(state_dir, registry, None)
+
+
+def newest_seq(state_dir: StateDir, registry: str) -> int:
+    """The seq of the newest generation (0: none yet): a reader re-reads when it moves."""
+    seqs = _seqs(state_dir, _check(registry))
+    return seqs[-1] if seqs else 0
+
+
+E = TypeVar("E", bound=Entry)
+
+
+def _models(state_dir: StateDir, registry: str, model: type[E]) -> dict[str, E]:
+    return {str(e["name"]): model.model_validate(e)
+            for e in newest(state_dir, registry).entries}
+
+
+def load_schedules(state_dir: StateDir) -> dict[str, ScheduleEntry]:
+    """The schedules in force (raises RegistryError when the newest generation
+    cannot be read)."""
+    return _models(state_dir, "schedules", ScheduleEntry)
+
+
+def load_hooks(state_dir: StateDir) -> dict[str, HookEntry]:
+    return _models(state_dir, "hooks", HookEntry)
+
+
+def load_mcp(state_dir: StateDir) -> dict[str, McpServerEntry]:
+    return _models(state_dir, "mcp", McpServerEntry)
 
 
 def history(state_dir: StateDir, registry: str) -> list[Generation]:
