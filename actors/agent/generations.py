@@ -76,7 +76,7 @@ def write(agent_dir: Path, agent: str, state: AgentState, keep: int = 3,
     body = encode(agent, state, key)
     path = gens / f"{_PREFIX}{state.last_seq:020d}.json"
     write_atomic(path, body)
-    _refresh_snapshot(path, state_dir_of(agent_dir) / "snapshot.json", body)
+    refresh_snapshot(path, state_dir_of(agent_dir) / "snapshot.json", body)
     for old in list_generations(agent_dir)[:-keep]:
         old.unlink(missing_ok=True)
     return hashlib.sha256(body).hexdigest()
@@ -98,7 +98,7 @@ def encode(agent: str, state: AgentState, key: str | None) -> bytes:
     return b'%s,"state":%s}' % (head[:-1], inner)
 
 
-def _refresh_snapshot(generation: Path, snapshot: Path, body: bytes) -> None:
+def refresh_snapshot(generation: Path, snapshot: Path, body: bytes | None = None) -> None:
     """Point `snapshot.json` at the generation just written: a second name for
     the same file (a link made under a temporary name, then renamed over the
     old one), not a second copy written and fsynced. Derived like the
@@ -111,7 +111,8 @@ def _refresh_snapshot(generation: Path, snapshot: Path, body: bytes) -> None:
         os.link(generation, tmp)
         os.replace(tmp, snapshot)
     except OSError:
-        write_atomic(snapshot, body)
+        with contextlib.suppress(OSError):  # (a purge re-points it: actors/sessions/purge.py)
+            write_atomic(snapshot, generation.read_bytes() if body is None else body)
 
 
 def list_generations(agent_dir: Path) -> list[Path]:

@@ -330,7 +330,7 @@ def list_sessions(conn: sqlite3.Connection, *, include_archived: bool = False,
                   label: str | None = None, agent: str | None = None) -> list[dict[str, Any]]:
     query = ("SELECT s.*, l.label, a.archived_at FROM sessions s "
              "LEFT JOIN labels l USING(session_id) LEFT JOIN archive a USING(session_id) "
-             "WHERE 1=1")
+             "WHERE s.session_id NOT IN (SELECT session_id FROM purge_journal)")
     args: list[Any] = []
     if not include_archived:
         query += " AND a.archived_at IS NULL"

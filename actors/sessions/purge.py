@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.agent import generations
 from actors.agent.effects import session_of_file
 from actors.sessions import index
 from actors.sessions.ids import STAGING_DIR, is_session_id, session_dir, staging_dir
@@ -110,10 +111,24 @@ def _effect_files(root: Path, agent: str, session_id: str) -> list[Path]:
     return [directory / name for name in names if session_of_file(name) == session_id]
 
 
-def _walk(top: Path, base: Path) -> list[dict[str, Any]]:
+Links = dict[tuple[int, int], int]  # (st_dev, st_ino) -> names of it the purge owns
+
+
+def _owned_links(paths: list[Path]) -> Links:
+    """How many of `paths` name each file: a generation and `snapshot.json`
+    are two names of one file (actors/agent/generations.py), both owned."""
+    counts: Links = {}
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            counts[(st.st_dev, st.st_ino)] = counts.get((st.st_dev, st.st_ino), 0) + 1
+    return counts
+
+
+def _walk(top: Path, base: Path, owned: Links | None = None) -> list[dict[str, Any]]:
     """Entries under `top` (itself included), never following a link; refuses
-    what a session's files never are (links, devices, multi-linked files,
-    another file system)."""
+    what a session's files never are (links, devices, a file with a name the
+    purge does not own (`owned` counts those it does), another file system)."""
     try:
         st_top = os.lstat(top)
     except FileNotFoundError:
@@ -132,7 +147,7 @@ def _walk(top: Path, base: Path) -> list[dict[str, Any]]:
             for entry in sorted(os.scandir(path), key=lambda e: e.name):
                 stack.append((Path(entry.path), entry.stat(follow_symlinks=False)))
         elif stat.S_ISREG(st.st_mode):
-            if st.st_nlink > 1:
+            if st.st_nlink > (owned or {}).get((st.st_dev, st.st_ino), 1):
                 raise PurgeRefusedError("unproved_boundary", f"{rel} has other hard links")
             out.append({"path": rel, "type": "file", "bytes": st.st_size})
         else:
@@ -144,9 +159,10 @@ def _walk(top: Path, base: Path) -> list[dict[str, Any]]:
 
 def _entries(root: Path, plan: Plan) -> list[dict[str, Any]]:
     live = _walk(session_dir(root, plan.session_id), root)
-    for path in [*_generation_files(root, plan.agent, plan.session_id),
-                 *_effect_files(root, plan.agent, plan.session_id)]:
-        live += _walk(path, root)
+    gens = _generation_files(root, plan.agent, plan.session_id)
+    owned = _owned_links(gens)
+    for path in [*gens, *_effect_files(root, plan.agent, plan.session_id)]:
+        live += _walk(path, root, owned)
     return live + _walk(staging_dir(root, plan.session_id), root)
 
 
@@ -262,7 +278,10 @@ def _stage(root: Path, plan: Plan) -> None:
         _walk(live, root)  # refuses a link or a foreign entry before anything moves
         moves.append((live, staged / "session"))
     gens = staged / "generations"
-    for path in _generation_files(root, plan.agent, plan.session_id):
+    owned_gens = _generation_files(root, plan.agent, plan.session_id)
+    owned = _owned_links(owned_gens)
+    for path in owned_gens:
+        _walk(path, root, owned)  # no name of it outside what the purge owns
         gens.mkdir(exist_ok=True)
         moves.append((path, gens / path.name))  # gen-<seq>.json, snapshot.json: distinct
     effects = staged / "effects"
@@ -278,6 +297,19 @@ def _stage(root: Path, plan: Plan) -> None:
     for made in (gens, effects):
         if made.exists():
             fsync_dir(made)
+    _repoint_snapshot(root / "agents" / plan.agent)
+
+
+def _repoint_snapshot(agent_dir: Path) -> None:
+    """`snapshot.json` names the newest generation left, or nothing: derived,
+    never read for recovery (actors/agent/generations.py), so a staged purge
+    that took it leaves the agent as sound as one that never had it."""
+    snapshot = generations.state_dir_of(agent_dir) / "snapshot.json"
+    if os.path.lexists(snapshot):
+        return  # another session's: the purge did not take it
+    left = generations.list_generations(agent_dir)
+    if left:
+        generations.refresh_snapshot(left[-1], snapshot)
 
 
 def _remove_tree(top: Path) -> None:
