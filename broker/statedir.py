@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
 from broker.errors import StateDirError
 
 DEFAULT_DIRNAME = ".corral"
+STATE_DIR_ENV = "CORRAL_STATE_DIR"  # the operator's default (docs/operations.md)
 
 # Actor and stream names become socket identities and file names: keep them tame.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -46,6 +48,16 @@ class StateDir(NamedTuple):  # not a dataclass: `supervisor status` skips import
     def at(cls, path: str | os.PathLike[str] | None) -> StateDir:
         """The state directory at `path`, or `./.corral` when None."""
         return cls(Path(path if path is not None else DEFAULT_DIRNAME).resolve())
+
+    @classmethod
+    def resolve(cls, path: str | os.PathLike[str] | None,
+                environ: Mapping[str, str] | None = None) -> StateDir:
+        """The state directory an operator's command means: `--state-dir` when
+        given, else `$CORRAL_STATE_DIR` when set and not empty, else `./.corral`.
+        Every `supervisor` command resolves it here (docs/supervisor.md)."""
+        if path is None:
+            path = (os.environ if environ is None else environ).get(STATE_DIR_ENV) or None
+        return cls.at(path)
 
     # --- tiers -------------------------------------------------------------
     @property

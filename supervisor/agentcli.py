@@ -181,6 +181,20 @@ def correct(state_dir: StateDir, agent: str, text: str | None, file: str | None)
     return _with_writer(state_dir, agent, act)
 
 
+def resume_key(agent: str, state: AgentState, tokens: int, cost_units: float) -> str:
+    """The idempotency key of one resume request: the paused segment, the grants
+    it has already taken (so a second, different resume is a new request, never
+    a duplicate of the first) and what this one adds (so the same command sent
+    again against the same state is written once)."""
+    def micro(units: float) -> int:  # keys allow [A-Za-z0-9_.:-] only
+        return round(units * 1_000_000)
+
+    granted = state.budget
+    return (f"resume:{state.session or agent}:s{state.segment}"
+            f":g{granted.extra_tokens}.{micro(granted.extra_cost)}"
+            f":a{tokens}.{micro(cost_units)}")
+
+
 def resume(state_dir: StateDir, agent: str, tokens: int, cost_units: float) -> int:
     if tokens < 0 or cost_units < 0:
         return _fail("--budget and --cost-units must be >= 0", EXIT_USAGE)
@@ -190,8 +204,7 @@ def resume(state_dir: StateDir, agent: str, tokens: int, cost_units: float) -> i
             return _fail(f"agent {agent} is {state.phase}, not paused on its budget")
         writer.append(f"agent/{agent}", "budget_resumed",
                       {"tokens": tokens, "cost_units": cost_units, "segment": state.segment},
-                      key=(f"resume:{state.session}:s{state.segment}" if state.session
-                           else f"resume:{agent}:s{state.segment}"), ledger="budget")
+                      key=resume_key(agent, state, tokens, cost_units), ledger="budget")
         print(f"supervisor: resumed {agent}: +{tokens} tokens, +{cost_units:g} cost units")
         return EXIT_OK
 

@@ -120,8 +120,8 @@ def _seq(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
-    common.add_argument("--state-dir", default=os.environ.get("CORRAL_STATE_DIR"),
-                        help="state directory (default ./.corral)")
+    common.add_argument("--state-dir", default=None,
+                        help="state directory (default $CORRAL_STATE_DIR, else ./.corral)")
     as_json = _Parser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print the result as JSON")
     parser = _Parser(prog=PROG, description=__doc__,
@@ -300,7 +300,7 @@ def _agent_command(args: argparse.Namespace) -> int:
     from broker.statedir import StateDir
     from supervisor import agentcli
 
-    state_dir = StateDir.at(args.state_dir)
+    state_dir = StateDir.resolve(args.state_dir)
     if args.command == "spawn" and args.host is not None:  # fleet placement
         from supervisor import fleetctl
 
@@ -335,11 +335,11 @@ def _status(args: argparse.Namespace) -> int:
     if args.fleet:  # docs/fleet.md: every host, from the KV bucket
         from supervisor import fleetctl
 
-        return fleetctl.print_fleet_status(StateDir.at(args.state_dir),
+        return fleetctl.print_fleet_status(StateDir.resolve(args.state_dir),
                                            os.environ.get("CORRAL_FLEET_CONFIG"), args.json)
     from supervisor import client, statusclient, statusfile, statusview
 
-    state_dir = StateDir.at(args.state_dir)
+    state_dir = StateDir.resolve(args.state_dir)
     names: list[str] = args.names
     while True:
         if not client.running(state_dir):
@@ -397,7 +397,7 @@ def _control(args: argparse.Namespace) -> int:
         from broker.statedir import StateDir
         from supervisor import fleetctl
 
-        return fleetctl.remote_control(StateDir.at(args.state_dir),
+        return fleetctl.remote_control(StateDir.resolve(args.state_dir),
                                        os.environ.get("CORRAL_FLEET_CONFIG"), args.command,
                                        target, sig=getattr(args, "signal", 15),
                                        as_json=args.json)
@@ -409,7 +409,7 @@ def _logs(args: argparse.Namespace) -> int:
     from broker.statedir import StateDir
     from supervisor import logs
 
-    log_dir = StateDir.at(args.state_dir).logs_dir
+    log_dir = StateDir.resolve(args.state_dir).logs_dir
     try:
         flt = logs.Filter(
             actors=frozenset(args.actor),
@@ -447,7 +447,7 @@ def _trace(args: argparse.Namespace) -> int:
     except CorralError as exc:
         print(f"{PROG}: trace: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return trace.run(StateDir.at(args.state_dir), args.agent, since=args.since,
+    return trace.run(StateDir.resolve(args.state_dir), args.agent, since=args.since,
                      follow=args.follow, json_out=args.json)
 
 

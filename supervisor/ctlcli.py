@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from broker.errors import CorralError
     from broker.statedir import check_actor_name
 
-    state_dir = StateDir.at(args.state_dir)
+    state_dir = StateDir.resolve(args.state_dir)
     target = getattr(args, "target", None)
     if target is not None and target != "all":
         try:

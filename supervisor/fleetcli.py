@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
         if args.verb == "down":
             from supervisor import fleetcluster  # noqa: PLC0415
 
-            count = fleetcluster.down(StateDir.at(args.state_dir).root)
+            count = fleetcluster.down(StateDir.resolve(args.state_dir).root)
             print(f"{PROG}: stopped {count} node(s)")
             return 0
         if args.verb == "forget-bus-key":
@@ -96,7 +96,7 @@ def _up(args: argparse.Namespace) -> int:
     from broker import buskeys, operatorsig  # noqa: PLC0415
     from supervisor import fleetcluster  # noqa: PLC0415
 
-    root = StateDir.at(args.state_dir).ensure().root
+    root = StateDir.resolve(args.state_dir).ensure().root
     nodes = fleetcluster.up(root, args.nodes)
     urls = [n.url for n in nodes]
     directory = fleetcluster.fleet_dir(root)

@@ -86,7 +86,7 @@ def _config(args: argparse.Namespace) -> FleetConfig:
             return FleetConfig(urls=list(args.url))
         except ValueError as exc:
             raise ConfigError(f"--url: {exc}") from None
-    return fleet_config(StateDir.at(args.state_dir), args.config
+    return fleet_config(StateDir.resolve(args.state_dir), args.config
                         or os.environ.get("CORRAL_FLEET_CONFIG"))
 
 

@@ -123,7 +123,9 @@ def run(state_dir: StateDir, target: str, pairs: list[str], *, runner: str | Non
         run_file = run_file.model_copy(update={"pipeline": pipeline.name})
         name = runner or f"pl-{pipeline.name[:40]}-{secrets.token_hex(3)}"
         check_actor_name(name)
-    except (ValueError, LookupError, CorralError, OSError) as exc:
+    except LookupError as exc:  # an unknown name is a refusal (exit 1), not a usage error
+        return _fail(str(exc).splitlines()[0])
+    except (ValueError, CorralError, OSError) as exc:
         return _fail(str(exc).splitlines()[0], EXIT_USAGE)
     if not client.running(state_dir):
         return _fail(f"no supervisor for {state_dir.root}", EXIT_NO_SUPERVISOR)
@@ -170,9 +172,15 @@ def _wait(state_dir: StateDir, name: str, timeout_s: float, as_json: bool) -> in
         ctx.destroy(linger=0)
     if as_json:
         print(json.dumps({"runner": name, **done}, sort_keys=True))
-    else:
-        print(f"supervisor: pipeline {name} {done['status']}: "
+    elif done["status"] == "ok":
+        print(f"supervisor: pipeline {name} ok: outputs "
               f"{json.dumps(done.get('outputs'), sort_keys=True)}")
+    else:  # the reason, as --json has it; the outputs settled before it, if any
+        settled = done.get("outputs")
+        print(f"supervisor: pipeline {name} {done['status']}: "
+              f"{done.get('error') or 'no reason recorded'}"
+              f"{f' (outputs so far: {json.dumps(settled, sort_keys=True)})' if settled else ''}"
+              f"; `supervisor trace {name}` shows each step")
     return EXIT_OK if done["status"] == "ok" else EXIT_FAILED
 
 

@@ -48,7 +48,7 @@ def dispatch(args: argparse.Namespace) -> int:
     from supervisor import pipelinecli as cli  # noqa: PLC0415
 
     cli.quiet_logs()
-    state_dir = StateDir.at(args.state_dir)
+    state_dir = StateDir.resolve(args.state_dir)
     if args.command == "pipeline":
         if args.pipeline_command == "check":
             return cli.check(args.file)

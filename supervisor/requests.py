@@ -8,6 +8,8 @@ supervisor (supervisor/runtime.py dispatches to these; each returns the reply).
   good, `remove` it (or take it out of the configuration and reload).
 - `start NAME`: a stopped, exited or fatal child starts again with a clean
   exit history; a running one is left alone (acknowledged, nothing affected).
+  An agent with a spec on disk but no child (a `fork`, or an agent spawned
+  before this supervisor started) is added first, as `spawn` adds one.
 - `remove NAME` (agents only): stop it, delete its spec
   (`.corral/config/agents/NAME.json`) and forget it once it is down. Its WAL
   stream, snapshots and workspace stay.
@@ -104,7 +106,35 @@ def stop(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
     return protocol.Ack(msg_id=msg_id, affected=[target])
 
 
+def _adopt(rt: Runtime, target: str) -> None:
+    """An agent with a spec on disk but no child (a fork: docs/trees.md; or one
+    spawned before this supervisor started) becomes a child, as `spawn` adds one."""
+    from actors.agent.settings import read_spec  # noqa: PLC0415
+    from broker.errors import CorralError  # noqa: PLC0415
+    from broker.statedir import check_actor_name  # noqa: PLC0415
+    from supervisor.config import ChildSpec  # noqa: PLC0415
+
+    if rt.stopping or target in rt.children:
+        return
+    try:
+        check_actor_name(target)
+        spec = read_spec(rt.state_dir, target)
+    except CorralError as exc:
+        log.warning("start_spec_unreadable", child=target, error=str(exc))
+        return
+    if spec is None:
+        return
+    template = rt.config.agents.child_template()
+    template["restart"] = "transient"  # a session that finished (exit 0) stays down
+    agent_spec = ChildSpec(name=target, kind="agent", **template)
+    child = rt.children[target] = Child(spec=agent_spec, policy=agent_spec.policy())
+    child.spawned_by_operator = True
+    child.state = "stopped"
+    log.info("child_adopted", child=target, reason="start of an agent with a spec")
+
+
 def start(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
+    _adopt(rt, target)
     child = _lookup(rt, msg_id, target, "start")
     if isinstance(child, protocol.Error):
         return child

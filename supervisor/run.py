@@ -152,7 +152,7 @@ def run(config_arg: str | None, state_arg: str | None, agents: int | None,
     config_path = Path(config_arg) if config_arg else config_mod.DEFAULT_CONFIG_PATH
     try:
         config = config_mod.load(config_path)
-        state_dir = StateDir.at(state_arg).ensure()
+        state_dir = StateDir.resolve(state_arg).ensure()
         state_dir.endpoint("supervisor")
         count = max(1, agents if agents is not None else config.run.agents)
         if client.running(state_dir):

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from actors.sessions.resolve import SessionRefError
     from broker.statedir import StateDir
 
-    root = StateDir.at(args.state_dir).root
+    root = StateDir.resolve(args.state_dir).root
     if not root.is_dir():
         return _fail(f"no state directory {root}")
     try:

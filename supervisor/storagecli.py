@@ -14,7 +14,7 @@ from supervisor.config import load
 
 
 def run(args: argparse.Namespace) -> int:
-    state_dir = StateDir.at(args.state_dir)
+    state_dir = StateDir.resolve(args.state_dir)
     config = load(Path(args.config) if args.config else None).storage
     if args.command == "du":
         usage = storage.du(state_dir, config)

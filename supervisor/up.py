@@ -42,7 +42,7 @@ def run(state_arg: str | None, config_arg: str | None) -> int:
         print(f"supervisor: warning: {foreign}", file=sys.stderr)
     try:
         config = config_mod.load(Path(config_arg) if config_arg else None)
-        state_dir = StateDir.at(state_arg).ensure()
+        state_dir = StateDir.resolve(state_arg).ensure()
         state_dir.endpoint("supervisor")  # fails early when the path is too long
     except ConfigError as exc:
         print(f"supervisor: invalid configuration: {exc}", file=sys.stderr)
@@ -90,7 +90,7 @@ def detach(state_arg: str | None, config_arg: str | None) -> int:
     from broker import pidlock
     from supervisor import statusfile
 
-    state_dir = StateDir.at(state_arg)
+    state_dir = StateDir.resolve(state_arg)
     try:
         state_dir.ensure()
     except StateDirError as exc:

@@ -236,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--state-dir", default=None, help="state directory (default ./.corral)")
+    parser.add_argument("--state-dir", default=None,
+                        help="state directory (default $CORRAL_STATE_DIR, else ./.corral)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
-    state_dir = StateDir.at(args.state_dir)
+    state_dir = StateDir.resolve(args.state_dir)
     if not state_dir.wal_dir.is_dir():
         cp, _ = checkpoint.load(state_dir.checkpoint_path)
         named = (

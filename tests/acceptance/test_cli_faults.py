@@ -1,0 +1,132 @@
+"""Each operator-facing fault of issue 32 (2 to 6), driven as a user drives it:
+the `supervisor` command and the files the docs say to write, nothing else."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.acceptance.conftest import Corral
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "default.yaml"
+DEFAULT_BUDGET = "budget: {tokens: 2000000, cost_units: 2000}"
+
+WRITER_TASK = """\
+name: writer
+prompt: write a few files
+repeat: 4
+steps:
+  - {op: write_file, path: "a{i}.txt", content: "hello hello hello hello hello {i}\\n"}
+"""
+
+
+def budget_config(corral: Corral, tokens: int) -> Path:
+    """The packaged configuration (a user's copy of config/default.yaml) with a budget."""
+    text = DEFAULT_CONFIG.read_text()
+    assert DEFAULT_BUDGET in text
+    return corral.config(text.replace(DEFAULT_BUDGET,
+                                      f"budget: {{tokens: {tokens}, cost_units: null}}"))
+
+
+def session_of(corral: Corral, agent: str) -> dict[str, object] | None:
+    rows = corral.json("sessions", "list")
+    mine = [r for r in rows if r["agent"] == agent]
+    return mine[-1] if mine else None
+
+
+def wait_session(corral: Corral, agent: str, statuses: set[str]) -> dict[str, object]:
+    def reached() -> dict[str, object] | None:
+        row = session_of(corral, agent)
+        return row if row is not None and row["status"] in statuses else None
+    found: dict[str, object] = corral.wait(reached, f"{agent}'s session {sorted(statuses)}",
+                                          timeout_s=30)
+    return found
+
+
+# -- fault 2 --------------------------------------------------------------------
+
+def test_a_too_small_resume_does_not_stick_the_session(corral: Corral) -> None:
+    """`resume --budget 10` (not enough) then `resume --budget 5000`: the second
+    is a new grant, written and taken; the session runs to its end."""
+    corral.up(config=budget_config(corral, 150))
+    corral.write("task.yaml", WRITER_TASK)
+    corral.run("spawn", "n1", "--task", "task.yaml")
+    wait_session(corral, "n1", {"paused"})
+    corral.run("resume", "n1", "--budget", "10")
+    corral.run("resume", "n1", "--budget", "5000")
+    done = wait_session(corral, "n1", {"finished"})
+    assert done["exit_reason"] == "finished"
+    trace = corral.run("trace", "n1", "--json").stdout.splitlines()
+    grants = [json.loads(line)["payload"]["tokens"] for line in trace
+              if json.loads(line)["event"] == "budget_resumed"]
+    assert grants == [10, 5000]
+
+
+# -- fault 3 --------------------------------------------------------------------
+
+def test_fork_prints_a_command_that_runs_the_fork(corral: Corral) -> None:
+    corral.up()
+    corral.write("task.yaml", WRITER_TASK)
+    corral.run("spawn", "n1", "--task", "task.yaml")
+    wait_session(corral, "n1", {"finished"})
+    out = corral.run("fork", "n1", "--name", "relf", "--at-turn", "2").stdout
+    command = re.search(r"`supervisor ([^`]+)` runs it", out)
+    assert command is not None, out
+    last = corral.state_dir / "agents" / "relf" / "workspace" / "a3.txt"
+    assert not last.exists()  # the fork stands after turn 2: a0, a1 only
+    corral.run(*command.group(1).split())
+    done = wait_session(corral, "relf", {"finished"})
+    assert done["parent_agent"] == "n1"
+    assert last.is_file()
+
+
+# -- fault 4 --------------------------------------------------------------------
+
+def test_wal_verify_honours_state_dir_flag_and_environment(corral: Corral) -> None:
+    """`wal verify` finds the WAL by `--state-dir` and by `CORRAL_STATE_DIR`, as
+    every other command does; run from a directory with no `.corral`."""
+    srv = str(corral.home / "srv")
+    elsewhere = corral.home / "elsewhere"
+    elsewhere.mkdir()
+    corral.run("up", "--detach", "--state-dir", srv, timeout_s=90)
+    try:
+        by_flag = corral.json("wal", "verify", "--state-dir", srv, cwd=elsewhere)
+        by_env = corral.json("wal", "verify", cwd=elsewhere, env={"CORRAL_STATE_DIR": srv})
+        assert by_flag["state_dir"] == by_env["state_dir"] == srv
+        assert by_flag["sound"] is True and by_env["sound"] is True
+        assert by_env["records"] == by_flag["records"]
+        status = corral.json("status", cwd=elsewhere, env={"CORRAL_STATE_DIR": srv})
+        assert status["state_dir"] == srv
+    finally:
+        corral.run("stop", "--state-dir", srv, rc=None)
+    no_wal = corral.run("wal", "verify", cwd=elsewhere, rc=None)
+    assert no_wal.returncode == 2 and str(elsewhere) in no_wal.stderr
+
+
+# -- fault 5 --------------------------------------------------------------------
+
+FAILING_PIPELINE = """\
+name: breaks
+inputs: []
+steps:
+  - {id: first, op: read_file, args: {path: no-such-file.txt}}
+"""
+
+
+def test_pipeline_failure_says_why_and_unknown_exits_1(corral: Corral) -> None:
+    corral.up()
+    corral.write("breaks.yaml", FAILING_PIPELINE)
+    corral.run("pipeline", "check", "breaks.yaml")
+    text = corral.run("pipeline", "run", "breaks.yaml", "--wait", rc=1)
+    assert "failed" in text.stdout
+    assert "{}" not in text.stdout and "step first" in text.stdout, text
+    as_json = corral.json("pipeline", "run", "breaks.yaml", "--wait", rc=1)
+    assert as_json["status"] == "failed" and as_json["error"] in text.stdout
+    unknown = corral.run("pipeline", "run", "no-such-pipeline", rc=1)
+    assert len(unknown.stderr.strip().splitlines()) == 1
+    assert "no-such-pipeline" in unknown.stderr
