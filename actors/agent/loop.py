@@ -77,6 +77,7 @@ from actors.agent.state import (
 )
 from actors.agent.vault import SealedInputMissingError, Vault
 from actors.pipelines import track
+from actors.sessions.ids import is_session_id
 from actors.sessions.lifecycle import session_to_start
 from actors.sessions.purged import purged_of
 from actors.sessions.transcript import Transcript
@@ -408,7 +409,17 @@ class AgentLoop:
             "segment": segment, "resumed": resumed, "backend": self.spec.backend,
             "task": Path(self.spec.task).name, "workspace": str(self.workspace),
             "max_turns": self.settings.max_turns,
+            **self._spec_session(),
         }, key=f"s{segment}:start")
+
+    def _spec_session(self) -> dict[str, str]:
+        """The spec's later session id this segment goes on under (a spawn or
+        start over an open session), so that id never begins one once this
+        session is over (actors/sessions/lifecycle.py)."""
+        wanted, current = self.spec.session, self.state.session
+        if is_session_id(wanted) and current is not None and str(wanted) > current:
+            return {"spec_session": str(wanted)}
+        return {}
 
     def _record_tree(self) -> bool:
         """At a turn boundary: append `workspace_tree` if the workspace changed

@@ -106,6 +106,9 @@ class AgentState(_Model):
     session: str | None = None  # the session id (`session_started`); None before one
     session_no: int = 0  # 1 for the stream's first session, 2 for its second, ...
     session_seq: int = 0  # the seq of the session's `session_started`
+    # the newest spec session id a run segment of this session went on under
+    # (a spawn or start while it was open): never begun after it (lifecycle.py)
+    spec_session: str | None = None
     parent_agent: str | None = None
     phase: Phase = "new"
     segment: int = 0
@@ -263,6 +266,10 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
     match event:
         case "session_start":
             state.segment += 1
+            spec = p.get("spec_session")
+            if isinstance(spec, str) and _SESSION_ID.fullmatch(spec) and (
+                    state.spec_session is None or spec > state.spec_session):
+                state.spec_session = spec
             state.phase = "running"
             state.exit_reason = None
         case "turn":

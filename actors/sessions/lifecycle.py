@@ -12,7 +12,10 @@ stream (the fold is the newest session's), starts that session when
 
 A session that is not over (stopped, killed, paused on its budget) is
 resumed as a new run segment whatever the spec names, and a restart by the
-supervisor's policy (the same spec) never begins a second session.
+supervisor's policy (the same spec) never begins a second session. The
+segment records the spec's id it went on under (`session_start`'s
+`spec_session`), so that id never begins a session once this one is over:
+a spawn over an open session resumes it, and only it.
 """
 
 from __future__ import annotations
@@ -29,4 +32,6 @@ def session_to_start(state: AgentState, wanted: str | None) -> str | None:
         return wanted if is_session_id(wanted) else new_session_id()
     if wanted is None or not is_session_id(wanted) or wanted <= state.session:
         return None
+    if state.spec_session is not None and wanted <= state.spec_session:
+        return None  # the spec that resumed this session while it was open
     return wanted if state.phase in ("finished", "closed") else None
