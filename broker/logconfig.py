@@ -37,10 +37,19 @@ def configure(
 ) -> structlog.stdlib.BoundLogger:
     """Route structlog through stdlib handlers and bind the process identity.
 
-    `console=None` means: render to stderr only when stderr is a terminal."""
+    `console=None` means: render to stderr only when stderr is a terminal.
+    Every line carries `actor` and `pid` (docs/operations.md), also a line of
+    a thread, which does not inherit the main thread's context variables."""
     timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
+
+    def identity(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+        event.setdefault("actor", actor)
+        event.setdefault("pid", os.getpid())
+        return event
+
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        identity,
         structlog.stdlib.add_log_level,
         timestamper,
     ]

@@ -6,7 +6,9 @@ files the docs tell users to write (configuration, task files). Nothing here
 imports corral's modules or writes into `.corral/` by hand
 (tests/acceptance/test_user_only.py checks that). At teardown the runtime is
 stopped with `supervisor stop`, and any process left with the test's marker
-fails the test (tests/processes.py)."""
+fails the test (tests/processes.py). `module_corral` is the same home shared
+by a module's tests (one runtime per module where tests only read, or act on
+children of their own)."""
 
 from __future__ import annotations
 
@@ -17,17 +19,40 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.processes import ProcessTracker, wait_for
 
 SUPERVISOR = str(Path(sys.executable).with_name("supervisor"))
 pytestmark = pytest.mark.process
+# docs/operations.md: "Start your own configuration from the default one"
+DEFAULT_CONFIG_COMMAND = ("from supervisor.config import DEFAULT_CONFIG_PATH as p; print(p)")
+_default_config_text: list[str] = []
+
+
+def default_config_text() -> str:
+    """The packaged configuration, found the way docs/operations.md says."""
+    if not _default_config_text:
+        path = subprocess.run([sys.executable, "-c", DEFAULT_CONFIG_COMMAND], check=True,
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+        _default_config_text.append(Path(path).read_text())
+    return _default_config_text[0]
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -109,6 +134,12 @@ class Corral:
         """A configuration file: the user's keys over the defaults."""
         return self.write(name, text)
 
+    def config_from_default(self, changes: Mapping[str, Any],
+                            name: str = "corral.yaml") -> Path:
+        """A copy of the packaged configuration with `changes` (nested keys) made."""
+        data = _merge(yaml.safe_load(default_config_text()), changes)
+        return self.write(name, yaml.safe_dump(data, sort_keys=False))
+
     # -- the runtime ---------------------------------------------------------
     def up(self, *extra: str, config: Path | None = None, agents: int = 0) -> None:
         """`supervisor up --detach`, then wait until every child is running."""
@@ -152,6 +183,22 @@ class Corral:
     def wait(self, condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
         return wait_for(condition, timeout_s, what, interval_s=0.1)
 
+    def sessions(self, agent: str | None = None) -> list[dict[str, Any]]:
+        """`sessions list --all --json`, only `agent`'s when named (oldest first)."""
+        rows: list[dict[str, Any]] = self.json("sessions", "list", "--all")
+        return [r for r in rows if agent is None or r["agent"] == agent]
+
+    def wait_session(self, agent: str, statuses: set[str],
+                     timeout_s: float = 60.0) -> dict[str, Any]:
+        """Wait until `agent`'s newest session has one of `statuses`."""
+        def reached() -> dict[str, Any] | None:
+            rows = self.sessions(agent)
+            return rows[-1] if rows and rows[-1]["status"] in statuses else None
+        found: dict[str, Any] = wait_for(reached, timeout_s,
+                                         f"{agent}'s session in {sorted(statuses)}",
+                                         interval_s=0.1)
+        return found
+
     def stop(self) -> None:
         if (self.state_dir / "run").exists():
             self.run("stop", rc=None, timeout_s=60)
@@ -166,8 +213,9 @@ class Corral:
                         yield path, path.read_bytes()
 
 
-@pytest.fixture
-def corral() -> Iterator[Corral]:
+@contextlib.contextmanager
+def corral_home() -> Iterator[Corral]:
+    """A fresh home; at exit the runtime is stopped and leaks fail the test."""
     home = Path(tempfile.mkdtemp(prefix="corral-acc-", dir="/tmp"))
     tracker = ProcessTracker(home)
     user = Corral(home, tracker)
@@ -185,3 +233,16 @@ def corral() -> Iterator[Corral]:
             shutil.rmtree(home, ignore_errors=True)
         if leaked:
             pytest.fail("processes leaked by the test:\n" + "\n".join(leaked))
+
+
+@pytest.fixture
+def corral() -> Iterator[Corral]:
+    with corral_home() as user:
+        yield user
+
+
+@pytest.fixture(scope="module")
+def module_corral() -> Iterator[Corral]:
+    """One home and runtime for a module's tests (each uses names of its own)."""
+    with corral_home() as user:
+        yield user

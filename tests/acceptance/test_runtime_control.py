@@ -1,0 +1,207 @@
+"""The runtime's control commands as an operator types them (docs/supervisor.md):
+a foreground `supervisor up` on a copy of the packaged configuration, then
+status, stop/start/restart/kill of one child, spawn and remove, reload, logs
+and the metrics endpoint; last, `supervisor stop` ends the foreground `up`
+with exit 0. One runtime for the module: each test acts on children of its
+own (the tests run in file order, on one worker: `--dist loadfile`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.request
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.acceptance.conftest import Corral
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
+
+SETTINGS: dict[str, Any] = {"agents": {"count": 3}, "metrics": {"listen": "127.0.0.1:0"}}
+CORE = {"writer", "broker", "procs", "subagents"}
+WRITER_TASK = """\
+name: writer
+prompt: write a few files
+repeat: 3
+steps:
+  - {op: write_file, path: "a{i}.txt", content: "pass {i}\\n"}
+"""
+
+
+@pytest.fixture(scope="module")
+def runtime(module_corral: Corral) -> tuple[Corral, subprocess.Popen[bytes]]:
+    corral = module_corral
+    config = corral.config_from_default(SETTINGS)
+    up = corral.popen("up", "--config", str(config), name="up")
+    corral.wait_running(["writer", "broker", "procs", "subagents",
+                         "agent-1", "agent-2", "agent-3"], timeout_s=90)
+    return corral, up
+
+
+def child(corral: Corral, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = corral.json("status", name)["children"][0]
+    assert found["name"] == name
+    return found
+
+
+def test_foreground_up_runs_the_tree_it_configures(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, up = runtime
+    status = corral.status()
+    assert up.poll() is None
+    assert status["supervisor_pid"] == up.pid
+    assert status["state_dir"] == str(corral.state_dir)
+    kids = {c["name"]: c for c in status["children"]}
+    assert set(kids) == CORE | {"agent-1", "agent-2", "agent-3"}
+    assert all(c["state"] == "running" and c["pid"] for c in kids.values())
+    table = corral.run("status").stdout
+    assert f"supervisor pid {up.pid}" in table
+    assert all(name in table for name in kids)
+
+
+def test_status_of_named_children_and_of_an_unknown_one(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, _up = runtime
+    named = corral.json("status", "writer", "agent-1")["children"]
+    assert [c["name"] for c in named] == ["writer", "agent-1"]
+    assert named[0]["values"]["head_seq"] >= 0
+    refused = corral.run("status", "nosuch", rc=1)
+    assert refused.stderr.startswith("supervisor: ") and "nosuch" in refused.stderr
+    assert len(refused.stderr.splitlines()) == 1
+
+
+def test_stop_holds_one_child_down_and_start_brings_it_back(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, _up = runtime
+    reply = corral.json("stop", "agent-1")
+    assert reply["ok"] is True and reply["command"] == "stop" and reply["target"] == "agent-1"
+    stopped = child(corral, "agent-1")
+    assert stopped["state"] == "stopped" and stopped["pid"] is None
+    assert child(corral, "agent-2")["state"] == "running"
+    corral.run("stop", "agent-1")  # stop of a stopped child: nothing to do, exit 0
+    refused = corral.json("stop", "writer", rc=1)
+    assert refused["ok"] is False and refused["error"]
+    corral.run("start", "agent-1")
+    started = corral.wait_state("agent-1", {"running"})
+    assert started["pid"]
+    again = corral.run("start", "agent-1")
+    assert "already running" in again.stdout + again.stderr
+
+
+def test_restart_replaces_the_process(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, _up = runtime
+    before = child(corral, "agent-2")
+    reply = corral.json("restart", "agent-2")
+    assert reply["ok"] is True and reply["target"] == "agent-2"
+    after = corral.wait(lambda: (c := child(corral, "agent-2"))["state"] == "running"
+                        and c["pid"] != before["pid"] and c, "agent-2 restarted")
+    assert after["restarts"] == before["restarts"] + 1
+    corral.run("restart", "nosuch", rc=1)
+
+
+def test_kill_signals_a_child_and_its_policy_restarts_it(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, _up = runtime
+    before = child(corral, "agent-3")
+    reply = corral.json("kill", "agent-3", "--signal", "KILL")
+    assert reply["ok"] is True and reply["target"] == "agent-3"
+    after = corral.wait(lambda: (c := child(corral, "agent-3"))["state"] == "running"
+                        and c["pid"] != before["pid"] and c, "agent-3 restarted by policy")
+    assert after["last_exit"] == "signal SIGKILL"
+    assert after["restarts"] == before["restarts"] + 1
+    usage = corral.run("kill", "agent-3", "--signal", "0", rc=2)
+    assert usage.stderr.startswith("supervisor kill: ") and "--signal" in usage.stderr
+    assert len(usage.stderr.splitlines()) == 1
+
+
+def test_spawn_runs_a_task_and_remove_drops_its_spec(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, _up = runtime
+    corral.write("writer.yaml", WRITER_TASK)
+    out = corral.run("spawn", "w1", "--task", "writer.yaml").stdout
+    assert "spawned w1" in out
+    spec = corral.state_dir / "config" / "agents" / "w1.json"
+    assert spec.is_file()
+    session = corral.wait_session("w1", {"finished"})
+    assert session["turns"] >= 3
+    workspace = corral.state_dir / "agents" / "w1" / "workspace"
+    assert sorted(p.name for p in workspace.iterdir()) == ["a0.txt", "a1.txt", "a2.txt"]
+    assert (workspace / "a2.txt").read_text() == "pass 2\n"
+    assert corral.wait_state("w1", {"exited"})["last_exit"] == "exit 0"
+
+    in_use = corral.json("spawn", "writer", "--task", "writer.yaml", rc=1)
+    assert in_use["ok"] is False
+    corral.run("spawn", "w2", "--task", "missing.yaml", rc=1)
+    assert corral.run("status", "w2", rc=1).returncode == 1
+
+    reply = corral.json("remove", "w1")
+    assert reply["ok"] is True
+    assert "w1" not in corral.children()
+    assert not spec.exists()
+    trace = corral.run("trace", "w1").stdout  # the history stays
+    assert "write_file OK" in trace
+
+
+def test_reload_starts_what_the_file_adds_and_keeps_the_rest(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, _up = runtime
+    writer_pid = child(corral, "writer")["pid"]
+    corral.config_from_default({**SETTINGS, "agents": {"count": 4}})
+    reply = corral.json("reload")
+    assert reply["ok"] is True
+    assert "agent-4" in json.dumps(reply)
+    corral.wait_running(["agent-4"])
+    assert child(corral, "writer")["pid"] == writer_pid
+
+    corral.config("agents: {count: many}\n")
+    refused = corral.run("reload", rc=1)
+    assert "corral.yaml" in refused.stderr
+    assert len(refused.stderr.splitlines()) == 1
+    assert child(corral, "agent-4")["state"] == "running"
+
+
+def test_logs_merge_the_actors_json_lines(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, _up = runtime
+    lines = corral.run("logs", "--actor", "supervisor", "--json").stdout.splitlines()
+    records = [json.loads(line) for line in lines]
+    assert records and all(r["actor"] == "supervisor" for r in records)
+    assert all({"timestamp", "level", "event", "pid"} <= set(r) for r in records)
+    stamps = [r["timestamp"] for r in records]
+    assert stamps == sorted(stamps)
+    assert "actor_spawned" in {r["event"] for r in records}
+    merged = corral.run("logs").stdout
+    assert {"writer", "broker", "supervisor"} <= {
+        line.split()[1] for line in merged.splitlines() if len(line.split()) > 1}
+    unknown = corral.run("logs", "--actor", "nosuch", rc=1)
+    assert "nosuch" in unknown.stderr
+
+
+def test_metrics_endpoint_serves_every_child(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, _up = runtime
+    port = int((corral.state_dir / "run" / "metrics.port").read_text())
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    up = {s.labels["name"]: s.value for s in families["corral_child_up"].samples}
+    running = {c["name"] for c in corral.status()["children"] if c["state"] == "running"}
+    assert running >= CORE
+    assert all(up[name] == 1.0 for name in running)
+    head = families["corral_writer_head_seq"].samples
+    assert head and head[0].value >= 1
+    assert "corral_status_age_seconds" in families
+
+
+def test_stop_ends_the_foreground_up_with_exit_0(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, up = runtime
+    reply = corral.json("stop")
+    assert reply["ok"] is True
+    assert up.wait(timeout=60) == 0
+    gone = corral.run("status", rc=3)
+    assert "no supervisor" in gone.stderr
