@@ -16,6 +16,11 @@ values (tests/test_appendwire.py checks both over generated frames):
   trailing newline through where pydantic's does not;
 - unknown fields, a missing `v` or a `v` other than the int 1 fall back;
 - a duplicate key keeps its last value, as msgpack-python's unpacker does;
+- only a frame whose first key is `kind` (as every corral encoder writes it):
+  msgspec must find a tagged union's tag before it can refuse anything, and
+  looking for it further on it would skip values of any depth (a map nested
+  1,000 deep was a RecursionError); with `kind` first, every value is refused
+  at its first byte of the wrong type, so no decode here goes deeper than 3;
 - only under limits at least `protocol.DEFAULT_LIMITS`' nesting, string,
   array, map and element bounds (a tighter `Limits` always falls back), with
   the frame size and the payload's `bin` length checked here.
@@ -156,12 +161,17 @@ def _covered(limits: protocol.Limits) -> bool:
     return covered
 
 
+def _kind_first(frame: bytes) -> bool:
+    """Whether `frame` is a map of at most 15 entries whose first key is `kind`."""
+    return frame[:1] >= b"\x80" and frame[:1] <= b"\x8f" and frame[1:6] == b"\xa4kind"
+
+
 def decode_request(frame: bytes,
                    limits: protocol.Limits = protocol.DEFAULT_LIMITS,
                    ) -> AppendFrame | AppendManyFrame | None:
     """The append or append_many in `frame`, or None: decode it with
     `protocol.decode` (anything else, or anything this cannot vouch for)."""
-    if len(frame) > limits.max_frame_bytes or not _covered(limits):
+    if len(frame) > limits.max_frame_bytes or not _kind_first(frame) or not _covered(limits):
         return None
     try:
         msg = _REQUESTS.decode(frame)
@@ -240,7 +250,7 @@ def _valid_group_names(msg: AppendManyFrame) -> bool:
 def decode_reply(frame: bytes, limits: protocol.Limits = protocol.DEFAULT_LIMITS,
                  ) -> AppendOkFrame | AppendManyOkFrame | None:
     """The append_ok or append_many_ok in `frame`, or None (use protocol.decode)."""
-    if len(frame) > limits.max_frame_bytes or not _covered(limits):
+    if len(frame) > limits.max_frame_bytes or not _kind_first(frame) or not _covered(limits):
         return None
     try:
         return _REPLIES.decode(frame)

@@ -10,6 +10,7 @@ operator needs to act on it.
      │    └── WalCorruptionError  damage before the tail (file + byte offset)
      ├── DurabilityError          a write or fdatasync failed; nothing was acked
      ├── RequestTimeoutError      a peer did not answer within the deadline
+     ├── AuthRefusedError         the server refused this connection's handshake
      ├── RemoteError              a peer answered with a typed error reply
      ├── SpawnError               a child process could not be started
      ├── PathRefusedError         an agent's op named a path outside its workspace
@@ -76,6 +77,20 @@ class DurabilityError(CorralError):
 
 class RequestTimeoutError(CorralError):
     """A request got no answer within its deadline (after any retries)."""
+
+
+class AuthRefusedError(CorralError):
+    """The server refused the ZMTP handshake (no, wrong or unknown credentials;
+    docs/protocol.md, Authentication): resending with the same credentials
+    cannot help. `event` names the socket monitor's event
+    (`HANDSHAKE_FAILED_AUTH`, `HANDSHAKE_FAILED_NO_DETAIL`, ...)."""
+
+    def __init__(self, endpoint: str, event: str, value: int) -> None:
+        super().__init__(f"{endpoint} refused the handshake ({event}, {value}): "
+                         "check the credential this client presents")
+        self.endpoint = endpoint
+        self.event = event
+        self.value = value
 
 
 class RemoteError(CorralError):

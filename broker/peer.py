@@ -102,7 +102,7 @@ class BrokerPeer:
         if self._credential is None or self._credential.name == auth.OPERATOR:
             sock.setsockopt(zmq.IDENTITY, self._identity)
         # else the broker names us by our credential and picks the routing id itself,
-        # so nobody can take over our routing id (ZMQ_ROUTER_HANDOVER)
+        # so no connection claiming our name can take our routing id
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
         if self._curve is not None:
             apply_client(sock, self._curve)

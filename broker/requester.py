@@ -2,7 +2,10 @@
 supervisor's control socket): the ZeroMQ guide's Lazy Pirate pattern. Each
 request waits for the reply carrying its msg_id; on timeout the socket is
 closed and reopened and the same frame is sent again (same msg_id, same
-idempotency key), so a retried append is answered with its original seq."""
+idempotency key), so a retried append is answered with its original seq.
+A handshake the server refuses (docs/protocol.md, Authentication) is seen on
+the socket's monitor and raised as AuthRefusedError after the attempt that
+timed out, never resent."""
 
 from __future__ import annotations
 
@@ -11,14 +14,22 @@ import os
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from broker import appendwire, auth, protocol
 from broker.curve import CurveClient, apply_client
-from broker.errors import ProtocolError, RemoteError, RequestTimeoutError
+from broker.errors import AuthRefusedError, ProtocolError, RemoteError, RequestTimeoutError
 
 _counter = itertools.count(1)
 _stamp = ""  # "<pid>.<start>.": this process's, made again in a forked child
 _NOBLOCK = zmq.NOBLOCK
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+# A refusal with no status (a mechanism the server does not speak, e.g. no
+# credential at a PLAIN server) looks like a connection dropped mid-handshake
+# (a server restarting): refused only after this many in a row.
+NO_DETAIL_REFUSALS = 3
 
 
 def _restamp() -> None:
@@ -67,6 +78,8 @@ class Requester:
         self._limits = limits
         self.reconnects = 0
         self._rcvtimeo_ms = -1
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._failed_handshakes = 0
         self._sock = self._open()
 
     def _open(self) -> zmq.Socket[bytes]:
@@ -81,14 +94,41 @@ class Requester:
             apply_client(sock, self._curve)
         elif self._credential is not None:
             auth.apply_client(sock, self._credential)
+        self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         sock.connect(self.endpoint)
         self._rcvtimeo_ms = -1  # a new socket waits forever until told otherwise
         return sock
 
-    def _reopen(self) -> None:
+    def _close_socket(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         self._sock.close(linger=0)
+
+    def _reopen(self) -> None:
+        self._close_socket()
         self._sock = self._open()
         self.reconnects += 1
+
+    def _check_refused(self) -> None:
+        """Raise AuthRefusedError when the server refused our handshake since
+        the socket was opened (read from its monitor; called only after an
+        attempt went unanswered, so it costs the hot path nothing)."""
+        monitor = self._monitor
+        if monitor is None:
+            return
+        while monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(monitor, _NOBLOCK)
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failed_handshakes = 0
+                continue
+            self._failed_handshakes += 1
+            if (kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    or self._failed_handshakes >= NO_DETAIL_REFUSALS):
+                name = (zmq.Event(kind).name or str(kind)).removeprefix("EVENT_")
+                raise AuthRefusedError(self.endpoint, name, int(event["value"]))
 
     def request(
         self,
@@ -169,12 +209,14 @@ class Requester:
             )
         for attempt in range(first_attempt, retries + 1):
             if attempt:
+                self._check_refused()
                 self._reopen()
             if not self._send(frame, timeout_s):
                 continue  # no connection took the frame within the deadline: retry
             reply = self._await(msg_id, timeout_s, fast)
             if reply is not None:
                 return self._answered(reply)
+        self._check_refused()
         raise RequestTimeoutError(
             f"no reply from {self.endpoint} to {kind} {msg_id} "
             f"after {retries + 1} attempts of {timeout_s}s"
@@ -247,4 +289,4 @@ class Requester:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._close_socket()

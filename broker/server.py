@@ -134,7 +134,6 @@ class Broker:
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self._sock.setsockopt(zmq.RCVHWM, SNDHWM)
         # Frames up to twice the limit arrive and are refused with a typed

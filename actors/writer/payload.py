@@ -69,6 +69,11 @@ def check_payload(payload: bytes) -> None:
             compact = False
         del value
     except orjson.JSONDecodeError as exc:
+        try:  # orjson calls any bad UTF-8 "surrogates not allowed": name the byte
+            payload.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise _refuse(f"payload is not valid UTF-8: byte 0x{payload[bad.start]:02x} at "
+                          f"offset {bad.start}: {bad.reason}") from exc
         raise _refuse(f"payload is not one valid JSON value: {exc}") from exc
     finally:
         if paused:
