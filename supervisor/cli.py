@@ -1,36 +1,9 @@
-"""`supervisor`: corral's operator command line.
-
-    supervisor up [--state-dir D] [--config F] [--detach]
-    supervisor status [NAME...] [--json] [--watch] [--fleet]
-    supervisor stop [NAME] [--timeout-s S] [--json]     the whole tree, or one child
-    supervisor start NAME [--json]
-    supervisor restart NAME [--json]
-    supervisor remove NAME [--json]                     an agent: stop it, drop its spec
-    supervisor reload [--json]                          re-read the configuration (SIGHUP)
-    supervisor kill NAME|all [--signal SIG] [--json]
-    supervisor logs [-f] [--actor A] [--level L] [--since T] [--json]
-    supervisor trace AGENT [-f] [--since SEQ] [--json]  an agent's session, readable (trace.py)
-    supervisor wal verify ...
-    supervisor fleet up|down|fence ...                  (supervisor/fleetcli.py)
-    supervisor run [CONFIG] [--agents N]                (supervisor/run.py)
-    supervisor spawn NAME --task FILE [--model M] [--json]   (supervisor/agentcli.py)
-    supervisor approve AGENT REQUEST [--always] | deny AGENT REQUEST
-    supervisor resume AGENT --budget N
-    supervisor rewind REF --to-turn N | --to-seq S      (supervisor/treecli.py)
-    supervisor fork REF --name NEW [--at-turn N]
-    supervisor answer AGENT REQUEST TEXT | correct AGENT TEXT   (or --file F)
-    supervisor sessions list|show|label|archive|unarchive|reindex|purge ...  (sessionscli.py)
-    supervisor completion bash|zsh                      a shell completion script
-
-Exit codes: 0 done; 1 refused (an unknown name, a child that cannot do that)
-or failed; 2 usage (one line says which argument and why); 3 no supervisor for
-that state directory; 4 the supervisor did not answer (status shows the
-status file, marked stale). `up` has its own (supervisor/up.py). A closed
-standard output (`supervisor status | head`) ends the command quietly.
+"""`supervisor`: corral's operator command line (docs/supervisor.md).
 
 Each subcommand imports only what it needs (`status` never imports structlog
 or PyYAML). A new subcommand adds its parser in `_parser()` and its handler to
-`HANDLERS`.
+`HANDLERS`; its usage line goes in `USAGE` (shown by `--help`, checked against
+the README by tests/acceptance/test_docs_match.py).
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.
@@ -47,6 +20,44 @@ from typing import Any, NoReturn
 
 from broker.statedir import private_umask
 from supervisor import pipelineparse, sessionscli
+
+USAGE = """\
+commands:
+  supervisor up [--state-dir D] [--config F] [--detach] [--quiet]
+  supervisor status [NAME...] [--json] [--watch] [--fleet]
+  supervisor stop [NAME] [--timeout-s S] [--json]     the whole tree, or one child
+  supervisor start NAME [--json]                      also an agent made by `fork`
+  supervisor restart NAME [--json]
+  supervisor remove NAME [--json]                     an agent: stop it, drop its spec
+  supervisor reload [--json]                          re-read the configuration (SIGHUP)
+  supervisor spawn NAME --task FILE [--model M] [--json]
+  supervisor kill NAME|all [--signal SIG] [--json]
+  supervisor logs [-f] [--actor A] [--level L] [--since T] [--json]
+  supervisor trace AGENT [-f] [--since SEQ] [--json]  an agent's session, readable
+  supervisor wal verify [--json]                      check the WAL offline
+  supervisor run [CONFIG] [--agents N]                the demo job
+  supervisor approve AGENT REQUEST [--always] | deny AGENT REQUEST
+  supervisor answer AGENT REQUEST TEXT | --file F     (docs/operator-input.md)
+  supervisor correct AGENT TEXT | --file F
+  supervisor resume AGENT --budget N [--cost-units C]
+  supervisor sessions list|show|label|archive|unarchive|reindex|purge ...  (docs/sessions.md)
+  supervisor rewind REF --to-turn N | --to-seq S      (docs/trees.md)
+  supervisor fork REF --name NEW [--at-turn N]
+  supervisor du [--json] | gc [--dry-run] [--json]    storage (docs/storage.md)
+  supervisor pipeline run NAME|FILE [--input k=v] [--wait] | check FILE   (docs/pipelines.md)
+  supervisor registry show|apply|restore ...          (docs/pipelines.md, docs/automation.md)
+  supervisor fleet up|down|fence ...                  (docs/fleet.md)
+  supervisor console [--listen HOST:PORT] [--config F]  the web console (docs/console.md)
+  supervisor completion bash|zsh                      a shell completion script
+  supervisor --version
+
+State directory: --state-dir D, else $CORRAL_STATE_DIR, else ./.corral.
+Exit codes: 0 done; 1 refused (an unknown name, a child that cannot do that)
+or failed; 2 usage (one line says which argument and why); 3 no supervisor for
+that state directory; 4 the supervisor did not answer (status shows the status
+file, marked stale). `up` has its own (docs/supervisor.md). A closed standard
+output (`supervisor status | head`) ends the command quietly.
+"""
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -124,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="state directory (default $CORRAL_STATE_DIR, else ./.corral)")
     as_json = _Parser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser = _Parser(prog=PROG, description=__doc__,
+    parser = _Parser(prog=PROG, description=USAGE,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action=_Version, nargs=0, help="print corral's version")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
@@ -132,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", parents=[common], help="start the runtime (foreground)")
     up.add_argument("--config", help="configuration file (default: the packaged default.yaml)")
     up.add_argument("--detach", action="store_true", help="run in the background")
+    up.add_argument("--quiet", "-q", action="store_true",
+                    help="no start, progress and ready lines (errors still)")
     status = sub.add_parser("status", parents=[common, as_json],
                             help="show every child, or the named ones")
     status.add_argument("names", nargs="*", metavar="NAME")
@@ -174,6 +187,10 @@ def _parser() -> argparse.ArgumentParser:
     _agent_parsers(sub, common, as_json)
     pipelineparse.add_parsers(sub, common, as_json)
     sessionscli.add_parser(sub, common)
+    console = sub.add_parser("console", parents=[common],
+                             help="serve the web console (supervisor/console/, docs/console.md)")
+    console.add_argument("--listen", default=None, help="HOST:PORT (default 127.0.0.1:0)")
+    console.add_argument("--config", default=None, help="configuration file (console:, storage:)")
     completion = sub.add_parser("completion", help="print a shell completion script")
     completion.add_argument("shell", choices=["bash", "zsh"])
     return parser
@@ -281,7 +298,7 @@ def _up(args: argparse.Namespace) -> int:
 
     if args.detach:
         return up.detach(args.state_dir, args.config)
-    return up.run(args.state_dir, args.config)
+    return up.run(args.state_dir, args.config, quiet=args.quiet)
 
 
 def _completion(args: argparse.Namespace) -> int:
@@ -341,25 +358,35 @@ def _status(args: argparse.Namespace) -> int:
 
     state_dir = StateDir.resolve(args.state_dir)
     names: list[str] = args.names
+
+    def refuse(code: int, error: str, line: str) -> int:
+        """One line on stderr; with --json also the object `stop --json` prints."""
+        if args.json:
+            import json
+
+            print(json.dumps({"ok": False, "command": "status", "target": names or None,
+                              "error": error, "detail": line}))
+        print(f"{PROG}: {line}", file=sys.stderr)
+        return code
+
     while True:
         if not client.running(state_dir):
-            print(f"{PROG}: no supervisor for {state_dir.root}", file=sys.stderr)
-            return EXIT_NO_SUPERVISOR
+            return refuse(EXIT_NO_SUPERVISOR, "no_supervisor",
+                          f"no supervisor for {state_dir.root}")
         stale: float | None = None
         try:
             data: dict[str, Any] | None = statusclient.ask_status(state_dir, STATUS_TIMEOUT_S)
         except statusclient.RefusedError as exc:
-            print(f"{PROG}: status refused: {exc.detail}", file=sys.stderr)
-            return EXIT_FAILED
+            return refuse(EXIT_FAILED, "refused", f"status refused: {exc.detail}")
         except statusclient.NoAnswerError:
             if not client.running(state_dir):
-                print(f"{PROG}: no supervisor for {state_dir.root}", file=sys.stderr)
-                return EXIT_NO_SUPERVISOR
+                return refuse(EXIT_NO_SUPERVISOR, "no_supervisor",
+                              f"no supervisor for {state_dir.root}")
             data = statusfile.read(state_dir.status_path)
             if data is None:
-                print(f"{PROG}: no answer from the supervisor of {state_dir.root} and "
-                      f"no status file", file=sys.stderr)
-                return EXIT_NO_ANSWER
+                return refuse(EXIT_NO_ANSWER, "no_answer",
+                              f"no answer from the supervisor of {state_dir.root} and "
+                              f"no status file")
             stale = max(0.0, time.time() - float(data.get("written_at", 0)))
             data["stale"] = True
             data["stale_age_s"] = round(stale, 3)
@@ -369,9 +396,8 @@ def _status(args: argparse.Namespace) -> int:
             children = {c["name"]: c for c in data.get("children", [])}
             unknown = [n for n in names if n not in children]
             if unknown:
-                print(f"{PROG}: no child named {', '.join(unknown)} in {state_dir.root}",
-                      file=sys.stderr)
-                return EXIT_FAILED
+                return refuse(EXIT_FAILED, "not_found",
+                              f"no child named {', '.join(unknown)} in {state_dir.root}")
             data["children"] = [children[n] for n in names]
         if args.json:
             import json
@@ -451,6 +477,12 @@ def _trace(args: argparse.Namespace) -> int:
                      follow=args.follow, json_out=args.json)
 
 
+def _console(args: argparse.Namespace) -> int:
+    from supervisor.console import serve
+
+    return serve.run(args)
+
+
 def _storage(args: argparse.Namespace) -> int:
     from supervisor import storagecli
 
@@ -483,6 +515,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "pipeline": _pipeline_command,
     "registry": _pipeline_command,
     "sessions": sessionscli.run,
+    "console": _console,
 }
 
 

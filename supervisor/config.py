@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from actors.agent.settings import AgentSettings
+from actors.agent.settings import AgentSettings, yaml_problem
 from broker.errors import ConfigError
 from supervisor.automationconfig import AutomationConfig
 from supervisor.fleetconfig import FleetConfig
@@ -288,5 +288,5 @@ def load(path: Path | None) -> Config:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from exc
     return parse(data, str(path))

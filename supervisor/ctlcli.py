@@ -103,14 +103,26 @@ def run(args: argparse.Namespace) -> int:
         return _wait_tree_down(args, state_dir, holder, affected)
     if args.command in ("stop", "remove") and affected and target is not None:
         return _wait_child(args, state_dir, target, affected)
-    return _emit(args, EXIT_OK, _done_line(args.command, target, affected), affected=affected)
+    line = _done_line(args.command, target, affected)
+    if args.command == "kill" and affected:
+        import signal
+
+        try:
+            name = signal.Signals(args.signal).name
+        except ValueError:
+            name = f"signal {args.signal}"
+        line = f"sent {name} to {', '.join(affected)}"
+    return _emit(args, EXIT_OK, line, affected=affected)
+
+
+DONE = {"start": "started", "restart": "restarted", "stop": "stopped", "remove": "removing"}
 
 
 def _done_line(command: str, target: str | None, affected: list[str]) -> str:
     if affected:
-        return f"{command} {target}: {', '.join(affected)}"
+        return f"{DONE.get(command, command)} {', '.join(affected)}"
     nothing = {"start": "already running", "stop": "already stopped"}
-    return f"{command} {target}: {nothing.get(command, 'none')}"
+    return f"{command} {target}: {nothing.get(command, 'nothing to do')}"
 
 
 def _reload_line(reply: protocol.ReloadReply) -> str:

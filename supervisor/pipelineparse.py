@@ -29,7 +29,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser,
     run.add_argument("--timeout-s", type=float, default=600.0, help="with --wait")
     check = verbs.add_parser("check", parents=[common], help="check a pipeline file")
     check.add_argument("file")
-    registry = sub.add_parser("registry", help="the config registries (docs/registries.md)")
+    registry = sub.add_parser("registry", help="the config registries (docs/pipelines.md, "
+                                               "docs/automation.md)")
     rverbs = registry.add_subparsers(dest="registry_command", required=True, metavar="VERB")
     show = rverbs.add_parser("show", parents=[common], help="entries (at a seq)")
     show.add_argument("registry", nargs="?", choices=REGISTRIES)

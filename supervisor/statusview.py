@@ -52,12 +52,13 @@ def _counters(child: dict[str, Any]) -> str:
 def render(status: dict[str, Any], stale_age_s: float | None = None) -> str:
     rows = [COLUMNS]
     for c in status.get("children", []):
+        alive = bool(c.get("pid"))  # no process: no heartbeat, no live counters
         rows.append((
-            c["name"], c["kind"], str(c["pid"]) if c.get("pid") else "-", c["state"],
+            c["name"], c["kind"], str(c["pid"]) if alive else "-", c["state"],
             _duration(c.get("uptime_s")), str(c.get("restarts", 0)), c.get("last_exit") or "-",
             "-" if c.get("cpu_percent") is None else f"{c['cpu_percent']:.1f}",
             _mib(c.get("rss_bytes")), _mib(c.get("uss_bytes")),
-            _duration(c.get("heartbeat_age_s")), _info(c),
+            _duration(c.get("heartbeat_age_s")) if alive else "-", _info(c) if alive else "",
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()

@@ -67,5 +67,28 @@ def _print_gc(report: storage.GcReport) -> None:
               f"{verb}, packs rewritten {len(t.get('packs_rewritten') or [])}, "  # type: ignore[arg-type]
               f"removed {len(t.get('packs_removed') or [])}"  # type: ignore[arg-type]
               + (f"; {t['error']}" if t.get("error") else ""))
-    print(f"  {_mib(report.bytes_before)} -> {_mib(report.bytes_after)}"
-          + ("  still OVER CAP" if report.over_cap_after else ""))
+    if report.dry_run:
+        print(f"  state directory: {_mib(report.bytes_before)} now; a pass would reclaim "
+              f"about {_mib(reclaimable(report))} (nothing was removed)")
+    else:
+        print(f"  state directory: {_mib(report.bytes_before)} before the pass, "
+              f"{_mib(report.bytes_after)} after"
+              + ("  still OVER CAP" if report.over_cap_after else ""))
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) else 0
+
+
+def reclaimable(report: storage.GcReport) -> int:
+    """Bytes the pass removes (or, dry, would): jobs, generations, transcripts,
+    the WAL's segments, the trees store's objects."""
+    total = (report.job_bytes_removed + report.generation_bytes_removed
+             + report.transcript_bytes_removed)
+    if report.wal is not None:
+        total += max(0, _int(report.wal.get("wal_bytes_before"))
+                     - _int(report.wal.get("wal_bytes_after")))
+    if report.trees is not None:
+        total += max(0, _int(report.trees.get("bytes_before"))
+                     - _int(report.trees.get("bytes_after")))
+    return total

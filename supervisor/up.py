@@ -1,5 +1,9 @@
 """`supervisor up`: take the lock, load the config, run the supervisor loop.
 
+In the foreground it says what it does (docs/supervisor.md, "Starting"): a
+start line, "N of M ready" while the children come up, and a ready line
+naming the state directory and the control socket; `--quiet` silences them.
+
 Exit codes (also in docs/supervisor.md):
     0   stopped cleanly (stop request, SIGTERM, Ctrl-C)
     1   unexpected internal error (traceback in logs/supervisor.log)
@@ -17,11 +21,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from broker.errors import ConfigError, LockHeldError, StateDirError
 from broker.statedir import StateDir
+
+if TYPE_CHECKING:
+    from supervisor.runtime import Runtime
 
 EXIT_INTERNAL = 1
 EXIT_LOCKED = 75
@@ -29,7 +38,60 @@ EXIT_CONFIG = 78
 DETACH_WAIT_S = 30.0
 
 
-def run(state_arg: str | None, config_arg: str | None) -> int:
+class Progress(threading.Thread):
+    """The foreground `up`'s lines, read from the runtime's child table (only
+    read: the supervisor's loop owns it) until the start phase is over."""
+
+    def __init__(self, runtime: Runtime, out: TextIO, *, poll_s: float = 0.1,
+                 every_s: float = 1.0) -> None:
+        super().__init__(name="up-progress", daemon=True)
+        self.runtime = runtime
+        self.out = out
+        self.poll_s = poll_s
+        self.every_s = every_s  # at most one progress line this often (500 agents)
+        self.done = threading.Event()
+
+    def say(self, line: str) -> None:
+        try:
+            print(f"supervisor: {line}", file=self.out, flush=True)
+        except (OSError, ValueError):  # a closed terminal: say nothing, never stop the runtime
+            self.done.set()
+
+    def counts(self) -> tuple[int, int, list[str]]:
+        while True:
+            try:
+                kids = list(self.runtime.children.values())
+                break
+            except RuntimeError:  # the loop changed the table meanwhile: read it again
+                continue
+        ready = [c.spec.name for c in kids if c.state == "running"]
+        problems = [f"{c.spec.name} {c.state}" for c in kids
+                    if c.state in ("fatal", "exited", "backoff")]
+        return len(ready), len(kids), problems
+
+    def run(self) -> None:
+        from supervisor.config import KIND_ORDER
+
+        shown, last_at = -1, 0.0
+        while not self.done.wait(self.poll_s):
+            if self.runtime.stopping:
+                return
+            ready, total, problems = self.counts()
+            if self.runtime.phase >= len(KIND_ORDER):
+                rt = self.runtime
+                trouble = f"; not running: {', '.join(problems)}" if problems else ""
+                self.say(f"ready: {ready} of {total} children running{trouble}; state "
+                         f"{rt.state_dir.root}, control socket "
+                         f"{rt.control.endpoint} (`supervisor status`; "
+                         f"Ctrl-C or `supervisor stop` stops)")
+                return
+            now = time.monotonic()
+            if ready != shown and now - last_at >= self.every_s:
+                self.say(f"{ready} of {total} ready")
+                shown, last_at = ready, now
+
+
+def run(state_arg: str | None, config_arg: str | None, *, quiet: bool = False) -> int:
     """Run the supervisor in the foreground until it stops; returns the exit code."""
     from broker import logconfig
     from broker.pidlock import PidLock
@@ -65,9 +127,16 @@ def run(state_arg: str | None, config_arg: str | None) -> int:
     log.info("corral_started", version=identity.version(), python=sys.version.split()[0])
     if foreign is not None:
         log.warning("supervisord_detected", detail=foreign)
+    progress: Progress | None = None
     try:
         path = Path(config_arg).resolve() if config_arg else config_mod.DEFAULT_CONFIG_PATH
         runtime = Runtime(config, state_dir, path)
+        if not quiet:
+            print(f"supervisor: starting corral {identity.version()} (pid {os.getpid()}, "
+                  f"{len(runtime.children)} children, config {path}, state "
+                  f"{state_dir.root})", flush=True)
+            progress = Progress(runtime, sys.stdout)
+            progress.start()
         code = runtime.run()
     except Exception as exc:
         log.exception("supervisor_crashed")
@@ -75,7 +144,12 @@ def run(state_arg: str | None, config_arg: str | None) -> int:
               f"{state_dir.log_path('supervisor')})", file=sys.stderr)
         return EXIT_INTERNAL
     finally:
+        if progress is not None:
+            progress.done.set()
+            progress.join(timeout=1.0)
         lock.release()
+    if not quiet:
+        print(f"supervisor: stopped (exit {code})", flush=True)
     if code == 65:
         print("supervisor: stopped: the writer found the WAL corrupt; run `supervisor wal "
               "verify` and repair before starting again", file=sys.stderr)

@@ -190,11 +190,28 @@ def load_task(path: str | Path) -> Task:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read task: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from exc
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: invalid task: expected a mapping at the top level")
     try:
         return Task.model_validate(data or {})
     except ValidationError as exc:
-        raise ConfigError(f"{path}: invalid task: {exc.errors()[0]['msg']}") from exc
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        if first["type"] == "extra_forbidden":
+            known = ", ".join(Task.model_fields)
+            reason = f"unknown key {where!r} (a task has: {known})"
+        else:
+            reason = f"{where}: {first['msg']}"
+        raise ConfigError(f"{path}: invalid task: {reason}") from exc
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: where, and what (its own text spans several)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
 
 
 def workspace_for(state_dir: StateDir, name: str, spec: AgentSpec) -> Path:

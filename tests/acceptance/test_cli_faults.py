@@ -130,3 +130,75 @@ def test_pipeline_failure_says_why_and_unknown_exits_1(corral: Corral) -> None:
     unknown = corral.run("pipeline", "run", "no-such-pipeline", rc=1)
     assert len(unknown.stderr.strip().splitlines()) == 1
     assert "no-such-pipeline" in unknown.stderr
+
+
+# -- fault 6: paper cuts --------------------------------------------------------
+
+def test_help_is_an_operators_page(corral: Corral) -> None:
+    """`--help`: no developer notes, every command in the usage block, and the
+    docs it points to exist."""
+    text = corral.run("--help").stdout
+    assert "_parser()" not in text and "HANDLERS" not in text
+    usage = text.split("positional arguments:")[0]
+    for command in ("du", "gc", "pipeline", "registry", "sessions", "fork", "wal verify"):
+        assert f"supervisor {command}" in usage or f"| {command}" in usage, command
+    root = DEFAULT_CONFIG.parents[1]
+    named = set(re.findall(r"docs/[\w./-]+\.md", text))
+    assert named and all((root / p).is_file() for p in named), named
+
+
+def test_refusals_before_anything_runs_are_one_line(corral: Corral) -> None:
+    """An invalid YAML configuration, a task file with an unknown key, and
+    `status --json` with nothing up: one line each, the key named, JSON on
+    stdout as `stop --json` prints it."""
+    corral.write("bad.yaml", "logging:\n  level: [debug\nfoo: : bar\n")
+    bad = corral.run("up", "--config", "bad.yaml", rc=78)
+    assert len(bad.stderr.strip().splitlines()) == 1, bad
+    assert "bad.yaml" in bad.stderr and "line 3" in bad.stderr
+    corral.write("task.yaml", "name: t\nstepz: []\n")
+    task = corral.run("spawn", "n1", "--task", "task.yaml", rc=1)
+    assert len(task.stderr.strip().splitlines()) == 1 and "'stepz'" in task.stderr, task
+    status = corral.json("status", rc=3)
+    stop = corral.json("stop", rc=3)
+    assert status["ok"] is False and status["error"] == stop["error"] == "no_supervisor"
+    assert str(corral.state_dir) in status["detail"]
+
+
+def test_a_stopped_child_and_the_control_lines(corral: Corral) -> None:
+    """`stop NAME`/`start NAME` say what they did; a stopped child shows no
+    heartbeat and no counters; `gc --dry-run` says what its sizes mean."""
+    corral.up()
+    assert corral.run("stop", "procs").stdout.strip() == "supervisor: stopped procs"
+    row = [line for line in corral.run("status", "procs").stdout.splitlines()
+           if line.startswith("procs ")]
+    assert len(row) == 1 and row[0].split()[3] == "stopped", row
+    assert row[0].split()[-1] == "-" and "commands=" not in row[0], row  # heartbeat, info
+    assert corral.run("start", "procs").stdout.strip() == "supervisor: started procs"
+    corral.wait_running(["procs"])
+    dry = corral.run("gc", "--dry-run").stdout
+    assert "->" not in dry and "would reclaim" in dry and "nothing was removed" in dry, dry
+
+
+# -- deliverable 4: a foreground `up` shows what it does ------------------------
+
+def test_foreground_up_says_start_progress_and_ready(corral: Corral) -> None:
+    up = corral.popen("up", name="up")
+    out = corral.wait(lambda: "supervisor: ready:" in corral.tracker.output("up")
+                      and corral.tracker.output("up"), "the ready line", timeout_s=60)
+    lines = out.splitlines()
+    assert lines[0].startswith("supervisor: starting corral")
+    assert any(re.fullmatch(r"supervisor: \d+ of 4 ready", line) for line in lines), out
+    ready = next(line for line in lines if line.startswith("supervisor: ready:"))
+    assert "4 of 4 children running" in ready and str(corral.state_dir) in ready
+    assert f"{corral.state_dir}/run/supervisor.sock" in ready
+    corral.run("stop")
+    assert up.wait(timeout=30) == 0
+    assert corral.tracker.output("up").splitlines()[-1] == "supervisor: stopped (exit 0)"
+
+
+def test_foreground_up_quiet_says_nothing(corral: Corral) -> None:
+    up = corral.popen("up", "--quiet", name="up")
+    corral.wait_running(timeout_s=60)
+    corral.run("stop")
+    assert up.wait(timeout=30) == 0
+    assert corral.tracker.output("up") == ""
