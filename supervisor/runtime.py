@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import sqlite3
 import time
 from collections import deque
 from pathlib import Path
@@ -105,6 +106,19 @@ class Runtime:
         self.automation = automation.Automation(state_dir, config.automation,
                                                 self.control.zap.keyring)
 
+    def _finish_purges(self) -> None:
+        """Purges stopped before their end are finished before any agent
+        starts (docs/sessions.md, "Purge")."""
+        from actors.sessions import purge  # noqa: PLC0415 - only at start
+
+        try:
+            finished = purge.finish_interrupted(self.state_dir.root)
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("purges_not_finished", error=str(exc))
+            return
+        if finished:
+            log.info("purges_finished", sessions=finished)
+
     # --- main loop ---------------------------------------------------------------
     def run(self) -> int:
         lifeline.become_subreaper()
@@ -112,6 +126,7 @@ class Runtime:
         self._start_metrics()
         janitor = storage.Janitor(self.state_dir, self.config.storage)  # caps (docs/storage.md)
         janitor.start()
+        self._finish_purges()
         self.fleet = fleet_host(self.config.fleet, self.state_dir)  # docs/fleet.md
         self.automation.start()
         log.info("supervisor_started", state_dir=str(self.state_dir.root),

@@ -25,8 +25,12 @@ The confirmed purge, each step durable before the next:
    archive) and marks the journal `done`: the index row goes last.
 
 A purge stopped at any point (SIGKILL included) is previewed and retried with
-the same command: each step is redone from what is on disk. The journal row
-stays (`done`) for WAL compaction, which removes the range's records.
+the same command, or finished by the next `supervisor up`
+(`finish_interrupted`): each step is redone from what is on disk. No path is
+reached through a link (a linked directory above an owned file, or a linked
+`purge-staging`, refuses the purge). The journal row stays (`done`) for WAL
+compaction, which removes the range's records; the index is vacuumed at the
+end so its file keeps no byte of the deleted rows.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import stat
 import time
 from collections.abc import Callable
@@ -45,7 +50,13 @@ from typing import Any
 from actors.agent import generations
 from actors.agent.effects import session_of_file
 from actors.sessions import index
-from actors.sessions.ids import STAGING_DIR, is_session_id, session_dir, staging_dir
+from actors.sessions.ids import (
+    STAGING_DIR,
+    index_path,
+    is_session_id,
+    session_dir,
+    staging_dir,
+)
 from broker.durable import fsync_dir
 
 FAULT_ENV = "CORRAL_PURGE_FAULT"  # tests: SIGKILL right after the named step
@@ -129,6 +140,7 @@ def _walk(top: Path, base: Path, owned: Links | None = None) -> list[dict[str, A
     """Entries under `top` (itself included), never following a link; refuses
     what a session's files never are (links, devices, a file with a name the
     purge does not own (`owned` counts those it does), another file system)."""
+    _no_link_above(top, base)
     try:
         st_top = os.lstat(top)
     except FileNotFoundError:
@@ -157,13 +169,38 @@ def _walk(top: Path, base: Path, owned: Links | None = None) -> list[dict[str, A
     return sorted(out, key=lambda e: str(e["path"]))
 
 
+def _no_link_above(top: Path, base: Path) -> None:
+    """Refuse when a directory between `base` and `top` is a link (or not a
+    directory): a purge never reaches through one."""
+    for parent in reversed(top.relative_to(base).parents[:-1]):
+        try:
+            st = os.lstat(base / parent)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            raise PurgeRefusedError("unproved_boundary",
+                                    f"{parent} is a symbolic link or not a directory")
+
+
+def _real_dir(path: Path) -> None:
+    """`path` made if missing; refused unless it is a directory itself (not a link)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise PurgeRefusedError("unproved_boundary",
+                                f"{path.name} is a symbolic link or not a directory")
+
+
 def _entries(root: Path, plan: Plan) -> list[dict[str, Any]]:
     live = _walk(session_dir(root, plan.session_id), root)
     gens = _generation_files(root, plan.agent, plan.session_id)
     owned = _owned_links(gens)
     for path in [*gens, *_effect_files(root, plan.agent, plan.session_id)]:
         live += _walk(path, root, owned)
-    return live + _walk(staging_dir(root, plan.session_id), root)
+    staged = staging_dir(root, plan.session_id)
+    _no_link_above(staged, root)
+    inside = [Path(top, name) for top, _dirs, files in os.walk(staged) for name in files]
+    return live + _walk(staged, root, _owned_links(inside))  # a generation staged twice
 
 
 def plan_for(root: Path, session_id: str) -> Plan:
@@ -255,10 +292,31 @@ def purge(root: Path, session_id: str, *, agent_state: AgentState) -> Plan:
                 conn.execute("UPDATE purge_journal SET state='done', finished_at=? "
                              "WHERE session_id=?", (time.time(), session_id))
             plan.step = "done"
+            _scrub_index(conn)
     finally:
         conn.close()
     plan.entries = []
     return plan
+
+
+def finish_interrupted(root: Path) -> list[str]:
+    """Finish every purge stopped before `done` (run by `supervisor up` before
+    any agent starts); returns the ids finished. One that cannot be finished
+    now is left for the next try (the operator's retry says why)."""
+    if not index_path(root).exists():
+        return []
+    conn = index.connect(root)
+    try:
+        pending = [str(r[0]) for r in conn.execute(
+            "SELECT session_id FROM purge_journal WHERE state!='done' ORDER BY session_id")]
+    finally:
+        conn.close()
+    done = []
+    for session_id in pending:
+        with contextlib.suppress(PurgeRefusedError, OSError, sqlite3.Error):
+            purge(root, session_id, agent_state=lambda _agent: None)
+            done.append(session_id)
+    return done
 
 
 def _set_step(conn: Any, session_id: str, step: str) -> None:
@@ -270,7 +328,8 @@ def _stage(root: Path, plan: Plan) -> None:
     """Rename every owned file into the staging directory (redone from what is
     left after a stop: a rename already made is not made again)."""
     staged = staging_dir(root, plan.session_id)
-    staged.mkdir(parents=True, exist_ok=True)
+    _real_dir(root / STAGING_DIR)
+    _real_dir(staged)
     fsync_dir(root / STAGING_DIR)
     moves: list[tuple[Path, Path]] = []
     live = session_dir(root, plan.session_id)
@@ -282,12 +341,12 @@ def _stage(root: Path, plan: Plan) -> None:
     owned = _owned_links(owned_gens)
     for path in owned_gens:
         _walk(path, root, owned)  # no name of it outside what the purge owns
-        gens.mkdir(exist_ok=True)
+        _real_dir(gens)
         moves.append((path, gens / path.name))  # gen-<seq>.json, snapshot.json: distinct
     effects = staged / "effects"
     for path in _effect_files(root, plan.agent, plan.session_id):
         _walk(path, root)  # a regular file with one link, or refused before it moves
-        effects.mkdir(exist_ok=True)
+        _real_dir(effects)
         moves.append((path, effects / path.name))
     for source, target in moves:
         os.rename(source, target)
@@ -313,18 +372,38 @@ def _repoint_snapshot(agent_dir: Path) -> None:
 
 
 def _remove_tree(top: Path) -> None:
-    """Remove `top` and everything in it, through directory fds opened with
-    O_NOFOLLOW: a link is unlinked itself, never followed."""
+    """Remove `top` (`purge-staging/<id>`) and everything in it, through
+    directory fds opened with O_NOFOLLOW from `purge-staging` down: a link is
+    unlinked itself, never followed."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     try:
-        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        parent = os.open(top.parent, flags)
     except FileNotFoundError:
         return
+    except OSError as exc:  # ELOOP/ENOTDIR: purge-staging is a link or a file
+        raise PurgeRefusedError("unproved_boundary",
+                                f"{top.parent.name} is a symbolic link or not a directory"
+                                ) from exc
     try:
-        _empty_dir(fd)
+        try:
+            fd = os.open(top.name, flags, dir_fd=parent)
+        except FileNotFoundError:
+            return
+        try:
+            _empty_dir(fd)
+        finally:
+            os.close(fd)
+        os.rmdir(top.name, dir_fd=parent)
+        os.fsync(parent)
     finally:
-        os.close(fd)
-    os.rmdir(top)
-    fsync_dir(top.parent)
+        os.close(parent)
+
+
+def _scrub_index(conn: Any) -> None:
+    """The index file holds none of the purged rows' bytes: rebuilt without
+    its free pages (VACUUM) and its SQLite WAL emptied into it."""
+    conn.execute("VACUUM")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 def _empty_dir(fd: int) -> None:

@@ -133,7 +133,7 @@ def fork(writer: WriterClient, state_dir: StateDir, source: str, new: str, *,
     spec = read_spec(state_dir, source)
     if spec is None:
         raise ForkError(f"agent {source} has no spec")
-    events = read_events(writer, source)
+    events = read_events(writer, source, state_dir)
     cut, turn = _point(events, at_turn, session)
     state = state_at(events, cut)
     if state.phase in ("finished", "closed"):
@@ -158,7 +158,7 @@ def fork(writer: WriterClient, state_dir: StateDir, source: str, new: str, *,
         compaction.copy_for(state, state_dir.agent_dir(source), staging)
         fault("fork:after_workspace")
         # verify the source again: its state at the cut and the tree's objects
-        again = read_events(writer, source)
+        again = read_events(writer, source, state_dir)
         if _digest(state_at(again, cut).model_dump(mode="json") | {
                 k: dumped[k] for k in ("phase", "exit_reason")}) != source_digest:
             raise ForkError(f"agent {source} changed at seq {cut} while forking")  # noqa: TRY301

@@ -41,6 +41,7 @@ from typing import Any
 from actors.agent.settings import read_spec, workspace_for
 from actors.agent.state import AgentState, fold
 from actors.registries.store import restore_registries
+from actors.sessions.purged import purged_of, visible
 from actors.trees import branch, restore
 from actors.trees.recorder import capturer_for, fault, store_for
 from actors.writer.client import WriterClient
@@ -69,8 +70,27 @@ def intent_path(state_dir: StateDir, name: str) -> Path:
     return state_dir.agent_dir(name) / "rewind.json"
 
 
-def read_events(writer: WriterClient, name: str) -> list[branch.Event]:
-    return [(r.seq, r.event, r.payload()) for r in writer.read_stream(f"agent/{name}", 1, 4096)]
+def read_events(writer: WriterClient, name: str, state_dir: StateDir | None = None
+                ) -> list[branch.Event]:
+    """The stream's records; with `state_dir`, without those of a purged
+    session (docs/sessions.md, "Purge"): a rewind or fork by the agent's name
+    never reaches one."""
+    events = [(r.seq, r.event, r.payload()) for r in writer.read_stream(f"agent/{name}", 1, 4096)]
+    if state_dir is None:
+        return events
+    hidden = purged_of(state_dir.root, f"agent/{name}")
+    return [e for e in events if visible(e[0], hidden)] if hidden else events
+
+
+def _newest_session_purged(writer: WriterClient, state_dir: StateDir, name: str) -> bool:
+    """Whether the stream's newest session (its last start on the active
+    branch of the whole stream) is purged, or being purged."""
+    hidden = purged_of(state_dir.root, f"agent/{name}")
+    if not hidden:
+        return False
+    starts = [seq for seq, event, payload in branch.active(read_events(writer, name))
+              if branch.session_of(event, payload) is not None]
+    return bool(starts) and not visible(starts[-1], hidden)
 
 
 def state_at(events: list[branch.Event], seq: int) -> AgentState:
@@ -99,7 +119,11 @@ def rewind(writer: WriterClient, state_dir: StateDir, name: str, *,
            to_turn: int | None = None, to_seq: int | None = None) -> Rewound:
     if intent_path(state_dir, name).exists():
         recover(writer, state_dir, name)
-    events = read_events(writer, name)
+    if _newest_session_purged(writer, state_dir, name):
+        raise RewindError(f"agent {name}'s newest session is purged: nothing of it is "
+                          f"rewound; `supervisor fork SESSION --name NEW` starts from an "
+                          f"earlier one")
+    events = read_events(writer, name, state_dir)
     active = branch.active(events)
     if not active:
         raise RewindError(f"agent {name} has no session")

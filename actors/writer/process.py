@@ -632,7 +632,7 @@ class Writer:
         try:
             done = self.worker.collect()
             # a rotation due: acks, then the rotation, as a lone batch (the worker idle)
-            rotating = self.segment.size >= self.segment.segment_bytes
+            rotating = self.segment.rotation_due()
             self._finish(done, acknowledge=rotating)
         except DurabilityError as exc:
             assert batch is not None

@@ -27,6 +27,9 @@ class ActiveSegment:
         self.size = 0
         self.rotations = 0
         self.syncs = 0
+        # a pass found a purged session's records here (actors/writer/walgc.py):
+        # the segment is sealed after the next batch, so a later pass compacts it
+        self.seal_requested = False
         self._fail_sync_at = int(os.environ.get(FAULT_ENV_FAIL_SYNC_AT, "0") or 0)
         self._open()
 
@@ -61,10 +64,16 @@ class ActiveSegment:
         except OSError as exc:
             raise DurabilityError(f"fdatasync of {self.path} failed: {exc}") from exc
 
+    def rotation_due(self) -> bool:
+        """Full, or asked to be sealed and holding a record."""
+        return self.size >= self.segment_bytes or (self.seal_requested and self.size > 0)
+
     def rotate_if_full(self, next_seq: int) -> bool:
-        """Start a new segment at `next_seq` once this one reached its size."""
-        if self.size < self.segment_bytes:
+        """Start a new segment at `next_seq` once this one reached its size
+        (or was asked to be sealed)."""
+        if not self.rotation_due():
             return False
+        self.seal_requested = False
         self.close()
         self.first_seq = next_seq
         self.path = self.wal_dir / segment_name(next_seq)

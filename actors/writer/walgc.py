@@ -25,7 +25,11 @@ in a thread; the writer's loop only swaps files and updates its index between
 batches, so appends go on during a pass.
 
 Only segments followed by a non-empty segment are touched: the head record is
-never removed or moved, so the next seq is never in doubt."""
+never removed or moved, so the next seq is never in doubt. A pass that finds
+a purged session's records in the active segment asks for it to be sealed
+after the next batch (`ActiveSegment.seal_requested`): once a record follows
+in the new segment, the next pass (on request, or the automatic one the purge
+journal triggers) compacts it."""
 
 from __future__ import annotations
 
@@ -267,6 +271,8 @@ class Collector:
             self._pass.floor_seq = max(floor, self.state.floor_seq)
             self._truncate(w, floor, dry_run)
             self._todo = self._compaction_targets(w)
+            if not dry_run:
+                self._seal_if_purged(w)
         except OSError as exc:
             self._fail(exc)
             return
@@ -359,6 +365,19 @@ class Collector:
         self.segments_removed_total += len(victims)
         self.log.info("wal_truncated", floor_seq=new_floor, segments=len(victims),
                       archived=self.options.archive)
+
+    def _seal_if_purged(self, w: WriterView) -> None:
+        """Ask for the active segment to be sealed when it holds a record of
+        a purged session (only a sealed segment is compacted)."""
+        segment = getattr(w, "segment", None)
+        if segment is None or not segment.size:
+            return
+        for stream, ranges in self._purged.ranges.items():
+            for a, b in ranges:
+                hit = w.index.lookup(stream, max(a, segment.first_seq), 1)
+                if hit and hit[0][0] <= b:
+                    segment.seal_requested = True
+                    return
 
     def _purge_work(self, w: WriterView, purged: Purged) -> bool:
         return bool(self._targets(w, purged))

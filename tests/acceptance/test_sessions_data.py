@@ -31,11 +31,15 @@ def small_generations(corral: Corral) -> Path:
 
 
 def task(corral: Corral, name: str, marker: str, steps: int = 6) -> Path:
-    """A scripted task of `steps` edits whose text holds `marker`."""
+    """A scripted task of `steps` edits whose text holds `marker`; its last
+    edit takes the marker out of the workspace (which is the agent's, not the
+    session's)."""
     lines = [f"name: {name}", f"prompt: Keep notes about {marker}.", "steps:",
              f'  - {{op: write_file, path: notes.md, content: "{marker} 0\\n"}}']
     lines += [f'  - {{op: edit_file, path: notes.md, old: "{marker} {i}", '
               f'new: "{marker} {i + 1}"}}' for i in range(steps)]
+    lines.append(f'  - {{op: edit_file, path: notes.md, old: "{marker} {steps}", '
+                 f'new: "{name} done"}}')
     lines.append(f"  - {{op: finish, summary: {name} done}}")
     return corral.write(f"{name}.yaml", "\n".join(lines) + "\n")
 
@@ -95,3 +99,42 @@ def test_spawn_over_an_open_session_resumes_it_and_runs_no_second(corral: Corral
     # a spawn once it is over is a new session, as for any finished agent
     run_to_end(corral, "fa", work)
     assert [r["status"] for r in sessions(corral, "fa")] == ["finished", "finished"]
+
+
+@pytest.mark.timeout(300)
+def test_after_a_purge_nothing_of_the_session_is_reached(corral: Corral) -> None:
+    corral.up(config=small_generations(corral))
+    run_to_end(corral, "pr", task(corral, "first", "first-session"))
+    run_to_end(corral, "pr", task(corral, "second", MARKER))
+    run_to_end(corral, "st", task(corral, "other", "other-session"))
+    first, second = (r["session_id"] for r in sessions(corral, "pr"))
+    purge(corral, second)
+
+    # by the agent's name: a rewind of a purged newest session is refused, a
+    # fork starts from the session before it
+    refused = corral.run("rewind", "pr", "--to-turn", "1", rc=1)
+    assert "purged" in refused.stderr, refused
+    corral.run("fork", "pr", "--name", "z")
+    shown = corral.json("sessions", "show", "z")
+    assert shown["parent_session"] == first, shown
+    # the pass after the purge seals the WAL segment that holds its records;
+    # once the runtime appends again, the next pass compacts them out
+    corral.run("gc")
+    run_to_end(corral, "z", task(corral, "fork", "fork-session", steps=1))
+    corral.run("gc")
+    held = sorted(str(path.relative_to(corral.state_dir)) for path, data in corral.files_text()
+                  if MARKER.encode() in data and corral.state_dir in path.parents)
+    assert held == [], held
+
+    # a purge killed once its files are staged: hidden at once, finished by `up`
+    (other,) = (r["session_id"] for r in sessions(corral, "st"))
+    corral.run("sessions", "archive", other)
+    killed = corral.run("sessions", "purge", other, "--confirm", other, rc=None,
+                        env={"CORRAL_PURGE_FAULT": "staged"})
+    assert killed.returncode < 0, killed
+    assert sessions(corral, "st") == []
+    corral.run("stop")
+    corral.up(config=small_generations(corral))
+    again = corral.run("sessions", "purge", other, "--preview", rc=1)
+    assert "already purged" in again.stderr, again
+    assert not (corral.state_dir / "purge-staging" / other).exists()
