@@ -30,7 +30,7 @@ from types import FrameType
 import structlog
 import zmq
 
-from broker import auth, buskeys, curve, fleetnats, logconfig, protocol, ratelimit
+from broker import auth, buskeys, curve, fleetnats, logconfig, memtrim, protocol, ratelimit
 from broker.bridge import Bridge, Refusal, Target
 from broker.bridge import from_args as bridge_from_args
 from broker.control import ControlReporter
@@ -119,6 +119,7 @@ class Broker:
         # this socket) -> the name their connection authenticated as
         self._known: dict[bytes, bytes] = {}
         self._stopping = False
+        self._trimmer = memtrim.Trimmer()  # freed memory back to the system after a burst
         self._routed = 0
         self._errors = 0
         self._rejected = 0
@@ -196,7 +197,9 @@ class Broker:
         report_every_s = reporter.interval_s / 2 if reporter is not None else 0.0
         while not self._stopping:
             timeout_ms = min(MAX_POLL_MS, max(0, int((next_beat - time.monotonic()) * 1000) + 1))
-            if poll(poll_items, timeout_ms):
+            busy = bool(poll(poll_items, timeout_ms))
+            self._trimmer.tick(busy)
+            if busy:
                 if zap is not None:
                     zap.handle()
                 try:

@@ -44,7 +44,7 @@ from actors.writer.streamindex import IndexWriteError
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
 from actors.writer.walgc import Collector, GcOptions
-from broker import appendwire, auth, curve, logconfig, protocol, ratelimit
+from broker import appendwire, auth, curve, logconfig, memtrim, protocol, ratelimit
 from broker.control import ControlReporter
 from broker.curve import check_endpoints
 from broker.durable import write_atomic
@@ -298,6 +298,7 @@ class Writer:
         self.inflight: Batch | None = None
         self.staged = Batch()
         self.pacer = CommitPacer()  # larger batches under many appenders (groupcommit.py)
+        trimmer = memtrim.Trimmer()  # freed memory back to the system after a burst
         if replicator is not None:  # the recovered tail to the stream first (an empty batch)
             self.unconfirmed_through = self.head
             self._submit()
@@ -316,6 +317,7 @@ class Writer:
                     in_flight_poller.poll(IN_FLIGHT_WAIT_MS)
                     timeout_ms = 0
                 events = dict(poller.poll(timeout_ms))
+                trimmer.tick(bool(events) or self.inflight is not None)
                 if zap is not None and zap.socket in events:
                     zap.handle()
                 durable = self.worker.fileno() in events
