@@ -13,8 +13,7 @@ from tests.acceptance.conftest import Corral
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "default.yaml"
-DEFAULT_BUDGET = "budget: {tokens: 2000000, cost_units: 2000}"
+ROOT = Path(__file__).resolve().parents[2]
 
 WRITER_TASK = """\
 name: writer
@@ -25,27 +24,13 @@ steps:
 """
 
 
-def budget_config(corral: Corral, tokens: int) -> Path:
-    """The packaged configuration (a user's copy of config/default.yaml) with a budget."""
-    text = DEFAULT_CONFIG.read_text()
-    assert DEFAULT_BUDGET in text
-    return corral.config(text.replace(DEFAULT_BUDGET,
-                                      f"budget: {{tokens: {tokens}, cost_units: null}}"))
-
-
-def session_of(corral: Corral, agent: str) -> dict[str, object] | None:
-    rows = corral.json("sessions", "list")
-    mine = [r for r in rows if r["agent"] == agent]
-    return mine[-1] if mine else None
-
-
-def wait_session(corral: Corral, agent: str, statuses: set[str]) -> dict[str, object]:
-    def reached() -> dict[str, object] | None:
-        row = session_of(corral, agent)
-        return row if row is not None and row["status"] in statuses else None
-    found: dict[str, object] = corral.wait(reached, f"{agent}'s session {sorted(statuses)}",
-                                          timeout_s=30)
-    return found
+@pytest.fixture(scope="module")
+def running(module_corral: Corral) -> Corral:
+    """One runtime on the packaged configuration for the tests that act on
+    children of their own (each test uses names of its own)."""
+    module_corral.up()
+    module_corral.write("task.yaml", WRITER_TASK)
+    return module_corral
 
 
 # -- fault 2 --------------------------------------------------------------------
@@ -53,13 +38,14 @@ def wait_session(corral: Corral, agent: str, statuses: set[str]) -> dict[str, ob
 def test_a_too_small_resume_does_not_stick_the_session(corral: Corral) -> None:
     """`resume --budget 10` (not enough) then `resume --budget 5000`: the second
     is a new grant, written and taken; the session runs to its end."""
-    corral.up(config=budget_config(corral, 150))
+    corral.up(config=corral.config_from_default(
+        {"agent": {"budget": {"tokens": 150, "cost_units": None}}}))
     corral.write("task.yaml", WRITER_TASK)
     corral.run("spawn", "n1", "--task", "task.yaml")
-    wait_session(corral, "n1", {"paused"})
+    corral.wait_session("n1", {"paused"}, timeout_s=30)
     corral.run("resume", "n1", "--budget", "10")
     corral.run("resume", "n1", "--budget", "5000")
-    done = wait_session(corral, "n1", {"finished"})
+    done = corral.wait_session("n1", {"finished"}, timeout_s=30)
     assert done["exit_reason"] == "finished"
     trace = corral.run("trace", "n1", "--json").stdout.splitlines()
     grants = [json.loads(line)["payload"]["tokens"] for line in trace
@@ -69,19 +55,18 @@ def test_a_too_small_resume_does_not_stick_the_session(corral: Corral) -> None:
 
 # -- fault 3 --------------------------------------------------------------------
 
-def test_fork_prints_a_command_that_runs_the_fork(corral: Corral) -> None:
-    corral.up()
-    corral.write("task.yaml", WRITER_TASK)
-    corral.run("spawn", "n1", "--task", "task.yaml")
-    wait_session(corral, "n1", {"finished"})
-    out = corral.run("fork", "n1", "--name", "relf", "--at-turn", "2").stdout
+def test_fork_prints_a_command_that_runs_the_fork(running: Corral) -> None:
+    corral = running
+    corral.run("spawn", "src", "--task", "task.yaml")
+    corral.wait_session("src", {"finished"}, timeout_s=30)
+    out = corral.run("fork", "src", "--name", "relf", "--at-turn", "2").stdout
     command = re.search(r"`supervisor ([^`]+)` runs it", out)
     assert command is not None, out
     last = corral.state_dir / "agents" / "relf" / "workspace" / "a3.txt"
     assert not last.exists()  # the fork stands after turn 2: a0, a1 only
     corral.run(*command.group(1).split())
-    done = wait_session(corral, "relf", {"finished"})
-    assert done["parent_agent"] == "n1"
+    done = corral.wait_session("relf", {"finished"}, timeout_s=30)
+    assert done["parent_agent"] == "src"
     assert last.is_file()
 
 
@@ -118,8 +103,8 @@ steps:
 """
 
 
-def test_pipeline_failure_says_why_and_unknown_exits_1(corral: Corral) -> None:
-    corral.up()
+def test_pipeline_failure_says_why_and_unknown_exits_1(running: Corral) -> None:
+    corral = running
     corral.write("breaks.yaml", FAILING_PIPELINE)
     corral.run("pipeline", "check", "breaks.yaml")
     text = corral.run("pipeline", "run", "breaks.yaml", "--wait", rc=1)
@@ -142,7 +127,7 @@ def test_help_is_an_operators_page(corral: Corral) -> None:
     usage = text.split("positional arguments:")[0]
     for command in ("du", "gc", "pipeline", "registry", "sessions", "fork", "wal verify"):
         assert f"supervisor {command}" in usage or f"| {command}" in usage, command
-    root = DEFAULT_CONFIG.parents[1]
+    root = ROOT
     named = set(re.findall(r"docs/[\w./-]+\.md", text))
     assert named and all((root / p).is_file() for p in named), named
 
@@ -164,10 +149,10 @@ def test_refusals_before_anything_runs_are_one_line(corral: Corral) -> None:
     assert str(corral.state_dir) in status["detail"]
 
 
-def test_a_stopped_child_and_the_control_lines(corral: Corral) -> None:
+def test_a_stopped_child_and_the_control_lines(running: Corral) -> None:
     """`stop NAME`/`start NAME` say what they did; a stopped child shows no
     heartbeat and no counters; `gc --dry-run` says what its sizes mean."""
-    corral.up()
+    corral = running
     assert corral.run("stop", "procs").stdout.strip() == "supervisor: stopped procs"
     row = [line for line in corral.run("status", "procs").stdout.splitlines()
            if line.startswith("procs ")]
