@@ -37,7 +37,7 @@ def test_reads_the_process_environment_by_default(
 
 def test_every_command_with_a_state_dir_flag_resolves_it_there() -> None:
     """A module that takes `--state-dir` never builds the path another way."""
-    takers = [p for p in SUPERVISOR_DIR.glob("*.py") if '"--state-dir"' in p.read_text()]
+    takers = [p for p in SUPERVISOR_DIR.rglob("*.py") if '"--state-dir"' in p.read_text()]
     assert takers  # the scan sees the CLI modules
     astray = [p.name for p in takers if "StateDir.at(" in p.read_text()]
     assert astray == []
