@@ -41,7 +41,8 @@ What each identity may do (docs/protocol.md, "Authentication"):
                  be `A` at the broker and on the control socket
     procs        append to `procs/<session>` with origin `procs/<session>`
     subagents    append to `subagents/<parent>` with origin `subagents`
-    automation   append to `automation/...` with origin `automation` (schedules, hooks)
+    automation   append to `automation/...` with origin `automation` (schedules, hooks),
+                 and `schedule_usage` to `agent/<owner>` (a run charged to its owner)
     everyone     read streams, ping, stats, `status` on the control socket
 
 Errors: `AuthError` (a CorralError) for a credential that cannot be made or
@@ -447,6 +448,8 @@ def append_refusal(user: str, stream: str, origin: str, event: str) -> str | Non
     elif user == AUTOMATION:
         if stream.startswith("automation/") and origin == AUTOMATION:
             return None
+        if stream.startswith("agent/") and origin == AUTOMATION and event == "schedule_usage":
+            return None  # a schedule's run charged to its owner (supervisor/automationgrants.py)
     elif user not in RESERVED and stream == f"agent/{user}" and origin == user:
         return None
     elif (user not in RESERVED and stream == "config/registries" and origin == user

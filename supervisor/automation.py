@@ -55,6 +55,7 @@ from actors.registries import store
 from broker import auth, protocol
 from broker.errors import CorralError
 from broker.statedir import StateDir
+from supervisor import automationgrants as grants
 from supervisor.automationconfig import AutomationConfig
 
 if TYPE_CHECKING:
@@ -96,6 +97,8 @@ class SpawnOrder:
     backend: str
     model: str | None
     schedule: str
+    creator: str | None = None  # an agent's schedule: its owner (automationgrants.py)
+    budget: dict[str, Any] | None = None  # what is left of the owner's budget
 
 
 class _Registry:
@@ -202,6 +205,7 @@ class Scheduler:
         self.registry = _Registry(state_dir, "schedules", store.load_schedules)
         self.anchors: dict[str, float] = {}
         self.last_fire: dict[str, dict[str, Any]] = {}
+        self.charges = grants.Charges(state_dir)
 
     def recover(self, writer: WriterClient) -> None:
         for record in writer.read_stream(SCHEDULES_STREAM):
@@ -216,12 +220,16 @@ class Scheduler:
                 self.anchors[name] = max(self.anchors.get(name, slot), slot)
                 if record.event == "schedule_fired":
                     self.last_fire[name] = p
+                    self.charges.fired(p)
+            elif record.event == grants.CHARGED_EVENT:
+                self.charges.charged(p)
         for p in self.last_fire.values():  # fired, then the supervisor died before the spawn
             if p.get("started") and p.get("agent") and p.get("task") and not (
                     self.state_dir.config_dir / "agents" / f"{p['agent']}.json").exists():
                 log.info("schedule_spawn_resumed", schedule=p["schedule"], agent=p["agent"])
                 self.spawns.put(SpawnOrder(p["agent"], p["task"], p.get("backend", "scripted"),
-                                           p.get("model"), p["schedule"]))
+                                           p.get("model"), p["schedule"], p.get("creator"),
+                                           p.get("budget")))
 
     def tick(self, writer: WriterClient, now: float) -> None:
         for entry in self.registry.refresh().values():
@@ -246,6 +254,7 @@ class Scheduler:
                 log.info("schedule_skipped", schedule=entry.name, count=len(due.skipped))
             if due.fire is not None:
                 self._fire(writer, entry, due, now)
+        self.charges.tick(writer)
 
     def _fire(self, writer: WriterClient, entry: registries.ScheduleEntry, due: Due,
               now: float) -> None:
@@ -255,12 +264,18 @@ class Scheduler:
             "schedule": entry.name, "slot": slot,
             "slot_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(slot)),
             "fired_at": now, "action": entry.action, "catchup": due.catchup,
-            "missed": due.missed, "cron": entry.cron,
+            "missed": due.missed, "cron": entry.cron, "owner": entry.owner,
         }
-        if entry.action == "spawn":
+        try:  # an agent's schedule: its owner's grants and what is left of its budget
+            grant = grants.grant_for(writer, self.state_dir, entry.owner)
+        except grants.GrantRefusedError as exc:
+            grant = None
+            payload.update(agent=slot_name(entry.name, slot), started=False,
+                           reason=str(exc)[:500])
+        if grant is not None and entry.action == "spawn":
             payload.update(agent=slot_name(entry.name, slot), task=entry.task,
                            backend=entry.backend, model=entry.model, started=True)
-        else:
+        elif grant is not None:
             runner = slot_name(entry.name, slot)
             payload.update(pipeline=entry.pipeline, inputs=entry.inputs, runner=runner)
             try:  # the run file before the fact: a restart after the fact finds it
@@ -270,15 +285,22 @@ class Scheduler:
             else:
                 payload.update(agent=runner, task=str(run_path), backend="pipeline",
                                model=None, started=True)
+        if grant is not None and payload["started"]:
+            payload.update(creator=grant.creator, budget=grant.budget)
         writer.append(SCHEDULES_STREAM, "schedule_fired", payload,
                       key=f"fire:{entry.name}:{int(slot)}")
+        self.charges.fired(payload)
         self.anchors[entry.name] = slot
         self.last_fire[entry.name] = payload
         log.info("schedule_fired", schedule=entry.name, slot=payload["slot_utc"],
                  catchup=due.catchup, action=entry.action)
         if payload["started"]:
             self.spawns.put(SpawnOrder(payload["agent"], payload["task"], payload["backend"],
-                                       payload["model"], entry.name))
+                                       payload["model"], entry.name, payload["creator"],
+                                       payload["budget"]))
+        elif grant is None:
+            log.warning("schedule_run_refused", schedule=entry.name, owner=entry.owner,
+                        reason=payload["reason"])
         else:
             log.warning("schedule_pipeline_refused", schedule=entry.name,
                         pipeline=entry.pipeline, reason=payload["reason"])
@@ -638,6 +660,7 @@ class Automation:
 def service(rt: Runtime, now: float) -> None:
     """Once per supervisor loop turn: hand the thread the agents' names, and
     spawn what the schedules fired (the supervisor's own spawn path)."""
+    from actors.agent.settings import Budget  # noqa: PLC0415
     from supervisor import requests  # noqa: PLC0415
 
     auto = rt.automation
@@ -654,7 +677,9 @@ def service(rt: Runtime, now: float) -> None:
                                         name=order.name, task=order.task,
                                         backend=order.backend,  # type: ignore[arg-type]
                                         model=order.model)
-        reply = requests.spawn(rt, message, now)
+        reply = requests.spawn(rt, message, now, creator=order.creator,
+                               budget=None if order.budget is None
+                               else Budget.model_validate(order.budget))
         if isinstance(reply, protocol.Error):
             log.warning("schedule_spawn_refused", schedule=order.schedule, agent=order.name,
                         reason=reply.detail)

@@ -38,6 +38,7 @@ from supervisor.config import CORE_KINDS, DEFAULT_CONFIG_PATH, KIND_ORDER
 from supervisor.config import load as load_config
 
 if TYPE_CHECKING:
+    from actors.agent.settings import Budget
     from supervisor.runtime import Runtime
 
 log = structlog.get_logger("supervisor")
@@ -185,9 +186,24 @@ def remove(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
     return protocol.Ack(msg_id=msg_id, affected=[target])
 
 
-def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float) -> Reply:
+def tighter(a: Budget, b: Budget) -> Budget:
+    """Each bound the smaller of the two (None is unbounded)."""
+    from actors.agent.settings import Budget  # noqa: PLC0415
+
+    def low(x: float | None, y: float | None) -> float | None:
+        return y if x is None else x if y is None else min(x, y)
+
+    tokens = low(a.tokens, b.tokens)
+    return Budget(tokens=None if tokens is None else int(tokens),
+                  cost_units=low(a.cost_units, b.cost_units))
+
+
+def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float, *,
+          creator: str | None = None, budget: Budget | None = None) -> Reply:
     """Add an agent child with the agents group's policy, but restart `transient`:
-    it runs a session, and a finished one exits 0."""
+    it runs a session, and a finished one exits 0. `creator`: the agent whose
+    grants and budget bound this one (a schedule's run, actors/agent/grants.py);
+    `budget`: what is left of that agent's, the most the new agent may spend."""
     from actors.agent.settings import AgentSpec, load_task, write_spec  # noqa: PLC0415
     from actors.sessions.ids import is_session_id, new_session_id  # noqa: PLC0415
     from supervisor.config import ChildSpec  # noqa: PLC0415
@@ -215,8 +231,10 @@ def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float) -> Reply:
             settings = runfile.runner_settings(settings)
         else:
             load_task(msg.task)
+        if budget is not None:  # the creator's remainder, within the configured bounds
+            settings = settings.model_copy(update={"budget": tighter(settings.budget, budget)})
         spec = AgentSpec(task=msg.task, backend=msg.backend, model=msg.model,
-                         replay_stream=msg.replay_stream, settings=settings,
+                         replay_stream=msg.replay_stream, settings=settings, creator=creator,
                          session=msg.session if is_session_id(msg.session)
                          else new_session_id())  # a new session if the last one is over
         write_spec(rt.state_dir, name, spec)

@@ -141,6 +141,9 @@ class AgentSpec(_Strict):
     settings: AgentSettings = AgentSettings()
     session: str | None = None  # the session to run (actors/sessions/lifecycle.py)
     parent_agent: str | None = None  # a subagent's parent (the session's lineage)
+    # the agent whose grants and budget bound this one (a schedule's run: the
+    # schedule's owner; actors/agent/grants.py); None: the operator created it
+    creator: str | None = None
 
 
 class Task(_Strict):

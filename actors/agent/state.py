@@ -414,7 +414,9 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
             if state.compaction_pending is not None and \
                     p.get("compaction") == state.compaction_pending.compaction:
                 state.compaction_pending = None
-        case "subagent_usage":  # a child's model usage counts into its parent's budget
+        # a child's model use counts into its parent's budget, a run of its schedule's
+        # into its owner's (schedule_usage: supervisor/automationgrants.py)
+        case "subagent_usage" | "schedule_usage":
             state.budget.tokens_used += int(p.get("tokens", 0))
             state.budget.cost_used += float(p.get("cost_units", 0.0))
         case "budget_resumed":

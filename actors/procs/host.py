@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import structlog
 from pydantic import BaseModel, ConfigDict
 
+from actors.agent import grants
 from actors.agent.settings import read_spec, workspace_for
 from actors.procs import launch, ownership, sandbox
 from actors.procs.command import Command, read_exit_file, wrapper_argv
@@ -268,18 +269,15 @@ class ProcsHost:
         hidden, masked = sandbox.split_hidden((str(self.state.root), *policy.hide), workspace)
         mask = sandbox.mask_file(str(self.state.run_dir)) if masked else ""
         return sandbox.Confinement(workspace=workspace, hidden=hidden, masked=masked, mask=mask,
-                                   network=policy.network_for(self._policy_name(session)))
+                                   network=self._network(session))
 
-    def _policy_name(self, session: str) -> str:
-        """The name the sandbox policy is matched against: the session's, or for a
-        runner without a spec of its own, its agent's."""
-        owner = ownership.owner_of(session)
-        if owner == session:
-            return session
-        try:
-            return session if read_spec(self.state, session) is not None else owner
-        except ConfigError:
-            return session
+    def _network(self, session: str) -> bool:
+        """Whether the session's commands get the network: the operator's
+        `sandbox.network` matched against the operator-created agent whose
+        grants the session holds (actors/agent/grants.py), never against a
+        name an agent picked (a schedule's run holds its owner's grants)."""
+        holder = grants.holder(self.state, session)
+        return holder is not None and self.options.sandbox.network_for(holder)
 
     def start_command(
         self, session: str, msg_id: str, command: str, *, cwd: str, cap: int | None,
