@@ -117,7 +117,7 @@ def run(state_dir: StateDir, target: str, pairs: list[str], *, runner: str | Non
     try:
         inputs = parse_inputs(pairs)
         text, source = resolve(state_dir, target)
-        run_file = runfile.RunFile(pipeline="", source=source, text=text, inputs=inputs)
+        run_file = runfile.build(pipeline="", source=source, text=text, inputs=inputs)
         pipeline = run_file.parsed()
         runfile.check_inputs(pipeline, inputs)
         run_file = run_file.model_copy(update={"pipeline": pipeline.name})

@@ -10,6 +10,7 @@ from typing import Any
 from actors.agent.rebuild import rebuild
 from actors.agent.state import AgentState
 from actors.pipelines import plan, runfile
+from actors.pipelines.backend import CHANGED, changed_since_start
 from broker.statedir import StateDir
 
 
@@ -17,6 +18,10 @@ def summarise(run: runfile.RunFile, state: AgentState) -> dict[str, Any]:
     pipeline = run.parsed()
     track = state.pipeline
     out: dict[str, Any] = {"pipeline": pipeline.name, "steps_settled": track.done if track else 0}
+    changed = changed_since_start(track, run.digest())
+    if changed is not None:  # what it reports must be what it ran, not the new file
+        out.update(status="failed", error=changed, code=CHANGED, outputs={})
+        return out
     if track is not None and track.halted is not None:
         out.update(status="failed", error=f"step {track.halted} ended {track.halt_status}")
     elif state.phase == "finished":

@@ -7,6 +7,7 @@ command that starts the run, before the spawn.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,6 +22,7 @@ from broker.statedir import StateDir
 
 VERSION = 1
 MAX_TEXT = 1 << 20
+MAX_INPUTS = 1024
 InputValue = Annotated[str, Field(max_length=65536)]
 
 
@@ -31,10 +33,25 @@ class RunFile(BaseModel):
     pipeline: str  # its name
     source: str  # the file or `registry:<name>@<seq>` it came from
     text: Annotated[str, Field(max_length=MAX_TEXT)]
-    inputs: dict[str, InputValue] = Field(default_factory=dict)
+    inputs: Annotated[dict[str, InputValue], Field(max_length=MAX_INPUTS)] = Field(
+        default_factory=dict)
 
     def parsed(self) -> dsl.Pipeline:
         return dsl.parse(self.text, self.source)
+
+    def digest(self) -> str:
+        """sha256 of what the run was told (text, source, inputs): the runner
+        records it with its first batch and goes on only while the file
+        still matches (actors/pipelines/backend.py)."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+
+
+def build(*, pipeline: str, source: str, text: str, inputs: dict[str, str]) -> RunFile:
+    """A run file, or a ConfigError that names the key and the bound it broke."""
+    try:
+        return RunFile(pipeline=pipeline, source=source, text=text, inputs=inputs)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid pipeline run: {_first_error(exc)}") from exc
 
 
 def check_inputs(pipeline: dsl.Pipeline, inputs: dict[str, str]) -> None:
@@ -75,8 +92,19 @@ def read(path: str | Path) -> RunFile:
         return RunFile.model_validate(json.loads(path.read_text(encoding="utf-8")))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the pipeline run: {exc.strerror}") from exc
-    except (ValueError, ValidationError) as exc:
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: invalid pipeline run: {_first_error(exc)}") from exc
+    except ValueError as exc:
         raise ConfigError(f"{path}: invalid pipeline run: {exc}") from exc
+
+
+def _first_error(exc: ValidationError) -> str:
+    """The first error with its key and the bound it broke (not pydantic's
+    "1 validation error for RunFile")."""
+    err = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+    more = len(exc.errors()) - 1
+    return f"{where}: {err['msg']}" + (f" (and {more} more)" if more else "")
 
 
 def runner_settings(settings: AgentSettings) -> AgentSettings:

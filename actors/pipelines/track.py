@@ -1,5 +1,6 @@
 """What a pipeline run's fold keeps: how many step instances are settled, the
-named outputs they produced, and whether a failed step halted the run.
+named outputs they produced, whether a failed step halted the run, and the
+run file's digest the first batch was planned from (`run_sha256`).
 
 It is part of the agent's state (`AgentState.pipeline`), folded from the same
 events as the rest of it: the `turn` a pipeline runner records carries one
@@ -26,6 +27,7 @@ class StepMeta(_Model):
     id: str
     output: str | None = None  # the output's key ("notes", "w#2" inside a loop)
     stop: bool = True  # a failure halts the pipeline (on_error: stop)
+    run_sha256: str | None = None  # the run file's digest the runner planned from
 
 
 class PipelineTrack(_Model):
@@ -34,6 +36,7 @@ class PipelineTrack(_Model):
     outputs: dict[str, dict[str, Any]] = Field(default_factory=dict)  # key -> status, result
     halted: str | None = None  # the id of the step whose failure stopped the run
     halt_status: str | None = None
+    run_sha256: str | None = None  # the run file's digest at the first batch
 
 
 def on_turn(track: PipelineTrack | None, metas: Any) -> PipelineTrack | None:
@@ -50,6 +53,8 @@ def on_turn(track: PipelineTrack | None, metas: Any) -> PipelineTrack | None:
                 track.batch[i] = StepMeta.model_validate(meta)
             except ValueError:
                 continue
+            if track.run_sha256 is None:
+                track.run_sha256 = track.batch[i].run_sha256
     return track
 
 
