@@ -44,8 +44,19 @@ def _fail(message: str, code: int = EXIT_FAILED) -> int:
     return code
 
 
-def _with_writer(state_dir: StateDir, agent: str, action: Any) -> int:
-    """Run `action(writer, state)` with the agent's rebuilt state."""
+class OperatorRefusedError(Exception):
+    """An operator action refused before or while it was recorded: the message is
+    the CLI's one line, `code` its exit code (the console answers it as a 409)."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def operator_act(state_dir: StateDir, agent: str, action: Any) -> str:
+    """Run `action(writer, state)` with the agent's rebuilt state, as the operator;
+    returns its line. Refusals raise OperatorRefusedError. The CLI and the web
+    console (supervisor/console/) both answer through here."""
     import zmq
 
     from actors.agent.rebuild import rebuild
@@ -56,32 +67,43 @@ def _with_writer(state_dir: StateDir, agent: str, action: Any) -> int:
     try:
         check_actor_name(agent)
     except CorralError as exc:
-        return _fail(str(exc), EXIT_USAGE)
+        raise OperatorRefusedError(str(exc), EXIT_USAGE) from exc
     if not client.running(state_dir):
-        return _fail(f"no supervisor for {state_dir.root}", EXIT_NO_SUPERVISOR)
+        raise OperatorRefusedError(f"no supervisor for {state_dir.root}", EXIT_NO_SUPERVISOR)
     from actors.writer.client import WriterClient
     from broker import auth
 
     try:
         credential = auth.operator_credential(state_dir)
     except CorralError as exc:
-        return _fail(str(exc))
+        raise OperatorRefusedError(str(exc)) from exc
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     writer = WriterClient(ctx, state_dir, "operator", timeout_s=2.0, retries=2,
                           credential=credential)
     try:
         state = rebuild(writer, state_dir, agent).state
         if state.counts.events == 0:
-            return _fail(f"agent {agent} has no session in {state_dir.root}")
-        code: int = action(writer, state)
-    except RequestTimeoutError:
-        return _fail(f"the writer of {state_dir.root} did not answer", EXIT_NO_ANSWER)
+            raise OperatorRefusedError(f"agent {agent} has no session in {state_dir.root}")
+        line: str = action(writer, state)
+    except RequestTimeoutError as exc:
+        raise OperatorRefusedError(f"the writer of {state_dir.root} did not answer",
+                                   EXIT_NO_ANSWER) from exc
     except CorralError as exc:
-        return _fail(str(exc))
+        raise OperatorRefusedError(str(exc)) from exc
     finally:
         writer.close()
         ctx.destroy(linger=0)
-    return code
+    return line
+
+
+def _with_writer(state_dir: StateDir, agent: str, action: Any) -> int:
+    """`operator_act` for the CLI: the line on stdout, a refusal on stderr."""
+    try:
+        line = operator_act(state_dir, agent, action)
+    except OperatorRefusedError as exc:
+        return _fail(str(exc), exc.code)
+    print(f"supervisor: {line}")
+    return EXIT_OK
 
 
 def answer_approval(writer: WriterClient, agent: str, state: AgentState, request: str, *,
@@ -113,17 +135,22 @@ def approve(state_dir: StateDir, agent: str, request: str, *, deny: bool, always
     if deny and always:
         return _fail("--always applies to approve only", EXIT_USAGE)
 
-    def act(writer: WriterClient, state: AgentState) -> int:
+    return _with_writer(state_dir, agent, approval_action(agent, request, deny=deny,
+                                                          always=always, note=note))
+
+
+def approval_action(agent: str, request: str, *, deny: bool, always: bool,
+                    note: str | None) -> Any:
+    """`approve`/`deny` as an action for `operator_act`."""
+    def act(writer: WriterClient, state: AgentState) -> str:
         try:
-            line = answer_approval(writer, agent, state, request,
+            return answer_approval(writer, agent, state, request,
                                    decision="deny" if deny else "approve", always=always,
                                    note=note)
         except LookupError as exc:
-            return _fail(str(exc))
-        print(f"supervisor: {line}")
-        return EXIT_OK
+            raise OperatorRefusedError(str(exc)) from exc
 
-    return _with_writer(state_dir, agent, act)
+    return act
 
 
 def _input_text(text: str | None, file: str | None) -> str:
@@ -141,44 +168,50 @@ def _input_text(text: str | None, file: str | None) -> str:
 def answer(state_dir: StateDir, agent: str, request: str, text: str | None,
            file: str | None) -> int:
     """`supervisor answer AGENT REQUEST TEXT | --file F`: the exact answer to a question."""
-    from actors.agent import operator_input
-
     try:
         body = _input_text(text, file)
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
 
-    def act(writer: WriterClient, state: AgentState) -> int:
+    return _with_writer(state_dir, agent, answer_action(state_dir, agent, request, body))
+
+
+def answer_action(state_dir: StateDir, agent: str, request: str, body: str) -> Any:
+    """`answer` as an action for `operator_act`."""
+    from actors.agent import operator_input
+
+    def act(writer: WriterClient, state: AgentState) -> str:
         try:
-            line = operator_input.record_answer(writer, state_dir.agent_dir(agent), agent,
+            return operator_input.record_answer(writer, state_dir.agent_dir(agent), agent,
                                                 state, request, text=body)
         except operator_input.InputRefusedError as exc:
-            return _fail(str(exc))
-        print(f"supervisor: {line}")
-        return EXIT_OK
+            raise OperatorRefusedError(str(exc)) from exc
 
-    return _with_writer(state_dir, agent, act)
+    return act
 
 
 def correct(state_dir: StateDir, agent: str, text: str | None, file: str | None) -> int:
     """`supervisor correct AGENT TEXT | --file F`: one correction for the next model request."""
-    from actors.agent import operator_input
-
     try:
         body = _input_text(text, file)
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
 
-    def act(writer: WriterClient, state: AgentState) -> int:
+    return _with_writer(state_dir, agent, correction_action(state_dir, agent, body))
+
+
+def correction_action(state_dir: StateDir, agent: str, body: str) -> Any:
+    """`correct` as an action for `operator_act`."""
+    from actors.agent import operator_input
+
+    def act(writer: WriterClient, state: AgentState) -> str:
         try:
-            line = operator_input.record_correction(writer, state_dir.agent_dir(agent), agent,
+            return operator_input.record_correction(writer, state_dir.agent_dir(agent), agent,
                                                     state, body)
         except operator_input.InputRefusedError as exc:
-            return _fail(str(exc))
-        print(f"supervisor: {line}")
-        return EXIT_OK
+            raise OperatorRefusedError(str(exc)) from exc
 
-    return _with_writer(state_dir, agent, act)
+    return act
 
 
 def resume_key(agent: str, state: AgentState, tokens: int, cost_units: float) -> str:
@@ -199,14 +232,14 @@ def resume(state_dir: StateDir, agent: str, tokens: int, cost_units: float) -> i
     if tokens < 0 or cost_units < 0:
         return _fail("--budget and --cost-units must be >= 0", EXIT_USAGE)
 
-    def act(writer: WriterClient, state: AgentState) -> int:
+    def act(writer: WriterClient, state: AgentState) -> str:
         if state.phase != "paused":
-            return _fail(f"agent {agent} is {state.phase}, not paused on its budget")
+            raise OperatorRefusedError(f"agent {agent} is {state.phase}, not paused on its "
+                                       "budget")
         writer.append(f"agent/{agent}", "budget_resumed",
                       {"tokens": tokens, "cost_units": cost_units, "segment": state.segment},
                       key=resume_key(agent, state, tokens, cost_units), ledger="budget")
-        print(f"supervisor: resumed {agent}: +{tokens} tokens, +{cost_units:g} cost units")
-        return EXIT_OK
+        return f"resumed {agent}: +{tokens} tokens, +{cost_units:g} cost units"
 
     return _with_writer(state_dir, agent, act)
 

@@ -164,6 +164,12 @@ class MetricsConfig(_Strict):
         return self
 
 
+class ConsoleConfig(_Strict):
+    # `supervisor console --listen` may name a non-loopback address only when this
+    # says so (docs/console.md); the console is off unless that command runs
+    allow_remote: bool = False
+
+
 class SandboxConfig(_Strict):
     """procs' command sandbox (actors/procs/sandbox.py, docs/security.md).
     YAML reads `on`/`off` as booleans: both spellings are taken."""
@@ -200,6 +206,7 @@ class Config(_Strict):
     agent: AgentSettings = AgentSettings()  # the agent loop: bounds, gate rules, backends
     run: RunSettings = RunSettings()  # `supervisor run`
     metrics: MetricsConfig = MetricsConfig()
+    console: ConsoleConfig = ConsoleConfig()  # `supervisor console` (docs/console.md)
     sandbox: SandboxConfig = SandboxConfig()  # procs' command sandbox
     storage: StorageConfig = StorageConfig()  # caps and collection (docs/storage.md)
     fleet: FleetConfig = FleetConfig()  # a fleet of hosts on NATS JetStream (docs/fleet.md)

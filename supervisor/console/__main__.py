@@ -1,0 +1,7 @@
+"""`python -m supervisor.console`: `supervisor console` (docs/console.md)."""
+
+import sys
+
+from supervisor.console.serve import main
+
+sys.exit(main())
