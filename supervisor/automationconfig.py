@@ -1,7 +1,7 @@
 """The `automation:` section of the supervisor's configuration: the operator's
-settings for schedules and hooks (supervisor/automation.py). The registries
-themselves (`config/schedules.yaml`, `hooks.yaml`) are agent-managed; what
-only the operator may decide (which hosts a hook may post to) lives here."""
+settings for schedules and hooks (supervisor/automation.py, docs/automation.md).
+The registries themselves (`schedules`, `hooks`) are agent-managed; what only
+the operator may decide (which hosts a hook may post to) lives here."""
 
 from __future__ import annotations
 
