@@ -305,3 +305,46 @@ def test_every_hook_event_comes_from_its_fact() -> None:
     assert loopback_or_allowed("http://hooks.example:9/x", ["hooks.example"]) is None
     assert loopback_or_allowed("http://10.0.0.1/x", []) is not None
     assert loopback_or_allowed("http://localhost.evil.example/x", []) is not None
+
+
+def test_a_run_of_an_agents_schedule_gets_what_is_left_and_is_charged_to_it(
+        state_dir: StateDir) -> None:
+    """The grant of an agent's schedule (supervisor/automationgrants.py): the
+    run's budget is what is left of its owner's, none left refuses it; an
+    ended run's use is charged to the owner once, and the owner's fold counts
+    it. Over the in-memory writer."""
+    from actors.agent.rebuild import rebuild
+    from actors.agent.settings import AgentSettings, AgentSpec, Budget, write_spec
+    from supervisor.automationgrants import Charges, Grant, GrantRefusedError, grant_for
+    from tests.agentkit import FakeWriter
+
+    writer = FakeWriter()
+    write_spec(state_dir, "owner", AgentSpec(task="/t.yaml", settings=AgentSettings(
+        budget=Budget(tokens=100, cost_units=None))))
+    owner = writer.as_origin("owner")
+    owner.append("agent/owner", "turn", {"turn": 1, "usage": {"tokens_in": 30,
+                                                              "tokens_out": 10}}, key="t1")
+    assert grant_for(writer, state_dir, "operator") == Grant()  # type: ignore[arg-type]
+    grant = grant_for(writer, state_dir, "owner")  # type: ignore[arg-type]
+    assert grant == Grant("owner", {"tokens": 60, "cost_units": None})
+    for refused, why in ((None, "no owner"), ("gone", "no spec")):
+        with pytest.raises(GrantRefusedError, match=why):
+            grant_for(writer, state_dir, refused)  # type: ignore[arg-type]
+
+    charges = Charges(state_dir)
+    charges.fired({"schedule": "s", "agent": "s-1", "started": True, "creator": "owner"})
+    charges.fired({"schedule": "op", "agent": "op-1", "started": True, "creator": None})
+    run = writer.as_origin("s-1")
+    run.append("agent/s-1", "turn", {"turn": 1, "usage": {"tokens_in": 50,
+                                                          "tokens_out": 20}}, key="t1")
+    charges.tick(writer)  # type: ignore[arg-type]
+    assert writer.events("agent/owner")[-1][0] == "turn"  # not ended yet: not charged
+    run.append("agent/s-1", "session_exit", {"reason": "finished"}, key="x")
+    charges.tick(writer)  # type: ignore[arg-type]
+    charges.tick(writer)  # type: ignore[arg-type]
+    usage = [p for e, p in writer.events("agent/owner") if e == "schedule_usage"]
+    assert usage == [{"run": "s-1", "schedule": "s", "tokens": 70, "cost_units": 0.0}]
+    assert [e for e, _ in writer.events("automation/schedules")] == ["schedule_charged"]
+    assert rebuild(writer, state_dir, "owner").state.budget.tokens_used == 110  # type: ignore[arg-type]
+    with pytest.raises(GrantRefusedError, match="budget: owner has no budget left"):
+        grant_for(writer, state_dir, "owner")  # type: ignore[arg-type]
