@@ -52,7 +52,7 @@ class ScheduleEntry(_Entry):
     # who added it: `operator`, or the agent whose op did (set by the op from its
     # caller, never taken from the caller's entry); its runs get at most that
     # agent's grants and spend its budget. None: unknown, and nothing is spawned
-    owner: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    owner: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")] | None = None
 
     @field_validator("cron")
     @classmethod
