@@ -6,7 +6,7 @@
     supervisor deny AGENT REQUEST [--note TEXT]
     supervisor answer AGENT REQUEST TEXT | --file F     (a question's exact answer)
     supervisor correct AGENT TEXT | --file F            (docs/operator-input.md)
-    supervisor resume AGENT --budget N [--cost-units C]
+    supervisor resume AGENT --budget N [--cost-units C] [--request-id ID]
 
 Answers and budget increases are facts of the agent's stream, appended through
 the writer (ledgers `approvals` and `budget`) by the origin "operator" under a
@@ -22,6 +22,8 @@ settings (supervisor/requests.py) and starts it; a refused spawn writes nothing.
 
 from __future__ import annotations
 
+import re
+import secrets
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -214,34 +216,54 @@ def correction_action(state_dir: StateDir, agent: str, body: str) -> Any:
     return act
 
 
-def resume_key(agent: str, state: AgentState, tokens: int, cost_units: float) -> str:
-    """The idempotency key of one resume request: the paused segment, the grants
-    it has already taken (so a second, different resume is a new request, never
-    a duplicate of the first) and what this one adds (so the same command sent
-    again against the same state is written once)."""
-    def micro(units: float) -> int:  # keys allow [A-Za-z0-9_.:-] only
-        return round(units * 1_000_000)
-
-    granted = state.budget
-    return (f"resume:{state.session or agent}:s{state.segment}"
-            f":g{granted.extra_tokens}.{micro(granted.extra_cost)}"
-            f":a{tokens}.{micro(cost_units)}")
+REQUEST_ID = re.compile(r"^[A-Za-z0-9_.-]{1,40}$")
 
 
-def resume(state_dir: StateDir, agent: str, tokens: int, cost_units: float) -> int:
+def resume_key(agent: str, state: AgentState, request_id: str) -> str:
+    """The idempotency key of one resume request: the session and the request's
+    own id. Each command is a request of its own (a second resume, after one
+    that was not enough, is a new grant); the same request sent again (the
+    writer client's retries, or the operator's `--request-id` retry after a
+    lost answer) is written once."""
+    return f"resume:{state.session or agent}:{request_id}"
+
+
+def resume(state_dir: StateDir, agent: str, tokens: int, cost_units: float,
+           request_id: str | None = None) -> int:
     if tokens < 0 or cost_units < 0:
         return _fail("--budget and --cost-units must be >= 0", EXIT_USAGE)
+    if request_id is not None and not REQUEST_ID.fullmatch(request_id):
+        return _fail(f"--request-id {request_id!r}: use 1-40 of [A-Za-z0-9_.-]", EXIT_USAGE)
+    rid = request_id or f"r{secrets.token_hex(4)}"
+    return _with_writer(state_dir, agent, resume_action(agent, tokens, cost_units, rid))
+
+
+def resume_action(agent: str, tokens: int, cost_units: float, request_id: str) -> Any:
+    """`resume` as an action for `operator_act`."""
+    from broker.errors import RequestTimeoutError
 
     def act(writer: WriterClient, state: AgentState) -> str:
         if state.phase != "paused":
             raise OperatorRefusedError(f"agent {agent} is {state.phase}, not paused on its "
                                        "budget")
-        writer.append(f"agent/{agent}", "budget_resumed",
-                      {"tokens": tokens, "cost_units": cost_units, "segment": state.segment},
-                      key=resume_key(agent, state, tokens, cost_units), ledger="budget")
-        return f"resumed {agent}: +{tokens} tokens, +{cost_units:g} cost units"
+        try:
+            ack = writer.append(f"agent/{agent}", "budget_resumed",
+                                {"tokens": tokens, "cost_units": cost_units,
+                                 "segment": state.segment, "request": request_id},
+                                key=resume_key(agent, state, request_id), ledger="budget")
+        except RequestTimeoutError as exc:
+            raise OperatorRefusedError(
+                f"the writer did not answer: resume {request_id} of {agent} may or may not "
+                f"be recorded; retry with `supervisor resume {agent} --budget {tokens} "
+                f"--cost-units {cost_units:g} --request-id {request_id}` (written once)",
+                EXIT_NO_ANSWER) from exc
+        if ack.duplicate:
+            return (f"resume {request_id} of {agent} was already recorded (seq {ack.seq}): "
+                    "nothing more added")
+        return (f"resumed {agent}: +{tokens} tokens, +{cost_units:g} cost units "
+                f"(request {request_id}, seq {ack.seq})")
 
-    return _with_writer(state_dir, agent, act)
+    return act
 
 
 def parse_model(text: str | None) -> dict[str, Any]:

@@ -39,7 +39,7 @@ commands:
   supervisor approve AGENT REQUEST [--always] | deny AGENT REQUEST
   supervisor answer AGENT REQUEST TEXT | --file F     (docs/operator-input.md)
   supervisor correct AGENT TEXT | --file F
-  supervisor resume AGENT --budget N [--cost-units C]
+  supervisor resume AGENT --budget N [--cost-units C] [--request-id ID]
   supervisor sessions list|show|label|archive|unarchive|reindex|purge ...  (docs/sessions.md)
   supervisor rewind REF --to-turn N | --to-seq S      (docs/trees.md)
   supervisor fork REF --name NEW [--at-turn N]
@@ -241,6 +241,9 @@ def _agent_parsers(sub: Any, common: argparse.ArgumentParser,
     resume.add_argument("agent")
     resume.add_argument("--budget", type=int, required=True, help="tokens to add")
     resume.add_argument("--cost-units", type=float, default=0.0, help="cost units to add")
+    resume.add_argument("--request-id", default=None, metavar="ID",
+                        help="this request's id (default: a new one); the same id again "
+                             "is written once (docs/operator-input.md)")
     rewind = sub.add_parser("rewind", parents=[common, as_json],
                             help="rewind a stopped session to a turn (supervisor/treecli.py)")
     rewind.add_argument("ref", help="an agent's name (its newest session), or that session's id")
@@ -327,7 +330,8 @@ def _agent_command(args: argparse.Namespace) -> int:
     if args.command == "spawn":
         return agentcli.spawn(state_dir, args.name, args.task, args.model, as_json=args.json)
     if args.command == "resume":
-        return agentcli.resume(state_dir, args.agent, args.budget, args.cost_units)
+        return agentcli.resume(state_dir, args.agent, args.budget, args.cost_units,
+                               args.request_id)
     if args.command in ("rewind", "fork"):
         from supervisor import treecli
 

@@ -37,13 +37,16 @@ def running(module_corral: Corral) -> Corral:
 
 def test_a_too_small_resume_does_not_stick_the_session(corral: Corral) -> None:
     """`resume --budget 10` (not enough) then `resume --budget 5000`: the second
-    is a new grant, written and taken; the session runs to its end."""
+    is a new grant, written and taken; the session runs to its end. The same
+    request retried (`--request-id`) is written once."""
     corral.up(config=corral.config_from_default(
         {"agent": {"budget": {"tokens": 150, "cost_units": None}}}))
     corral.write("task.yaml", WRITER_TASK)
     corral.run("spawn", "n1", "--task", "task.yaml")
     corral.wait_session("n1", {"paused"}, timeout_s=30)
-    corral.run("resume", "n1", "--budget", "10")
+    first = corral.run("resume", "n1", "--budget", "10", "--request-id", "r-1")
+    again = corral.run("resume", "n1", "--budget", "10", "--request-id", "r-1")
+    assert "+10 tokens" in first.stdout and "already recorded" in again.stdout, again
     corral.run("resume", "n1", "--budget", "5000")
     done = corral.wait_session("n1", {"finished"}, timeout_s=30)
     assert done["exit_reason"] == "finished"
