@@ -1,7 +1,8 @@
 """The docs match the code, checked through the `supervisor` command: every
 command and flag of the README's "Operating it" block is accepted and shown by
 `--help`, every docs/ path a doc, the README or `--help` names exists, and
-every exit code the README promises is observed from a real command."""
+every exit code the README promises (and `up`'s 75 and 78) is observed from
+a real command."""
 
 from __future__ import annotations
 
@@ -124,3 +125,8 @@ def test_every_exit_code_the_readme_promises_is_observed(corral: Corral) -> None
     assert stale.json()["stale"] is True
     seen[stale.returncode] = "status, no answer"
     assert set(seen) == codes, seen
+    # `up`'s own (docs/supervisor.md): the state directory held, an invalid file
+    held = corral.run("up", rc=75)
+    assert "already supervised by pid" in held.stderr
+    corral.write("bad.yaml", "agents: {count: many}\n")
+    corral.run("up", "--config", "bad.yaml", "--state-dir", str(corral.home / "other"), rc=78)
