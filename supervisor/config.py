@@ -170,6 +170,14 @@ class ConsoleConfig(_Strict):
     allow_remote: bool = False
 
 
+class SandboxLimits(_Strict):
+    """What one job may use (actors/procs/cgroup.py; 0: no limit)."""
+
+    processes: Annotated[int, Field(ge=0)] = 256
+    memory_bytes: Annotated[int, Field(ge=0)] = 1024 * 1024 * 1024
+    cpu_weight: Annotated[int, Field(ge=1, le=10000)] = 100
+
+
 class SandboxConfig(_Strict):
     """procs' command sandbox (actors/procs/sandbox.py, docs/security.md).
     YAML reads `on`/`off` as booleans: both spellings are taken."""
@@ -179,6 +187,9 @@ class SandboxConfig(_Strict):
         default_factory=list)  # sessions (fnmatch) whose commands get the network
     hide: list[Annotated[str, Field(pattern=r"^/.+")]] = Field(
         default_factory=lambda: ["/run"])  # host paths hidden besides the state directory
+    cgroups: Literal["on", "off"] | bool = "on"  # off: jobs may run without a control group
+    tmp_bytes: Annotated[int, Field(ge=0)] = 256 * 1024 * 1024  # the sandbox's /tmp (0: unsized)
+    limits: SandboxLimits = SandboxLimits()  # per job, in its control group
 
     @property
     def enabled(self) -> bool:
@@ -192,6 +203,11 @@ class SandboxConfig(_Strict):
             args += ["--sandbox-network", pattern]
         for path in dict.fromkeys([*self.hide, *secrets]):
             args += ["--sandbox-hide", path]
+        args += ["--cgroups", "on" if self.cgroups in ("on", True) else "off",
+                 "--tmp-bytes", str(self.tmp_bytes),
+                 "--limit-processes", str(self.limits.processes),
+                 "--limit-memory-bytes", str(self.limits.memory_bytes),
+                 "--limit-cpu-weight", str(self.limits.cpu_weight)]
         return args
 
 

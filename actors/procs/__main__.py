@@ -16,6 +16,7 @@ from types import FrameType
 import structlog
 import zmq
 
+from actors.procs.cgroup import Limits
 from actors.procs.facts import Facts
 from actors.procs.host import ACTOR_NAME, HostOptions, ProcsHost
 from actors.procs.requests import handle
@@ -121,6 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sandbox-hide", action="append", default=None, metavar="PATH",
                         help="host paths hidden from commands (default: /run)")
     parser.add_argument("--bwrap", default="bwrap", help="the bubblewrap executable")
+    parser.add_argument("--cgroups", choices=("on", "off"), default="on",
+                        help="off: run jobs without a control group where none is usable")
+    parser.add_argument("--limit-processes", type=int, default=Limits.processes,
+                        help="processes of one job at most (0: no limit)")
+    parser.add_argument("--limit-memory-bytes", type=int, default=Limits.memory_bytes,
+                        help="memory of one job at most (0: no limit)")
+    parser.add_argument("--limit-cpu-weight", type=int, default=Limits.cpu_weight,
+                        help="a job's CPU weight (1..10000, 100: an equal share)")
+    parser.add_argument("--tmp-bytes", type=int, default=SandboxPolicy.tmp_bytes,
+                        help="size of the sandbox's /tmp (0: unsized)")
     args = parser.parse_args(argv)
     try:
         state = StateDir.at(args.state_dir).ensure()
@@ -138,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         sandbox=SandboxPolicy(
             enabled=args.sandbox == "on", network=tuple(args.sandbox_network),
             hide=tuple(args.sandbox_hide) if args.sandbox_hide is not None
-            else SandboxPolicy.hide, bwrap=args.bwrap),
+            else SandboxPolicy.hide, bwrap=args.bwrap, cgroups=args.cgroups == "on",
+            tmp_bytes=args.tmp_bytes),
+        limits=Limits(processes=args.limit_processes, memory_bytes=args.limit_memory_bytes,
+                      cpu_weight=args.limit_cpu_weight),
     )
     return serve(state, options, args.broker_heartbeat_interval_ms / 1000.0)
 

@@ -31,10 +31,10 @@ from pydantic import BaseModel, ConfigDict
 
 from actors.agent import grants
 from actors.agent.settings import read_spec, workspace_for
-from actors.procs import launch, ownership, sandbox
+from actors.procs import cgroup, launch, ownership, sandbox
 from actors.procs.command import Command, read_exit_file, wrapper_argv
 from actors.procs.facts import Facts, sha256
-from actors.procs.job import SANDBOX_KEY, Job
+from actors.procs.job import GROUP_KEY, SANDBOX_KEY, Job
 from actors.procs.mcpbridge import McpBridge
 from actors.procs.registry import Entry, JobKind, Registry, read_end_file, write_end_file
 from actors.procs.terminal import DISK_FULL_ERRNOS, Terminal
@@ -60,6 +60,7 @@ class HostOptions:
     tick_s: float = 0.02
     heartbeat_interval_s: float = 1.0
     sandbox: sandbox.SandboxPolicy = field(default_factory=sandbox.SandboxPolicy)
+    limits: cgroup.Limits = field(default_factory=cgroup.Limits)
 
 
 class ProcsStats(BaseModel):
@@ -140,9 +141,13 @@ class ProcsHost:
         self.sandbox_error: str | None = None
         self.logs_full: set[str] = set()  # terminals whose log the full disk refused
         self.registry_full: str | None = None
+        self.layout: cgroup.Layout | None = None
+        self._dead_groups: dict[str, cgroup.Group] = {}  # killed, their directories not yet removed
         self._check_sandbox()
+        self._check_groups()
         lifeline.become_subreaper()
         self._recover()
+        self._end_orphan_groups()
 
     def _check_sandbox(self) -> None:
         policy = self.options.sandbox
@@ -157,6 +162,58 @@ class ProcsHost:
             self.sandbox_error = str(exc)
             log.error("sandbox_unavailable", error=self.sandbox_error)
 
+    def _check_groups(self) -> None:
+        """Find where job groups go; without any, refuse jobs unless the
+        configuration said so (`sandbox.cgroups: off`, or the sandbox off)."""
+        policy = self.options.sandbox
+        self.layout = cgroup.probe(launch.runtime_scope(str(self.state.root)))
+        if self.layout is not None:
+            log.info("cgroups_found", kill=self.layout.kill, freezer=self.layout.freezer,
+                     limits=sorted(self.layout.limits))
+            return
+        if policy.enabled and policy.cgroups and self.sandbox_error is None:
+            self.sandbox_error = (
+                "no usable control group hierarchy (cgroup v2 with cgroup.kill, or v1 "
+                "freezer) to hold each command: jobs could outlive their end; set "
+                "`sandbox: {cgroups: off}` in the configuration to run commands without")
+            log.error("sandbox_unavailable", error=self.sandbox_error)
+        else:
+            log.warning("cgroups_off", detail="commands run without a control group: "
+                        "no per-job limits, ended by their process group and markers")
+
+    def _group_of(self, entry: Entry) -> cgroup.Group | None:
+        if self.layout is None or entry.extra.get(GROUP_KEY) != "on":
+            return None
+        return cgroup.Group(entry.proc_id, self.layout)
+
+    def _end_orphan_groups(self) -> None:
+        """Kill the groups a previous run left that no running job claims."""
+        if self.layout is None:
+            return
+        keep = {j.proc_id for j in self.jobs.values() if j.running and j.cgroup is not None}
+        for name in cgroup.end_orphans(self.layout, keep):
+            log.warning("orphan_group_killed", group=name)
+            self._dead_groups[name] = cgroup.Group(name, self.layout)
+
+    def _bury(self, job: Job) -> None:
+        """The job ended: kill what is left of its group (a daemon that left
+        the sandbox's reach), its directories removed once empty."""
+        if job.cgroup is not None:
+            cgroup.kill(job.cgroup)
+            self._dead_groups[job.proc_id] = job.cgroup
+
+    def _remove_dead_groups(self) -> None:
+        """Remove the ended groups now empty; the runtime's base directories
+        too once no group is left (made again by the next job's)."""
+        removed = False
+        for name, group in list(self._dead_groups.items()):
+            if cgroup.remove(group):
+                del self._dead_groups[name]
+                removed = True
+        if (removed and self.layout is not None and not self._dead_groups
+                and not any(j.running and j.cgroup is not None for j in self.jobs.values())):
+            cgroup.release(self.layout)
+
     # --- recovery after a crash of procs ------------------------------------------
     def _recover(self) -> None:
         grace = self.options.kill_grace_s
@@ -169,6 +226,7 @@ class ProcsHost:
             self.jobs[entry.proc_id] = job
             if entry.state != "running":
                 continue
+            job.cgroup = self._group_of(entry)
             if entry.kind == "command" and launch.alive(entry.pid, entry.start_ticks):
                 self.counters.reattached += 1
                 self.facts.record(entry.session, "proc_reattached",
@@ -181,6 +239,8 @@ class ProcsHost:
                 entry.state, entry.exit_code = "exited", code
                 self._ended(job)
                 continue
+            if job.cgroup is not None:
+                self._bury(job)
             # SIGKILL what is left: the group only while its recorded leader lives (a
             # gone leader's pid may since lead someone else's group); the marker
             # sweep finds the descendants either way
@@ -292,12 +352,22 @@ class ProcsHost:
         lifetime = lifetime_s or self.options.command_lifetime_s
         log_path, exit_path = self._files(session, "command", proc_id)
         open(log_path, "ab").close()
-        prefix = self._prefix(confinement, cwd, sandbox.clean_env(os.environ), proc_id)
-        spawned = launch.spawn(wrapper_argv(command, log_path, cap_bytes, exit_path, prefix),
-                               launch.job_env(os.environ, proc_id), cwd)
+        group = self._new_group(proc_id)
+        filter_fd = sandbox.seccomp_fd(self.options.sandbox)
+        try:
+            prefix = self._prefix(confinement, cwd, sandbox.clean_env(os.environ), proc_id,
+                                  filter_fd)
+            spawned = launch.spawn(wrapper_argv(command, log_path, cap_bytes, exit_path, prefix),
+                                   launch.job_env(os.environ, proc_id), cwd,
+                                   pass_fds=() if filter_fd is None else (filter_fd,))
+        finally:
+            if filter_fd is not None:
+                os.close(filter_fd)
+        self._join(group, spawned)
         entry = self._entry(proc_id, "command", session, spawned.pid, log_path=log_path,
                             exit_path=exit_path, cap_bytes=cap_bytes, lifetime_s=lifetime)
         job = Command(entry, ours=True, kill_grace_s=self.options.kill_grace_s)
+        job.cgroup = group
         self._launch(job, spawned)
         self.facts.record(session, "proc_start", f"{proc_id}:start", proc_id=proc_id,
                           pid=entry.pid, command_sha256=sha256(command.encode()),
@@ -314,21 +384,40 @@ class ProcsHost:
         cap_bytes = message.max_output_bytes or self.options.terminal_cap_bytes
         lifetime = message.lifetime_s or self.options.terminal_lifetime_s
         log_path, _ = self._files(message.session, "terminal", proc_id)
-        prefix = self._prefix(confinement, message.cwd,
-                              sandbox.clean_env(os.environ, term=TERMINAL_TERM), proc_id)
+        filter_fd = sandbox.seccomp_fd(self.options.sandbox)
+        try:
+            prefix = self._prefix(confinement, message.cwd,
+                                  sandbox.clean_env(os.environ, term=TERMINAL_TERM), proc_id,
+                                  filter_fd)
+        except BaseException:
+            if filter_fd is not None:
+                os.close(filter_fd)
+            raise
         # sandboxed, bwrap starts with nothing in its environment (found by its
         # hostname); unconfined, `env -i` is the leader and carries the marker
         outer = {} if self.options.sandbox.enabled else launch.job_env(os.environ, proc_id)
-        master, slave = launch.open_pty(message.rows, message.cols)
         try:
-            spawned = launch.spawn([*prefix, *message.argv], outer, message.cwd, stdio_fd=slave,
-                                   controlling_tty=True, die_with_parent=True)
+            group = self._new_group(proc_id)
+            master, slave = launch.open_pty(message.rows, message.cols)
+            try:
+                spawned = launch.spawn([*prefix, *message.argv], outer, message.cwd,
+                                       stdio_fd=slave, controlling_tty=True, die_with_parent=True,
+                                       pass_fds=() if filter_fd is None else (filter_fd,))
+            finally:
+                os.close(slave)  # only the child holds the slave: its close gives us EIO
         finally:
-            os.close(slave)  # only the child holds the slave: its close gives us EIO
+            if filter_fd is not None:
+                os.close(filter_fd)
+        try:
+            self._join(group, spawned)
+        except RefusedError:
+            os.close(master)
+            raise
         entry = self._entry(proc_id, "terminal", message.session, spawned.pid,
                             log_path=log_path, exit_path=None, cap_bytes=cap_bytes,
                             lifetime_s=lifetime)
         job = Terminal(entry, master, kill_grace_s=self.options.kill_grace_s)
+        job.cgroup = group
         self._launch(job, spawned)
         argv_bytes = "\0".join(message.argv).encode()
         self.facts.record(message.session, "terminal_start", f"{proc_id}:start",
@@ -338,13 +427,39 @@ class ProcsHost:
         return job
 
     def _prefix(self, confinement: sandbox.Confinement, cwd: str, env: dict[str, str],
-                proc_id: str) -> list[str]:
+                proc_id: str, filter_fd: int | None = None) -> list[str]:
         """The program's argv prefix. Sandboxed, its environment is exactly the
         clean one (the sandbox is found by its hostname); unconfined, it keeps
         the job marker, which is then how its escaped descendants are found."""
         policy = self.options.sandbox
         inner = env if policy.enabled else launch.job_env(env, proc_id)
-        return sandbox.prefix(policy, confinement, cwd, inner, launch.marker(proc_id))
+        return sandbox.prefix(policy, confinement, cwd, inner, launch.marker(proc_id),
+                              seccomp=filter_fd)
+
+    def _new_group(self, proc_id: str) -> cgroup.Group | None:
+        """The job's control group with its limits, made before anything runs."""
+        if self.layout is None:
+            return None
+        self._dead_groups.pop(proc_id, None)
+        try:
+            return cgroup.create(self.layout, proc_id, self.options.limits)
+        except cgroup.CgroupError as exc:
+            log.error("cgroup_failed", proc_id=proc_id, error=str(exc))
+            raise RefusedError(protocol.ErrorCode.SANDBOX_UNAVAILABLE, str(exc)) from exc
+
+    def _join(self, group: cgroup.Group | None, spawned: launch.Spawned) -> None:
+        """The child, parked at its start gate, joins the group: whatever it
+        forks from then on is inside."""
+        if group is None:
+            return
+        try:
+            cgroup.join(group, spawned.pid)
+        except cgroup.CgroupError as exc:
+            launch.abandon(spawned)
+            cgroup.kill(group)
+            self._dead_groups[group.name] = group
+            log.error("cgroup_failed", proc_id=group.name, error=str(exc))
+            raise RefusedError(protocol.ErrorCode.SANDBOX_UNAVAILABLE, str(exc)) from exc
 
     def _entry(self, proc_id: str, kind: JobKind, session: str, pid: int, *, log_path: str,
                exit_path: str | None, cap_bytes: int, lifetime_s: float) -> Entry:
@@ -353,7 +468,8 @@ class ProcsHost:
         return Entry(proc_id=proc_id, kind=kind, session=session, pid=pid, start_ticks=ticks,
                      log_path=log_path, exit_path=exit_path, cap_bytes=cap_bytes,
                      deadline_wall=time.time() + lifetime_s,
-                     extra={SANDBOX_KEY: "on" if self.options.sandbox.enabled else "off"})
+                     extra={SANDBOX_KEY: "on" if self.options.sandbox.enabled else "off",
+                            GROUP_KEY: "on" if self.layout is not None else "off"})
 
     def _launch(self, job: Job, spawned: launch.Spawned) -> None:
         """Registry first (durable), then the gate: no unnamed process can run."""
@@ -366,6 +482,8 @@ class ProcsHost:
             # never ran: forget it whole, so the same request retried later
             # (after a full disk, say) starts it instead of finding a lost job
             launch.abandon(spawned)
+            if job.cgroup is not None:
+                self._dead_groups[job.proc_id] = job.cgroup
             self.jobs.pop(job.proc_id, None)
             self._by_pid.pop(spawned.pid, None)
             self.registry.drop(job.proc_id)
@@ -410,6 +528,7 @@ class ProcsHost:
             self.peer.send(item.sender, item.reply())
         self._deferred = still
         self._note_disk_full()
+        self._remove_dead_groups()
         saves = self.registry.saves
         try:
             self.registry.save()
@@ -454,6 +573,7 @@ class ProcsHost:
 
     def _ended(self, job: Job) -> None:
         entry = job.entry
+        self._bury(job)
         self.registry.ended(entry.proc_id)
         write_end_file(entry)
         self._count_end(job)
@@ -521,4 +641,9 @@ class ProcsHost:
             self.reap()
             self.refresh()
             time.sleep(self.options.tick_s)  # a bounded wait at exit, no one to answer
+        for job in self.jobs.values():
+            self._bury(job)
+        self._remove_dead_groups()
+        if self.layout is not None:
+            cgroup.release(self.layout)
         self.registry.save()

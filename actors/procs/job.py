@@ -1,6 +1,10 @@
 """What background commands and terminals share: the registry entry, the log
-read by cursor, the lifetime, and ending the whole tree (SIGTERM to the group
-and the marked processes, then SIGKILL after the grace period).
+read by cursor, the lifetime, and ending the whole tree: SIGTERM to the
+programs of the job's control group (inside the sandbox: every process but
+its init, whose end would kill the rest at once), then the group killed
+after the grace period (actors/procs/cgroup.py). A job without a group (the
+sandbox off on a host without usable cgroups) is ended through its process
+group and its marked processes (actors/procs/launch.py).
 
 Final states: `exited` (ended by itself), `killed` (bash_kill, terminal_end,
 session_end, procs shutdown), `capped` (output cap), `expired` (lifetime or a
@@ -9,14 +13,16 @@ foreground timeout), `lost` (procs could not account for it after a crash).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
-from actors.procs import launch
+from actors.procs import cgroup, launch
 from actors.procs.registry import Entry, JobState
 
 SANDBOX_KEY = "sandbox"  # Entry.extra: "on" | "off", how the job was started
+GROUP_KEY = "cgroup"  # Entry.extra: "on" when the job runs in a control group of its own
 
 _STATE_BY_REASON: dict[str, JobState] = {
     "request": "killed",
@@ -61,6 +67,7 @@ class Job:
         # entry, or remembered from its files) left a pgid that may be reused, so
         # ending it reaches only its marked processes
         self.group_known = entry.state == "running"
+        self.cgroup: cgroup.Group | None = None  # set by the host (start, re-attach)
 
     @property
     def proc_id(self) -> str:
@@ -96,7 +103,9 @@ class Job:
             self.entry.kill_reason = reason
         if self.kill_deadline is None:
             self.kill_deadline = time.monotonic() + self.kill_grace_s
-            if self.running or self.sandboxed is not True:  # an ended sandbox left nothing
+            if self.cgroup is not None:
+                self._signal_group(signal.SIGTERM)
+            elif self.running or self.sandboxed is not True:  # an ended sandbox left nothing
                 launch.end_tree(self.entry.pid, self.proc_id, signal.SIGTERM,
                                 group=self.group_known, sandboxed=self.sandboxed)
 
@@ -106,14 +115,29 @@ class Job:
             return
         if time.monotonic() >= self.kill_deadline:
             self.killed_hard = True
+            if self.cgroup is not None:
+                cgroup.kill(self.cgroup)
+                return
             launch.end_tree(self.entry.pid, self.proc_id, signal.SIGKILL, group=self.group_known,
                             sandboxed=self.sandboxed)
 
     def settled(self) -> bool:
         """Ended, and nothing of its tree is left (checked after kills)."""
+        if self.cgroup is not None:
+            return not self.running and not cgroup.members(self.cgroup)
         return not self.running and launch.tree_gone(self.entry.pid, self.proc_id,
                                                      group=self.group_known,
                                                      sandboxed=self.sandboxed)
+
+    def _signal_group(self, sig: int) -> None:
+        """`sig` to the group's programs: sandboxed, those inside the sandbox
+        but its init (bwrap does not pass signals on, and the end of its init
+        kills the rest at once, leaving no grace period); else all of them."""
+        pids = cgroup.members(self.cgroup) if self.cgroup is not None else []
+        inner = [p for p in pids if cgroup.sandbox_inner(p)]
+        for pid in inner if self.sandboxed is not False and inner else pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
 
     def refresh(self) -> bool:
         """Advance the job; True when it just reached an end state."""

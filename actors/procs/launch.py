@@ -18,6 +18,9 @@ besides the process group, what left it: with the sandbox off, descendants
 that called `setsid` or double-forked (it scans /proc for the markers); with
 the sandbox on, its pid 1, whose end takes every process of the sandbox.
 The child closes every inherited descriptor above 2 before it execs.
+Where the host has control groups, a job is ended through its group
+(actors/procs/cgroup.py, joined at the start gate), which nothing it does
+leaves; the markers are what ends a job without one.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import termios
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from actors.procs import cgroup
 from actors.procs.sandbox import HOSTNAME_PREFIX
 from broker import lifeline
 
@@ -257,12 +261,19 @@ def runtime_job_pids(state_root: str) -> list[int]:
 
 
 def end_runtime_jobs(state_root: str, passes: int = 5) -> list[int]:
-    """SIGKILL every job of the runtime at `state_root` (`runtime_job_pids`),
+    """SIGKILL every job of the runtime at `state_root`: its control groups
+    (actors/procs/cgroup.py), and the processes `runtime_job_pids` finds,
     looking again until none is left (a job may fork meanwhile) or `passes`
     looks were made. For a runtime that may not run them any more: a host
     that comes back fenced, its agents adopted elsewhere (docs/fleet.md).
     Returns the pids signalled."""
     ended: list[int] = []
+    layout = cgroup.probe(runtime_scope(state_root))
+    if layout is not None:  # every job group of the runtime, whatever its processes did
+        for name in cgroup.names(layout):
+            group = cgroup.Group(name, layout)
+            ended += cgroup.members(group)
+            cgroup.kill(group)
     for _ in range(passes):
         pids = runtime_job_pids(state_root)
         if not pids:

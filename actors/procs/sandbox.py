@@ -50,6 +50,8 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from actors.procs import seccomp
+
 HOSTNAME_PREFIX = "corral-"
 SANDBOX_TMP = "/tmp"  # noqa: S108 - the sandbox's private tmpfs, not the host's
 # Names copied from procs' environment into a program's, when set there.
@@ -72,6 +74,9 @@ class SandboxPolicy:
     network: tuple[str, ...] = ()  # fnmatch patterns of sessions whose programs get the network
     hide: tuple[str, ...] = ("/run",)  # host paths hidden under an empty tmpfs
     bwrap: str = "bwrap"  # the executable (looked up on PATH)
+    cgroups: bool = True  # False only by explicit `cgroups: off`: jobs may then run ungrouped
+    tmp_bytes: int = 256 * 1024 * 1024  # the sandbox's /tmp, a tmpfs of this size (0: unsized)
+    seccomp_program: bytes = b""  # the filter (actors/procs/seccomp.py), set by check()
 
     def network_for(self, session: str) -> bool:
         return any(fnmatch.fnmatchcase(session, pattern) for pattern in self.network)
@@ -159,11 +164,28 @@ def runtime_paths() -> tuple[str, ...]:
     return tuple(kept)
 
 
+def seccomp_fd(policy: SandboxPolicy) -> int | None:
+    """A fresh inheritable descriptor holding the policy's seccomp filter, read
+    from its start by the job's bwrap (`--seccomp FD`); the caller closes it
+    once the job is spawned. None without a filter (the sandbox off)."""
+    if not policy.enabled or not policy.seccomp_program:
+        return None
+    fd = os.memfd_create("corral-seccomp", 0)
+    try:
+        os.write(fd, policy.seccomp_program)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.set_inheritable(fd, True)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def bwrap_argv(policy: SandboxPolicy, confinement: Confinement, cwd: str,
-               env: Mapping[str, str], name: str) -> list[str]:
+               env: Mapping[str, str], name: str, *, seccomp: int | None = None) -> list[str]:
     """The bwrap prefix (ends with `--`) that confines a program to
-    `confinement`; the sandbox's hostname is `corral-<name>` (procs finds a
-    job's sandbox by it: actors/procs/launch.py)."""
+    `confinement`, with the seccomp filter read from the descriptor `seccomp`;
+    the sandbox's hostname is `corral-<name>`."""
     argv = [policy.bwrap, "--unshare-user", "--disable-userns", "--unshare-pid", "--unshare-ipc",
             "--unshare-uts", "--hostname", f"{HOSTNAME_PREFIX}{name}", "--unshare-cgroup-try"]
     if not confinement.network:
@@ -178,7 +200,9 @@ def bwrap_argv(policy: SandboxPolicy, confinement: Confinement, cwd: str,
     mounts.append(("--bind", confinement.workspace))
     mounts += [("mask", path) for path in confinement.masked]
     for flag, path in sorted(mounts, key=lambda m: _depth(m[1])):
-        if flag == "--tmpfs":
+        if flag == "--tmpfs" and path == SANDBOX_TMP and policy.tmp_bytes:
+            argv += ["--size", str(policy.tmp_bytes), flag, path]
+        elif flag == "--tmpfs":
             argv += [flag, path]
         elif flag == "mask":  # reads as empty, cannot be written or removed
             argv += ["--ro-bind", confinement.mask, path]
@@ -186,6 +210,8 @@ def bwrap_argv(policy: SandboxPolicy, confinement: Confinement, cwd: str,
             argv += [flag, path, path]
     for path in confinement.hidden:  # empty and read-only (not recursive: a workspace inside stays)
         argv += ["--remount-ro", path]
+    if seccomp is not None:
+        argv += ["--seccomp", str(seccomp)]
     argv += ["--chdir", cwd, "--clearenv"]
     for key, value in env.items():
         argv += ["--setenv", key, value]
@@ -203,19 +229,28 @@ def check(policy: SandboxPolicy, state_root: str) -> SandboxPolicy:
             f"the command sandbox needs bubblewrap: {policy.bwrap!r} was not found on PATH "
             "(Debian/Ubuntu: apt-get install bubblewrap); or set `sandbox: {mode: off}` in "
             "the configuration to run commands unconfined")
-    policy = dataclasses.replace(policy, bwrap=found)
+    try:
+        policy = dataclasses.replace(policy, bwrap=found, seccomp_program=seccomp.program())
+    except seccomp.UnsupportedArchError as exc:
+        raise SandboxUnavailableError(f"{exc}: the sandbox's seccomp filter cannot be built; "
+                                      "set `sandbox: {mode: off}` to run commands "
+                                      "unconfined") from exc
     with tempfile.TemporaryDirectory(prefix="corral-sandbox-check-") as workspace:
         hidden, masked = split_hidden((state_root, *policy.hide))
         confinement = Confinement(workspace=workspace, hidden=hidden, masked=masked,
                                   mask=mask_file(workspace) if masked else "")
-        argv = [*prefix(policy, confinement, workspace, clean_env(os.environ), "check"),
+        fd = seccomp_fd(policy)
+        argv = [*prefix(policy, confinement, workspace, clean_env(os.environ), "check", seccomp=fd),
                 "/bin/sh",
                 "-c", "touch ./probe && ! touch /probe 2>/dev/null"]
         try:
             done = subprocess.run(argv, capture_output=True, timeout=CHECK_TIMEOUT_S,
-                                  check=False, env={})
+                                  check=False, env={}, pass_fds=() if fd is None else (fd,))
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise SandboxUnavailableError(f"bubblewrap self-check failed: {exc}") from exc
+        finally:
+            if fd is not None:
+                os.close(fd)
         if done.returncode != 0 or not os.path.exists(os.path.join(workspace, "probe")):
             detail = done.stderr.decode("utf-8", "replace").strip()[:300]
             raise SandboxUnavailableError(
@@ -226,11 +261,11 @@ def check(policy: SandboxPolicy, state_root: str) -> SandboxPolicy:
 
 
 def prefix(policy: SandboxPolicy, confinement: Confinement, cwd: str,
-           env: Mapping[str, str], name: str) -> list[str]:
+           env: Mapping[str, str], name: str, *, seccomp: int | None = None) -> list[str]:
     """The argv prefix that runs a program in the sandbox with exactly `env`.
     It must be exec'd with an *empty* environment: bwrap's copy is the
     sandbox's pid 1, whose environ a program reads as /proc/1/environ. With
     the policy off, `env -i` replaces the environment and nothing else."""
     if not policy.enabled:
         return [ENV_EXE, "-i", *(f"{k}={v}" for k, v in env.items())]
-    return bwrap_argv(policy, confinement, cwd, env, name)
+    return bwrap_argv(policy, confinement, cwd, env, name, seccomp=seccomp)
