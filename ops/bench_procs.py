@@ -36,7 +36,7 @@ import psutil
 import zmq
 
 from actors.agent.settings import AgentSpec, write_spec
-from actors.procs import sandbox
+from actors.procs import cgroup, launch, sandbox
 from actors.procs.client import ProcsClient
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
@@ -76,34 +76,72 @@ def _expected_command(i: int, chunk: int, rounds: int) -> bytes:
     return one * rounds
 
 
-def _first_byte_ms(argv: list[str], cwd: str) -> float:
+def _first_byte_ms(argv: list[str], cwd: str, group: cgroup.Group | None = None,
+                   fd: int | None = None) -> float:
+    """Start to the first output byte, started as procs starts a job: forked
+    and held at its start gate (actors/procs/launch.py), moved into its
+    control group, then let go. Sandboxed, the group is made (with the
+    limits) and the seccomp filter written to `fd` in the timed part."""
     started = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, env={},
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    first = proc.stdout.read(1)
-    elapsed = (time.perf_counter() - started) * 1000
-    proc.stdout.close()
-    proc.wait()
+    out_r, out_w = os.pipe()
+    spawned = launch.spawn(argv, {}, cwd, stdio_fd=out_w, pass_fds=() if fd is None else (fd,))
+    os.close(out_w)
+    if fd is not None:
+        os.close(fd)
+    if group is not None:
+        cgroup.join(group, spawned.pid)
+    launch.open_gate(spawned)
+    try:
+        first = os.read(out_r, 1)
+        elapsed = (time.perf_counter() - started) * 1000
+    finally:
+        os.close(out_r)
+        _, status = os.waitpid(spawned.pid, 0)
     if first != b"x":
-        raise RuntimeError(f"{argv[:3]}...: no output byte (exit {proc.returncode})")
+        raise RuntimeError(f"{argv[:3]}...: no output byte (status {status})")
     return elapsed
 
 
+def _sandboxed_first_byte_ms(policy: sandbox.SandboxPolicy, confinement: sandbox.Confinement,
+                             work: str, layout: cgroup.Layout | None, name: str) -> float:
+    """As procs starts a job: its control group made (with the limits), the
+    seccomp filter in a fresh descriptor, bwrap; the group killed and removed
+    after (not timed)."""
+    started = time.perf_counter()
+    group = cgroup.create(layout, name, cgroup.Limits()) if layout is not None else None
+    fd = sandbox.seccomp_fd(policy)
+    argv = [*sandbox.prefix(policy, confinement, work, sandbox.clean_env(os.environ), name,
+                            seccomp=fd), "/bin/bash", "-c", "printf x"]
+    prepared_ms = (time.perf_counter() - started) * 1000
+    try:
+        return prepared_ms + _first_byte_ms(argv, work, group, fd)
+    finally:
+        if group is not None:
+            cgroup.kill(group)
+            cgroup.remove(group)
+
+
 def start_latency(state: StateDir, work: str, runs: int) -> dict[str, float]:
-    """(sandbox, bare) start-to-first-byte p50, alternating so both see the same load."""
+    """(sandbox, bare) start-to-first-byte p50, alternating so both see the same load.
+    The sandboxed start includes what procs adds to bwrap: the job's control
+    group and the seccomp filter."""
     program = ["/bin/bash", "-c", "printf x"]
     env = sandbox.clean_env(os.environ)
     on = sandbox.check(sandbox.SandboxPolicy(), str(state.root))
     confinement = sandbox.Confinement(
         workspace=work, hidden=tuple(p for p in (str(state.root), *on.hide) if os.path.isdir(p)))
-    sandboxed = [*sandbox.prefix(on, confinement, work, env, "p-bench"), *program]
+    layout = cgroup.probe(f"bench-{os.getpid()}")
     bare = [*sandbox.prefix(sandbox.SandboxPolicy(enabled=False), confinement, work, env,
                             "p-bench"), *program]
     times: dict[str, list[float]] = {"sandbox": [], "bare": []}
-    for _ in range(runs):
-        times["sandbox"].append(_first_byte_ms(sandboxed, work))
-        times["bare"].append(_first_byte_ms(bare, work))
+    try:
+        for i in range(runs):
+            times["sandbox"].append(
+                _sandboxed_first_byte_ms(on, confinement, work, layout, f"p-bench-{i}"))
+            times["bare"].append(_first_byte_ms(bare, work))
+    finally:
+        if layout is not None:
+            cgroup.release(layout)
     return {name: round(percentile(values, 50), 2) for name, values in times.items()}
 
 
