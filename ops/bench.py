@@ -33,6 +33,7 @@ SUITES = {
     "bridge": "ops.bench_bridge",  # messages between hosts (docs/fleet.md)
     "subagents-remote": "ops.bench_subagents_remote",  # a child on another host
     "pipeline": "ops.bench_pipeline",
+    "console": "ops.bench_console",  # the web console in chromium (docs/console.md)
 }
 
 
