@@ -8,6 +8,7 @@ own (the tests run in file order, on one worker: `--dist loadfile`)."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import urllib.request
 from typing import Any
@@ -178,6 +179,30 @@ def test_logs_merge_the_actors_json_lines(
         line.split()[1] for line in merged.splitlines() if len(line.split()) > 1}
     unknown = corral.run("logs", "--actor", "nosuch", rc=1)
     assert "nosuch" in unknown.stderr
+
+
+def test_trace_and_logs_follow_an_agent_spawned_after_them(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, _up = runtime
+    trace = corral.popen("trace", "-f", "t1", name="trace-f")
+    logs = corral.popen("logs", "-f", name="logs-f")
+    corral.write("writer.yaml", WRITER_TASK)
+    corral.run("spawn", "t1", "--task", "writer.yaml")
+
+    def followed() -> bool:
+        traced = (corral.home / "trace-f.out").read_text()
+        logged = (corral.home / "logs-f.out").read_text()
+        return "session exit: finished" in traced and any(
+            line.split()[1:4:2] == ["t1", "session_exited"]
+            for line in logged.splitlines() if len(line.split()) > 3)
+    corral.wait(followed, "trace -f and logs -f to show t1's end")
+    for follower in (trace, logs):  # Ctrl-C ends a follower quietly
+        follower.send_signal(signal.SIGINT)
+        assert follower.wait(timeout=30) == 0
+    traced = (corral.home / "trace-f.out").read_text()
+    assert "no record of agent/t1 yet; waiting for it" in traced
+    assert traced.count("write_file OK") == 3
+    assert "Traceback" not in traced + (corral.home / "logs-f.out").read_text()
 
 
 def test_metrics_endpoint_serves_every_child(
