@@ -1,6 +1,7 @@
 """`supervisor up`: take the lock, load the config, run the supervisor loop.
 
-In the foreground it says what it does (docs/supervisor.md, "Starting"): a
+In the foreground it says what it does (docs/supervisor.md, "Start, stop,
+restart"): a
 start line, "N of M ready" while the children come up, and a ready line
 naming the state directory and the control socket; `--quiet` silences them.
 
@@ -38,6 +39,16 @@ EXIT_CONFIG = 78
 DETACH_WAIT_S = 30.0
 
 
+def _say(line: str, out: TextIO | None = None) -> bool:
+    """One line for the operator; False when nobody reads it any more (a closed
+    terminal or pipe never changes the runtime's course or its exit code)."""
+    try:
+        print(f"supervisor: {line}", file=out or sys.stdout, flush=True)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 class Progress(threading.Thread):
     """The foreground `up`'s lines, read from the runtime's child table (only
     read: the supervisor's loop owns it) until the start phase is over."""
@@ -52,9 +63,7 @@ class Progress(threading.Thread):
         self.done = threading.Event()
 
     def say(self, line: str) -> None:
-        try:
-            print(f"supervisor: {line}", file=self.out, flush=True)
-        except (OSError, ValueError):  # a closed terminal: say nothing, never stop the runtime
+        if not _say(line, self.out):
             self.done.set()
 
     def counts(self) -> tuple[int, int, list[str]]:
@@ -132,9 +141,8 @@ def run(state_arg: str | None, config_arg: str | None, *, quiet: bool = False) -
         path = Path(config_arg).resolve() if config_arg else config_mod.DEFAULT_CONFIG_PATH
         runtime = Runtime(config, state_dir, path)
         if not quiet:
-            print(f"supervisor: starting corral {identity.version()} (pid {os.getpid()}, "
-                  f"{len(runtime.children)} children, config {path}, state "
-                  f"{state_dir.root})", flush=True)
+            _say(f"starting corral {identity.version()} (pid {os.getpid()}, "
+                 f"{len(runtime.children)} children, config {path}, state {state_dir.root})")
             progress = Progress(runtime, sys.stdout)
             progress.start()
         code = runtime.run()
@@ -149,7 +157,7 @@ def run(state_arg: str | None, config_arg: str | None, *, quiet: bool = False) -
             progress.join(timeout=1.0)
         lock.release()
     if not quiet:
-        print(f"supervisor: stopped (exit {code})", flush=True)
+        _say(f"stopped (exit {code})")
     if code == 65:
         print("supervisor: stopped: the writer found the WAL corrupt; run `supervisor wal "
               "verify` and repair before starting again", file=sys.stderr)
