@@ -195,6 +195,9 @@ def create_app(state_dir: StateDir, guard: Guard, config_path: str | None = None
     async def too_large(request: Request, exc: Exception) -> Response:
         return _refused(413, str(exc))
 
+    async def unavailable(request: Request, exc: Exception) -> Response:
+        return _refused(503, str(exc))  # the WAL or the session index cannot be read now
+
     async def invalid(request: Request, exc: Exception) -> Response:
         if isinstance(exc, ValidationError):
             first = exc.errors()[0]
@@ -202,7 +205,9 @@ def create_app(state_dir: StateDir, guard: Guard, config_path: str | None = None
             return _refused(400, f"{where}: {first.get('msg')}")
         return _refused(400, str(exc))
 
+    from actors.sessions.index import SessionIndexError  # noqa: PLC0415
     from broker.errors import CorralError  # noqa: PLC0415
+    from supervisor.trace import TraceError  # noqa: PLC0415
 
     routes = [
         Route("/login", login), Route("/", page), Route("/static/{name}", asset),
@@ -219,7 +224,8 @@ def create_app(state_dir: StateDir, guard: Guard, config_path: str | None = None
         routes=routes,
         middleware=[Middleware(_security_headers), Middleware(GuardMiddleware, guard=guard)],
         exception_handlers={BodyTooLargeError: too_large, ValidationError: invalid,
-                            CorralError: invalid, ValueError: invalid},
+                            CorralError: invalid, ValueError: invalid,
+                            TraceError: unavailable, SessionIndexError: unavailable},
     )
     app.state.hub = live
     return app
