@@ -19,6 +19,7 @@ Exit codes (also in docs/supervisor.md):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -42,9 +43,12 @@ DETACH_WAIT_S = 30.0
 def _say(line: str, out: TextIO | None = None) -> bool:
     """One line for the operator; False when nobody reads it any more (a closed
     terminal or pipe never changes the runtime's course or its exit code)."""
+    stream = out or sys.stdout
     try:
-        print(f"supervisor: {line}", file=out or sys.stdout, flush=True)
+        print(f"supervisor: {line}", file=stream, flush=True)
     except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError):  # nor the interpreter's final flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
         return False
     return True
 
