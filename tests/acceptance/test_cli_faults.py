@@ -45,12 +45,12 @@ def test_a_too_small_resume_does_not_stick_the_session(corral: Corral) -> None:
         {"agent": {"budget": {"tokens": 150, "cost_units": None}}}))
     corral.write("task.yaml", WRITER_TASK)
     corral.run("spawn", "n1", "--task", "task.yaml")
-    corral.wait_session("n1", {"paused"}, timeout_s=30)
+    corral.wait_session("n1", {"paused"})
     first = corral.run("resume", "n1", "--budget", "10", "--request-id", "r-1")
     again = corral.run("resume", "n1", "--budget", "10", "--request-id", "r-1")
     assert "+10 tokens" in first.stdout and "already recorded" in again.stdout, again
     corral.run("resume", "n1", "--budget", "5000")
-    done = corral.wait_session("n1", {"finished"}, timeout_s=30)
+    done = corral.wait_session("n1", {"finished"})
     assert done["exit_reason"] == "finished"
     trace = corral.run("trace", "n1", "--json").stdout.splitlines()
     grants = [json.loads(line)["payload"]["tokens"] for line in trace
@@ -63,14 +63,14 @@ def test_a_too_small_resume_does_not_stick_the_session(corral: Corral) -> None:
 def test_fork_prints_a_command_that_runs_the_fork(running: Corral) -> None:
     corral = running
     corral.run("spawn", "src", "--task", "task.yaml")
-    corral.wait_session("src", {"finished"}, timeout_s=30)
+    corral.wait_session("src", {"finished"})
     out = corral.run("fork", "src", "--name", "relf", "--at-turn", "2").stdout
     command = re.search(r"`supervisor ([^`]+)` runs it", out)
     assert command is not None, out
     last = corral.state_dir / "agents" / "relf" / "workspace" / "a3.txt"
     assert not last.exists()  # the fork stands after turn 2: a0, a1 only
     corral.run(*command.group(1).split())
-    done = corral.wait_session("relf", {"finished"}, timeout_s=30)
+    done = corral.wait_session("relf", {"finished"})
     assert done["parent_agent"] == "src"
     assert last.is_file()
 
