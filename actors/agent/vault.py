@@ -29,6 +29,7 @@ from actors.agent.ops import model_for
 from broker.durable import fsync_dir, write_atomic
 
 SEALED_KEYS = frozenset({"sha256", "bytes"})
+REFUSED_KEY = "refused"
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
@@ -52,6 +53,22 @@ def is_sealed(value: object) -> bool:
     return isinstance(value, dict) and set(value) == SEALED_KEYS
 
 
+def is_refused(value: object) -> bool:
+    """A secret field that was not a string, replaced by a note of its type."""
+    return isinstance(value, dict) and set(value) == {REFUSED_KEY}
+
+
+def strings_in(value: object) -> list[str]:
+    """Every string inside `value` (lists, objects: keys and values)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (*strings_in(k), *strings_in(v))]
+    if isinstance(value, list | tuple):
+        return [s for item in value for s in strings_in(item)]
+    return []
+
+
 class Vault:
     def __init__(self, agent_dir: Path) -> None:
         self.dir = agent_dir / "vault"
@@ -59,23 +76,31 @@ class Vault:
 
     def seal(self, actions: list[Any]) -> list[Any]:
         """Clear the vault, keep every secret text of `actions` in it (durably)
-        and return the actions with those texts replaced by their seals."""
+        and return the actions with those texts replaced by their seals. A
+        secret field that is not a string (a list, a number: any shape the
+        model sends) is replaced by a note of its type, which the op's schema
+        then refuses: its content is never recorded."""
         self.clear()
         out: list[Any] = []
         for action in actions:
-            fields = [f for f in _secret_fields(action) if isinstance(action.get(f), str)]
+            fields = [f for f in _secret_fields(action) if f in action
+                      and not is_sealed(action[f])]
             if not fields:
                 out.append(action)
                 continue
             sealed = dict(action)
             for name in fields:
+                if not isinstance(action[name], str):  # refused by the op's schema, unseen
+                    sealed[name] = {REFUSED_KEY: f"not a string ({type(action[name]).__name__})"}
+                    continue
                 data = str(action[name]).encode("utf-8", "surrogatepass")
                 digest = hashlib.sha256(data).hexdigest()
                 self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
                 self._empty = False
                 write_atomic(self.dir / digest, data, sync_dir=False)
                 sealed[name] = {"sha256": digest, "bytes": len(data)}
-            fsync_dir(self.dir)
+            if self.dir.exists():
+                fsync_dir(self.dir)
             out.append(sealed)
         return out
 

@@ -10,8 +10,11 @@ operator reads it from.
 What counts as typed text: every line of an input (split at CR/LF, stripped
 of surrounding blanks) of at least MIN_LINE_BYTES, and every word of a line
 (split at blanks and quotes) of at least MIN_WORD_BYTES (a secret assigned
-in a longer line, `x = 'hunter2'`, printed back alone). Each occurrence in
-the output becomes MASK.
+in a longer line, `x = 'hunter2'`, printed back alone). A line typed with
+editing keys (backspace, ^W, ^U) counts also as the program reads it after
+the tty's line editing (`cat` prints `Edit3d-Secret-999` for
+`Edit3dX<DEL>-Secret-999`) and as the runs between the keys (the tty's echo).
+Each occurrence in the output becomes MASK.
 
 Across reads: output that ends with the beginning of a secret is held back
 until the next bytes show whether the secret follows (then it is masked) or
@@ -35,17 +38,48 @@ MIN_WORD_BYTES = 6
 MAX_SECRETS = 512  # per terminal, the newest kept
 HOLD_S = 0.5
 _WORD_SPLIT = re.compile(rb"[\s'\"`]+")
+_BLANKS = frozenset(b" \t")
+_EDIT_KEYS = re.compile(rb"[\x7f\x08\x15\x17]+")
+
+
+def edited(line: bytes) -> bytes:
+    """What the tty's line discipline hands a program for `line` typed with
+    its editing keys: backspace (DEL, ^H) erases a byte, ^W a word, ^U the line."""
+    out = bytearray()
+    for byte in line:
+        if byte in (0x7F, 0x08):
+            del out[-1:]
+        elif byte == 0x15:
+            out.clear()
+        elif byte == 0x17:
+            while out and out[-1] in _BLANKS:
+                out.pop()
+            while out and out[-1] not in _BLANKS:
+                out.pop()
+        else:
+            out.append(byte)
+    return bytes(out)
+
+
+def _pieces(line: bytes) -> list[bytes]:
+    line = line.strip()
+    found = [line] if len(line) >= MIN_LINE_BYTES else []
+    return found + [w for w in _WORD_SPLIT.split(line) if len(w) >= MIN_WORD_BYTES and w != line]
 
 
 def secrets_of(typed: bytes) -> list[bytes]:
-    """The pieces of an input that must not come back out."""
+    """The pieces of an input that must not come back out: each line as
+    typed, as the program reads it after line editing (`edited`), and, for a
+    line with editing keys, each run of bytes between them (what the tty
+    echoes between its erasures)."""
     found: list[bytes] = []
     for raw in re.split(rb"[\r\n]+", typed):
-        line = raw.strip()
-        if len(line) >= MIN_LINE_BYTES:
-            found.append(line)
-        found += [w for w in _WORD_SPLIT.split(line) if len(w) >= MIN_WORD_BYTES and w != line]
-    return found
+        found += _pieces(raw)
+        if _EDIT_KEYS.search(raw):
+            found += _pieces(edited(raw))
+            for run in _EDIT_KEYS.split(raw):
+                found += _pieces(run)
+    return list(dict.fromkeys(found))
 
 
 class Redactor:

@@ -36,13 +36,14 @@ import structlog
 
 from actors.agent.backends import Backend, Reply
 from actors.agent.state import AgentState
-from actors.agent.vault import is_sealed
+from actors.agent.vault import is_refused, is_sealed, strings_in
 from actors.sessions.ids import session_dir
 from broker.durable import fsync_dir
 
 log = structlog.get_logger("transcript")
 
 CURRENT = "transcript.jsonl"
+MIN_REFUSED_CHARS = 4  # shorter strings of a refused secret field stay (they would mangle the line)
 
 
 def segment_file(directory: Path, segment: int) -> Path:
@@ -59,6 +60,8 @@ def _secrets(raw: list[Any], sealed: list[Any]) -> list[tuple[str, str]]:
             text = before.get(key)
             if is_sealed(value) and isinstance(text, str) and text:
                 found.append((text, f"<sealed sha256:{value['sha256']} {value['bytes']} bytes>"))
+            elif is_refused(value):  # a secret field sent as a list or object: its strings
+                found += [(s, "<refused>") for s in strings_in(text) if len(s) >= MIN_REFUSED_CHARS]
     return found
 
 
