@@ -23,6 +23,7 @@ import yaml
 import zmq
 
 from actors.writer.client import WriterClient
+from broker.errors import RequestTimeoutError
 from broker.statedir import StateDir
 from tests.agentkit import write_task
 from tests.processes import ProcessTracker, wait_for
@@ -36,7 +37,10 @@ CONNECT = ("import socket; socket.create_connection(('127.0.0.1', {port}), timeo
 
 
 def _facts(writer: WriterClient, stream: str) -> list[tuple[str, dict[str, Any]]]:
-    return [(r.event, r.payload()) for r in writer.read_stream(stream)]  # type: ignore[misc]
+    try:
+        return [(r.event, r.payload()) for r in writer.read_stream(stream)]  # type: ignore[misc]
+    except RequestTimeoutError:  # a loaded host: the writer's answer came late
+        return []
 
 
 def _output(writer: WriterClient, agent: str) -> str | None:
@@ -66,7 +70,7 @@ def test_an_agents_net_schedule_gets_no_network_and_spends_its_owners_budget(
     path.write_text(yaml.safe_dump(config))
     up = supervisor_up(processes, state_dir, path)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    writer = WriterClient(ctx, state_dir, "operator", timeout_s=2.0, retries=1)
+    writer = WriterClient(ctx, state_dir, "operator", timeout_s=5.0, retries=1)
     try:
         with socket.socket() as server:
             server.bind(("127.0.0.1", 0))
