@@ -62,6 +62,16 @@ def test_foreground_up_runs_the_tree_it_configures(
     assert all(name in table for name in kids)
 
 
+def test_a_second_up_on_the_same_state_dir_exits_75_naming_the_holder(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, up = runtime
+    for args in (["up", "--detach"], ["up"]):
+        held = corral.run(*args, rc=75)
+        assert f"already supervised by pid {up.pid}" in held.stderr
+        assert len(held.stderr.splitlines()) == 1
+    assert corral.status()["supervisor_pid"] == up.pid
+
+
 def test_status_of_named_children_and_of_an_unknown_one(
         runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
     corral, _up = runtime
@@ -82,6 +92,8 @@ def test_stop_holds_one_child_down_and_start_brings_it_back(
     assert stopped["state"] == "stopped" and stopped["pid"] is None
     assert child(corral, "agent-2")["state"] == "running"
     corral.run("stop", "agent-1")  # stop of a stopped child: nothing to do, exit 0
+    usage = corral.run("stop", "agent-1", "--timeout-s", "-1", rc=2)
+    assert "--timeout-s" in usage.stderr and len(usage.stderr.splitlines()) == 1
     refused = corral.json("stop", "writer", rc=1)
     assert refused["ok"] is False and refused["error"]
     corral.run("start", "agent-1")
