@@ -194,9 +194,10 @@ class Corral:
         def reached() -> dict[str, Any] | None:
             rows = self.sessions(agent)
             return rows[-1] if rows and rows[-1]["status"] in statuses else None
+        # `sessions list` reads the WAL's new records: poll it less often than status
         found: dict[str, Any] = wait_for(reached, timeout_s,
                                          f"{agent}'s session in {sorted(statuses)}",
-                                         interval_s=0.1)
+                                         interval_s=0.4)
         return found
 
     def stop(self) -> None:
