@@ -27,7 +27,8 @@ def write_atomic(
     path: Path, data: bytes, *, read_only: bool = False, sync_dir: bool = True
 ) -> None:
     """Replace `path` with `data`: temp file (never following a link), fsync,
-    rename, fsync of the directory. `read_only` leaves the file mode 0444."""
+    rename, fsync of the directory. `read_only` leaves the file mode 0400
+    (read-only, and private like every file corral writes)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()  # left by a crash in the middle of an earlier write
@@ -37,7 +38,7 @@ def write_atomic(
         while view:
             view = view[os.write(fd, view) :]
         if read_only:
-            os.fchmod(fd, 0o444)
+            os.fchmod(fd, 0o400)
         os.fsync(fd)
     finally:
         os.close(fd)

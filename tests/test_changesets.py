@@ -118,7 +118,7 @@ def test_patch_applies_with_real_git_and_equals_our_apply(tmp: Path) -> None:
     assert read_tree(parent) == expected
     assert receipt.changeset_id == "cs-1" and not receipt.recovered
     assert mf.load_receipt(out) == receipt
-    assert (out / mf.MANIFEST).stat().st_mode & 0o777 == 0o444  # immutable
+    assert (out / mf.MANIFEST).stat().st_mode & 0o777 == 0o400  # immutable, private
     with pytest.raises(ChangeSetRefusedError) as info:
         apply(out, parent)
     assert info.value.bound == "already_applied"

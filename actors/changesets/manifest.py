@@ -10,7 +10,7 @@
     application.json  the receipt (`Receipt`), written once by a successful apply
     apply.intent.json the write-ahead intent of an apply in progress
 
-Every file is written to a temp name, fsynced, renamed and made read-only;
+Every file is written to a temp name, fsynced, renamed and made read-only (0400);
 the manifest is written last, so its presence means the set is complete.
 `load()` is the one reader (tests and tools share it). The files are not
 trusted after the build: the host records a `Seal` (the digests of the
