@@ -471,6 +471,7 @@ def name_refusal(user: str, name: str) -> str | None:
 
 def control_refusal(user: str, kind: str) -> str | None:
     """None when `user` may send a control request of `kind` to the supervisor."""
-    if kind in ("status_request", "ready", "heartbeat", "ping") or user == OPERATOR:
+    if kind in ("status_request", "ready", "heartbeat", "ping", "stats_request") \
+            or user == OPERATOR:
         return None
     return f"{kind} is an operator command; {user} is not the operator"

@@ -7,6 +7,12 @@ peer A is this process. Bodies are opaque bytes (the broker never decodes
 them), tagged by their first byte: E echo, S stream item, A ack (credit), P
 "produce N items to me". One-way streams use credit (at most WINDOW in
 flight, an ack every ACK_EVERY) so that nothing is dropped at a high-water mark.
+
+Last, the churn of issue 38: 10,000 connections (2,000 with --quick) made
+with agent-1's credential that claim the identity `agent-9`, each pings the
+broker (refused `forbidden`) and closes, 50 at a time; `fds_after_churn`
+(the broker's open fds once they are closed, waited for up to 30 s) must
+equal `fds_before`.
 """
 
 from __future__ import annotations
@@ -203,6 +209,55 @@ def _pct(samples: list[float], q: float) -> float:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
 
 
+CHURN_BATCH = 50
+
+
+def _churn(ctx: Ctx, state: StateDir, broker_pid: int, n: int) -> dict[str, object]:
+    """Open and close `n` spoofing connections; the broker's fds before and after."""
+    credential = auth.ensure_keys(state).credential("agent-1")
+    ping = protocol.encode(protocol.Ping(msg_id="spoof"))
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{broker_pid}/fd"))
+
+    before = fds()
+    refused = 0
+    started = time.monotonic()
+    for _ in range(max(1, n // CHURN_BATCH)):
+        socks = []
+        poller = zmq.Poller()
+        for _ in range(CHURN_BATCH):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, b"agent-9")
+            auth.apply_client(sock, credential)
+            sock.connect(state.endpoint("broker"))
+            sock.send_multipart([b"broker", ping])
+            poller.register(sock, zmq.POLLIN)
+            socks.append(sock)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the one that holds the name is refused
+            ready = poller.poll(POLL_MS)
+            if not ready:
+                break
+            body = protocol.decode(ready[0][0].recv_multipart()[-1])
+            if isinstance(body, protocol.Error):
+                refused += 1
+                break
+        for sock in socks:
+            sock.close()
+    churn_s = time.monotonic() - started
+    deadline = time.monotonic() + 30
+    after = fds()
+    while after > before and time.monotonic() < deadline:
+        time.sleep(0.1)  # a reading against a deadline: the figure is what it reaches
+        after = fds()
+    return {"churn_connections": max(1, n // CHURN_BATCH) * CHURN_BATCH,
+            "churn_refused_forbidden": refused, "churn_s": round(churn_s, 2),
+            "fds_before": before, "fds_after_churn": after,
+            "churn_target_met": after <= before}
+
+
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
@@ -307,6 +362,7 @@ def run(quick: bool) -> dict[str, object]:
             control.request("bench-pb", protocol.Ping(msg_id=new_msg_id()), timeout_s=5)
             peer_rtt.append((time.perf_counter_ns() - start) / 1000.0)
         stats = control.request("broker", protocol.StatsRequest(msg_id=new_msg_id()))
+        churn = _churn(ctx, state, procs[0].pid, 2_000 if quick else 10_000)
         control.close()
         via_broker.close()
         direct.close()
@@ -337,6 +393,7 @@ def run(quick: bool) -> dict[str, object]:
             figures["broker_cpu_us_per_routed"] = round(broker_cpu_s / routed * 1e6, 1)
         figures["target_broker_over_direct_rtt_max"] = 1.5
         figures["target_met"] = float(figures["broker_over_direct_rtt"]) <= 1.5  # type: ignore[arg-type]
+        figures.update(churn)
         return figures
     finally:
         ctx.destroy(linger=0)

@@ -1,7 +1,7 @@
 """Fuzz a running corral runtime through every socket it listens on.
 
     python ops/fuzz.py --duration S [--json] [--seed N] [--rate FRAMES_PER_S]
-        [--no-storage-attacks]
+        [--quiet S] [--no-storage-attacks]
 
 Starts `supervisor up` in a temporary state directory (writer, broker, procs,
 subagents and two idle agents), then for S seconds sends hostile frames to
@@ -19,9 +19,13 @@ subagents): those would be the runtime doing its job, not surviving.
 Afterwards it checks that every process has the pid it had before, that
 `supervisor wal verify` calls the WAL sound, that a normal append works, and
 that every WAL line parses as JSON on its own (with `jq` when installed, else
-Python's json). It prints frames sent, typed errors received, crashes and RSS
-before and after per process; exit 0 when everything held. tests/test_fuzz.py
-runs the same for about 10 s.
+Python's json). It counts `internal_errors` (replies with the code
+`internal_error`: a fault without a name of its own; target 0, with their
+details), and after --quiet seconds without traffic (default 30) the writer's
+and the broker's `rss_growth_pct` against their RSS before the run (target
+<= 20, docs/protocol.md, "Memory"). It prints frames sent, typed errors
+received, crashes and RSS before and after per process; exit 0 when
+everything held. tests/test_fuzz.py runs the same for about 10 s.
 """
 
 from __future__ import annotations
@@ -97,6 +101,8 @@ def special_frames(max_frame_bytes: int) -> list[bytes]:
         pack({"v": 1, "kind": "ping", "msg_id": msgpack.ExtType(1, b"x")}),
         _deep(5000),
         _deep(20),
+        b"\x81\xa1a" * 1000 + b"\x01",  # a map nested 1,000 deep: issue 38's RecursionError
+        b"\x81\xa1a" * 20 + b"\x01",
         _worst_frame(),
         pack({"v": 1, "kind": "ping", "msg_id": "fz-big", "pad": b"x" * (max_frame_bytes + 10)}),
         protocol.encode(protocol.Error(msg_id="fz-err", code=protocol.ErrorCode.NOT_FOUND,
@@ -293,10 +299,14 @@ class Result:
     frames_sent: dict[str, int] = field(default_factory=dict)
     frames_total: int = 0
     typed_errors: int = 0
+    internal_errors: int = 0
+    internal_error_details: dict[str, int] = field(default_factory=dict)
     other_replies: int = 0
     undecodable_replies: int = 0
     crashes: int = 0
     processes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    quiet_s: float = 0.0
+    rss_growth_pct: dict[str, float | None] = field(default_factory=dict)
     wal_verify_sound: bool = False
     wal_verify_output: str = ""
     append_after_ok: bool = False
@@ -304,7 +314,8 @@ class Result:
     wal_lines: int = 0
     wal_bad_lines: int = 0
     wal_parser: str = ""
-    ok: bool = False
+    ok: bool = False  # everything held but memory
+    rss_ok: bool = False  # every rss_growth_pct within RSS_GROWTH_MAX_PCT
 
 
 class Fuzzer:
@@ -318,6 +329,7 @@ class Fuzzer:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.sent: Counter[str] = Counter()
         self.replies: Counter[str] = Counter()
+        self.internal: Counter[str] = Counter()  # internal_error replies by detail
         self._socks: dict[str, zmq.Socket[bytes]] = {}
 
     def _sock(self, target: str, identity: bytes | None) -> zmq.Socket[bytes]:
@@ -368,6 +380,9 @@ class Fuzzer:
                     self.replies["undecodable"] += 1
                     continue
                 self.replies["error" if isinstance(reply, protocol.Error) else "other"] += 1
+                if (isinstance(reply, protocol.Error)
+                        and reply.code is protocol.ErrorCode.INTERNAL_ERROR):
+                    self.internal[reply.detail[:200]] += 1
 
     def run(self, duration_s: float, rate: float) -> None:
         for frame in self.specials:  # every special frame to every target, first
@@ -432,10 +447,15 @@ def _default_spawn(argv: Sequence[str], out: Path) -> subprocess.Popen[bytes]:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
+RSS_GROWTH_MAX_PCT = 20.0
+MEASURED = ("writer", "broker")  # the servers whose memory must come back
+
+
 def run(duration_s: float, *, seed: int | None = None, rate: float = 1000.0,
         storage: bool = True, spawn: Spawn = _default_spawn,
-        workdir: Path | None = None) -> Result:
-    """Start a runtime, fuzz it for `duration_s`, check it, stop it."""
+        workdir: Path | None = None, quiet_s: float = 30.0) -> Result:
+    """Start a runtime, fuzz it for `duration_s`, let it be quiet for
+    `quiet_s`, check it, stop it."""
     seed = seed if seed is not None else random.randrange(2**32)
     root = workdir or Path(tempfile.mkdtemp(prefix="corral-fuzz-", dir="/tmp"))
     state = StateDir(root / ".corral").ensure()
@@ -460,6 +480,15 @@ def run(duration_s: float, *, seed: int | None = None, rate: float = 1000.0,
         _wait(lambda: state.status_path.stat().st_mtime_ns != written
               or supervisor.poll() is not None, 30, "a fresh status file")
         after = pids(state) if supervisor.poll() is None else {}
+        result.quiet_s = quiet_s
+        quiet_until = time.monotonic() + quiet_s
+        while time.monotonic() < quiet_until and supervisor.poll() is None:
+            time.sleep(0.5)  # a duration to measure after, not a wait for a condition
+        for name in MEASURED:
+            grown = _rss_mb(after.get(name))
+            start = rss_before.get(name)
+            result.rss_growth_pct[name] = (None if grown is None or not start else
+                                           round(100.0 * (grown - start) / start, 1))
         for name, pid in before.items():
             result.processes[name] = {"pid_before": pid, "pid_after": after.get(name),
                                       "rss_before_mb": rss_before[name],
@@ -468,6 +497,8 @@ def run(duration_s: float, *, seed: int | None = None, rate: float = 1000.0,
         result.frames_sent = dict(fuzzer.sent)
         result.frames_total = sum(fuzzer.sent.values())
         result.typed_errors = fuzzer.replies["error"]
+        result.internal_errors = sum(fuzzer.internal.values())
+        result.internal_error_details = dict(fuzzer.internal.most_common(10))
         result.other_replies = fuzzer.replies["other"]
         result.undecodable_replies = fuzzer.replies["undecodable"]
         with zmq.Context() as ctx:
@@ -494,7 +525,10 @@ def run(duration_s: float, *, seed: int | None = None, rate: float = 1000.0,
     result.wal_verify_output = (verify.stdout + verify.stderr)[-2000:]
     result.wal_lines, result.wal_bad_lines, result.wal_parser = check_wal_lines(state)
     result.ok = (result.crashes == 0 and result.wal_verify_sound and result.append_after_ok
-                 and result.wal_bad_lines == 0 and result.undecodable_replies == 0)
+                 and result.wal_bad_lines == 0 and result.undecodable_replies == 0
+                 and result.internal_errors == 0)
+    result.rss_ok = all(pct is not None and pct <= RSS_GROWTH_MAX_PCT
+                        for pct in result.rss_growth_pct.values())
     if workdir is None:
         shutil.rmtree(root, ignore_errors=True)
     return result
@@ -508,20 +542,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=1000.0, help="frames per second")
     parser.add_argument("--no-storage-attacks", action="store_true",
                         help="leave out valid appends with hostile payloads or stream names")
+    parser.add_argument("--quiet", type=float, default=30.0,
+                        help="seconds without traffic before the RSS is measured again")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     result = run(args.duration, seed=args.seed, rate=args.rate,
-                 storage=not args.no_storage_attacks)
+                 storage=not args.no_storage_attacks, quiet_s=args.quiet)
     if args.json:
         print(json.dumps(asdict(result), indent=2))
     else:
         print(f"fuzzed {result.duration_s}s (seed {result.seed}): {result.frames_total} frames, "
-              f"{result.typed_errors} typed errors, {result.crashes} crashes; WAL sound: "
+              f"{result.typed_errors} typed errors ({result.internal_errors} internal_error), "
+              f"{result.crashes} crashes, RSS growth after {result.quiet_s}s quiet "
+              f"{result.rss_growth_pct}; WAL sound: "
               f"{result.wal_verify_sound}; append after: {result.append_after_ok}; "
               f"WAL lines bad ({result.wal_parser}): {result.wal_bad_lines}/{result.wal_lines}")
         for name, figures in result.processes.items():
             print(f"  {name}: {figures}")
-    return 0 if result.ok else 1
+    return 0 if result.ok and result.rss_ok else 1
 
 
 if __name__ == "__main__":

@@ -160,8 +160,14 @@ class ControlServer:
                 detail=refusal))
         return False
 
+    def values(self) -> dict[str, int | float]:
+        """The control socket's counters (a `stats` reply)."""
+        return {"rejected_total": self.rejected_total, "dropped_total": self.dropped_total,
+                "failures_total": self.failures_total, "forbidden_total": self.forbidden_total}
+
     def reply(self, identity: bytes, message: protocol.StatusReply | protocol.Ack
-              | protocol.Error | protocol.ReloadReply) -> None:
+              | protocol.Error | protocol.ReloadReply | protocol.Pong
+              | protocol.Stats) -> None:
         self.send(identity, protocol.encode(message))
 
     def send(self, identity: bytes, frame: bytes) -> None:

@@ -586,6 +586,13 @@ class Runtime:
                     child.values = dict(values)
             case protocol.StatusRequest(msg_id=msg_id):
                 self.control.reply(incoming.identity, self._status(msg_id, now))
+            case protocol.Ping(msg_id=msg_id):  # every identity may (docs/protocol.md)
+                self.control.reply(incoming.identity, protocol.Pong(
+                    msg_id=msg_id, actor="supervisor", pid=os.getpid()))
+            case protocol.StatsRequest(msg_id=msg_id):
+                self.control.reply(incoming.identity, protocol.Stats(
+                    msg_id=msg_id, actor="supervisor",
+                    values={"children": len(self.children), **self.control.values()}))
             case protocol.StopRequest(msg_id=msg_id, target=str() as target):
                 self.control.reply(incoming.identity, requests.stop(self, msg_id, target, now))
             case protocol.StartRequest(msg_id=msg_id, target=target):
