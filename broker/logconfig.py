@@ -26,6 +26,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-backups", type=int, default=DEFAULT_BACKUPS)
 
 
+# the process's actor, read at each line: a process forked from a configured
+# one (an agent from the zygote) configures again, and loggers cached before
+# the fork must then name the new actor
+_identity: dict[str, str] = {}
+
+
+def _add_identity(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """`actor` and `pid` on every line, also a thread's (threads do not inherit
+    the main thread's context variables)."""
+    if "actor" in _identity:
+        event.setdefault("actor", _identity["actor"])
+    event.setdefault("pid", os.getpid())
+    return event
+
+
 def configure(
     actor: str,
     log_path: Path | None,
@@ -38,18 +53,12 @@ def configure(
     """Route structlog through stdlib handlers and bind the process identity.
 
     `console=None` means: render to stderr only when stderr is a terminal.
-    Every line carries `actor` and `pid` (docs/operations.md), also a line of
-    a thread, which does not inherit the main thread's context variables."""
+    Every line carries `actor` and `pid` (docs/operations.md), also a thread's."""
     timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
-
-    def identity(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
-        event.setdefault("actor", actor)
-        event.setdefault("pid", os.getpid())
-        return event
-
+    _identity["actor"] = actor
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
-        identity,
+        _add_identity,
         structlog.stdlib.add_log_level,
         timestamper,
     ]

@@ -200,6 +200,8 @@ def test_trace_and_logs_follow_an_agent_spawned_after_them(
     corral, _up = runtime
     trace = corral.popen("trace", "-f", "t1", name="trace-f")
     logs = corral.popen("logs", "-f", name="logs-f")
+    corral.wait(lambda: "no record of agent/t1 yet; waiting for it"
+                in (corral.home / "trace-f.out").read_text(), "trace -f to wait for t1")
     corral.write("writer.yaml", WRITER_TASK)
     corral.run("spawn", "t1", "--task", "writer.yaml")
 
@@ -214,7 +216,6 @@ def test_trace_and_logs_follow_an_agent_spawned_after_them(
         follower.send_signal(signal.SIGINT)
         assert follower.wait(timeout=30) == 0
     traced = (corral.home / "trace-f.out").read_text()
-    assert "no record of agent/t1 yet; waiting for it" in traced
     assert traced.count("write_file OK") == 3
     assert "Traceback" not in traced + (corral.home / "logs-f.out").read_text()
 
