@@ -11,10 +11,15 @@ refused messages, procs' live commands and terminals, subagents, and per agent
 turns, tool calls, rejects, aborts, approvals waiting and budget used. Every
 other numeric heartbeat value is `corral_child_value{key=...}`.
 
-The HTTP server is prometheus_client's (a daemon thread). The supervisor loop
-hands it a new snapshot with `update()` (one reference assignment); a scrape
-reads whichever snapshot is current, never the loop's live objects. The bound
-port is written to run/metrics.port (port 0 picks a free one).
+The HTTP server is wsgiref's serving prometheus_client's WSGI app (a daemon
+thread, a thread per connection), capped: at most MAX_CONNECTIONS
+connections are served at once (one more is closed at once, counted in
+`refused`), and a connection that sends nothing for CONNECTION_TIMEOUT_S is
+dropped, so idle connections cannot pile up threads in the supervisor. The
+supervisor loop hands it a new snapshot with `update()` (one reference
+assignment); a scrape reads whichever snapshot is current, never the loop's
+live objects. The bound port is written to run/metrics.port (port 0 picks a
+free one).
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -201,6 +209,59 @@ def _merge(hists: list[HistogramMetricFamily]) -> Iterator[HistogramMetricFamily
     yield from by_name.values()
 
 
+MAX_CONNECTIONS = 8  # served at once; scrapers are few (a Prometheus, an operator's curl)
+CONNECTION_TIMEOUT_S = 5.0  # a connection silent this long is dropped
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = CONNECTION_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged to stderr."""
+
+
+class _CappedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most MAX_CONNECTIONS at once."""
+
+    daemon_threads = True
+    request_queue_size = 64  # the listen backlog: a burst waits to be refused, not SYN-dropped
+
+    def __init__(self, address: tuple[str, int], handler: type[WSGIRequestHandler]) -> None:
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)  # closed at once: no thread, no wait
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def _serve(host: str, port: int, registry: CollectorRegistry) -> tuple[_CappedServer,
+                                                                       threading.Thread]:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("_Server", (_CappedServer,), {"address_family": family})
+    httpd: WSGIServer = make_server(host, port, make_wsgi_app(registry),
+                                    server_class=server_class, handler_class=_Handler)
+    assert isinstance(httpd, _CappedServer)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True, name="metrics")
+    thread.start()
+    return httpd, thread
+
+
 class MetricsServer:
     """The endpoint: start() binds (raises OSError when it cannot), update() swaps
     the snapshot, close() stops serving and removes run/metrics.port."""
@@ -211,12 +272,16 @@ class MetricsServer:
         self.collector = StatusCollector()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
-        self._server: Any = None
+        self._server: _CappedServer | None = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def refused(self) -> int:
+        """Connections closed at once because MAX_CONNECTIONS were being served."""
+        return self._server.refused if self._server is not None else 0
+
     def start(self) -> int:
-        self._server, self._thread = start_http_server(self.port, addr=self.host,
-                                                       registry=self.registry)
+        self._server, self._thread = _serve(self.host, self.port, self.registry)
         self.port = int(self._server.server_address[1])
         tmp = self.port_file.with_name(f".{self.port_file.name}.tmp")
         tmp.write_text(f"{self.port}\n", encoding="ascii")
