@@ -1,7 +1,11 @@
-"""One status poller for every open page (docs/console.md, "Live updates").
+"""One status poller for every open page (docs/console.md, "Where the data
+comes from").
 
-While at least one page listens on `/api/events`, a task asks the supervisor
-for its status every `POLL_S` (in a thread: the status client is blocking),
+While at least one page listens on `/api/events` (and for `LINGER_S` after
+the last one left, so a page reloaded finds the table ready), a task asks
+the supervisor for its status every `POLL_S`, or every three times what the
+last request took when that is longer (the console never takes more than a
+third of the supervisor's loop), in a thread (the status client blocks),
 turns it into rows (supervisor/console/views.py) and sends each listener:
 
 - `agents`: every row, on connecting and every `FULL_EVERY_S` (CPU, memory
@@ -9,7 +13,7 @@ turns it into rows (supervisor/console/views.py) and sends each listener:
 - `delta`: the rows whose child changed in what the operator follows (state,
   turn, busy call, restarts, budget, requests waiting) and the names gone;
 - `queue`: the pending approvals and questions, again whenever an agent's
-  waiting count or its event count while waiting changes;
+  waiting count or turn while waiting changes;
 - `down`: the supervisor does not answer (the reason), until it does again.
 
 A listener that does not keep up (its queue full) is dropped; the page
@@ -32,6 +36,7 @@ from supervisor import statusclient
 from supervisor.console import views
 
 POLL_S = 0.25
+LINGER_S = 30.0
 FULL_EVERY_S = 5.0
 KEEPALIVE_S = 15.0
 LISTENER_QUEUE = 64
@@ -53,6 +58,7 @@ class Hub:
         self.queue: list[dict[str, Any]] = []
         self.down: str | None = None
         self._queue_key: tuple[tuple[Any, ...], ...] = ()
+        self._linger_until = 0.0
         self._task: asyncio.Task[None] | None = None
 
     # --- listeners ----------------------------------------------------------------
@@ -79,6 +85,7 @@ class Hub:
                 yield item
         finally:
             self.listeners.discard(mine)
+            self._linger_until = time.monotonic() + LINGER_S
 
     def _send(self, data: bytes) -> None:
         for q in list(self.listeners):
@@ -93,7 +100,7 @@ class Hub:
     # --- the poller ---------------------------------------------------------------
     async def _run(self) -> None:
         last_full = 0.0
-        while self.listeners:
+        while self.listeners or time.monotonic() < self._linger_until:
             started = time.monotonic()
             try:
                 reply = await anyio.to_thread.run_sync(views.status, self.state_dir)
@@ -109,7 +116,10 @@ class Hub:
                 await self._update(views.rows(reply), started - last_full >= FULL_EVERY_S)
                 if started - last_full >= FULL_EVERY_S:
                     last_full = started
-            await asyncio.sleep(max(0.0, self.poll_s - (time.monotonic() - started)))
+            # a status request costs the supervisor's loop about what it costs here:
+            # at most a third of its time goes to the console, however loaded it is
+            spent = time.monotonic() - started
+            await asyncio.sleep(max(self.poll_s - spent, 2 * spent))
         self._task = None
 
     async def _update(self, rows: list[dict[str, Any]], full: bool) -> None:

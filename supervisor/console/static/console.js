@@ -190,6 +190,7 @@ function connect() {
   source.addEventListener("open", () => setText($("live"), "live"));
   source.addEventListener("error", () => setText($("live"), "reconnecting"));
   source.addEventListener("agents", (event) => {
+    if (!performance.getEntriesByName("agents-frame").length) performance.mark("agents-frame");
     const rows = JSON.parse(event.data);
     const names = new Set(rows.map((r) => r.name));
     for (const name of [...agents.keys()]) if (!names.has(name)) remove(name);
