@@ -143,6 +143,11 @@ def shared() -> Iterator[Runtime]:
     """One runtime for a module's tests (writer, broker, and procs with the
     sandbox on and the network open to sessions named `net-*`): each test
     uses agents and directories of its own. Leaks fail the module."""
+    yield from module_runtime("--sandbox-network", "net-*")
+
+
+def module_runtime(*procs_args: str) -> Iterator[Runtime]:
+    """The body of a module-scoped runtime fixture whose procs takes `procs_args`."""
     root = Path(tempfile.mkdtemp(prefix="corral-", dir="/tmp"))
     state = StateDir(root / ".corral").ensure()
     processes = ProcessTracker(root)
@@ -151,7 +156,7 @@ def shared() -> Iterator[Runtime]:
                  BrokerPeer(ctx, state, "probe"))
     try:
         _start_core(rt)
-        rt.start_procs("--sandbox-network", "net-*")
+        rt.start_procs(*procs_args)
         yield rt
     finally:
         rt.peer.close()
