@@ -220,20 +220,34 @@ def test_trace_and_logs_follow_an_agent_spawned_after_them(
     assert "Traceback" not in traced + (corral.home / "logs-f.out").read_text()
 
 
+def scrape(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
 def test_metrics_endpoint_serves_every_child(
         runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
     corral, _up = runtime
     port = int((corral.state_dir / "run" / "metrics.port").read_text())
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        assert reply.status == 200
-        text = reply.read().decode()
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    up = {s.labels["name"]: s.value for s in families["corral_child_up"].samples}
-    running = {c["name"] for c in corral.status()["children"] if c["state"] == "running"}
-    assert running >= CORE
-    assert all(up[name] == 1.0 for name in running)
-    head = families["corral_writer_head_seq"].samples
-    assert head and head[0].value >= 1
+
+    def served() -> dict[str, Any] | None:
+        # the metrics are as fresh as the supervisor's last status snapshot
+        families = scrape(port)
+        kids = {c["name"]: c for c in corral.status()["children"]}
+
+        def by_name(family: str) -> dict[str, float]:
+            return {s.labels["name"]: s.value for s in families[family].samples
+                    if s.name in (family, f"{family}_total")}  # not a counter's _created
+        up, restarts = by_name("corral_child_up"), by_name("corral_child_restarts")
+        head = by_name("corral_writer_head_seq")["writer"]
+        matches = head == kids["writer"]["values"]["head_seq"] and all(
+            up.get(name) == float(kid["state"] == "running")
+            and restarts.get(name) == kid["restarts"] for name, kid in kids.items())
+        return families if matches else None
+    families: dict[str, Any] = corral.wait(served, "/metrics to match status")
+    assert {s.labels["name"] for s in families["corral_child_up"].samples} >= CORE
     assert "corral_status_age_seconds" in families
 
 
