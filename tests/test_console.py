@@ -226,3 +226,16 @@ def test_up_and_status_never_import_the_console() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_rows_of_a_reply_with_odd_values_are_made_without_raising() -> None:
+    """A child's heartbeat values are its own: odd ones show as nothing."""
+    reply = {"children": [{"name": "a1", "kind": "agent", "state": "running",
+                           "values": {"phase": [1], "turn": "x", "waiting": 1e300},
+                           "busy": None},
+                          {"name": "a2", "kind": "agent", "state": "running",
+                           "values": {"phase": 3, "turn": 4}, "busy": {"op": "bash",
+                                                                       "since_s": 2.0}}]}
+    odd, fine = views.rows(reply)
+    assert odd["phase"] is None and odd["turn"] is None
+    assert fine["phase"] == "finished" and fine["turn"] == 4 and fine["busy"] == "bash"

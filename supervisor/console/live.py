@@ -113,7 +113,10 @@ class Hub:
                 if self.down is not None:
                     self.down = None
                     self._send(frame("up", {}))
-                await self._update(views.rows(reply), started - last_full >= FULL_EVERY_S)
+                try:
+                    await self._update(views.rows(reply), started - last_full >= FULL_EVERY_S)
+                except Exception as exc:  # noqa: BLE001 - a bad reply never ends the poller
+                    self._send(frame("down", {"reason": f"unreadable status: {exc!r}"[:500]}))
                 if started - last_full >= FULL_EVERY_S:
                     last_full = started
             # a status request costs the supervisor's loop about what it costs here:

@@ -46,6 +46,11 @@ def _num(value: object) -> float | None:
     return value if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def _phase(value: object) -> str | None:
+    code = _num(value)
+    return PHASES.get(int(code)) if code is not None and abs(code) < 1e6 else None
+
+
 def rows(reply: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per child: what the Agents page shows. Ages are turned into
     moments (`*_at`, epoch seconds) so a row changes only when its child does."""
@@ -60,7 +65,7 @@ def rows(reply: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({
             "name": plain(child.get("name"), 64), "kind": kind,
             "state": str(child.get("state")), "pid": child.get("pid"),
-            "phase": PHASES.get(int(values.get("phase", -1))) if kind == "agent" else None,
+            "phase": _phase(values.get("phase")) if kind == "agent" else None,
             "turn": _num(values.get("turn")), "waiting": _num(values.get("waiting")),
             "busy": plain(busy["op"], 64) if busy else None,
             "busy_at": round(now - float(busy["since_s"]), 1) if busy else None,
@@ -111,8 +116,8 @@ def pending(state_dir: StateDir, names: list[str]) -> list[dict[str, Any]]:
         for name in names:
             try:
                 state = rebuild(writer, state_dir, name).state
-            except CorralError:
-                continue  # the writer did not answer for this one: shown at the next pass
+            except (CorralError, ValueError):
+                continue  # not answered, or unreadable now: shown at the next pass
             for a in state.pending_approvals():
                 out.append({"agent": name, "request": a.request, "kind": a.kind,
                             "op": plain(a.op, 200), "pattern": plain(a.pattern, 400),
