@@ -49,9 +49,17 @@ for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
     signal.signal(sig, signal.SIG_IGN)
 def say(msg):
     os.write(w, msg.encode())
+def daemon():
+    os.close(w)
+    for fd in (0, 1, 2):
+        os.close(fd)
+    while True:  # init stays stopped under us: the job cannot end by itself
+        with open(out, "a") as f:
+            f.write(tag + "\n")
+        time.sleep(0.05)
 if libc.ptrace(ATTACH, 1, None, None) != 0:
     say("ptrace refused errno=%d" % ctypes.get_errno())
-    os._exit(0)
+    daemon()
 os.waitpid(1, WALL)
 regs = Regs()
 libc.ptrace(GETREGS, 1, None, ctypes.byref(regs))
@@ -74,13 +82,7 @@ if at >= 11:
                 ctypes.c_void_p((word & ~0xff) | ord("x")))
 marker = open("/proc/1/cmdline", "rb").read().find(b"--hostname\0corral-") < 0
 say("injected prctl,setsid=%s marker_gone=%s" % (done, marker))
-os.close(w)
-for fd in (0, 1, 2):
-    os.close(fd)
-while True:  # init stays stopped under us: the job cannot end by itself
-    with open(out, "a") as f:
-        f.write(tag + "\n")
-    time.sleep(0.05)
+daemon()
 '''
 
 
@@ -115,6 +117,50 @@ def test_a_ptrace_injected_daemon_dies_with_its_job(shared: Runtime) -> None:
         size = out.stat().st_size if out.exists() else 0
         assert not host_pids_running([tag, str(out)])
         assert (out.stat().st_size if out.exists() else 0) == size  # nothing writes it now
+    finally:
+        kill_pids(host_pids_running([tag, str(out)]))
+
+
+WAIT_FILE = "for i in $(seq 1 400); do [ -s {f} ] && exit 0; sleep 0.05; done; exit 1"
+
+
+def test_an_injected_daemon_dies_with_its_session(shared: Runtime) -> None:
+    """The injector started in the background (`bash_start`); the agent's
+    session ends once the daemon writes: nothing of the job is left."""
+    tag = _tag()
+    ws = shared.tmp / "ws-injector-session"
+    ws.mkdir()
+    out = ws / "daemon.txt"
+    try:
+        results = shared.run_agent("injector-2", [
+            {"op": "write_file", "path": "inj.py", "content": INJECTOR},
+            {"op": "bash_start", "command": f"{PY} inj.py {tag} {out}"},
+            {"op": "bash", "command": WAIT_FILE.format(f=out)},
+        ], workspace=ws)
+        assert results["3.0"]["exit_code"] == 0, results
+        _gone([tag, str(out)], "after the session's end")
+    finally:
+        kill_pids(host_pids_running([tag, str(out)]))
+
+
+def test_an_injected_daemon_dies_when_procs_stops(runtime: Runtime) -> None:
+    """`supervisor stop` stops procs (SIGTERM) under a running job whose
+    daemon did what it could to itself: the daemon is gone with procs."""
+    runtime.start_procs()
+    tag = _tag()
+    ws = runtime.tmp / "ws-injector-stop"
+    ws.mkdir()
+    out = ws / "daemon.txt"
+    try:
+        agent = runtime.start_agent("injector-3", [
+            {"op": "write_file", "path": "inj.py", "content": INJECTOR},
+            {"op": "bash", "command": f"{PY} inj.py {tag} {out}", "timeout_s": 300},
+        ], workspace=ws)
+        wait_for(lambda: out.exists() and out.stat().st_size > 0, 30, "the daemon to write")
+        runtime.stop_procs()
+        _gone([tag, str(out)], "after procs stopped")
+        agent.kill()
+        agent.wait(10)
     finally:
         kill_pids(host_pids_running([tag, str(out)]))
 
