@@ -10,6 +10,7 @@ configuration allows it. One runtime for the module."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -162,7 +163,10 @@ def test_an_answer_from_the_console_is_recorded_once_and_a_second_is_refused(
     assert first.status == 200 and first.json()["line"].startswith(
         f"answered asker {item['request']}")
     second = console.post("/api/answer", answer)
-    assert second.status == 409 and "already answered" in second.json()["error"]
+    # refused either way: still answered, or (the agent quick) its turn already closed
+    assert second.status == 409 and re.search(
+        rf"already answered|has no question {re.escape(item['request'])}",
+        second.json()["error"])
 
     def finished() -> list[dict[str, Any]]:
         records = consolekit.trace_json(runtime.tracker, runtime.home, "asker")

@@ -131,6 +131,8 @@ def test_the_agents_page_lists_all_20_and_a_finish_updates_its_row_in_place(
     assert len(names) == 20 and {"asker", "approver", "hostile"} <= set(names)
     page.wait_for_function("() => document.querySelector(\"tr[data-name='approver'] "
                            "td[data-key='waiting']\").textContent === '1'")
+    budget = page.locator("tr[data-name='worker-01'] td[data-key='tokens']").inner_text()
+    assert budget.endswith(" of 2000000")  # the spec's budget (the packaged default)
     page.fill("#filter", "worker")
     page.wait_for_function("() => document.getElementById('agents-summary').textContent"
                            ".endsWith(', 17 shown')")

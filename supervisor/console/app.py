@@ -131,10 +131,10 @@ def create_app(state_dir: StateDir, guard: Guard, config_path: str | None = None
 
     async def agents(request: Request) -> Response:
         try:
-            reply = await anyio.to_thread.run_sync(views.status, state_dir)
+            rows = await anyio.to_thread.run_sync(views.status_rows, state_dir, live.limits)
         except (statusclient.NoAnswerError, statusclient.RefusedError, OSError) as exc:
             return _refused(503, f"no answer from the supervisor of {state_dir.root}: {exc}")
-        return JSONResponse({"rows": views.rows(reply)})
+        return JSONResponse({"rows": rows})
 
     async def queue(request: Request) -> Response:
         return JSONResponse({"queue": await live.refresh_queue()})

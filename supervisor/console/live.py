@@ -59,6 +59,7 @@ class Hub:
         self.down: str | None = None
         self._queue_key: tuple[tuple[Any, ...], ...] = ()
         self._linger_until = 0.0
+        self.limits = views.BudgetLimits(state_dir)
         self._task: asyncio.Task[None] | None = None
 
     # --- listeners ----------------------------------------------------------------
@@ -103,18 +104,21 @@ class Hub:
         while self.listeners or time.monotonic() < self._linger_until:
             started = time.monotonic()
             try:
-                reply = await anyio.to_thread.run_sync(views.status, self.state_dir)
+                rows = await anyio.to_thread.run_sync(views.status_rows, self.state_dir,
+                                                      self.limits)
             except (statusclient.NoAnswerError, statusclient.RefusedError, OSError) as exc:
                 reason = f"no answer from the supervisor of {self.state_dir.root}: {exc}"
                 if self.down != reason:
                     self.down = reason
                     self._send(frame("down", {"reason": reason}))
+            except Exception as exc:  # noqa: BLE001 - a bad reply never ends the poller
+                self._send(frame("down", {"reason": f"unreadable status: {exc!r}"[:500]}))
             else:
                 if self.down is not None:
                     self.down = None
                     self._send(frame("up", {}))
                 try:
-                    await self._update(views.rows(reply), started - last_full >= FULL_EVERY_S)
+                    await self._update(rows, started - last_full >= FULL_EVERY_S)
                 except Exception as exc:  # noqa: BLE001 - a bad reply never ends the poller
                     self._send(frame("down", {"reason": f"unreadable status: {exc!r}"[:500]}))
                 if started - last_full >= FULL_EVERY_S:

@@ -42,8 +42,43 @@ def status(state_dir: StateDir) -> dict[str, Any]:
     return statusclient.ask_status(state_dir, STATUS_TIMEOUT_S)
 
 
+def status_rows(state_dir: StateDir, limits: BudgetLimits | None = None
+                ) -> list[dict[str, Any]]:
+    """`rows` of a status asked now (the errors of `status`)."""
+    return rows(status(state_dir), limits)
+
+
 def _num(value: object) -> float | None:
     return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+class BudgetLimits:
+    """Each agent's token budget from its spec (`config/agents/NAME.json`, the
+    settings it runs with), read again only when the file changes. Resumes
+    (`supervisor resume`) add to it; the page shows the spec's figure."""
+
+    def __init__(self, state_dir: StateDir) -> None:
+        self.state_dir = state_dir
+        self._known: dict[str, tuple[int, int | None]] = {}
+
+    def tokens(self, name: str) -> int | None:
+        from actors.agent.settings import read_spec, spec_path  # noqa: PLC0415
+        from broker.errors import ConfigError  # noqa: PLC0415
+
+        try:
+            changed_ns = spec_path(self.state_dir, name).stat().st_mtime_ns
+        except (OSError, ValueError):
+            return None
+        known = self._known.get(name)
+        if known is not None and known[0] == changed_ns:
+            return known[1]
+        try:
+            spec = read_spec(self.state_dir, name)
+            limit = spec.settings.budget.tokens if spec is not None else None
+        except ConfigError:
+            limit = None
+        self._known[name] = (changed_ns, limit)
+        return limit
 
 
 def _phase(value: object) -> str | None:
@@ -51,7 +86,7 @@ def _phase(value: object) -> str | None:
     return PHASES.get(int(code)) if code is not None and abs(code) < 1e6 else None
 
 
-def rows(reply: dict[str, Any]) -> list[dict[str, Any]]:
+def rows(reply: dict[str, Any], limits: BudgetLimits | None = None) -> list[dict[str, Any]]:
     """One row per child: what the Agents page shows. Ages are turned into
     moments (`*_at`, epoch seconds) so a row changes only when its child does."""
     now = time.time()
@@ -71,6 +106,8 @@ def rows(reply: dict[str, Any]) -> list[dict[str, Any]]:
             "busy_at": round(now - float(busy["since_s"]), 1) if busy else None,
             "restarts": child.get("restarts"), "last_exit": child.get("last_exit"),
             "tokens": _num(values.get("tokens_used")), "cost": _num(values.get("cost_used")),
+            "budget_tokens": (limits.tokens(str(child.get("name")))
+                              if limits is not None and kind == "agent" else None),
             "cpu": _num(child.get("cpu_percent")), "rss": _num(child.get("rss_bytes")),
             "started_at": round(now - uptime, 1) if uptime is not None else None,
             "heartbeat_at": round(now - heartbeat, 1) if heartbeat is not None else None,
@@ -79,7 +116,7 @@ def rows(reply: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 SIGNIFICANT = ("state", "pid", "phase", "turn", "waiting", "busy", "restarts", "last_exit",
-               "tokens", "cost")
+               "tokens", "cost", "budget_tokens")
 
 
 def changed(before: dict[str, dict[str, Any]], after: list[dict[str, Any]]

@@ -62,7 +62,7 @@ function mib(n) {
 const COLUMNS = [
   ["name", "name"], ["kind", "kind"], ["state", "state"], ["phase", "phase"],
   ["turn", "turn"], ["busy", "busy call"], ["waiting", "waiting"], ["restarts", "restarts"],
-  ["tokens", "tokens"], ["cost", "cost"], ["cpu", "CPU %"], ["rss", "memory"],
+  ["tokens", "tokens (of budget)"], ["cost", "cost"], ["cpu", "CPU %"], ["rss", "memory"],
   ["heartbeat_at", "heartbeat"], ["started_at", "uptime"], ["last_exit", "last exit"],
 ];
 const agents = new Map(); // name -> {row, cells, data}
@@ -79,6 +79,8 @@ function cellText(key, d) {
     case "cpu": return d.cpu === null ? "" : d.cpu.toFixed(1);
     case "cost": return d.cost === null ? "" : String(d.cost);
     case "waiting": return d.waiting ? String(d.waiting) : "";
+    case "tokens": return d.tokens === null ? "" :
+      d.budget_tokens ? `${d.tokens} of ${d.budget_tokens}` : String(d.tokens);
     default: return d[key];
   }
 }
