@@ -42,9 +42,6 @@ steps:
 REFUSED = {
     "bad.yaml": ("name: bad\nsteps:\n  - id: x\n    op: rm_everything\n    args: {}\n",
                  "bad.yaml:4: steps.0.op: unknown op 'rm_everything'"),
-    "loop.yaml": ("name: loop\nsteps:\n  - id: l\n    for: {items: [1, 2], as: i}\n"
-                  "    steps: [{id: w, op: list_dir, args: {path: .}}]\n",
-                  "loop.yaml:4: steps.0.for.max: Field required"),
     "nested.yaml": ("name: nested\nsteps:\n  - id: n\n    op: pipeline_run\n"
                     "    args: {name: other}\n",
                     "nested.yaml:4: steps.0.op: op 'pipeline_run' is refused"),
