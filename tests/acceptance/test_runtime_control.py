@@ -82,6 +82,18 @@ def test_status_of_named_children_and_of_an_unknown_one(
     assert len(refused.stderr.splitlines()) == 1
 
 
+def test_status_watch_refreshes_until_ctrl_c(
+        runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
+    corral, up = runtime
+    watch = corral.popen("status", "--watch", name="watch")
+    header = f"supervisor pid {up.pid}"
+    corral.wait(lambda: (corral.home / "watch.out").read_text().count(header) >= 2,
+                "two refreshes of status --watch")
+    watch.send_signal(signal.SIGINT)
+    assert watch.wait(timeout=30) == 0
+    assert "agent-1" in (corral.home / "watch.out").read_text()
+
+
 def test_stop_holds_one_child_down_and_start_brings_it_back(
         runtime: tuple[Corral, subprocess.Popen[bytes]]) -> None:
     corral, _up = runtime

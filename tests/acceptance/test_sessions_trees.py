@@ -98,6 +98,8 @@ def test_sessions_list_and_show(runtime: tuple[Corral, Result]) -> None:
     shown = corral.run("sessions", "show", row["session_id"][:8]).stdout
     assert re.search(rf"session_id\s+{row['session_id']}", shown)
     assert re.search(r"status\s+finished", shown)
+    only = corral.json("sessions", "list", "--agent", "n1")
+    assert [r["session_id"] for r in only] == [row["session_id"]]
     by_agent = corral.json("sessions", "show", "n1")
     assert by_agent["session_id"] == row["session_id"] and by_agent["agent"] == "n1"
     corral.run("sessions", "show", "nosuch", rc=1)
