@@ -100,18 +100,24 @@ function buildHead() {
   }
 }
 
+let rowTemplate = null; // one <tr> with a <td data-key> per column, cloned per child
+
+function newRow(d) {
+  if (!rowTemplate) {
+    rowTemplate = el("tr", {}, ...COLUMNS.map(([key]) => el("td", { "data-key": key })));
+  }
+  const row = rowTemplate.cloneNode(true);
+  row.setAttribute("data-name", d.name);
+  const cells = {};
+  COLUMNS.forEach(([key], i) => { cells[key] = row.children[i]; });
+  if (d.kind === "agent") cells.name.append(sessionLink(d.name));
+  return { row, cells, data: d };
+}
+
 function upsert(d) {
   let entry = agents.get(d.name);
   if (!entry) {
-    const row = el("tr", { "data-name": d.name });
-    const cells = {};
-    for (const [key] of COLUMNS) {
-      const td = el("td", { "data-key": key });
-      if (key === "name" && d.kind === "agent") td.append(sessionLink(d.name));
-      cells[key] = td;
-      row.append(td);
-    }
-    entry = { row, cells, data: d };
+    entry = newRow(d);
     agents.set(d.name, entry);
   }
   entry.data = d;
@@ -119,8 +125,10 @@ function upsert(d) {
     if (key === "name" && d.kind === "agent") continue;
     setText(entry.cells[key], cellText(key, d));
   }
-  entry.row.setAttribute("data-state", d.state);
-  entry.row.setAttribute("data-phase", d.phase || "");
+  if (entry.row.getAttribute("data-state") !== d.state) entry.row.setAttribute("data-state", d.state);
+  if (entry.row.getAttribute("data-phase") !== (d.phase || "")) {
+    entry.row.setAttribute("data-phase", d.phase || "");
+  }
 }
 
 function remove(name) {
@@ -139,7 +147,8 @@ function compare(a, b) {
   if (x === y) return a.data.name < b.data.name ? -1 : 1;
   if (x === null || x === undefined) return 1;
   if (y === null || y === undefined) return -1;
-  const order = typeof x === "number" && typeof y === "number" ? x - y : String(x).localeCompare(String(y));
+  const order = typeof x === "number" && typeof y === "number" ? x - y
+    : (String(x) < String(y) ? -1 : 1);
   return sortDown ? -order : order;
 }
 
@@ -152,9 +161,12 @@ function layout() {
   const wanted = [];
   for (const entry of all) {
     const d = entry.data;
-    const hay = `${d.name} ${d.kind} ${d.state} ${d.phase || ""} ${d.busy || ""}`.toLowerCase();
-    const visible = words.every((w) => hay.includes(w));
-    entry.row.hidden = !visible;
+    let visible = true;
+    if (words.length) {
+      const hay = `${d.name} ${d.kind} ${d.state} ${d.phase || ""} ${d.busy || ""}`.toLowerCase();
+      visible = words.every((w) => hay.includes(w));
+    }
+    if (entry.row.hidden === visible) entry.row.hidden = !visible;
     if (visible) shown += 1;
     wanted.push(entry.row);
   }
