@@ -13,9 +13,10 @@ the writer (ledgers `approvals` and `budget`) by the origin "operator" under a
 key derived from the request, so a repeated command is written once. Each
 command first rebuilds the agent's state (snapshot generation + tail) to check
 that what it answers is pending (`operator_act`; the web console answers
-through it with the same actions, supervisor/console/app.py). `spawn` checks the task file and asks the
-supervisor, which writes the agent's spec with its running configuration's
-settings (supervisor/requests.py) and starts it; a refused spawn writes nothing.
+through it with the same actions, supervisor/console/app.py). `spawn` checks
+the task file and asks the supervisor, which writes the agent's spec with its
+running configuration's settings (supervisor/requests.py) and starts it; a
+refused spawn writes nothing.
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.
