@@ -360,7 +360,8 @@ class Ack(_Message):
 # --- procs: background commands and terminals (served by the `procs` actor) -----
 SessionName = ActorName  # a session is named after its agent (docs/procs.md)
 ProcId = Annotated[str, Field(pattern=r"^[pt]-[0-9a-f]{16}$")]
-ProcState = Literal["running", "exited", "killed", "capped", "expired", "lost"]
+ProcState = Literal["running", "exited", "killed", "capped", "expired", "lost",
+                    "quota_exceeded"]
 OutputBytes = Annotated[int, Field(ge=1, le=1024 * 1024 * 1024)]
 ReadBytes = Annotated[int, Field(ge=1, le=512 * 1024)]
 Lifetime = Annotated[float, Field(gt=0, le=7 * 24 * 3600)]

@@ -176,6 +176,7 @@ class SandboxLimits(_Strict):
     processes: Annotated[int, Field(ge=0)] = 256
     memory_bytes: Annotated[int, Field(ge=0)] = 1024 * 1024 * 1024
     cpu_weight: Annotated[int, Field(ge=1, le=10000)] = 100
+    workspace_bytes: Annotated[int, Field(ge=0)] = 1024 * 1024 * 1024
 
 
 class SandboxConfig(_Strict):
@@ -207,7 +208,8 @@ class SandboxConfig(_Strict):
                  "--tmp-bytes", str(self.tmp_bytes),
                  "--limit-processes", str(self.limits.processes),
                  "--limit-memory-bytes", str(self.limits.memory_bytes),
-                 "--limit-cpu-weight", str(self.limits.cpu_weight)]
+                 "--limit-cpu-weight", str(self.limits.cpu_weight),
+                 "--limit-workspace-bytes", str(self.limits.workspace_bytes)]
         return args
 
 

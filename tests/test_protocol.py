@@ -26,7 +26,8 @@ values = st.dictionaries(
 proc_ids = st.from_regex(r"\A[pt]-[0-9a-f]{16}\Z")
 subagent_ids = st.from_regex(r"\As-[0-9a-f]{12}\Z")
 subagent_refs = subagent_ids | st.just("latest")
-proc_states = st.sampled_from(["running", "exited", "killed", "capped", "expired", "lost"])
+proc_states = st.sampled_from(["running", "exited", "killed", "capped", "expired", "lost",
+                               "quota_exceeded"])
 child = st.builds(
     p.ChildStatus,
     name=actors,

@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory of one job at most (0: no limit)")
     parser.add_argument("--limit-cpu-weight", type=int, default=Limits.cpu_weight,
                         help="a job's CPU weight (1..10000, 100: an equal share)")
+    parser.add_argument("--limit-workspace-bytes", type=int, default=Limits.workspace_bytes,
+                        help="bytes one job may add to its workspace (0: no limit)")
     parser.add_argument("--tmp-bytes", type=int, default=SandboxPolicy.tmp_bytes,
                         help="size of the sandbox's /tmp (0: unsized)")
     args = parser.parse_args(argv)
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             else SandboxPolicy.hide, bwrap=args.bwrap, cgroups=args.cgroups == "on",
             tmp_bytes=args.tmp_bytes),
         limits=Limits(processes=args.limit_processes, memory_bytes=args.limit_memory_bytes,
-                      cpu_weight=args.limit_cpu_weight),
+                      cpu_weight=args.limit_cpu_weight,
+                      workspace_bytes=args.limit_workspace_bytes),
     )
     return serve(state, options, args.broker_heartbeat_interval_ms / 1000.0)
 

@@ -44,6 +44,7 @@ class Limits:
     processes: int = 256
     memory_bytes: int = 1 << 30
     cpu_weight: int = 100  # 1..10000, as v2's cpu.weight (100: an equal share)
+    workspace_bytes: int = 1 << 30  # bytes a job may add to its workspace (actors/procs/quota.py)
 
 
 @dataclass(frozen=True)

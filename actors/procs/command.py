@@ -63,6 +63,8 @@ class Command(Job):
                 self.kill("cap")
             elif self.expired():
                 self.kill("lifetime")
+            elif self.quota is not None and self.quota.exceeded():
+                self.kill("quota")
             self.escalate()
             return False
         exit_code = read_exit_file(self.entry.exit_path)

@@ -36,6 +36,7 @@ from actors.procs.command import Command, read_exit_file, wrapper_argv
 from actors.procs.facts import Facts, sha256
 from actors.procs.job import GROUP_KEY, SANDBOX_KEY, Job
 from actors.procs.mcpbridge import McpBridge
+from actors.procs.quota import WorkspaceQuota
 from actors.procs.registry import Entry, JobKind, Registry, read_end_file, write_end_file
 from actors.procs.terminal import DISK_FULL_ERRNOS, Terminal
 from broker import lifeline, protocol
@@ -352,6 +353,7 @@ class ProcsHost:
         lifetime = lifetime_s or self.options.command_lifetime_s
         log_path, exit_path = self._files(session, "command", proc_id)
         open(log_path, "ab").close()
+        quota = self._quota(confinement)
         group = self._new_group(proc_id)
         filter_fd = sandbox.seccomp_fd(self.options.sandbox)
         try:
@@ -368,6 +370,7 @@ class ProcsHost:
                             exit_path=exit_path, cap_bytes=cap_bytes, lifetime_s=lifetime)
         job = Command(entry, ours=True, kill_grace_s=self.options.kill_grace_s)
         job.cgroup = group
+        job.quota = quota
         self._launch(job, spawned)
         self.facts.record(session, "proc_start", f"{proc_id}:start", proc_id=proc_id,
                           pid=entry.pid, command_sha256=sha256(command.encode()),
@@ -418,6 +421,7 @@ class ProcsHost:
                             lifetime_s=lifetime)
         job = Terminal(entry, master, kill_grace_s=self.options.kill_grace_s)
         job.cgroup = group
+        job.quota = self._quota(confinement)
         self._launch(job, spawned)
         argv_bytes = "\0".join(message.argv).encode()
         self.facts.record(message.session, "terminal_start", f"{proc_id}:start",
@@ -435,6 +439,11 @@ class ProcsHost:
         inner = env if policy.enabled else launch.job_env(env, proc_id)
         return sandbox.prefix(policy, confinement, cwd, inner, launch.marker(proc_id),
                               seccomp=filter_fd)
+
+    def _quota(self, confinement: sandbox.Confinement) -> WorkspaceQuota | None:
+        """The job's workspace quota, its base measured now (before it runs)."""
+        limit = self.options.limits.workspace_bytes
+        return WorkspaceQuota.start(confinement.workspace, limit) if limit > 0 else None
 
     def _new_group(self, proc_id: str) -> cgroup.Group | None:
         """The job's control group with its limits, made before anything runs."""

@@ -8,7 +8,8 @@ group and its marked processes (actors/procs/launch.py).
 
 Final states: `exited` (ended by itself), `killed` (bash_kill, terminal_end,
 session_end, procs shutdown), `capped` (output cap), `expired` (lifetime or a
-foreground timeout), `lost` (procs could not account for it after a crash).
+foreground timeout), `quota_exceeded` (it wrote more than its workspace quota:
+actors/procs/quota.py), `lost` (procs could not account for it after a crash).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import signal
 import time
 
 from actors.procs import cgroup, launch
+from actors.procs.quota import WorkspaceQuota
 from actors.procs.registry import Entry, JobState
 
 SANDBOX_KEY = "sandbox"  # Entry.extra: "on" | "off", how the job was started
@@ -31,6 +33,7 @@ _STATE_BY_REASON: dict[str, JobState] = {
     "cap": "capped",
     "lifetime": "expired",
     "timeout": "expired",
+    "quota": "quota_exceeded",
 }
 
 
@@ -68,6 +71,7 @@ class Job:
         # ending it reaches only its marked processes
         self.group_known = entry.state == "running"
         self.cgroup: cgroup.Group | None = None  # set by the host (start, re-attach)
+        self.quota: WorkspaceQuota | None = None  # set by the host at start (none re-attached)
 
     @property
     def proc_id(self) -> str:

@@ -27,7 +27,8 @@ from broker.statedir import StateDir
 
 VERSION = 1
 JobKind = Literal["command", "terminal"]
-JobState = Literal["running", "exited", "killed", "capped", "expired", "lost"]
+JobState = Literal["running", "exited", "killed", "capped", "expired", "lost",
+                   "quota_exceeded"]
 
 
 def registry_path(state: StateDir) -> Path:

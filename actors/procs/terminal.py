@@ -162,6 +162,8 @@ class Terminal(Job):
         if not self.leader_gone():
             if self.expired():
                 self.kill("lifetime")
+            elif self.quota is not None and self.quota.exceeded():
+                self.kill("quota")
             self.escalate()
             return False
         if self.reaped_at is None:

@@ -2,7 +2,8 @@
 a hostile command forks without end, allocates without end, fills the
 sandbox's /tmp; each hits its job's limit, and only that job fails: another
 agent's steps go on meanwhile and procs keeps serving. procs runs here with
-small limits (40 processes, 96 MiB, an 8 MiB /tmp) to keep the host calm."""
+small limits (40 processes, 96 MiB, an 8 MiB /tmp, 8 MiB more in the
+workspace per job) to keep the host calm."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.security.stack import Runtime, module_runtime, output_of
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 PY = sys.executable
-PROCESSES, MEMORY_MIB, TMP_MIB = 40, 96, 8
+PROCESSES, MEMORY_MIB, TMP_MIB, WORKSPACE_MIB = 40, 96, 8, 8
 BOMB_TRIES = 200
 
 # forks children that wait, until a fork fails or BOMB_TRIES; says how many,
@@ -54,7 +55,8 @@ WAIT = "for i in $(seq 1 600); do [ -e {flag} ] && exit 0; sleep 0.05; done; exi
 def limited() -> Iterator[Runtime]:
     yield from module_runtime("--limit-processes", str(PROCESSES),
                               "--limit-memory-bytes", str(MEMORY_MIB << 20),
-                              "--tmp-bytes", str(TMP_MIB << 20))
+                              "--tmp-bytes", str(TMP_MIB << 20),
+                              "--limit-workspace-bytes", str(WORKSPACE_MIB << 20))
 
 
 def _workspace(rt: Runtime, name: str) -> Path:
@@ -102,3 +104,29 @@ def test_the_sandbox_tmp_is_a_sized_tmpfs(limited: Runtime) -> None:
         "df -m /tmp | tail -1")}])["1.0"]
     out = output_of(result)
     assert "No space left on device" in out and "rc=1" in out, out
+
+
+# writes 1 MiB to the workspace every 20 ms, up to 200 MiB, saying how far it got
+FILLER = r'''
+import os, time
+with open("big.bin", "wb") as f:
+    for i in range(200):
+        f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+        time.sleep(0.02)
+print("wrote all", flush=True)
+'''
+
+
+def test_a_job_past_its_workspace_quota_ends_quota_exceeded(limited: Runtime) -> None:
+    ws = _workspace(limited, "filler")
+    (ws / "fill.py").write_text(FILLER)
+    filler = limited.start_agent("filler-2", [
+        {"op": "bash", "command": f"{PY} fill.py", "timeout_s": 60}], workspace=ws)
+    other = limited.run_agent("bystander-4", [{"op": "bash", "command": "echo unaffected"}])
+    assert "unaffected" in output_of(other["1.0"])
+    result = limited.finish_agent("filler-2", filler)["1.0"]
+    assert result["state"] == "quota_exceeded", result
+    assert "wrote all" not in output_of(result)
+    assert (ws / "big.bin").stat().st_size < 64 << 20  # stopped near the quota, not at 200 MiB

@@ -1,0 +1,66 @@
+"""The workspace quota of a job: bytes it may add to its session's workspace
+(`sandbox.limits.workspace_bytes`; docs/security.md, "Per-job limits").
+
+The workspace is the job's one writable place on the host's disk, so a
+command could fill the disk every agent and the runtime share. procs notes
+the workspace's usage (allocated blocks of its regular files, symlinks not
+followed) when the job starts and looks again every CHECK_S while it runs;
+a job whose workspace grew past its quota is ended with the state
+`quota_exceeded`, the agent's typed result. Between two looks a fast writer
+may go past the quota by what it writes in CHECK_S; the walk stops after
+MAX_ENTRIES entries (a workspace that large is measured in part).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+CHECK_S = 0.25
+MAX_ENTRIES = 200_000
+BLOCK_BYTES = 512  # st_blocks' unit
+
+
+def usage_bytes(root: str, max_entries: int = MAX_ENTRIES) -> int:
+    """Allocated bytes of the regular files under `root` (links not followed)."""
+    total, seen = 0, 0
+    stack = [root]
+    while stack and seen < max_entries:
+        try:
+            entries = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                seen += 1
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_blocks * BLOCK_BYTES
+                except OSError:
+                    continue
+    return total
+
+
+@dataclass
+class WorkspaceQuota:
+    """One job's quota on its workspace."""
+
+    workspace: str
+    limit_bytes: int
+    base_bytes: int
+    next_check: float = field(default_factory=lambda: time.monotonic() + CHECK_S)
+
+    @classmethod
+    def start(cls, workspace: str, limit_bytes: int) -> WorkspaceQuota:
+        return cls(workspace, limit_bytes, usage_bytes(workspace))
+
+    def exceeded(self) -> bool:
+        """Look (at most every CHECK_S): True once the workspace grew past the quota."""
+        now = time.monotonic()
+        if now < self.next_check:
+            return False
+        self.next_check = now + CHECK_S
+        return usage_bytes(self.workspace) - self.base_bytes > self.limit_bytes
