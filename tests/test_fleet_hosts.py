@@ -27,6 +27,7 @@ from actors.writer.client import WriterClient
 from broker import operatorsig
 from broker.statedir import StateDir
 from supervisor import fleetctl
+from supervisor.console import views as console_views
 from supervisor.fleethost import control_subject
 from supervisor.fleetplace import PLACE_HOST, PLACE_SUBJECT, place_subject
 from tests.agentkit import write_task
@@ -111,6 +112,16 @@ def fleet_view(_processes: ProcessTracker, state_dir: StateDir,
             time.sleep(0.2)
 
 
+def storage_fleet(state_dir: StateDir) -> dict[str, Any] | None:
+    """The console's Storage page's fleet part, once it lists both hosts' agents."""
+    fleet = console_views.storage_usage(state_dir, None)["fleet"]
+    if fleet is None or fleet["error"] is not None or len(fleet["hosts"]) < 2:
+        return None
+    if not any(h["agents"] for h in fleet["hosts"]):
+        return None
+    return {"error": fleet["error"], "hosts": {h["host"]: h for h in fleet["hosts"]}}
+
+
 class ClusterSilentError(RuntimeError):
     """The test's status reads got no answer from the cluster (not a TimeoutError:
     callers take that one for their own deadline)."""
@@ -157,6 +168,12 @@ def test_fleet_status_and_control_across_hosts(
         view = wait_for(cli_shows_both, 30, "both hosts' children in `status --fleet`",
                         interval_s=0.3)
         assert not view[ha]["stale"] and not view[hb]["stale"]
+        # the console's Storage page shows the same hosts and where each agent runs
+        shown = wait_for(lambda: storage_fleet(state_dir), 30, "the console's fleet view",
+                         interval_s=0.3)
+        assert shown["error"] is None
+        assert shown["hosts"][ha]["agents"] == ["agent-1"] and shown["hosts"][hb]["agents"] == []
+        assert not shown["hosts"][ha]["dead"] and not shown["hosts"][hb]["dead"]
         restarts = child(view[hb], "broker")["restarts"]
 
         # host A's operator kills a child of host B; B's supervisor restarts it

@@ -243,4 +243,30 @@ def storage_usage(state_dir: StateDir, config_path: str | None) -> dict[str, Any
         metrics = f"http://{'127.0.0.1' if host == 'localhost' else host}:{port}/metrics"
     except (OSError, ValueError):
         pass
-    return {"usage": usage, "metrics_url": metrics}
+    fleet = None
+    if config.fleet.urls or (state_dir.run_dir / "fleet.json").exists():
+        fleet = fleet_hosts(state_dir, config_path)
+    return {"usage": usage, "metrics_url": metrics, "fleet": fleet}
+
+
+def fleet_hosts(state_dir: StateDir, config_path: str | None) -> dict[str, Any] | None:
+    """The fleet's hosts and where each agent runs, as `supervisor status --fleet`
+    reads them (storage_usage asks only when the fleet is configured, so nothing
+    of the fleet is imported otherwise)."""
+    from broker.errors import ConfigError  # noqa: PLC0415
+    from supervisor import fleetctl  # noqa: PLC0415 - the fleet only when it is on
+
+    try:
+        config = fleetctl.fleet_config(state_dir, config_path)
+    except ConfigError:
+        return None  # a config file without a fleet
+    try:
+        hosts = fleetctl.fleet_status(config)
+    except Exception as exc:  # noqa: BLE001 - the cluster away: the page says so
+        return {"hosts": [], "error": f"the fleet's cluster did not answer ({type(exc).__name__})"}
+    return {"hosts": [
+        {"host": plain(h["host"], 200), "age_s": h.get("age_s"), "stale": bool(h.get("stale")),
+         "dead": bool(h.get("dead")), "supervisor_pid": h.get("supervisor_pid"),
+         "agents": sorted(plain(c.get("name", ""), 200) for c in h.get("children", [])
+                          if isinstance(c, dict) and c.get("kind") == "agent")}
+        for h in hosts], "error": None}

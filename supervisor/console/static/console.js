@@ -394,7 +394,20 @@ function showStorage() {
     link.hidden = !ours;
     $("metrics-none").hidden = ours;
     if (ours) { link.href = url; setText(link, `Prometheus metrics (${url})`); }
+    showFleet(data.fleet);
   }, (error) => setText($("storage-total"), error.message));
+}
+
+function showFleet(fleet) {
+  $("fleet").hidden = !fleet;
+  if (!fleet) return;
+  setText($("fleet-error"), fleet.error || "");
+  const state = (h) => (h.dead ? "dead" : h.stale ? "stale" : "live");
+  $("fleet-hosts").tBodies[0].replaceChildren(...fleet.hosts.map((h) => el("tr", {},
+    el("td", { text: h.host }), el("td", { text: state(h) }),
+    el("td", { text: h.age_s === null || h.age_s === undefined ? "-" : `${h.age_s}s ago` }),
+    el("td", { text: h.supervisor_pid ? String(h.supervisor_pid) : "-" }),
+    el("td", { text: h.agents.join(", ") }))));
 }
 
 // --- pages -------------------------------------------------------------------------
