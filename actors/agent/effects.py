@@ -145,8 +145,12 @@ class EffectJournal:
         if self._torn:  # a crash cut the last line: this one starts on its own
             line = b"\n" + line
         view = memoryview(line)
-        while view:
-            view = view[os.write(self._fd, view):]
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:  # a full disk: a part written is a torn line
+            self._torn = self._torn or len(view) < len(line)
+            raise
         self._torn = False  # durable as the page cache is (module docstring)
 
     def _close(self) -> None:

@@ -45,6 +45,7 @@ their hash and size (actors/agent/vault.py).
 
 from __future__ import annotations
 
+import errno
 from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
 from pathlib import Path
@@ -189,9 +190,17 @@ class AgentLoop:
         if (self._since_generation >= self.settings.snapshot_every
                 and last_event != generations.SAVED_EVENT):
             seq = self.state.last_seq
-            digest = generations.write(self.agent_dir, self.name, self.state,
-                                       keep=self.settings.generations_kept, key=last_key)
             self._since_generation = 0
+            try:
+                digest = generations.write(self.agent_dir, self.name, self.state,
+                                           keep=self.settings.generations_kept, key=last_key)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # derived (a rebuild folds from an older one): skipped on a full disk,
+                # written again `snapshot_every` events later (docs/storage.md)
+                self.log.warning("generation_skipped", seq=seq, error=exc.strerror)
+                return
             event, payload, key = generations.saved_fact(seq, digest)
             self._append(event, payload, key)  # the WAL vouches for the file's content
             self._prune_compactions()
@@ -585,7 +594,7 @@ class AgentLoop:
         except PathRefusedError as exc:
             outcome = Done({"error": exc.reason}, ok=False)
         except OSError as exc:
-            outcome = Done({"error": exc.strerror or type(exc).__name__}, ok=False)
+            outcome = _os_failure(exc)
         self.faults.hit("before_tool_start", cid)
         effect = None
         if isinstance(outcome, Write):
@@ -602,7 +611,7 @@ class AgentLoop:
             except PathRefusedError as exc:  # the walk refused it at write time
                 outcome = Done({"error": exc.reason}, ok=False)
             except OSError as exc:
-                outcome = Done({"error": exc.strerror or type(exc).__name__}, ok=False)
+                outcome = _os_failure(exc)
         self.faults.hit("after_effect", cid)
         may_wait = self._result_may_wait(call)  # (before the result settles the step)
         self._result(call, op, outcome.status or ("ok" if outcome.ok else "error"),
@@ -632,9 +641,10 @@ class AgentLoop:
             return True
         return track.result_may_wait(self.state.pipeline, call.index)
 
-    def _plan_write(self, call: Call, write: Write) -> tuple[dict[str, Any], Write | Done]:
+    def _plan_write(self, call: Call, write: Write) -> tuple[dict[str, Any] | None, Write | Done]:
         """The effect to record; `Done` when the effect journal shows this very write
-        is already on disk (its WAL records were lost), so it is not applied twice."""
+        is already on disk (its WAL records were lost), so it is not applied twice,
+        or when its note cannot be written (a full disk: `storage_full`, no effect)."""
         action_sha = effects.action_digest(self.state.actions[call.index])
         now = workspace.digest(write.target)
         session = self.state.session
@@ -645,9 +655,18 @@ class AgentLoop:
             return ({"path": write.label, "before_sha": prior.before_sha,
                      "after_sha": prior.after_sha}, Done(prior.result))
         after = workspace.content_digest(write.content)
-        self.effects.record(effects.Entry(call.call_id, action_sha, write.label, now, after,
-                                          write.result), session)
-        self.effects.prune(self.state.turn, session)
+        try:
+            self.effects.record(effects.Entry(call.call_id, action_sha, write.label, now, after,
+                                              write.result), session)
+        except OSError as exc:  # no note, no effect: the write is not made
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            return None, _os_failure(exc)
+        try:
+            self.effects.prune(self.state.turn, session)
+        except OSError as exc:  # a rewrite to drop old lines: again later
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
         return {"path": write.label, "before_sha": now, "after_sha": after}, write
 
     def _result(self, call: Call, op: OpBase, status: str, result: dict[str, Any]) -> None:
@@ -682,6 +701,17 @@ class AgentLoop:
                      key=f"t{turn}:aborted")
         self.log.warning("turn_aborted", turn=turn, calls=len(calls),
                          ops=[f"{c['call_id']} {c['op']}" for c in calls])
+
+
+def _os_failure(exc: OSError) -> Done:
+    """An op's failed file operation as its result: a full disk or quota is the
+    typed `storage_full` (the effect not made: retry once space is freed;
+    docs/storage.md), any other error its text."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return Done({"error": "storage_full", "message": "no space left for the state "
+                     "directory: the effect was not made; retry once space is freed"},
+                    ok=False)
+    return Done({"error": exc.strerror or type(exc).__name__}, ok=False)
 
 
 def _replay_safe(call: Call, s: AgentState, state_dir: StateDir, agent: str) -> bool:

@@ -113,6 +113,8 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
             spec = read_spec(state_dir, name)
             if spec is not None:
                 writer = WriterClient(ctx, state_dir, name)
+                if reporter is not None:  # a full disk: beats go on while the writer says so
+                    writer.storage_waiting = reporter.touch
                 loop = AgentLoop(name, state_dir, spec, writer, peer=peer, watch=reporter)
                 loop.rebuild()
         except ConfigError as exc:

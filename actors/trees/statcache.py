@@ -25,11 +25,13 @@ without fsync, rewritten whole when it grows past a few times its live
 size; or a line every few captures (`save_every`, the agent's: what the
 captures between changed goes in the next line). A missing, damaged or
 foreign file costs one full hashing pass, never a wrong digest (a line that
-does not parse ends the replay there).
+does not parse ends the replay there). On a full disk (ENOSPC, EDQUOT) a line
+is skipped, never raised: the next one rewrites the file whole.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -44,6 +46,7 @@ from broker.durable import open_append
 FORMAT_VERSION = 2  # 2: a directory's line may give only the files that changed
 NO_DIGEST = ""  # a seeded directory's: no tree digest known (never one the store holds)
 STAMP_NAME = ".stamp"  # the probe file fs_now_ns writes
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk or quota: the write is skipped
 Ident = tuple[int, int, int, int, int]  # mode, inode, size, mtime_ns, ctime_ns
 Signature = tuple[tuple[str, int, int, int, int, int], ...]
 
@@ -193,17 +196,29 @@ class StatCache:
             "gone": [] if rewrite else gone, "dirs": dirs,
         }, separators=(",", ":")) + "\n"
         try:
-            self._write(line, rewrite)
-        except FileNotFoundError:  # no cache directory (yet, or removed: it is derived)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._write(line, rewrite)
+            try:
+                self._write(line, rewrite)
+            except FileNotFoundError:  # no cache directory (yet, or removed: it is derived)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._write(line, rewrite)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
+            # a full disk: the line is skipped (a cache, derived); the next one
+            # rewrites the file whole, so a line cut short here is never followed
+            self._lines = 0
+            self._close_append()
 
     def _write(self, line: str, rewrite: bool) -> None:
         assert self.path is not None
         if rewrite:
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(line, encoding="utf-8")
-            os.replace(tmp, self.path)
+            try:
+                tmp.write_text(line, encoding="utf-8")
+                os.replace(tmp, self.path)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                raise
             self._lines = 1
             self._close_append()  # it names the file replaced
             return
@@ -256,7 +271,12 @@ def fs_now_ns(directory: Path) -> int:
     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600)
     try:
-        os.write(fd, b"s")
+        try:
+            os.write(fd, b"s")
+        except OSError as exc:  # a full disk: the times set to now, no byte written
+            if exc.errno not in NO_SPACE:
+                raise
+            os.utime(fd)
         return os.fstat(fd).st_mtime_ns
     finally:
         os.close(fd)

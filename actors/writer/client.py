@@ -99,6 +99,9 @@ class WriterClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.storage_wait_s = storage_wait_s
+        # called after each `storage_full` refusal while the append waits: an
+        # agent's watchdog is touched, so its heartbeats go on (docs/storage.md)
+        self.storage_waiting: Callable[[], None] | None = None
         router = endpoint or state_dir.endpoint("writer")
         self._req = Requester(ctx, router, curve=curve, credential=credential)
         self._lane: LaneClient | None = None
@@ -187,6 +190,8 @@ class WriterClient:
                                                 timeout_s=self.timeout_s, retries=self.retries)
             except RemoteError as exc:
                 backoff_s = self._storage_full_wait(exc, deadline, backoff_s)
+                if self.storage_waiting is not None:
+                    self.storage_waiting()
 
     @staticmethod
     def _storage_full_wait(exc: RemoteError, deadline: float, backoff_s: float) -> float:
