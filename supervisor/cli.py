@@ -410,7 +410,10 @@ def _status(args: argparse.Namespace) -> int:
         else:
             text = statusview.render(data, stale)
         if args.watch:
-            sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
+            # the screen is cleared only on a terminal; a pipe or a file gets each
+            # round as it is, one after another
+            clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+            sys.stdout.write(clear + text + "\n")
             sys.stdout.flush()
             time.sleep(1.0)
             continue

@@ -91,7 +91,9 @@ def test_status_watch_refreshes_until_ctrl_c(
                 "two refreshes of status --watch")
     watch.send_signal(signal.SIGINT)
     assert watch.wait(timeout=30) == 0
-    assert "agent-1" in (corral.home / "watch.out").read_text()
+    out = (corral.home / "watch.out").read_text()
+    assert "agent-1" in out
+    assert "\x1b[" not in out  # not a terminal: no screen-clearing codes in the file
 
 
 def test_stop_holds_one_child_down_and_start_brings_it_back(
