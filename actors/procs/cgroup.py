@@ -125,10 +125,17 @@ def _join_path(mount: str, root: str, path: str) -> str | None:
 
 
 def _make_base(parent: str, scope: str) -> str | None:
+    """The runtime's directory under `parent`, made; None unless it is a
+    cgroup (the kernel gives every cgroup a `cgroup.procs`: a directory made
+    where the hierarchy is covered by another mount is not one)."""
     base = os.path.join(parent, f"corral-{scope}")
     try:
         os.makedirs(base, mode=0o755, exist_ok=True)
     except OSError:
+        return None
+    if not os.path.exists(os.path.join(base, "cgroup.procs")):
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
         return None
     return base
 

@@ -13,6 +13,7 @@ crash kills what a previous run left."""
 
 from __future__ import annotations
 
+import os
 import platform
 import signal
 import sys
@@ -206,3 +207,28 @@ def test_a_job_left_by_a_crashed_procs_is_killed_when_procs_starts_again(
         runtime.stop_procs()  # ends the agent's `sleep 300`, re-attached
     finally:
         kill_pids(host_pids_running([tag]))
+
+
+def _procs_without_cgroups(rt: Runtime, *args: str) -> None:
+    """procs in a mount namespace whose /sys/fs/cgroup is an empty tmpfs: a
+    host with no usable cgroup hierarchy, as procs sees it."""
+    script = ('mount -t tmpfs none /sys/fs/cgroup && exec "$0" -m actors.procs '
+              '--state-dir "$1" --kill-grace-s 0.3 "${@:2}"')
+    rt.procs_runs += 1
+    rt.procs = rt.processes.spawn(
+        ["unshare", "-m", "--propagation", "private", "bash", "-c", script, PY, rt.root, *args],
+        name=f"procs{rt.procs_runs}", python=False)
+    wait_for(rt._procs_answers, 30, "procs to answer a ping")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace needs root")
+def test_without_a_usable_cgroup_hierarchy_commands_are_refused_unless_configured(
+        runtime: Runtime) -> None:
+    _procs_without_cgroups(runtime)
+    refused = runtime.run_agent("nogroup-1", [{"op": "bash", "command": "echo ran"}])
+    error = output_of(refused["1.0"])
+    assert "sandbox_unavailable" in error and "cgroups: off" in error, error
+    runtime.stop_procs()
+    _procs_without_cgroups(runtime, "--cgroups", "off")
+    ran = runtime.run_agent("nogroup-2", [{"op": "bash", "command": "echo ran"}])
+    assert output_of(ran["1.0"]).startswith("ran"), ran
