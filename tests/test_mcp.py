@@ -29,7 +29,10 @@ SERVER = """
 
     @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
     def echo(text: str) -> str:
-        return f"echo:{text} cwd={os.getcwd()} key={os.environ.get('OPENAI_API_KEY')}"
+        with open("/proc/self/status") as f:
+            mode = next(line.split()[1] for line in f if line.startswith("Seccomp:"))
+        return (f"echo:{text} cwd={os.getcwd()} key={os.environ.get('OPENAI_API_KEY')}"
+                f" seccomp={mode}")
 
     @server.tool()
     def write_note(name: str, body: str) -> str:
@@ -169,8 +172,9 @@ def test_an_mcp_tool_through_the_gate_and_a_hostile_server_refused(
     echo = calls["2.0"]
     assert (echo["status"], echo["decision"]) == ("ok", "allow")
     text = echo["result"]["content"][0]["text"]
-    # it ran in the agent's sandbox: its workspace, no model key
-    assert text == f"echo:hi cwd={workspace} key=None"
+    # it ran in the agent's sandbox: its workspace, no model key, the seccomp
+    # filter every command gets (mode 2: a filter)
+    assert text == f"echo:hi cwd={workspace} key=None seccomp=2"
     assert (calls["3.0"]["status"], calls["3.0"]["rule"]) == ("ok", "rules[1]")
     assert (workspace / "note.txt").read_text() == "approved"
     assert (calls["4.0"]["decision"], calls["4.0"]["status"]) == ("deny", "denied")

@@ -164,11 +164,12 @@ class ServerInstance:
     """One server for one sender: a thread, its loop, its process and session."""
 
     def __init__(self, sender: str, entry: registries.McpServerEntry, argv: list[str],
-                 cwd: str) -> None:
+                 cwd: str, filter_fd: int | None = None) -> None:
         self.sender = sender
         self.entry = entry
         self.argv = argv
         self.cwd = cwd
+        self.filter_fd = filter_fd  # the sandbox's seccomp filter, read by its bwrap
         self.loop = asyncio.new_event_loop()
         self.queue: asyncio.Queue[tuple[str, str | None, dict[str, Any], str, Future[Any]]] | None \
             = None
@@ -187,6 +188,10 @@ class ServerInstance:
         except Exception as exc:  # noqa: BLE001 - any failure ends this instance only
             self.failure = self.failure or f"{type(exc).__name__}: {str(exc)[:300]}"
         finally:
+            if self.filter_fd is not None:  # ended before its process was started
+                with contextlib.suppress(OSError):
+                    os.close(self.filter_fd)
+                self.filter_fd = None
             self.dead.set()
             if not self.ready.done():
                 self.ready.set_exception(McpRefusal("server_failed", self.failure or "ended"))
@@ -199,8 +204,15 @@ class ServerInstance:
         from mcp.client.session import ClientSession  # noqa: PLC0415
 
         self.queue = asyncio.Queue()
-        process = await anyio.open_process(self.argv, stdin=-1, stdout=-1, stderr=-3,
-                                           cwd=self.cwd, env={}, start_new_session=True)
+        try:
+            process = await anyio.open_process(
+                self.argv, stdin=-1, stdout=-1, stderr=-3, cwd=self.cwd, env={},
+                start_new_session=True,
+                pass_fds=() if self.filter_fd is None else (self.filter_fd,))
+        finally:
+            if self.filter_fd is not None:  # bwrap holds its own copy now (or never will)
+                os.close(self.filter_fd)
+                self.filter_fd = None
         transport = _Transport(process)
         try:
             async with anyio.create_task_group() as tg:
@@ -319,9 +331,13 @@ class McpBridge:
         workspace = self.host.workspace_of(sender)
         confinement = self.host.confinement(sender, workspace)
         env = {**sandbox.clean_env(os.environ), **entry.env}
+        # the same seccomp filter as every command's (docs/security.md): an
+        # agent-installed server must not ptrace its way out either
+        filter_fd = sandbox.seccomp_fd(self.host.options.sandbox)
         argv = [*self.host._prefix(confinement, workspace, env,
-                                   f"mcp-{entry.name}"), *entry.command]
-        instance = self.instances[key] = ServerInstance(sender, entry, argv, workspace)
+                                   f"mcp-{entry.name}", filter_fd), *entry.command]
+        instance = self.instances[key] = ServerInstance(sender, entry, argv, workspace,
+                                                        filter_fd)
         log.info("mcp_server_started", session=sender, server=entry.name)
         return instance
 
