@@ -34,15 +34,20 @@ def write_atomic(
         tmp.unlink()  # left by a crash in the middle of an earlier write
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if read_only:
-            os.fchmod(fd, 0o400)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if read_only:
+                os.fchmod(fd, 0o400)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk keeps no half-written temp file
+            tmp.unlink()
+        raise
     if sync_dir:
         fsync_dir(path.parent)
 

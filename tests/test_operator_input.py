@@ -242,3 +242,20 @@ def test_trace_shows_the_exact_text_from_the_file_and_the_wal_only_its_hash(
     assert "text:" not in trace.render(record)  # without the agent's files: hash and size
     consumed = trace.render(_record("correction_consumed", {"correction": "k1", "turn": 4}))
     assert "k1: delivered to the model with turn 4" in consumed
+
+
+def test_an_answer_on_a_full_disk_is_refused_in_one_line_and_leaves_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC while the answer's text is written (the fault injected at os.write)
+    is a typed refusal naming the cause, with nothing left behind, not a
+    traceback from `supervisor answer`."""
+    import errno
+
+    def full(_fd: int, _data: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(InputRefusedError, match="No space left on device"):
+        operator_input.write_text(tmp_path, "answer", "req-1.0", "the answer")
+    monkeypatch.undo()
+    assert [p.name for p in operator_input.input_dir(tmp_path).iterdir()] == []

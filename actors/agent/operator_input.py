@@ -82,8 +82,13 @@ def write_text(agent_dir: Path, kind: str, ident: str, text: str) -> dict[str, A
     if not FILE_PATTERN.fullmatch(name):
         raise InputRefusedError(f"invalid identity {ident!r}")
     directory = input_dir(agent_dir)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    write_atomic(directory / name, text.encode())
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_atomic(directory / name, text.encode())
+    except OSError as exc:  # a full disk (ENOSPC, EDQUOT) or a broken directory
+        raise InputRefusedError(
+            f"cannot write the text under {directory}: {exc.strerror or exc}; nothing was "
+            f"recorded, run the command again once that is fixed") from exc
     return {"sha256": sha, "chars": len(text), "file": name}
 
 
