@@ -131,7 +131,9 @@ class Corral:
         return path
 
     def config(self, text: str = "", name: str = "corral.yaml") -> Path:
-        """A configuration file: the user's keys over the defaults."""
+        """A configuration file with exactly `text` (a whole configuration: `up`
+        refuses one without its children; config_from_default starts from the
+        packaged file, as docs/operations.md says)."""
         return self.write(name, text)
 
     def config_from_default(self, changes: Mapping[str, Any],
