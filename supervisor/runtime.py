@@ -79,6 +79,7 @@ class Runtime:
         self.stop_phase = len(KIND_ORDER) - 1  # the same, backwards, while stopping
         self.stopping = False
         self.exit_code = EXIT_OK
+        self._status_error: int | None = None  # errno of the failing status.json write
         self.fenced = False  # the writer stopped fenced: this host's agents live elsewhere
         self.rng = random.Random()  # noqa: S311 - backoff jitter, not secrets
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -690,7 +691,15 @@ class Runtime:
         try:
             statusfile.write(self.state_dir.status_path, status)
         except OSError as exc:
-            log.warning("status_write_failed", error=str(exc))
+            # said once when it starts failing (a full disk fails it every round),
+            # and once when it works again
+            if self._status_error != exc.errno:
+                log.warning("status_write_failed", error=str(exc))
+            self._status_error = exc.errno
+        else:
+            if self._status_error is not None:
+                log.info("status_write_recovered")
+            self._status_error = None
 
     def _start_metrics(self) -> None:
         """The Prometheus endpoint (`metrics.listen`); a port that cannot be bound is

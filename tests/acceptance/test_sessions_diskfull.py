@@ -120,3 +120,7 @@ def test_agents_on_a_full_disk_wait_and_finish_once_space_is_freed(small_disk: C
         failed = [json.loads(line)["payload"] for line in trace
                   if '"tool_result"' in line and '"error"' in line]
         assert all(p["result"].get("error") == "storage_full" for p in failed), failed
+    # the supervisor says once that status.json cannot be written, not every round
+    logs = corral.run("logs", "--actor", "supervisor", "--json").stdout.splitlines()
+    said = [line for line in logs if '"status_write_failed"' in line]
+    assert len(said) <= 2, said
