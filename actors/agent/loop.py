@@ -46,6 +46,7 @@ their hash and size (actors/agent/vault.py).
 from __future__ import annotations
 
 import errno
+import time
 from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
 from pathlib import Path
@@ -439,7 +440,7 @@ class AgentLoop:
         if self._tree_recorded_at == self._facts_appended:
             return False
         self.trees.hold()  # released by the flush that makes the fact durable
-        fact = self.trees.fact(self.state)
+        fact = self._tree_fact()
         if fact is None:
             if not self._pending:
                 self.trees.released()
@@ -447,6 +448,30 @@ class AgentLoop:
         self._append(*fact)
         self._tree_recorded_at = self._facts_appended
         return True
+
+    def _tree_fact(self) -> tuple[str, dict[str, Any], str] | None:
+        """The workspace's capture; a full disk under the trees store (ENOSPC,
+        EDQUOT) is waited out as an append waits for a full writer: heartbeats
+        go on, for up to the writer client's `storage_wait_s`, then it raises
+        (docs/storage.md). A capture that failed is not trusted by the next one
+        (actors/trees/capture.py: its objects are checked again)."""
+        deadline = time.monotonic() + float(getattr(self.writer, "storage_wait_s", 0.0))
+        backoff_s = 0.05
+        said = False
+        while True:
+            try:
+                return self.trees.fact(self.state)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or time.monotonic() >= deadline:
+                    raise
+                if not said:
+                    self.log.warning("tree_capture_waiting", error=exc.strerror)
+                    said = True
+            waiting = getattr(self.writer, "storage_waiting", None)
+            if waiting is not None:
+                waiting()
+            time.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, 1.0)
 
     def _exit(self, reason: str, summary: str = "") -> None:
         self._record_tree()

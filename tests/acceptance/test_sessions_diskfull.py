@@ -103,7 +103,8 @@ def test_agents_on_a_full_disk_wait_and_finish_once_space_is_freed(small_disk: C
 
     kids = corral.wait(waited_or_died, "the agents to wait out the full disk", timeout_s=240)
     died = [n for n, c in kids.items() if c.get("restarts") or c["state"] == "fatal"]
-    assert not died, kids
+    assert not died, (died, [corral.run("logs", "--actor", n, rc=None).stdout[-3000:]
+                             for n in died], corral.run("status", rc=None).stdout)
     subprocess.run(["mount", "-o", "remount,size=1g", str(corral.state_dir)], check=True)
 
     def all_done() -> bool:
