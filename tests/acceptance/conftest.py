@@ -55,6 +55,13 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def writer_task(repeat: int, content: str = "pass {i}\\n") -> str:
+    """A scripted task file (docs/agents.md) that writes a{i}.txt `repeat` times."""
+    return ("name: writer\nprompt: write a few files\n"
+            f"repeat: {repeat}\nsteps:\n"
+            f'  - {{op: write_file, path: "a{{i}}.txt", content: "{content}"}}\n')
+
+
 @dataclass(frozen=True)
 class Result:
     """One finished `supervisor` command."""

@@ -9,19 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.acceptance.conftest import Corral
+from tests.acceptance.conftest import Corral, writer_task
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
 
 ROOT = Path(__file__).resolve().parents[2]
 
-WRITER_TASK = """\
-name: writer
-prompt: write a few files
-repeat: 4
-steps:
-  - {op: write_file, path: "a{i}.txt", content: "hello hello hello hello hello {i}\\n"}
-"""
+WRITER_TASK = writer_task(4, "hello hello hello hello hello {i}\\n")
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,13 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.acceptance.conftest import Corral
+from tests.acceptance.conftest import Corral, writer_task
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
 SETTINGS: dict[str, Any] = {"agents": {"count": 3}, "metrics": {"listen": "127.0.0.1:0"}}
 CORE = {"writer", "broker", "procs", "subagents"}
-WRITER_TASK = """\
-name: writer
-prompt: write a few files
-repeat: 3
-steps:
-  - {op: write_file, path: "a{i}.txt", content: "pass {i}\\n"}
-"""
+WRITER_TASK = writer_task(3)
 
 
 @pytest.fixture(scope="module")

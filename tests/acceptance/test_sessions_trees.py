@@ -13,17 +13,11 @@ from typing import Any
 
 import pytest
 
-from tests.acceptance.conftest import Corral, Result
+from tests.acceptance.conftest import Corral, Result, writer_task
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
-WRITER_TASK = """\
-name: writer
-prompt: write a few files
-repeat: 4
-steps:
-  - {op: write_file, path: "a{i}.txt", content: "pass {i}\\n"}
-"""
+WRITER_TASK = writer_task(4)
 AGENTS = ("n1", "rw", "pg")
 ALL_FILES = ["a0.txt", "a1.txt", "a2.txt", "a3.txt"]
 
