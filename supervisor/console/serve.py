@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -97,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
         h11_max_incomplete_event_size=16 * 1024, limit_concurrency=256, lifespan="off"))
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again under the
+    # handler found before it: a no-op one, so a stop asked for ends with 0
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: None)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
