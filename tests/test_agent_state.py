@@ -168,3 +168,17 @@ def test_a_result_at_the_bound_is_clipped_as_json_clips_it() -> None:
         for value in ({"k": "x" * size}, {"k": ["é"] * (size // 6)}, [1e-07] * (size // 6),
                       {"a": [None, True, {"b": "ü" * (size // 2)}]}, "y" * (size * 3)):
             assert repr(_clip(value)) == repr(_clip_by_json(value))
+
+
+def test_a_usage_charge_never_gives_budget_back_and_a_malformed_one_is_ignored() -> None:
+    """`schedule_usage` / `subagent_usage` charge the budget: a negative,
+    non-numeric, boolean or non-finite figure charges nothing and never stops
+    the fold; a valid one is counted."""
+    bad: list[Any] = [-500, "700", None, True, float("nan"), float("inf"), [1]]
+    events = [(i + 1, kind, {"tokens": value, "cost_units": value})
+              for i, value in enumerate(bad) for kind in ("schedule_usage", "subagent_usage")]
+    state = fold(AgentState(), events)
+    assert (state.budget.tokens_used, state.budget.cost_used) == (0, 0.0)
+    state = fold(state, [(100, "schedule_usage", {"tokens": 200, "cost_units": 0.5}),
+                         (101, "subagent_usage", {"tokens": 50})])
+    assert (state.budget.tokens_used, state.budget.cost_used) == (250, 0.5)

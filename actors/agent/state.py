@@ -262,6 +262,15 @@ def _deliver_inputs(state: AgentState) -> None:
     state.inputs = keep
 
 
+def _spent(value: object) -> float:
+    """A usage figure as a charge: a finite number >= 0, anything else 0 (a
+    negative charge would give budget back; a malformed one must not stop the
+    fold)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    return float(value) if 0 <= value < float("inf") else 0.0
+
+
 def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
     match event:
         case "session_start":
@@ -417,8 +426,8 @@ def _apply(state: AgentState, event: str, p: dict[str, Any]) -> None:
         # a child's model use counts into its parent's budget, a run of its schedule's
         # into its owner's (schedule_usage: supervisor/automationgrants.py)
         case "subagent_usage" | "schedule_usage":
-            state.budget.tokens_used += int(p.get("tokens", 0))
-            state.budget.cost_used += float(p.get("cost_units", 0.0))
+            state.budget.tokens_used += int(_spent(p.get("tokens")))
+            state.budget.cost_used += _spent(p.get("cost_units"))
         case "budget_resumed":
             state.budget.extra_tokens += int(p.get("tokens", 0))
             state.budget.extra_cost += float(p.get("cost_units", 0.0))
