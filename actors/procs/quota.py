@@ -4,11 +4,13 @@
 The workspace is the job's one writable place on the host's disk, so a
 command could fill the disk every agent and the runtime share. procs notes
 the workspace's usage (allocated blocks of its regular files, symlinks not
-followed) when the job starts and looks again every CHECK_S while it runs;
-a job whose workspace grew past its quota is ended with the state
-`quota_exceeded`, the agent's typed result. Between two looks a fast writer
-may go past the quota by what it writes in CHECK_S; the walk stops after
-MAX_ENTRIES entries (a workspace that large is measured in part).
+followed) when the job starts and looks again while it runs: every CHECK_S,
+or DUTY times the last look's own time when that is longer (a look takes at
+most about 1/DUTY of a core however large the workspace). A job whose
+workspace grew past its quota is ended with the state `quota_exceeded`, the
+agent's typed result. Between two looks a fast writer may go past the quota
+by what it writes meanwhile; the walk stops after MAX_ENTRIES entries (a
+workspace that large is measured in part).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 CHECK_S = 0.25
+DUTY = 20  # the pause after a look is at least DUTY times what the look took
 MAX_ENTRIES = 200_000
 BLOCK_BYTES = 512  # st_blocks' unit
 
@@ -62,5 +65,7 @@ class WorkspaceQuota:
         now = time.monotonic()
         if now < self.next_check:
             return False
-        self.next_check = now + CHECK_S
-        return usage_bytes(self.workspace) - self.base_bytes > self.limit_bytes
+        used = usage_bytes(self.workspace)
+        took_s = time.monotonic() - now
+        self.next_check = now + took_s + max(CHECK_S, DUTY * took_s)
+        return used - self.base_bytes > self.limit_bytes
