@@ -451,27 +451,33 @@ class AgentLoop:
 
     def _tree_fact(self) -> tuple[str, dict[str, Any], str] | None:
         """The workspace's capture; a full disk under the trees store (ENOSPC,
-        EDQUOT) is waited out as an append waits for a full writer: heartbeats
-        go on, for up to the writer client's `storage_wait_s`, then it raises
-        (docs/storage.md). A capture that failed is not trusted by the next one
-        (actors/trees/capture.py: its objects are checked again)."""
-        deadline = time.monotonic() + float(getattr(self.writer, "storage_wait_s", 0.0))
+        EDQUOT) is waited out as an append waits for a full writer: a declared
+        call (`busy: tree_capture` in status, heartbeats going on), for up to
+        the writer client's `storage_wait_s`, then it raises (docs/storage.md).
+        A capture that failed is not trusted by the next one (actors/trees/
+        capture.py: its objects are checked again)."""
+        try:
+            return self.trees.fact(self.state)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.log.warning("tree_capture_waiting", error=exc.strerror)
+        wait_s = float(getattr(self.writer, "storage_wait_s", 0.0))
+        deadline = time.monotonic() + wait_s
         backoff_s = 0.05
-        said = False
-        while True:
-            try:
-                return self.trees.fact(self.state)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or time.monotonic() >= deadline:
-                    raise
-                if not said:
-                    self.log.warning("tree_capture_waiting", error=exc.strerror)
-                    said = True
-            waiting = getattr(self.writer, "storage_waiting", None)
-            if waiting is not None:
-                waiting()
-            time.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 1.0)
+        with self._busy("tree_capture", wait_s):
+            while True:
+                waiting = getattr(self.writer, "storage_waiting", None)
+                if waiting is not None:
+                    waiting()
+                time.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 1.0)
+                try:
+                    return self.trees.fact(self.state)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) \
+                            or time.monotonic() >= deadline:
+                        raise
 
     def _exit(self, reason: str, summary: str = "") -> None:
         self._record_tree()
