@@ -1,2 +1,4 @@
-"""The processes that do the work: the writer (and the WAL format), agents,
-the procs and subagents hosts. May import `broker`; never `supervisor`."""
+"""The processes that do the work: the writer, agents, the procs and subagents hosts.
+
+May import `broker`; never `supervisor`. See docs/architecture.md ("Layers").
+"""

@@ -1,14 +1,8 @@
-"""Remove variables from a forked process's environment, including the copy
-the kernel shows in /proc/<pid>/environ.
+"""Remove variables from a forked process's environment, /proc/<pid>/environ too.
 
-A child forked from the zygote (a restarted writer or broker) inherits the
-zygote's environment, which holds the model's key for the agents. Removing
-a name from `os.environ` unsets it for the process (getenv, children), but
-/proc/<pid>/environ still shows the block the zygote was exec'd with: the
-kernel reads it from the process's own memory (env_start..env_end in
-/proc/self/stat). `scrub()` unsets the names and overwrites their strings in
-that block with NULs; the pages are the child's own copies after the fork,
-so the zygote keeps its key.
+The names' strings in the exec-time block are overwritten with NULs (the
+child's own pages after the fork), so the zygote keeps the model's key.
+See docs/supervisor.md ("The zygote").
 """
 
 from __future__ import annotations

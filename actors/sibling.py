@@ -1,34 +1,9 @@
 """Fork a child of our own parent: `clone(CLONE_PARENT)`, one fork instead of two.
 
-The zygote (actors/zygote.py) must make each agent a child of *its* parent
-(the supervisor, or the subagents host), which reaps it and sees its exit
-status. Without this module it double-forks: a go-between forks the agent
-and exits, and the agent is adopted by the zygote's parent (a child
-subreaper). That is two copies of the preloaded process's page tables, the
-go-between's exit, and the agent waiting for its adoption, on every start.
-`clone(2)` with CLONE_PARENT makes the new process the caller's *sibling*:
-its parent is the caller's parent from the start, for the cost of one fork.
-
-Python has no `os.clone`, so `fork_sibling()` does what `os.fork()` does
-around glibc's fork(), with the raw system call in its place:
-
-- `PyOS_BeforeFork()`, the clone, then `PyOS_AfterFork_Child()` or
-  `PyOS_AfterFork_Parent()` (CPython's own locks, its thread state, and the
-  handlers registered with `os.register_at_fork`, e.g. `random`'s reseed).
-  The calls go through `ctypes.PyDLL`, so the GIL stays held across the
-  clone, as in `os.fork()`.
-- glibc's fork also writes the child's thread id into the thread's control
-  block (the `tid` that `raise()`, recursive mutexes and `pthread_join` read)
-  by passing its address with CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID; so
-  does this clone. That address is `pthread_self() + TID_OFFSET` (glibc's
-  `struct pthread` on x86_64); `available()` checks it holds this thread's id
-  before any clone, and answers False where it does not (another libc, another
-  layout, another architecture): the caller double-forks instead.
-- glibc's fork runs the `pthread_atfork` handlers of C libraries and resets
-  its own locks for the child; a raw clone does neither. That is safe only in
-  a process with one thread, where no lock can be held by another thread at
-  the clone: `fork_sibling()` refuses (OSError) when /proc/self/task lists
-  more than one. The zygote never starts a thread.
+Does what `os.fork()` does around glibc's fork, with the raw system call.
+`available()` is False unless glibc's thread block holds this thread's id at
+`TID_OFFSET` (x86_64 glibc); `fork_sibling()` refuses (OSError) in a process
+with more than one thread. See docs/supervisor.md ("The zygote").
 """
 
 from __future__ import annotations

@@ -1,85 +1,22 @@
 """The zygote: a preloaded template process that forks cheap agents.
 
-`python -m actors.zygote --fd N ...` is started by the supervisor, and by
-the subagents host for child agents (actors/subagents/host.py); either way a
-child with PDEATHSIG like any other. It imports the heavy modules (zmq,
-pydantic, structlog, the protocol, the agent shell), builds the validators
-once, calls `gc.freeze()` so that a collection in a child does not unshare
-the template's pages, says `ready`, and then serves fork requests on the
-socketpair `N` (SOCK_SEQPACKET: one datagram per request). It never creates a
-ZeroMQ context: contexts do not survive fork; each agent creates its own
-after the fork.
+`python -m actors.zygote --fd N ...`: started by the supervisor (with a
+pool) and by the subagents host (without). See docs/supervisor.md ("The
+zygote") and docs/decisions.md ("Agents fork from a zygote: one clone, a
+pool, paced starts").
 
-Who is whose parent: every agent is a child of the zygote's parent (the
-supervisor, or the subagents host), which reaps it and sees its exit status
-like any other child's. Where actors/sibling.py works (x86_64 glibc, a
-single-threaded zygote), the zygote forks each requested child with
-`clone(CLONE_PARENT)`: one fork, the child its parent's from the start, and
-the zygote replies `forked` itself. Elsewhere, or with `--double-fork`, it
-double-forks: an intermediate process (the go-between) forks the agent,
-sends the reply itself on its inherited copy of the socketpair and exits, so
-the agent is adopted by the zygote's parent, a child subreaper
-(broker/lifeline.py). The zygote does not wait for a go-between: once its
-own fork returns it serves the next request, and it reaps go-betweens as
-they exit (a go-between that dies without replying is answered `failed` by
-the zygote), so the forks of a burst of requests overlap and the zygote's
-serial part is one fork each. Replies may therefore come in another order
-than the requests. Either way the agent waits until its parent is the
-zygote's parent (at once after a clone), then sets PDEATHSIG relative to it
-and checks getppid() once more.
-
-The pool (`--pool N`, the supervisor's: as many as agents it starts at
-once; 0, the subagents host's: none). Like Android's pool of unspecialized
-app processes, the zygote keeps up to N agents forked *ahead* of any request:
-each made by the same double fork (its go-between says b"ready <pid>" on
-the member's socketpair before it exits, so a member is known before it is
-adopted), then adopted, with PDEATHSIG set, waiting on that socketpair for a
-name. An agent `fork` request (not `run`)
-takes the oldest waiting one: the zygote passes it the request's name and
-file descriptors (output, credential, gate: SCM_RIGHTS), answers `forked
-<name> <its pid>` itself, closes its end and forks a replacement. So a
-request is answered without a fork on its path; the forks still happen, off
-it, and only once no request came for POOL_QUIET_S (in a burst of requests
-the refills would take the CPU the starting agents need, and the burst's
-requests are served by double forks as without a pool). A member reads EOF
-when the zygote is gone and exits 0 (as does the zygote's own parent's
-PDEATHSIG when that one dies); one that cannot be
-handed a request (it died) is dropped and the next one, or a fresh double
-fork, serves the request. A member that dies before a request counts as a
-failure; after POOL_FAILURES of them with no hand-off between, the pool is
-not refilled. On its socketpair a member reads one datagram: JSON
-{"name": N, "output": bool, "credential": bool, "gate": bool} with the
-descriptors present, in that order.
-
-The format on the socketpair (this module owns it):
-    from the zygote, once, after preloading
-        b"ready <zygote pid>"
-    request
-        b"fork <name>"                  stdout/stderr are the zygote's (the supervisor)
-        b"fork <name> <output path>"    stdout and stderr go to <output path>, opened
-                                        by the zygote before it forks (O_WRONLY|O_CREAT|
-                                        O_APPEND|O_CLOEXEC, 0600; the path is the rest of
-                                        the datagram, spaces included)
-        b'run <name> <module> {"argv": [...], "drop": [...]}'
-                                        the same fork, but the child runs `main(argv)` of
-                                        one of RUNNABLE's modules (the writer, the broker)
-                                        instead of an agent: a restart of the writer or
-                                        broker pays a fork, not a fresh interpreter's
-                                        imports; it first removes the environment names
-                                        in "drop" (the model key the zygote holds and the
-                                        writer and broker must not); stdout/stderr are
-                                        the zygote's
-        Any form may carry one file descriptor (SCM_RIGHTS): a *start gate*,
-        the read end of a pipe. The agent, once adopted, reads one byte from it
-        and runs only on b"g"; on EOF (the requester closed the write end: it
-        gave up, or died) it exits 125 without running anything. The subagents
-        host records the agent's pid durably before it opens the gate.
-        Any form may end with b"\0c": then the first file descriptor is a
-        pipe holding the child's credential (broker/auth.py), read by the
-        agent after the fork (the zygote never reads it), and the gate, if
-        any, is the second.
-    reply
-        b"forked <name> <pid>"   or   b"failed <name> <reason>"
+It owns the format on socketpair N (SOCK_SEQPACKET, one datagram each):
+    b"ready <zygote pid>"                 once, after preloading
+    b"fork <name>[ <output path>]"        an agent; output opened O_APPEND, 0600
+    b'run <name> <module> {"argv": [...], "drop": [...]}'
+                                          `main(argv)` of a RUNNABLE module,
+                                          the "drop" names removed from environ
+    reply: b"forked <name> <pid>" or b"failed <name> <reason>"
+A request may carry descriptors (SCM_RIGHTS): with a trailing b" c" the
+first is a pipe holding the child's credential; then a start gate (a pipe:
+the child runs only on b"g", exits 125 on EOF). Replies may come in another
+order than the requests. A pool member reads one JSON datagram {"name",
+"output", "credential", "gate"} with those descriptors.
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.

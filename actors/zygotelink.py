@@ -1,6 +1,8 @@
-"""The parent's end of a zygote (actors/zygote.py): start it, ask for forks,
-read its replies. The supervisor uses it for its agents, the subagents host
-for child agents (actors/subagents/starter.py)."""
+"""The parent's end of a zygote: start it, ask for forks, read its replies.
+
+Used by the supervisor and the subagents host. See docs/supervisor.md
+("The zygote").
+"""
 
 from __future__ import annotations
 

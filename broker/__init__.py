@@ -1,3 +1,6 @@
-"""The message plane: wire protocol, state-directory paths, logging set-up, the
-broker process and the client side actors use. Imports nothing from `actors` or
-`supervisor`."""
+"""The message plane: wire protocol, paths, logging, the broker and its client.
+
+Imports nothing from `actors` or `supervisor`. See docs/architecture.md
+("Layers") and docs/decisions.md ("Shared low-level modules live in
+`broker/`").
+"""

@@ -1,33 +1,12 @@
-"""The append path's frames in C: `append`, `append_many` and their acks
-encoded and decoded with msgspec (typed msgpack), for the writer and its
-clients (docs/protocol.md, "The append path's codec"; docs/performance.md).
+"""The append path's frames in C: `append`, `append_many` and their acks (msgspec).
 
-broker/protocol.py stays the one definition of every message and of what a
-valid frame is. This module only takes the frames it can prove valid the
-cheap way, in one typed decode, and answers None for anything else: the
-caller then falls back to `protocol.decode`, whose answer (a model, or the
-typed ProtocolError) is the answer. So it never accepts a frame that
-`protocol.decode` refuses, and it decodes what both accept to the same
-values (tests/test_appendwire.py checks both over generated frames):
-
-- every field has the type, pattern and bounds of its pydantic model, strict
-  as msgpack carries them (an int is not a bool nor a float, bytes are `bin`,
-  names are `str`); the patterns end in `\\Z`, since Python's `$` would let a
-  trailing newline through where pydantic's does not;
-- unknown fields, a missing `v` or a `v` other than the int 1 fall back;
-- a duplicate key keeps its last value, as msgpack-python's unpacker does;
-- only a frame whose first key is `kind` (as every corral encoder writes it):
-  msgspec must find a tagged union's tag before it can refuse anything, and
-  looking for it further on it would skip values of any depth (a map nested
-  1,000 deep was a RecursionError); with `kind` first, every value is refused
-  at its first byte of the wrong type, so no decode here goes deeper than 3;
-- only under limits at least `protocol.DEFAULT_LIMITS`' nesting, string,
-  array, map and element bounds (a tighter `Limits` always falls back), with
-  the frame size and the payload's `bin` length checked here.
-
-The writer's acks are built here too (ours and known valid: encoded without
-a model), in the order `protocol.encode` writes them except that `v` comes
-last; `protocol.decode` reads either."""
+Takes only frames it can prove valid and answers None for the rest (the
+caller falls back to `protocol.decode`). It takes a frame only when `kind` is
+its first key (no decode here goes deeper than 3); its patterns match to the
+end of the string (Python's `$` would pass a trailing newline).
+See docs/protocol.md ("The append path's codec") and docs/decisions.md
+("The append path's frames in msgspec").
+"""
 
 from __future__ import annotations
 

@@ -1,52 +1,9 @@
 """Authenticated actors: who is on the other end of a socket, and what it may do.
 
-Every ZeroMQ socket of the runtime that takes requests (the writer, the broker,
-the supervisor's control socket) is a PLAIN server (ZMTP 3.0) whose ZAP
-handler (RFC 27, `ZapHandler` below, served in the owner's own loop) checks a
-username and password and answers with the username as the connection's
-`User-Id`. libzmq attaches that User-Id to every message received on the
-connection (`zmq.Frame.get("User-Id")`), so a server knows per message which
-actor sent it and checks what the message claims against it (`append_refusal`,
-`name_refusal`, `control_refusal`). A connection without valid credentials is
-refused in the handshake (ZMTP ERROR "400"): it never reaches the application.
-Over tcp:// the servers use CURVE instead and the same handler maps each
-authorized public key (`keys/authorized/<name>.key`) to the actor `<name>`.
-
-Credentials, all below `<state dir>/keys/` (0700; files 0600):
-
-    master.key     32 random bytes, made once (`ensure_keys`, at `supervisor up`
-                   or by the first process that needs it). Read only by the
-                   verifiers (writer, broker, supervisor) and by local tooling.
-    operator.key   the operator's credential: "operator" and its password.
-                   Whoever can read this file is the operator.
-
-An actor's password is HMAC-SHA256(master, "actor:" + name), hex. A subagent's
-child (a dotted name `<parent>.<id>`) gets HMAC-SHA256(mint, name) where
-mint = HMAC-SHA256(master, "mint:subagents"): the subagents host holds `mint`
-(not the master key), so it can start children but cannot forge any undotted
-actor (an agent, procs, the operator).
-
-Delivery to children, never in argv or the environment: an exec'd child gets
-a pipe on an inherited fd holding its credential (`credential_pipe`), and the
-fd's *number* in CORRAL_CREDENTIAL_FD; it reads the pipe and closes it at its
-first client (`process_credential`), so nothing it later starts inherits it.
-An agent forked by a zygote gets its credential inside the fork request, on
-the parent's private socketpair (actors/zygote.py). A process with no
-delivered credential (the CLI, tests, benchmarks) uses the operator's.
-
-What each identity may do (docs/protocol.md, "Authentication"):
-
-    operator     anything: append any fact, any control command, any broker name
-    agent A      append to `agent/A` with origin `A`, never an operator fact;
-                 be `A` at the broker and on the control socket
-    procs        append to `procs/<session>` with origin `procs/<session>`
-    subagents    append to `subagents/<parent>` with origin `subagents`
-    automation   append to `automation/...` with origin `automation` (schedules, hooks),
-                 and `schedule_usage` to `agent/<owner>` (a run charged to its owner)
-    everyone     read streams, ping, stats, `status` on the control socket
-
-Errors: `AuthError` (a CorralError) for a credential that cannot be made or
-read; refusals on the wire are `error` replies with code `forbidden`.
+Owns the ZAP handler, the credentials below `keys/`, their delivery to
+children and the refusal rules. See docs/protocol.md ("Authentication") and
+docs/decisions.md ("Actors authenticate with ZAP + PLAIN; the broker routes
+by authenticated name").
 """
 
 from __future__ import annotations

@@ -1,46 +1,8 @@
-"""The broker's bridge between hosts, in fleet mode only (docs/fleet.md,
-"Messages between hosts").
+"""The broker's bridge between hosts over NATS, in fleet mode only.
 
-Each host's broker subscribes to `corral.bus.<host>`. A frame a local actor
-addresses to a name the broker does not have locally goes over NATS when the
-fleet view places that name on another live host:
-
-- `HOST:NAME` names the host itself (`HOST` this host: the local route);
-- a plain `NAME` that no local peer ever had is looked up in the fleet view
-  (the agents each live host reports in the KV bucket `corral_hosts`): on
-  exactly one other live host, it goes there.
-
-On the receiving host the frame reaches the local actor as
-`[HOST:SENDER, body]`: a remote sender's name always carries its host, so it
-never collides with a local name (a reply to it goes back over the bridge)
-and never equals a local session (procs refuses it). `BrokerPeer.request`
-takes a reply from `HOST:TO` as the reply of `TO`.
-
-Frames crossing hosts are authenticated, never trusted because they came from
-NATS: each carries, in NATS headers, its sender (`HOST:NAME`, the name its
-broker authenticated), its recipient (`HOST:NAME`), a timestamp, a nonce and
-an HMAC-SHA256 over all of them and the body, under the fleet's bus key
-(derived from the hosts' shared `fleet.bus_secret`, domain-separated; it
-proves only that some host of the fleet sent it, and grants nothing over fleet
-control, which the operator's own key signs), and the sending host's Ed25519
-signature (broker/buskeys.py: which host). The receiving bridge refuses, and
-only logs and counts, a frame that is unsigned, badly signed, too large (the
-local frame limit), more than 30 s away from its clock, replayed (its nonce
-seen in the last minute), addressed to another host or with a malformed name.
-It answers an authenticated frame it cannot deliver (no such local peer, a
-runtime actor such as procs or the writer, the broker's queue full) with a
-typed `error` from the recipient's name, unless that frame is itself a reply
-or a notice. A frame for a host that is dead, silent or unknown is refused at
-once to the sender with `host_unreachable`.
-
-The body is never decoded on the way (as in the broker's local route); the
-recipient's `BrokerPeer` decodes it with its limits. The broker's hot path is
-untouched: only names it has no route for reach `resolve()`. The bridge runs
-its own thread (asyncio, nats-py); frames from other hosts reach the broker's
-loop through an inproc socket (`inbox`, bounded), and frames to other hosts
-leave through a bounded queue (`OUT_QUEUE`): when it is full the sender gets
-`recipient_busy`. No delivery is promised across a broker restart or a
-cluster outage, as on one host: a request times out and is retried.
+Frames crossing hosts are authenticated (bus-key MAC and host signature),
+never trusted because they came from NATS. See docs/fleet.md ("Messages
+between hosts").
 """
 
 from __future__ import annotations

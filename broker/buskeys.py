@@ -1,36 +1,7 @@
-"""Per-host bus keys (docs/fleet.md, "Messages between hosts"): who signed a
-frame between hosts.
+"""Per-host bus keys: which host of the fleet signed a frame (Ed25519, pinned).
 
-The fleet's bus key (broker/bridge.py `bus_key`) is derived from the bus
-secret every host holds (`fleet.bus_secret`), so it proves only that a frame
-comes from *some* host of the fleet. Each host also has a key of its own that no other host can
-derive: an Ed25519 private key the host's broker generates on its first fleet
-start (`.corral/fleet/bus-host.key`, 0600) and never sends anywhere. Its
-public half is registered in the KV bucket `corral_bus_keys` under the host's
-name with a create (only when the name has none). A receiving bridge pins the
-first key it reads for each host and never replaces it (a later different
-value is logged `bus_key_changed` and ignored), and refuses a frame whose
-claimed sending host has no key known to it or whose signature that key does
-not verify.
-
-What it defends against: a host (or anyone holding the bus secret and NATS
-access) publishing frames that claim to come from another host whose key the
-receiver already pinned. What it does not: a holder of the bus secret who
-registers a host's name before the host itself does, or who deletes the
-entry before a receiver that never saw it reads it (NATS permissions per
-host close that: each host allowed to write only `$KV.corral_bus_keys.<own
-name>`).
-
-A host whose state directory was wiped makes a new key; its name still holds
-the old one, which every bridge has pinned. Only the operator clears that
-(`supervisor fleet forget-bus-key HOST`, supervisor/fleetcli.py): the entry
-is purged, then a request signed with the operator's private key
-(broker/operatorsig.py) is published on `FORGET_SUBJECT`; every bridge with
-the operator's public key checks it (`check_forget`), drops its pin for HOST
-(`Pins.forget`) and pins the next key it reads; the host's broker, which
-retries its registration while its name holds another key, registers its
-new one. A host cannot make a bridge drop a pin: it holds no key that signs
-such a request.
+See docs/fleet.md ("Messages between hosts") and docs/security.md ("Fleet
+control (fleet mode)").
 """
 
 from __future__ import annotations

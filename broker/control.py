@@ -1,31 +1,11 @@
-"""The child side of supervision: a supervised process tells the supervisor it
-is ready and then sends heartbeats (with its counters) on the supervisor's
-control socket. Unsupervised (no CORRAL_CONTROL in the environment) it does
-nothing, so every actor also runs standalone in tests and benchmarks.
+"""The child side of supervision: `ready`, then heartbeats with counters.
 
-Two modes:
-
-- plain (the writer, the broker): `tick()` sends a heartbeat from the actor's
-  own loop when one is due. Their loops never block in a call of their own;
-  a loop turn that overruns the heartbeat timeout is a hang.
-- pulse (agents, procs, subagents: actors whose main thread blocks in tool
-  calls, model calls and appends): a thread that owns its own DEALER socket
-  (ZeroMQ sockets are not thread-safe, so the main thread never touches it)
-  sends the heartbeats every `interval_s`, also while the main thread waits
-  in a call. The main thread declares each call with `busy(op, deadline_s)`;
-  heartbeats then carry `busy: {op, since_s}`, so `supervisor status` shows
-  the call and its age. The pulse is a watchdog, not a blind timer: it beats
-  only while the main thread shows life, i.e. it called `tick()`/`touch()`
-  within `stall_s`, or it is inside a declared call whose deadline (plus
-  `stall_s` of grace to end it) has not passed. A main thread stuck outside
-  any call, or in a call far past its deadline, stops the beats, and the
-  supervisor kills the process as hung after `heartbeat.timeout_s` of
-  silence, as before (docs/supervisor.md, "Liveness").
-
-Environment a supervised child receives:
-    CORRAL_CONTROL              the supervisor's control endpoint (ipc://.../run/supervisor.sock)
-    CORRAL_ACTOR                the child's name (its DEALER identity)
-    CORRAL_HEARTBEAT_TIMEOUT_S  the supervisor's heartbeat timeout: the pulse's `stall_s`
+Plain mode (`tick()` from the actor's loop) or a pulse thread that beats only
+while the main thread shows life. A child gets CORRAL_CONTROL (the endpoint),
+CORRAL_ACTOR (its DEALER identity) and CORRAL_HEARTBEAT_TIMEOUT_S (the
+pulse's `stall_s`); without CORRAL_CONTROL it does nothing.
+See docs/supervisor.md ("Liveness") and docs/decisions.md ("Heartbeats come
+from a pulse thread in actors that block").
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""CURVE security for actors on other hosts (`tcp://` endpoints).
+"""CURVE security for actors on other hosts (`tcp://` endpoints) and its keys.
 
-Local actors talk over `ipc://` sockets in the 0700 `run/` directory; to let an
-actor on another host in, the operator turns CURVE on for the writer and the
-broker and binds a `tcp://` endpoint as well. Plain `tcp://` is refused.
-
-Keys live in `.corral/keys/` (the "outside" tier: operator-owned secrets,
-0700), as ZeroMQ certificate files:
-
-    keys/server.key, keys/server.key_secret     the writer's and broker's keypair
-    keys/clients/<name>.key[_secret]            one keypair per client actor
-    keys/authorized/<name>.key                  public keys allowed to connect
-
-With CURVE on, a socket requires it on every connection, local ones included,
-so local actors present a client key too (`generate` makes one named `local`).
-The ZAP handler (broker/auth.py) admits only authorized keys, each as the actor
-its file names (`authorized/<name>.key` authenticates as `<name>`)."""
+See docs/protocol.md ("Transport", "Authentication").
+"""
 
 from __future__ import annotations
 

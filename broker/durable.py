@@ -1,9 +1,8 @@
-"""Small files replaced whole and durably: a crash leaves the old file or the
-new one, never a mix. Every checkpoint, registry, manifest, receipt and spec
-corral writes goes through here (the WAL and the ledgers are appended, not
-replaced: see actors/segments.py and actors/ledgers.py). Also the two ends of
-a small journal its owner keeps open to append to (`open_append`) and reads
-back whole at start (`read_regular`), neither ever through a link."""
+"""Small files replaced whole and durably, and small journals appended to.
+
+A crash leaves the old file or the new one, never a mix; nothing is reached
+through a link. See docs/state-layout.md.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""A server's file-descriptor limit. The writer and the broker hold a
-connection for every actor (the writer two: its ROUTER's and its lane's),
-and a soft limit of 1,024 (a common default) would stop them accepting at a
-few hundred agents; so each raises its soft limit towards the hard one at
-start, as servers do (nginx's worker_rlimit_nofile, systemd's LimitNOFILE)."""
+"""A server's file-descriptor limit, raised towards the hard limit at start.
+
+The writer and the broker hold a connection (the writer two) per actor.
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""How a process of a fleet host reaches the NATS cluster (docs/fleet.md):
-the host's name and the cluster's URLs and credential *paths*, the
-`--fleet-*` command-line options the supervisor passes to its writer and its
-broker, and the nats-py connect options built from them.
+"""How a fleet host's processes reach NATS: names, URLs, credential paths.
 
-Credentials (a creds file, an nkey seed file, TLS keys) are read by the
-client and never logged; a URL may not carry user:password. Used by the
-writer's replication (actors/writer/replicate.py) and the broker's bridge
-(broker/bridge.py); nats-py itself is imported only by those, in fleet mode.
+Credentials are read by the client and never logged. See docs/fleet.md
+("Set-up").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The heartbeat rule of the message plane, as pure decisions over timestamps
-(no sockets, no clock): which peers the broker still counts as alive, and when
-either side must send its next heartbeat or give the other side up.
+"""The heartbeat rule of the message plane, as pure decisions over timestamps.
 
-The rule (docs/broker.md): each side sends a heartbeat every `interval_s`; any
-frame received from the other side counts as a sign of life; a side that has
-heard nothing for `interval_s * misses` treats the other as dead (the broker
-forgets the peer, the peer reconnects)."""
+See docs/broker.md ("Heartbeats").
+"""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""Ties children's lives to their parent's (Linux prctl), and starts them so.
+"""Ties children's lives to their parent's (prctl), and starts them so.
 
-Used by every process that has children: the supervisor, the subagents host
-(its zygote and child agents) and procs.
-
-    PR_SET_CHILD_SUBREAPER  the supervisor adopts orphaned descendants, so the
-                            agents the zygote double-forks become its children
-                            (it reaps them and sees their exit status).
-    PR_SET_PDEATHSIG        a child gets SIGKILL when its parent *thread* dies;
-                            every child is forked from the supervisor's main
-                            thread, which lives as long as the process. The
-                            child checks getppid() right after setting it, in
-                            case the parent died before.
+PR_SET_CHILD_SUBREAPER and PR_SET_PDEATHSIG (set from the parent's main
+thread, getppid() checked after). See docs/supervisor.md ("Process tree").
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""structlog set-up, called once from each process's main(): JSON lines to
-`.corral/logs/<actor>.log` rotated by size with bounded backups, and a readable
-console renderer on stderr when it is a terminal. Never configured on import."""
+"""structlog set-up, called once from each process's main(), never on import.
+
+See docs/operations.md ("Logs").
+"""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Memory that comes back: once a burst of traffic is over (a flood, a fuzz
-run, a thousand connections closed), give the heap's free pages back to the
-system with glibc's `malloc_trim`, which glibc itself does only at the top of
-the main heap and never for the arenas of ZeroMQ's I/O threads.
-docs/protocol.md, "Memory" says what a server holds and gives back.
+"""Memory that comes back: glibc's `malloc_trim` on a quiet loop turn.
 
-A `Trimmer` is ticked once per turn of a server's loop: a busy turn costs
-nothing; on a quiet turn it trims when INTERVAL_S passed since the last trim
-(about 1 ms for a heap of 100 MB: 0.05% of a core). Connections closing are
-not traffic the loop sees, so the trim is by the clock, not after traffic.
-Without glibc (musl, macOS) it does nothing."""
+By the clock, not after traffic; a no-op without glibc. See docs/protocol.md
+("Receivers").
+"""
 
 from __future__ import annotations
 

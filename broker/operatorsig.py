@@ -1,20 +1,8 @@
-"""The fleet operator's signature (docs/fleet.md, "One view"): who may ask a
-host to kill, stop, start or spawn, and a bridge to drop a host's bus key.
+"""The fleet operator's Ed25519 signature over control requests.
 
-The operator holds an Ed25519 private key (`operator.key`, 0600, on the
-operator's machine only); every host holds only its public half
-(`fleet.operator_public_key`, a file). A request is JSON: its fields, a
-timestamp `ts`, a random `nonce` and `sig`, the operator's Ed25519 signature
-of `DOMAIN` followed by the canonical JSON of every other field (sorted keys,
-no spaces). `verify` checks the signature, a timestamp within `MAX_SKEW_S`
-and a nonce not seen in the last two skews; the caller then checks what the
-request asks (the addressed host, the verb, the names: supervisor/fleetctl.py,
-broker/bridge.py). Nothing a host holds (its configuration, its state
-directory, its bus key, the hosts' bus secret) can make a signature that
-verifies: the private key is never on a host.
-
-Both files are hex text (64 characters), so an operator can read and copy a
-public key. `make_keys` writes a new pair unless the private file is there.
+The private key is never on a host. See docs/fleet.md ("One view") and
+docs/decisions.md ("Fleet control: the operator signs with its own key; hosts
+share a bus secret").
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""The client side of the broker, for actors: one DEALER whose identity is the
-actor's name, usable from a single-threaded loop.
+"""The client side of the broker: one DEALER named after the actor.
 
-`send` / `recv` move protocol messages by name; `request` waits for the reply
-carrying the request's msg_id and resends the very same frame on timeout (so
-the receiver sees the same msg_id and idempotency key). Heartbeats go both
-ways (broker/heartbeat.py); when the broker has been silent for
-interval x misses the socket is closed and reopened (the ZeroMQ guide's
-Paranoid Pirate). Every wait services heartbeats; a loop that polls
-`peer.socket` itself must call `peer.tick()` at least once per interval and
-re-read `peer.socket` when `peer.reconnects` changes.
+A loop that polls `peer.socket` itself calls `peer.tick()` at least once per
+interval and re-reads `peer.socket` when `peer.reconnects` changes.
+See docs/broker.md ("Reconnecting (Paranoid Pirate)", "Requests, retries,
+timeouts").
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""An exclusive lock file with the holder's pid inside (`run/<actor>.lock`):
-one supervisor, one writer and one broker per state directory. flock(2) is
-released by the kernel when the holder dies, even by SIGKILL, so a stale file
-never blocks a restart; the pid inside names the holder when it is refused."""
+"""An exclusive lock file with the holder's pid inside (`run/<actor>.lock`).
+
+flock(2): the kernel releases it when the holder dies. See docs/supervisor.md
+("Process tree").
+"""
 
 from __future__ import annotations
 

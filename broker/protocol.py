@@ -1,18 +1,7 @@
-"""The wire protocol: every message corral sends, its version, its size limits,
-and the only `encode()` / `decode()` (the only place that imports msgpack).
+"""The wire protocol: every message, its version, its limits, `encode`/`decode`.
 
-A frame is one msgpack map: ``{"v": 1, "kind": "<kind>", ...fields}``. `decode`
-returns one of the models below or raises `ProtocolError` with a code from
-`ErrorCode` (and the frame's msg_id when it could be read); whatever the bytes,
-nothing else comes out of it. The work per frame is bounded by its size and by
-`Limits.max_elements`: msgpack objects are counted while they are unpacked
-(the unpacker's list and map hooks), so a frame full of tiny containers is
-refused after at most that many objects, not after building a million of
-them. docs/protocol.md is the normative text.
-
-Replies and notices (`REPLY_KINDS`) are never answered: a receiver that gets
-one it did not ask for drops it (`is_reply`), so two receivers can never
-answer each other's errors forever.
+The only place that imports msgpack; `decode` returns a model or raises
+`ProtocolError`. docs/protocol.md is the normative text.
 """
 
 from __future__ import annotations

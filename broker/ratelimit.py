@@ -1,11 +1,6 @@
 """A token bucket for log lines about refused or dropped frames.
 
-A peer can send thousands of bad frames a second; each receiver logs the first
-few (`burst`), then at most `rate_per_s` a second, and counts the rest. When
-lines may be written again, one summary line says how many were left out:
-``frames_rejected_suppressed count=N suppressed_total=M`` (the event name is
-configurable). Every process that refuses frames holds one of these, so no
-flood of bad frames can become a flood of log lines.
+See docs/broker.md ("Error replies").
 """
 
 from __future__ import annotations

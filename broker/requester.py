@@ -1,11 +1,9 @@
-"""Reliable request/reply over a DEALER socket to any ROUTER (the writer, the
-supervisor's control socket): the ZeroMQ guide's Lazy Pirate pattern. Each
-request waits for the reply carrying its msg_id; on timeout the socket is
-closed and reopened and the same frame is sent again (same msg_id, same
-idempotency key), so a retried append is answered with its original seq.
-A handshake the server refuses (docs/protocol.md, Authentication) is seen on
-the socket's monitor and raised as AuthRefusedError after the attempt that
-timed out, never resent."""
+"""Reliable request/reply over a DEALER to a ROUTER: the Lazy Pirate pattern.
+
+The same frame is resent on timeout; a refused handshake raises
+AuthRefusedError. See docs/broker.md ("Requests, retries, timeouts") and
+docs/protocol.md ("Authentication").
+"""
 
 from __future__ import annotations
 
@@ -165,8 +163,8 @@ class Requester:
         (appendwire.encode_append*): its ack is decoded in C when it can be
         (broker/appendwire.py), else by protocol.decode.
 
-        The common case takes one short path (docs/performance.md, "The
-        appender's CPU"): the socket takes the frame at once and the first
+        The common case takes one short path (docs/decisions.md, "The
+        append path's frames in msgspec"): the socket takes the frame at once and the first
         frame back is this request's ack. Anything else (a full pipe, a
         timeout, a late or garbled reply, an error) goes on exactly as
         `request`: the rest of the first attempt's wait, then the resends."""

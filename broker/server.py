@@ -1,19 +1,8 @@
 """The broker process: one ROUTER that routes frames between actors by name.
 
-    python -m broker.server --state-dir D [--heartbeat-interval-ms 1000]
-        [--heartbeat-misses 3] [--max-frame-bytes N] [--log-level info]
+    python -m broker.server --state-dir D [--heartbeat-interval-ms 1000] ...
 
-A peer (DEALER) sends ``[to, body]``; the broker receives ``[rid, to, body]``
-and sends ``[rid of to, from, body]``, so the recipient sees ``[from, body]``.
-A peer's name is the name it authenticated as (broker/auth.py), learned with
-its routing id from its first message (a heartbeat on connect); only the
-operator's connections are named by their ZMQ identity. Routed bodies are
-never decoded: the hot loop only moves bytes. ``to == b"broker"`` addresses
-the broker itself (heartbeat, ping, stats_request). Anything that cannot be
-routed is answered with an `error` frame from ``broker``; nothing a peer sends
-stops the loop. Replies and notices (an `error` above all) are never
-answered, not even when they cannot be delivered, so no two actors can trade
-errors forever. docs/broker.md is the normative text.
+Routed bodies are never decoded. docs/broker.md is the normative text.
 """
 
 from __future__ import annotations

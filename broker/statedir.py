@@ -1,16 +1,6 @@
-"""The layout of a state directory (`.corral/`): every path any process uses is
-named here, so the tiers of docs/state-layout.md have one source of truth.
+"""The layout of a state directory: every path any process uses is named here.
 
-    .corral/
-      run/            0700: ipc endpoints, the supervisor lock and status file
-      state/          recovery-core: WAL segments, checkpoint, budget ledger
-        wal/          <first-seq>.jsonl segments
-      config/         recovery-core registries (written only by dedicated ops)
-      agents/<name>/  per-agent derived state (snapshot generations)
-      memory/         persist tier
-      approvals.jsonl persist tier ledger (written only by the writer)
-      logs/           audit: structlog JSON lines per actor, rotated
-      cache/          derived, rebuildable (WAL stream indexes)
+See docs/state-layout.md.
 """
 
 from __future__ import annotations

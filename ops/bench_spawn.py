@@ -35,9 +35,9 @@ its `actor_spawned` lines time the zygote's replies):
                                 of the same process
 
 What a start's page faults cost on this machine, same run (a forked start
-is mostly page faults: docs/performance.md, "spawn: a forked start is page
-faults"; on a VM that hands free memory back to its host, a page the host
-no longer backs also faults there, and the same faults cost more: "perf12"):
+is mostly page faults: docs/performance.md, "What bounds the misses"; on a
+VM that hands free memory back to its host, a page the host no longer backs
+also faults there, and the same faults cost more):
     page_fault_us               one first write to a fresh anonymous page (a
                                 child maps 64 MiB and writes a byte a page),
                                 before the ramp and after it (`_after`): the
@@ -65,10 +65,10 @@ The supervisor asks the zygote for at most AGENTS_STARTING agents not yet
 ready (supervisor/runtime.py), so `spawn_ready_ms` is one agent's start on a
 machine shared with the others starting; the ramp of all of them is
 `n<count>_all_running_s`, from `supervisor up` to the last agent's
-`actor_ready` (docs/performance.md, "Next round: spawn"). The bench follows
-the ramp and the restarts in the supervisor's log, not by `status` requests:
-a status of 500 children every 0.2 s took a tenth of a core from the
-supervisor during the ramp it measured ("spawn, perf7").
+`actor_ready` (docs/decisions.md, "Agents fork from a zygote: one clone, a
+pool, paced starts"). The bench follows the ramp and the restarts in the
+supervisor's log, not by `status` requests: a status of 500 children every
+0.2 s took a tenth of a core from the supervisor during the ramp it measured.
 """
 
 from __future__ import annotations

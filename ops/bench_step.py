@@ -509,7 +509,7 @@ def run(quick: bool = False) -> dict[str, object]:
     for name, times in floors.items():
         figures[f"{name}_sync_floor_ms_p50"] = round(percentile(times, 50), 2)
     # every system's step creates a temp file: a slow create adds the same to
-    # each, and narrows their ratios (docs/performance.md, perf9)
+    # each, and narrows their ratios (docs/performance.md, "Running them")
     figures["file_create_us"] = round(percentile(creates, 50), 1)
     for name in present:
         one, many = _pooled(ones[name]), _pooled(manys[name])

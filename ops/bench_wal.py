@@ -22,8 +22,8 @@ Every closed-loop client (appender, SQLite writer, echo client) works from
 the moment it is ready and is measured from a common start time on: the
 figures are the steady state of K clients, not K processes started at once
 (the forked processes' first requests, copy-on-write faults and cold caches
-made most of the k64 p99 in the first 0.3 s; docs/performance.md, "The
-writer's tail"). `warmup_*` counts what each did before the start."""
+made most of the k64 p99 in the first 0.3 s). `warmup_*` counts what each
+did before the start."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def fdatasync_overwrite_per_s(directory: Path, seconds: float) -> float:
     size or block change to commit to the filesystem's journal, so the sync
     is the data and the device's flush alone. Not what corral's WAL does (it
     appends, and every reader takes a segment's size as its end): the rate a
-    preallocated WAL would be measured against (docs/performance.md)."""
+    preallocated WAL would be measured against."""
     region = 1 << 20
     fd = os.open(directory / "overwrite.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

@@ -54,7 +54,7 @@ CREATE_PROBE_FILES = 200
 def file_create_us(directory: Path) -> float:
     """What creating an empty file costs in `directory` now (us, mean of
     CREATE_PROBE_FILES). This VM's cost of a create varied from 16 to 850 us
-    between directories and hours (docs/performance.md, perf9); a benchmark
+    between directories and hours (docs/performance.md, "Running them"); a benchmark
     whose work creates files prints it, so that a run says which it met."""
     probe = directory / "create-probe"
     probe.mkdir()

@@ -23,7 +23,7 @@ Python's json). It counts `internal_errors` (replies with the code
 `internal_error`: a fault without a name of its own; target 0, with their
 details), and after --quiet seconds without traffic (default 30) the writer's
 and the broker's `rss_growth_pct` against their RSS before the run (target
-<= 20, docs/protocol.md, "Memory"). It prints frames sent, typed errors
+<= 20, docs/protocol.md, "Receivers"). It prints frames sent, typed errors
 received, crashes and RSS before and after per process; exit 0 when
 everything held. tests/test_fuzz.py runs the same for about 10 s.
 """

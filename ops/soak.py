@@ -1,19 +1,11 @@
-"""The soak test: run the real runtime under load while SIGKILLing a random
-child every few hundred milliseconds, then prove that nothing acknowledged was
-lost.
+"""The soak test: the real runtime under load and random SIGKILLs, then checks.
 
     python ops/soak.py --duration S --agents N --kill-interval-ms I [--seed X] [--json]
-    python ops/soak.py --hosts 3 --kill-host-interval-ms I [--agents N] [--duration S]
-        real fleet hosts, whole-host kills and adoption (ops/soak_hosts.py)
-    python ops/soak.py --hosts 3 --kill-host-interval-ms I --writers-only [--duration S]
-        fleet-mode writers and appenders only (ops/soak_fleet.py)
+    python ops/soak.py --hosts 3 --kill-host-interval-ms I [--writers-only] ...
 
-It starts `supervisor up` in a fresh state directory with N agents on the soak
-task (config/tasks/soak.yaml), kills children of every kind (agents, writer,
-broker, procs, subagents) chosen by a seeded random sequence, now and then
-cuts the WAL's active segment at a random byte while the writer is down, then
-stops everything and checks the invariants (ops/soakcheck.py). It prints one
-JSON object and exits 1 on any violation, 2 when the run itself failed."""
+Prints one JSON object; exits 1 on any violation, 2 when the run itself
+failed. See docs/soak.md.
+"""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""The fleet soak: N hosts' writers in fleet mode on a local 3-node JetStream
-cluster, appenders on every host, and every I ms a random host's writer
-SIGKILLed (now and then a random NATS node with it) and restarted; then the
-invariants, per host: every acknowledged append is in the host's stream at the
-seq it was acknowledged with, the stream is gapless and holds no append twice,
-and each stream record is byte for byte the local WAL's record.
+"""The fleet soak of writers alone: fleet-mode writers and appenders, writer kills.
 
-    python ops/soak.py --hosts 3 --kill-host-interval-ms I --writers-only [--duration S] [--json]
-
-A "host" here is its writer and its appenders (no supervisor, no agents): it
-soaks the replicated WAL and its ack rule under writer kills, many per minute.
-Real hosts (supervisors, agents, adoption, fencing) are soaked by
-ops/soak_hosts.py, the default of `--hosts`.
+Checks per host that every acknowledged append is in the host's stream at its
+seq, gapless, once, byte for byte the local WAL's. See docs/soak.md ("The
+fleet soak with real hosts").
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
-"""The invariants of the fleet soak with real hosts (ops/soak_hosts.py), checked
-once the live hosts have stopped, against every host incarnation's stream (read
-back from the cluster), local WAL, ack journals and supervisor log:
+"""The invariants of the fleet soak with real hosts, checked after it stopped.
 
-- `lost`: an append a client saw acknowledged (its journal) that is not in
-  its host's stream at that seq with that origin and key;
-- `duplicates`: an (origin, key) twice in a stream or a local WAL;
-  `stream_gaps`: a stream's batches not gapless from seq 1;
-  `stream_mismatches`: a stream record that is not byte for byte the local
-  WAL's; `unreplicated_live`: records of a host that stopped cleanly that
-  never reached its stream;
-- `appends_after_fence`: a batch stored in a fenced host's stream after its
-  fence (the host, or any agent of it, acknowledged after its fencing);
-- `adoption_missing`: a record of an adopted agent's stream, up to the cut
-  the adopter chose (its log's `records`), that is not in the adopter's WAL
-  under its origin and key; `acked_after_cut`: acknowledged records after the
-  cut (left in the dead host's stream by design: that turn runs again);
-- per agent: owned by exactly one live host (`agents_on_two_hosts`,
-  `agents_unowned`), exited 0 there with exactly one `session_exit`
-  (`agents_finished`), no tool call run twice in its history (`double_runs`),
-  and its workspace equal to what the task gives with each op applied once
-  (`workspace_mismatches`);
-- `fenced_restarts`: the dead host restarted under its own name exits 69,
-  stores nothing in its stream, changes no workspace.
+See docs/soak.md ("The fleet soak with real hosts").
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""The fleet soak with real hosts: a local 3-node JetStream cluster and N corral
-hosts (each `supervisor up` in fleet mode with its own state directory: writer,
-broker, scripted agents), and every I ms a whole random host SIGKILLed (its
-supervisor and every process under it; now and then its own NATS node with it),
-declared dead by the live hosts, fenced, its agents adopted; then the dead host
-started again under its own name (it must find itself fenced and run nothing)
-and a fresh host started in its place under a new name, with new agents.
-ops/soak_hostcheck.py checks the invariants at the end.
+"""The fleet soak with real hosts: whole-host kills, fencing, adoption.
 
-    python ops/soak.py --hosts 3 --kill-host-interval-ms I [--agents N] [--duration S]
-                       [--task-repeat R] [--node-kill-chance P] [--seed X] [--json]
-
-One host is down at a time: a kill waits until the previous victim is adopted,
-its same-name restart refused and its replacement up, so I is the least gap
-between two kills (a cycle takes host_ttl_s + dead_grace_s + a few seconds).
+One host is down at a time. See docs/soak.md ("The fleet soak with real
+hosts").
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""The soak test's agent invariants, read offline from the WAL and the disk:
+"""The soak test's agent invariants, read offline from the WAL and the disk.
 
-- `state_mismatches`: an agent's last reported state (its newest snapshot
-  generation, written from its in-memory state) differs from the fold of its
-  WAL stream up to the same seq, or its stream does not end `finished`;
-- `workspace_mismatches`: an agent's workspace differs from what the soak task
-  produces when each of its ops is applied exactly once (an op lost, or
-  applied twice, after a crash shows here), or a file's digest differs from
-  the last write the WAL says was applied to it;
-- `double_applies`: a change set applied more than once (two
-  `subagent_applied` facts for one change set), or a call whose effect was
-  started twice (two `tool_start` facts for one call id);
-- `commands_started_twice`: one session's command started by procs more
-  than once (two `proc_start` facts with the same command digest on
-  `procs/<agent>`: every command of the soak task is distinct within an
-  agent, so a call run again after a crash must find its job, not start
-  another);
-- `secrets_in_wal`: records holding the text the soak task types into a
-  terminal (it must be sealed: hash and size only), other than the results
-  of `terminal_read`, which show what the terminal printed."""
+See docs/soak.md ("What it checks (`ops/soakcheck.py`, `ops/soakagents.py`)").
+"""
 
 from __future__ import annotations
 

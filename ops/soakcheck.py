@@ -1,13 +1,7 @@
-"""The soak test's invariants, checked offline after the runtime has stopped:
+"""The soak test's invariants, checked offline after the runtime has stopped.
 
-- `lost`: appends a client saw acknowledged (its ack journal, outside
-  .corral/) that are not in the WAL at the seq they were acknowledged with;
-  appends the soak itself destroyed by cutting the WAL tail are counted apart
-  (`cut_acked`), since the soak, not corral, removed them;
-- `duplicates`: an (origin, key) written more than once;
-- `gapless`, `checksum_failures`, `torn_tail`: the WAL read end to end;
-- the agent checks (state and workspace replays, double applies) of
-  ops/soakagents.py."""
+See docs/soak.md ("What it checks (`ops/soakcheck.py`, `ops/soakagents.py`)").
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The soak test's moving parts while the runtime runs: the line to the
-supervisor's control socket, the operator that answers approvals, the killer
-(with WAL tail cuts while the writer is down), memory sampling, and the final
-orphan sweep. ops/soak.py wires them; ops/soakcheck.py judges the result."""
+"""The soak's moving parts: control line, approver, killer, sampling, orphan sweep.
+
+See docs/soak.md ("What it does").
+"""
 
 from __future__ import annotations
 

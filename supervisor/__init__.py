@@ -1,2 +1,5 @@
-"""The process tree: child specs, restart policy, spawning, status and the
-`supervisor` command line. May import `broker` and `actors`."""
+"""The process tree: child specs, restart policy, spawning, status and the CLI.
+
+May import `broker` and `actors`. See docs/supervisor.md and
+docs/architecture.md ("Layers").
+"""

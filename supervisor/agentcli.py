@@ -1,22 +1,8 @@
-"""The operator's agent commands: `spawn`, `approve`, `deny`, `answer`,
-`correct`, `resume`.
+"""The operator's agent commands: spawn, approve, deny, answer, correct, resume.
 
-    supervisor spawn NAME --task FILE [--model M] [--json]
-    supervisor approve AGENT REQUEST [--always] [--note TEXT]
-    supervisor deny AGENT REQUEST [--note TEXT]
-    supervisor answer AGENT REQUEST TEXT | --file F     (a question's exact answer)
-    supervisor correct AGENT TEXT | --file F            (docs/operator-input.md)
-    supervisor resume AGENT --budget N [--cost-units C] [--request-id ID]
-
-Answers and budget increases are facts of the agent's stream, appended through
-the writer (ledgers `approvals` and `budget`) by the origin "operator" under a
-key derived from the request, so a repeated command is written once. Each
-command first rebuilds the agent's state (snapshot generation + tail) to check
-that what it answers is pending (`operator_act`; the web console answers
-through it with the same actions, supervisor/console/app.py). `spawn` checks
-the task file and asks the supervisor, which writes the agent's spec with its
-running configuration's settings (supervisor/requests.py) and starts it; a
-refused spawn writes nothing.
+Each rebuilds the agent's state to check what it answers is pending, then
+appends under a key derived from the request. See docs/agents.md
+("Commands", "Approvals") and docs/operator-input.md.
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.

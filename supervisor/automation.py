@@ -1,31 +1,8 @@
-"""Schedules and hooks: the supervisor's automation thread (docs/automation.md).
+"""Schedules and hooks: the supervisor's automation thread (actor `automation`).
 
-One daemon thread of `supervisor up`, with its own ZeroMQ context and sockets,
-authenticated as the actor `automation` (broker/auth.py: it may append only to
-`automation/...` streams). It never blocks the supervisor's loop: the loop
-hands it what only the loop knows (the agents' names, children that gave up)
-and takes back what only the loop may do (spawning agents) through queues,
-drained once per loop turn by `service`.
-
-- Schedules (the `schedules` registry, read through actors/registries/store.py):
-  each enabled entry's cron slots are computed from its anchor (its last
-  fired or skipped slot, else when it was armed), all recorded in the stream
-  `automation/schedules`; a slot is fired by appending `schedule_fired` (key
-  `fire:<name>:<slot>`, so never twice) before the agent
-  `<name>-<slot as YYYYmmddHHMMSS>` is spawned (a pipeline schedule: its run
-  file is written first, then the fact, then the runner of that name is
-  spawned with backend `pipeline`). Slots older than `catchup_grace_s` passed
-  while nothing ran them: `missed: skip` records `schedule_skipped`,
-  `run_once` fires one catch-up. A schedule an agent added runs with at most
-  that agent's grants and spends its budget (`Grant`).
-- Hooks (the `hooks` registry): the agents' streams are read from a watermark
-  (a fact of `automation/hooks`); each matching event becomes `hook_due`
-  (key `due:<delivery>`) and is delivered by a worker (HTTP POST, or a command
-  run by procs in the sandbox as the session `automation`) with retries and
-  backoff, each attempt bounded; the outcome is `hook_delivered` or
-  `hook_failed`. A due delivery with no outcome is delivered again after a
-  restart: at least once, with the delivery id in the body as the
-  idempotency key.
+It never blocks the supervisor's loop: they exchange work through queues.
+See docs/automation.md and docs/decisions.md ("Schedules and hooks run in a
+thread of the supervisor").
 """
 
 from __future__ import annotations

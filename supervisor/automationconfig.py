@@ -1,7 +1,7 @@
-"""The `automation:` section of the supervisor's configuration: the operator's
-settings for schedules and hooks (supervisor/automation.py, docs/automation.md).
-The registries themselves (`schedules`, `hooks`) are agent-managed; what only
-the operator may decide (which hosts a hook may post to) lives here."""
+"""The `automation:` section of the configuration: the operator's settings.
+
+See docs/automation.md.
+"""
 
 from __future__ import annotations
 

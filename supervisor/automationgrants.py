@@ -1,18 +1,6 @@
-"""What a schedule's run may do and spend: at most what its owner may
-(docs/automation.md, "Grants").
+"""What a schedule's run may do and spend: at most what its owner may.
 
-A schedule records its owner (`operator`, or the agent whose `schedule_add`
-wrote it: actors/registries/ops.py). A run of an operator's schedule is an
-agent the operator created. A run of an agent's schedule is spawned with that
-agent as its spec's `creator`, so it holds that agent's grants and no other
-(actors/agent/grants.py: procs matches `sandbox.network` against the creator,
-never against the run's name, which the agent picked), and with what is left
-of that agent's budget when it fires; nothing left, and the slot is recorded
-as not started (`reason: budget ...`). When the run's session ends its model
-use is charged to the owner: `schedule_usage {run, schedule, tokens,
-cost_units}` in `agent/<owner>` (key `usage:<run>`; the owner's fold counts it
-like a subagent's use), then `schedule_charged` in `automation/schedules`
-(key `charge:<run>`), so a restart between the two charges once.
+See docs/automation.md ("Grants: what a schedule's run may do and spend").
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """One child's bookkeeping as the supervisor sees it, and its status line.
 
-A `Child` holds facts (pid, state, exit history, last heartbeat, samples);
-decisions are made by supervisor/policy.py and acted on by the runtime.
-
-States: starting (spawned, or waiting for its turn; no `ready` yet), running
-(`ready` received), backoff (waiting to be restarted), stopping (SIGTERM sent),
-exited (left alone by its policy, or stopped), fatal (gave up: over its
-intensity or a fatal exit code), stopped (by the operator, `supervisor stop
-NAME`: no policy restarts it; `start NAME` or `restart NAME` does).
+Facts only; decisions are supervisor/policy.py's. See docs/supervisor.md
+("Status").
 """
 
 from __future__ import annotations

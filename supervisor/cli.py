@@ -1,9 +1,8 @@
-"""`supervisor`: corral's operator command line (docs/supervisor.md).
+"""`supervisor`: corral's operator command line.
 
-Each subcommand imports only what it needs (`status` never imports structlog
-or PyYAML). A new subcommand adds its parser in `_parser()` and its handler to
-`HANDLERS`; its usage line goes in `USAGE` (shown by `--help`, checked against
-the README by tests/acceptance/test_docs_match.py).
+A new subcommand adds its parser in `_parser()`, its handler to `HANDLERS`
+and its usage line to `USAGE` (checked against the README by
+tests/acceptance/test_docs_match.py). See docs/supervisor.md.
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.

@@ -1,9 +1,7 @@
 """The CLI's side of the control socket: one request, one reply, short timeouts.
 
-Whether a supervisor runs at all is answered by the lock file (a flock probe),
-before any ZeroMQ import, so `status` with no supervisor is instant. Every
-request authenticates as the operator: whoever can read keys/operator.key
-(broker/auth.py); without it the supervisor refuses the connection.
+Whether a supervisor runs is answered by a flock probe before any ZeroMQ
+import. See docs/protocol.md ("Supervision (`run/supervisor.sock`)").
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.

@@ -1,8 +1,7 @@
 """The command line each kind of child runs, from its spec and the config.
 
-Every kind gets the logging settings (`logging.level`, `max_bytes`, `backups`;
-the writer's level may be overridden by `writer.log_level`), so each actor's
-JSON log rotates the same way (`log_args`)."""
+See docs/supervisor.md ("Process tree").
+"""
 
 from __future__ import annotations
 

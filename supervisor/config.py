@@ -1,10 +1,7 @@
 """The supervisor's configuration: a strict pydantic model of config/default.yaml.
 
-Unknown keys and wrong types are refused; `load()` raises ConfigError with the
-file, the dotted key and what was expected, e.g.
-``corral.yaml: children.0.restart: expected 'permanent', 'transient' or
-'temporary' (got 'sometimes')``. `child_specs()` expands the agents group into
-one ChildSpec per agent, in start order.
+`load()` raises ConfigError naming the file, the dotted key and what was
+expected. See docs/supervisor.md and docs/operations.md.
 """
 
 from __future__ import annotations

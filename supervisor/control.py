@@ -1,21 +1,7 @@
 """The supervisor's control socket: a ROUTER at run/supervisor.sock.
 
-Children's ControlReporter DEALERs (identity = child name) send `ready` and
-`heartbeat`; the CLI sends status, signal, restart and stop requests through a
-Requester and gets `status_reply`, `ack` or `error`. A frame that does not
-decode is answered with an `error` (unless it is itself a reply: an error is
-never answered) and logged, at most a few lines a second; it never stops the
-loop. Replies and errors nobody asked for (anything but `ready` and
-`heartbeat` among the reply kinds) are dropped here, so the runtime only sees
-notices and requests. At most SNDHWM replies wait for a client that does not
-read; further ones are dropped (counted, logged at a bounded rate).
-
-Every connection authenticates (broker/auth.py; the ZAP handler is served
-here, its socket polled by the supervisor loop): `status_request` is answered
-to any actor, `ready`/`heartbeat` are taken only from the actor they name, and
-every other request (stop, signal, restart, spawn, ...) only from the
-operator; a refused request gets an `error` with code `forbidden`. No agent
-may be spawned under a reserved name (its credential would be that role's).
+See docs/protocol.md ("Supervision (`run/supervisor.sock`)",
+"Authentication").
 """
 
 from __future__ import annotations

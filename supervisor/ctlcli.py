@@ -1,13 +1,6 @@
-"""The control commands of the CLI: `kill`, `restart`, `start`, `stop [NAME]`,
-`remove`, `reload`. Each sends one request on the control socket and prints
-one line (or, with `--json`, one JSON object on stdout: `ok`, `command`,
-`target`, `affected` or the refusal's `error` and `detail`).
+"""The control commands: kill, restart, start, stop [NAME], remove, reload.
 
-`stop` (the tree) returns once the supervisor has let go of its lock; `stop
-NAME` once the child is down (`stopped`); `remove NAME` once it is gone from
-the status. Exit codes: 0 done (also when nothing had to be done: `start` of a
-running child, `stop` of a stopped one); 1 refused (the reason is printed);
-3 no supervisor; 4 no answer.
+See docs/supervisor.md ("Start, stop, restart", "Exit codes").
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.

@@ -1,51 +1,9 @@
-"""Host loss, second half: a dead host's agents adopted by a live host
-(docs/fleet.md, "Adoption").
+"""Host loss, second half: bundles uploaded, a dead host's agents adopted.
 
-Two parts, both run on the host supervisor's fleet thread (supervisor/fleethost.py):
-
-- **Bundles.** At every status round each host uploads, per agent it runs, the
-  agent's *bundle* to the JetStream object store `corral_trees` (replicas as
-  the streams): `<host>/<agent>/pack.<gen>@<offset>`, the agent's tree pack
-  (`.corral/trees/packs/<agent>.pack`, the content-addressed objects of its
-  workspace trees, checked against their names on every read), and
-  `<host>/<agent>/spec`, what it was started with (backend, model, the task
-  file's text), and `<host>/<agent>/extra.<gen>@<offset>`, the objects of its
-  newest tree that its pack lacks (stored first by another agent of the
-  host: supervisor/fleetbundle.py), so the bundle alone restores that tree.
-  The pack goes up incrementally: each round uploads what was appended to it
-  since the last one, as a chunk `pack.<gen>@<offset>` (`Uploader`); the
-  adopter joins the newest generation's chunks. The upload lags the capture
-  by up to one status round: the `workspace_tree` fact may be in the host's
-  stream before the objects it names are in the object store.
-- **Adoption.** The live host that fenced a dead host (supervisor/fleetwatch.py)
-  then, per agent with a bundle: downloads the pack (and its extras) into its
-  own store, reads the agent's records (`agent/<name>`) from the dead host's
-  stream, finds the newest `workspace_tree` whose objects it holds (the
-  *cut*), restores that tree into the agent's workspace, appends the agent's
-  records up to and including the cut to its own WAL under the same stream,
-  origin and keys (as the operator: a retried adoption appends nothing twice), and spawns the agent
-  with the same task. The agent rebuilds its state from those records and
-  resumes at the turn boundary of the cut: its workspace and its state agree.
-  The records after the cut (the rest of that turn) are not adopted; that turn
-  runs again. Nothing acknowledged is lost: the dead host's stream keeps them.
-
-**Processes lost.** The background commands and terminals the agent had
-running on the dead host (started before the cut, never ended in the dead
-host's stream) are reported lost, as procs reports them after its own
-restart: a `proc_lost` fact on `procs/<agent>` (procs' own key, so a retried
-adoption writes it once) and the job's files beside its log (an empty log and
-an end file saying `lost`), from which this host's procs answers the agent's
-next poll or read with state `lost` and never starts the job again.
-Processes started after the cut are not: that turn runs again here.
-
-**Generations.** The agent's state generations go to the object store too,
-and the adopter restores the newest one the dead host's stream vouches for,
-renumbered to this host's seqs, so the agent folds only the tail
-(supervisor/fleetgens.py).
-
-Not adopted (docs/fleet.md): the agent's memory directory, a workspace outside
-`.corral/agents/<name>/` (restored there), and an agent whose name the
-adopter already uses (logged, left in the stream).
+An adopted agent resumes at the cut (the newest tree whose objects are
+held); the records after it are not adopted and that turn runs again.
+See docs/fleet.md ("Adoption") and docs/decisions.md ("Adoption by the
+fencer, at the newest uploaded tree").
 """
 
 from __future__ import annotations

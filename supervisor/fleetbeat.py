@@ -1,14 +1,8 @@
-"""The host's status entry in the KV bucket `corral_hosts`, kept alive on its own
-task of the fleet thread's loop (docs/fleet.md, "Declaring a host dead").
+"""The host's status entry in `corral_hosts`, kept alive on its own task.
 
-The entry is the host's heartbeat: a member whose entry expires (silent for
-`fleet.host_ttl_s`) is declared dead and fenced. The fleet thread's round also
-uploads bundles and adopts dead hosts' agents, which can take longer than the
-TTL (a long stream read and imported on a loaded host: the fleet soak saw an
-adoption of 6 agents take 34 s); put in that same round, the entry expired meanwhile and
-the live hosts fenced the adopter in the middle of its adoption. So the entry
-is put by this task every `host_ttl_s / 3`, whatever the round is doing (the
-adoption's blocking parts run in the executor; the loop stays free)."""
+Put every `host_ttl_s / 3` whatever the round is doing, so a long adoption
+does not get its adopter fenced. See docs/fleet.md ("Declaring a host dead").
+"""
 
 from __future__ import annotations
 

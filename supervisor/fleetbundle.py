@@ -1,35 +1,6 @@
-"""A self-sufficient bundle: the objects an agent's newest tree needs that its
-own pack lacks (docs/fleet.md, "Adoption", "Bundles").
+"""A self-sufficient bundle: what an agent's newest tree needs beyond its pack.
 
-A host's tree store keeps an object once, in the pack of the agent that
-stored it first (actors/trees/store.py): an agent whose files share contents
-with another agent's (a common README, an empty file, a vendored library)
-has those objects only in the other agent's pack, and a workspace equal to
-another's not even its root tree. So the uploader (supervisor/fleetadopt.py
-`Uploader`) adds to each agent's bundle, beside its pack, the *extras*: the
-objects of the agent's newest tree (the cut an adoption restores) that are
-not in the bundle yet, read from this host's store (checked against their
-names as every read is) and uploaded as chunks `<host>/<agent>/extra.<gen>@<offset>`
-of the pack's generation, in the pack format. The adopter writes them as a
-pack of their own (`<agent>+bundle.pack`: `+` is in no agent's name) beside
-the agent's pack, and restores the agent from those two alone.
-
-- **Which tree.** `NewestTrees` reads this host's WAL (`state/wal/`)
-  incrementally, only the lines appended since the last round (the segment
-  and the offset it reached), and keeps, per `agent/<name>` stream, the tree
-  of its newest `workspace_tree` or `rewind` record (a rewind's `tree`, or
-  the `from_tree` of one to before any tree), as `fleetadopt.cut` reads them.
-  The objects are durable in the store before the fact naming them is
-  written, and the WAL is read before the packs: a tree read is complete.
-- **Incremental.** Per agent and pack generation the uploader remembers the
-  objects in the bundle (its pack's, parsed from the bytes uploaded, and the
-  extras') and the trees whose whole closure is there (`closed`): the walk of
-  a new tree skips every directory it holds unchanged, so a round costs the
-  changed directories, and uploads only objects the bundle lacks.
-- **Bounded.** One round adds at most `MAX_EXTRA_BYTES` of extras; what is
-  left goes up in the next round (the tree is not marked closed until all of
-  it is up). An object the store does not hold (collected, damaged) is left
-  out: that tree is never closed, and an adopter takes an older cut.
+See docs/fleet.md ("Adoption").
 """
 
 from __future__ import annotations

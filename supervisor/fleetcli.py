@@ -1,29 +1,8 @@
-"""`supervisor fleet ...`: the local development cluster and fleet operations
-(docs/fleet.md).
+"""`supervisor fleet ...`: the local development cluster and fleet operations.
 
-    supervisor fleet up [--nodes 3] [--state-dir D] [--json]   a local JetStream cluster
-    supervisor fleet down [--state-dir D]                      stop it (its store stays)
-    supervisor fleet fence HOST [--by NAME] (--config F | --url U ...)
-                                        fence a host: its writer acknowledges nothing more
-    supervisor fleet forget-bus-key HOST [--config F | --url U ... | --state-dir D]
-                                        [--operator-key FILE] [--json]
-                                        clear a wiped host's bus key: every bridge
-                                        drops its pin and takes the host's new key
+    supervisor fleet up [--nodes 3] | down | fence HOST | forget-bus-key HOST
 
-`fleet up` also makes, once, under .corral/fleet/: the operator's key pair
-(operator.key, private, for CORRAL_OPERATOR_KEY on the operator's machine;
-operator.pub, for fleet.operator_public_key on every host) and the hosts'
-bus secret (bus.secret, for fleet.bus_secret on every host).
-
-forget-bus-key is signed with the operator's private key (--operator-key, else
-the file CORRAL_OPERATOR_KEY names): it purges HOST's entry in the KV bucket
-corral_bus_keys, then asks every bridge (NATS subject corral.buskeys.forget)
-to drop its pin for HOST; the answers of the live hosts' bridges are awaited
-(a few seconds).
-
-Exit codes: 0 done; 1 failed (the cluster did not come up, the fence was not
-stored, a bridge refused the forget); 2 usage (no operator key, no cluster
-configured); 4 no answer (the cluster, or a live host's bridge, did not answer).
+See docs/fleet.md ("Set-up", "Fencing", "Messages between hosts").
 """
 
 from __future__ import annotations

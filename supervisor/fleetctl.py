@@ -1,16 +1,7 @@
-"""The fleet's operator commands across hosts (docs/fleet.md, "One view"):
-`supervisor status --fleet [--json]` reads every host's entry in the KV
-bucket; `supervisor kill|stop|start HOST:AGENT` sends a signed request to
-that host's supervisor over NATS request/reply.
+"""The fleet's operator commands across hosts: `status --fleet`, signed requests.
 
-A request is JSON `{verb, host, agent, signal, ts, nonce}` and `sig`, the
-fleet operator's Ed25519 signature (broker/operatorsig.py). Only the
-operator's machine holds the private key (`CORRAL_OPERATOR_KEY`, a file);
-each host holds its public half (`fleet.operator_public_key`), so a host
-verifies requests and can make none another host accepts. The host refuses
-a bad signature, a timestamp more than 30 s away, a nonce it has seen,
-another host's name, an unknown verb or a name that is not an actor name; it
-then asks its own control socket as the local operator (`carry_out`).
+See docs/fleet.md ("One view") and docs/security.md ("Fleet control (fleet
+mode)").
 """
 
 from __future__ import annotations

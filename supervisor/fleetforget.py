@@ -1,21 +1,6 @@
-"""`supervisor fleet forget-bus-key HOST` (docs/fleet.md, "Messages between
-hosts"): the operator clears a wiped host's bus key.
+"""`supervisor fleet forget-bus-key HOST`: the operator clears a wiped host's key.
 
-A host whose state directory was wiped makes a new Ed25519 bus key; its name
-in the KV bucket `corral_bus_keys` still holds the old one, which every
-bridge has pinned, so its frames are refused. This command, signed with the
-operator's private key (broker/operatorsig.py), purges the entry, then
-publishes one request on `corral.buskeys.forget` and gathers the answers
-(every bridge with the operator's public key drops its pin for HOST and pins
-the next key it reads; the host's broker, which retries its registration
-while its name holds another key, registers its new one). It waits until
-every live host of the fleet view has answered, or `--wait-s`.
-
-Exit codes: 0 every live host's bridge forgot the pin; 1 a bridge refused
-(its answer says why); 2 usage (no operator key, no cluster); 4 the cluster,
-or some live host's bridge, did not answer (run it again: it is idempotent
-while the new key is not yet registered, and harmless after: the host
-registers its key again).
+See docs/fleet.md ("Messages between hosts").
 """
 
 from __future__ import annotations

@@ -1,37 +1,7 @@
-"""Host loss: an agent's state generations in the JetStream object store, and
-an adopted agent rebuilt from one (docs/fleet.md, "Generations").
+"""Host loss: agents' state generations uploaded, and an adopted one restored.
 
-- **Upload.** At every status round the host's fleet thread (through
-  `Uploader` in supervisor/fleetadopt.py) copies each of its agents' new
-  generation files (`.corral/agents/<name>/state/generations/gen-<seq>.json`,
-  written by the agent, actors/agent/generations.py) to the object store
-  `corral_trees` as `<host>/<agent>/gen.<seq, 20 digits>`, byte for byte.
-  Incremental and deduplicated: a generation already there (uploaded in an
-  earlier round, or by this host before a restart: the first round lists the
-  bucket) is never uploaded again. Bounded: at most `KEPT` per agent stay in
-  the store (the older ones are deleted after a newer one is up), and a file
-  over `MAX_BYTES` is not uploaded. The agent never waits for any of it: the
-  upload lags the generation by up to a status round.
-- **Restore.** The adopter downloads the dead host's (at most `KEPT`)
-  generations of the agent (each at most `MAX_BYTES`, else not read) and
-  `choose` takes the newest one that (a) is at or below the cut (the last
-  record it adopts), (b) the dead host's stream vouches for: a
-  `generation_saved` fact on the agent's stream naming its seq and the
-  sha256 of the very bytes downloaded, (c) parses, and its seq and key are
-  those of the stream's record at that seq. Anything else is hostile or
-  stale and skipped (logged `fleet_generation_refused` with the reason); none
-  left means the agent folds its whole adopted stream, as before.
-- **Renumbered.** Seqs are one host's: the adopted records get new seqs in
-  the adopter's WAL. The generation's seq-valued fields (`last_seq`,
-  `session_seq`) are mapped to the new seqs of the same records, so the state
-  is the one a fold of the adopted records on this host gives; so are the
-  branch fields a rewind among the adopted records set (`branch`,
-  `last_rewind`: supervisor/fleetseqs.py, which rewrites the records' own
-  references the same way). The adopter writes it as a
-  local generation and appends the `generation_saved` fact that vouches for
-  it (key `g<seq>:adopted`, as the operator), so the agent's own rebuild
-  (actors/agent/rebuild.py) takes it, checks it as it checks any generation,
-  and folds only the tail.
+Only a generation the dead host's stream vouches for is taken, renumbered to
+this host's seqs. See docs/fleet.md ("Generations").
 """
 
 from __future__ import annotations

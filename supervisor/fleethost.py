@@ -1,24 +1,6 @@
-"""A host supervisor's part in the fleet (docs/fleet.md, "One view"): in fleet
-mode the supervisor starts one `FleetHost`, a thread with its own asyncio
-loop and NATS connection, that
+"""A host supervisor's part in the fleet: its status entry and control requests.
 
-- puts the supervisor's status (what `supervisor status --json` shows, plus
-  the host's name and the time) into the KV bucket `corral_hosts` under the
-  host's name at every status interval; the bucket's TTL (`fleet.host_ttl_s`)
-  makes a silent host's entry expire, so `status --fleet` marks it stale and
-  host-loss detection can see it go;
-- answers control requests on `corral.ctl.<host>` (NATS request/reply):
-  `kill`, `stop`, `start` of one child, each signed by the fleet operator
-  (Ed25519, verified with `fleet.operator_public_key`: the host holds no key
-  that signs; a timestamp within 30 s, a nonce never seen before;
-  `fleetctl.sign`, broker/operatorsig.py). A valid request is carried out
-  through the host's own control socket as the local operator, so it gets
-  exactly the checks and answers of `supervisor kill NAME` on that host.
-
-It also writes `run/fleet.json` (the cluster URLs and credential *paths*, no
-secret) so `supervisor status --fleet` and `supervisor kill HOST:AGENT` on
-this host need no other configuration. Nothing here ever stops the
-supervisor: a cluster that is away only makes the entry go stale.
+Nothing here ever stops the supervisor. See docs/fleet.md ("One view").
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
-"""Adoption, the seqs a record names: an adopted agent's records keep their
-meaning under the adopter's seqs (docs/fleet.md, "Adoption of a rewound agent").
+"""Adoption: the seqs an adopted record names, mapped to the adopter's seqs.
 
-Seqs are one host's WAL positions. The import (supervisor/fleetadopt.py)
-appends the dead host's records of `agent/<name>` under new seqs, in order;
-a record that *names* a seq of that same stream must name the new one, or
-the adopter reads the dead host's number as its own (a rewind would cut its
-branch at some unrelated record). What names a seq of the agent's stream:
-
-- `rewind {to_seq, from_seq}` (actors/trees/rewind.py) and its key
-  `rewind:<agent>:<from_seq>`;
-- the branch tag `r<seq>:` (the rewind's own seq, actors/agent/branch_events.py)
-  that prefixes the key of every record after a rewind (actors/agent/loop.py);
-- `generation_saved {seq}` and its key `g<seq>:saved` / `g<seq>:adopted`.
-
-Each such seq is mapped old -> new with the mapping the import builds as it
-goes (every reference names an *earlier* record, so its new seq is known
-when the referring record is appended). The import is checked whole before
-anything is appended (`check`): a reference to a seq that is not an earlier
-adopted record of the stream (outside the imported range, later, another
-stream's, not an integer) refuses the agent's adoption (`SeqReferenceError`),
-never a silently wrong import.
-
-Left as they are, on purpose: `session_fork {point_seq, state}` names seqs of
-the *parent's* stream (another agent, not imported): the fold copies them as
-opaque labels, so the adopted state carries the same values as the dead
-host's; a key whose `r<digits>:` prefix is not an adopted rewind (a fork's
-branch tag inherited from its parent) likewise. Compaction records name no
-seq (their boundary is a turn: actors/agent/compaction.py).
+A reference that cannot be mapped refuses the agent's adoption
+(`SeqReferenceError`). See docs/fleet.md ("Adoption of a rewound agent").
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
-"""Host loss: declaring a silent host dead and fencing it (docs/fleet.md).
+"""Host loss: declaring a silent host dead and fencing it.
 
-Every host supervisor registers in the KV bucket `corral_members` (no TTL) and
-keeps its status entry alive in `corral_hosts` (TTL `fleet.host_ttl_s`). Each
-live host runs `Watch.check` at every status round: a member whose status
-entry has been gone for `fleet.dead_grace_s` is dead. The live host first in
-`least_loaded` order (fewest agents, then name) fences it: it appends a fence
-to the dead host's stream with `Nats-Expected-Last-Sequence` set to the
-stream's last sequence, so of two hosts that race, one fence is stored and the
-other fails its expectation; then it marks the member `dead` (with
-`fenced_by` and the time). From then on the dead host's writer acknowledges
-nothing (its next publish meets the fence, it exits 77), so a host that comes
-back runs nothing twice. A host that finds itself marked dead at start-up
-does not re-register.
-
-The fencing host then adopts the dead host's agents (supervisor/fleetadopt.py)
-and marks the member `adopted`; a fencer that stopped before that adopts at its
-next round (the agents' records go in under their keys, so nothing twice). A
-fencer that died before it adopted is declared dead and fenced in turn; its
-own fencer, once it has adopted the fencer's agents, adopts the first dead
-host's too (`Watch._adopts`: the live end of the chain of fencers).
+See docs/fleet.md ("Declaring a host dead", "Fencing").
 """
 
 from __future__ import annotations

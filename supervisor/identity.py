@@ -1,11 +1,8 @@
 """corral's name and version, and the package it must not share an environment with.
 
-corral's import package and command are both called `supervisor`, like those of
-supervisord (the PyPI distribution `supervisor`). Installed into one
-environment, the two merge into one `site-packages/supervisor/` and whichever
-is installed last (or uninstalled first) breaks the other, silently. `up`
-looks for supervisord's traces on start and says how to separate them: a
-virtual environment for corral. Standard library only.
+Standard library only. See docs/decisions.md ("Packaging: three import
+packages, the `supervisor` name kept") and docs/operations.md ("Install: a
+virtual environment of its own").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""`supervisor logs`: merge the per-actor structlog JSON files of logs/ in time
-order, filter by actor, level and time, render for a terminal (or raw JSON),
-and with `follow` keep printing new lines, across rotations.
+"""`supervisor logs`: the per-actor JSON logs merged in time order, filtered.
 
-Each actor writes logs/<actor>.log, rotated to <actor>.log.1 ... .N (oldest
-last); every line is one JSON object with `timestamp` (ISO, UTC), `level`,
-`event` and `actor`. Standard library only.
+Standard library only. See docs/operations.md ("Logs").
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
-"""The supervisor's Prometheus endpoint (`metrics.listen` in the config; off by
-default; loopback addresses only).
+"""The supervisor's Prometheus endpoint, served from the published status.
 
-What it serves is the status the supervisor already publishes every
-`status_interval_s` (run/status.json), turned into metrics at scrape time: per
-child state, restarts, heartbeat age, RSS/USS, CPU; and the counters children
-report in their heartbeats: the writer's appends, batches, fsyncs with the
-fsync latency and batch size histograms (bucket counts carried in the
-heartbeat: `fsync_ms_le_<bound>`, `batch_le_<bound>`), the broker's routed and
-refused messages, procs' live commands and terminals, subagents, and per agent
-turns, tool calls, rejects, aborts, approvals waiting and budget used. Every
-other numeric heartbeat value is `corral_child_value{key=...}`.
-
-The HTTP server is wsgiref's serving prometheus_client's WSGI app (a daemon
-thread, a thread per connection), capped: at most MAX_CONNECTIONS
-connections are served at once (one more is closed at once, counted in
-`refused`), and a connection that sends nothing for CONNECTION_TIMEOUT_S is
-dropped, so idle connections cannot pile up threads in the supervisor. The
-supervisor loop hands it a new snapshot with `update()` (one reference
-assignment); a scrape reads whichever snapshot is current, never the loop's
-live objects. The bound port is written to run/metrics.port (port 0 picks a
-free one).
+At most MAX_CONNECTIONS connections at once; one idle CONNECTION_TIMEOUT_S
+is dropped. See docs/supervisor.md ("Metrics") and docs/operations.md
+("Metrics").
 """
 
 from __future__ import annotations

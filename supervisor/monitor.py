@@ -1,10 +1,6 @@
-"""Watching children: exits (waitpid), liveness deadlines and resource samples.
+"""Watching children: exits (waitpid), liveness deadlines, gaps of the loop.
 
-`reap()` collects every exited child of the supervisor (including the agents
-it adopted as a subreaper). `overdue()` is the pure liveness rule; the
-`GapDetector` notices when the supervisor itself could not listen (stopped,
-suspended), so that silence is not held against the children. Resource
-samples (CPU, RSS, USS): supervisor/sampling.py, off the main loop.
+See docs/supervisor.md ("Liveness").
 """
 
 from __future__ import annotations

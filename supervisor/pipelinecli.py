@@ -1,22 +1,7 @@
 """The operator's pipeline and registry commands.
 
-    supervisor pipeline run NAME|FILE [--input k=v ...] [--runner NAME] [--wait] [--json]
-    supervisor pipeline check FILE
-    supervisor registry list
-    supervisor registry show REGISTRY [--seq S]
-    supervisor registry apply OP [--args JSON]      any registry op, e.g. pipeline_install
-    supervisor registry restore SEQ                 every registry as it was at SEQ
-
-`pipeline run` resolves the pipeline (a file, else an installed one), checks
-it and its inputs, writes the run file and asks the supervisor to spawn the
-runner: an agent child with backend `pipeline` (supervised like any agent:
-`status`, `trace`, `kill`, restart; its credential is minted like an agent's).
-`--wait` follows the runner's stream until it ends and prints the outputs.
-
-`registry apply` validates the op like an agent's action (the same models),
-runs the same code as the op (actors/registries/ops.py) and records the
-generation under the operator's credential; the operator is not subject to
-the agents' permission rules.
+See docs/pipelines.md and docs/registries.md ("Applying them:
+`supervisor registry`").
 """
 
 # ruff: noqa: PLC0415 - each path imports only what it needs

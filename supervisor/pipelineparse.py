@@ -1,6 +1,7 @@
-"""The argument parsers of `supervisor pipeline ...` and `supervisor registry ...`
-(their work is in supervisor/pipelinecli.py, imported only when one runs, so
-the CLI's other commands do not load it)."""
+"""The argument parsers of `supervisor pipeline ...` and `supervisor registry ...`.
+
+Their work is in supervisor/pipelinecli.py, imported only when one runs.
+"""
 
 from __future__ import annotations
 

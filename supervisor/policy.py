@@ -1,18 +1,7 @@
 """Restart decisions: pure functions over one child's history of exits.
 
-No I/O, no clock, no randomness of its own: the caller passes `now_s` and a
-number in [0, 1) for the jitter, so every decision can be tested exhaustively.
-
-    permanent  always restarted
-    transient  restarted only after an abnormal exit (non-zero code or a signal)
-    temporary  never restarted
-
-Whatever the kind, an exit code listed in `fatal_exit_codes` gives up at once
-(the writer's 65: the WAL is corrupt, restarting cannot help), and more than
-`max_restarts` counted exits within `period_s` gives up (the intensity). An exit
-the supervisor asked for (`supervisor restart`) is restarted at once and is not
-counted. The delay before a restart is 0 for the first exit in the window, then
-`base_s * 2**(n-2)` for the n-th, capped at `cap_s`, spread by +/- `jitter`.
+No I/O, no clock, no randomness of its own. See docs/supervisor.md
+("Start, stop, restart").
 """
 
 from __future__ import annotations

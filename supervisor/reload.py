@@ -1,21 +1,6 @@
-"""What a reload changes: a pure comparison of the running children with the
-configuration just re-read (SIGHUP or `supervisor reload`).
+"""What a reload changes: running children against the configuration re-read.
 
-A child is known by its name. Its *launch* is everything that decides how it
-is started: its spec (policy, timeouts, command) and the command line the
-config gives it (logging level, size and backups, heartbeats; for agents the
-zygote's arguments too, since they are forked with those). Then:
-
-- a name in the new configuration and not running: start it;
-- a running name no longer in the configuration (or disabled): stop it and
-  drop it; agents added by `supervisor spawn` are not in any configuration and
-  are kept;
-- a name whose launch differs: restart it with the new spec;
-- anything else: left alone (its process is not touched).
-
-Settings read by the supervisor itself (heartbeat timeout, status interval)
-take effect at once. The `agent:` section reaches an agent through its spec,
-written when it was spawned: a reload does not rewrite specs.
+Pure. See docs/decisions.md ("`stop NAME` does not persist; SIGHUP reloads").
 """
 
 from __future__ import annotations

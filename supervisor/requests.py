@@ -1,27 +1,6 @@
-"""The operator's per-child requests and the reload, carried out on a running
-supervisor (supervisor/runtime.py dispatches to these; each returns the reply).
+"""The operator's per-child requests and the reload, on a running supervisor.
 
-- `stop NAME`: the child is *held*: SIGTERM, deadline, SIGKILL like any stop,
-  then state `stopped`; no policy restarts it. Not persistent: a supervisor
-  started again starts what its configuration names (like `supervisorctl
-  stop`, or `systemctl stop` without `disable`); to keep an agent down for
-  good, `remove` it (or take it out of the configuration and reload).
-- `start NAME`: a stopped, exited or fatal child starts again with a clean
-  exit history; a running one is left alone (acknowledged, nothing affected).
-  An agent with a spec on disk but no child (a `fork`, or an agent spawned
-  before this supervisor started) is added first, as `spawn` adds one.
-- `remove NAME` (agents only): stop it, delete its spec
-  (`.corral/config/agents/NAME.json`) and forget it once it is down. Its WAL
-  stream, snapshots and workspace stay.
-- `spawn NAME`: add an agent whose spec the supervisor writes from the
-  *running* configuration's `agent:` settings, and only once it has accepted
-  the request: a refused spawn changes nothing on disk.
-- `reload` (SIGHUP too): re-read the configuration file the supervisor was
-  started with; an invalid file is refused (file, key, reason) and the running
-  configuration kept; otherwise supervisor/reload.py's plan is applied.
-
-The writer and the broker cannot be stopped or removed alone (everything
-depends on them): `restart` them, or stop the whole tree.
+See docs/supervisor.md ("Start, stop, restart").
 """
 
 from __future__ import annotations

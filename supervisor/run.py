@@ -1,19 +1,6 @@
 """`supervisor run [CONFIG] [--agents N]`: the main job, end to end.
 
-1. Load the configuration; write one spec per agent (`agent-1..N`, task i of
-   the `run.tasks` list, or of the task files next to the configuration, in
-   turn) and an effective configuration (agents count N, restart `transient`:
-   a finished agent exits 0 and stays down; a killed one is restarted).
-2. Start `supervisor up` on it as a child process and wait for its status.
-3. Follow every agent's stream through the writer (a tail fold per agent:
-   phase, turn, last op), answer their approval requests by the `run.answers`
-   rules (standing in for the operator, through the writer like `supervisor
-   approve`), and show progress: a line per agent, redrawn on a terminal, or
-   a plain line log (a line when an agent's phase or op changes).
-4. When every agent's process is down (or at `--timeout-s`), stop the
-   supervisor, wait for it, print a summary table. Exit 0 only when every
-   agent finished its task; 1 otherwise; 75 when the state directory is
-   already supervised; 78 for an invalid configuration.
+See docs/agents.md ("Commands").
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.

@@ -1,6 +1,7 @@
-"""The `run:` section of the runtime configuration: what `supervisor run` does
-with its agents (which task files they play, how it answers their approval
-requests when it stands in for the operator, how long it waits)."""
+"""The `run:` section of the configuration: what `supervisor run` does.
+
+See docs/agents.md ("Commands").
+"""
 
 from __future__ import annotations
 

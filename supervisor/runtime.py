@@ -1,13 +1,7 @@
-"""The supervisor loop: wires the spawner, the monitor, the policy and the
-control socket together. It decides nothing itself: restarts come from
-supervisor/policy.py, liveness from supervisor/monitor.py.
+"""The supervisor loop: wires spawner, monitor, policy and control socket.
 
-One thread does everything (spawning included), so PDEATHSIG, which is tied
-to the parent *thread*, fires exactly when the supervisor dies.
-
-Start order: writer, broker, procs, subagents, agents; each kind waits until
-the previous one is ready. Stop runs backwards: SIGTERM to each child's
-process group, SIGKILL to the group after its shutdown timeout, reap.
+One thread does everything (PDEATHSIG is tied to the parent thread).
+See docs/supervisor.md ("Process tree", "Start, stop, restart").
 """
 
 from __future__ import annotations
@@ -45,12 +39,12 @@ EXIT_WAL_CORRUPT = 65  # the writer found the WAL corrupt: the operator must act
 EXIT_CORE_GAVE_UP = 69  # the writer or the broker gave up (EX_UNAVAILABLE)
 FORKS_IN_FLIGHT = 8  # forks asked of the zygote and not yet answered (flow control)
 # Agents asked of the zygote and not yet ready: more only share the cores with
-# these (docs/performance.md "Next round: spawn")
+# these (docs/decisions.md, "Agents fork from a zygote: one clone, a pool, paced starts")
 AGENTS_STARTING = max(2, os.cpu_count() or 2)
 ZYGOTE_POLICY = Policy(max_restarts=5, period_s=60.0, base_s=0.2, cap_s=5.0)
 # The per-child scan (liveness, restarts, stop deadlines) runs this often at
 # most, or at the next deadline, not on every loop turn: with 500 children a
-# turn per heartbeat made the loop O(children) per message (docs/performance.md)
+# turn per heartbeat made the loop O(children) per message
 SCAN_INTERVAL_S = 0.1
 
 if TYPE_CHECKING:

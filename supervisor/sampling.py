@@ -1,22 +1,6 @@
 """Resource samples of the children (CPU %, RSS, USS), read off the main loop.
 
-The supervisor's loop is one thread that also answers the zygote, the
-children's `ready` and heartbeats and the control socket; psutil's reads of
-/proc for 500 children (a stat and a statm file each, and smaps_rollup for
-USS, 1-10 ms apiece on a loaded machine) held it up to 400 ms every status
-interval, and a `ready` read late counts in the agent's spawn time. So a
-`SamplerThread` samples in the background: the loop hands it the live pids
-each status interval (`submit`) and applies the figures of the last pass it
-finished (`take`, then `apply`), one interval old. Reading /proc releases the
-GIL; the parsing does not, but the loop waits at most a switch interval.
-
-USS needs smaps_rollup, the expensive read: a pass reads it for at most
-`uss_per_pass` children (the never-measured first, then round robin) and for
-at most `uss_budget_s` of that pass; and for none while agents are being
-started (`submit(..., uss=False)`): in a ramp of 500 every pass found 25
-never-measured agents and spent its whole budget on them, CPU the starting
-agents needed (docs/performance.md). A child's USS is then the last figure
-read, or none yet, as between its round-robin turns.
+See docs/supervisor.md ("Status").
 """
 
 from __future__ import annotations

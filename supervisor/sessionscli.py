@@ -1,20 +1,6 @@
-"""`supervisor sessions ...`: the session index on the command line
-(docs/sessions.md).
+"""`supervisor sessions ...`: the session index on the command line.
 
-    supervisor sessions list [--all] [--label L] [--agent A] [--json]
-    supervisor sessions show REF [--json]
-    supervisor sessions label REF TEXT
-    supervisor sessions archive REF | unarchive REF
-    supervisor sessions reindex [--json]
-    supervisor sessions purge ID --preview [--json]
-    supervisor sessions purge ID --confirm ID [--json]
-
-REF is a full session id, a unique prefix of one, or an agent name (its
-newest session): actors/sessions/resolve.py. Purge takes only the full id,
-twice. Every command first brings the index up to date with the WAL (it
-reads the WAL segments itself: no running supervisor needed).
-
-Exit codes: 0 done; 1 refused (no such session, a purge refusal); 2 usage.
+See docs/sessions.md ("Commands").
 """
 
 # ruff: noqa: PLC0415 - each command imports what it needs

@@ -1,26 +1,7 @@
-"""Starting children: a command in a fresh process (broker/lifeline.py), or an
-agent through the zygote (actors/zygotelink.py); and each child's environment.
+"""Starting children: a fresh process, or an agent through the zygote.
 
-Every child starts in its own session (so its process group is its pid and a
-kill reaches its descendants), with PDEATHSIG tied to the supervisor's main
-thread and a getppid() check after setting it. The environment carries
-CORRAL_CONTROL (the supervisor's control endpoint) and CORRAL_ACTOR (the
-child's name); the rest of the supervisor's environment is inherited (tests
-rely on that to find leaked processes), except the model's API key: only
-the children that call the model (agents, through the zygote, and the
-subagents host, whose child agents do) get it (`model_key_names`).
-
-Each child gets its credential (broker/auth.py) without argv or environment
-carrying it: an exec'd child on an inherited pipe whose fd number is in
-CORRAL_CREDENTIAL_FD (`spawn_with_credential`), an agent forked by the zygote
-on a pipe sent with the fork request (`credential_fd`). No agent is started
-under a reserved name (operator, procs, ...): its credential would be that role's.
-
-The supervisor reaps every child itself with waitpid(-1): nothing here waits
-for a process. The spawning and the zygote's link live below the supervisor
-because the subagents host uses them too (a zygote of its own for child
-agents, actors/subagents/starter.py); this module names them for the
-supervisor.
+Only the children that call the model (agents, the subagents host) get the
+model's API key. See docs/supervisor.md ("Process tree", "The zygote").
 """
 
 from __future__ import annotations

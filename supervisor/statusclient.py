@@ -1,13 +1,7 @@
 """`supervisor status`'s request on the control socket, without pydantic.
 
-`status` is the command operators run most (and in loops): its cost is almost
-all interpreter start and imports, so this path loads only ZeroMQ and msgpack.
-It sends the one `status_request` frame of docs/protocol.md and checks the
-reply by hand: a map with `v` 1, the request's `msg_id`, kind `status_reply`
-(or `error`), and the fields the status view reads, of the right types. A
-reply that is not that is treated like no reply (the caller falls back to
-run/status.json, marked stale). broker/protocol.py stays the normative
-definition; tests/test_statusclient.py checks both agree.
+See docs/decisions.md ("`supervisor status` decodes its reply without
+pydantic").
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""run/status.json: the last status the supervisor published, rewritten
-atomically (temp file + rename) every status interval. The CLI reads it with
-the standard json module only, when the supervisor does not answer.
+"""run/status.json: the last status the supervisor published.
 
-Format: the `status_reply` message as JSON (without msg_id), plus
-`written_at` (Unix time) and `format` (1).
+See docs/supervisor.md ("Status").
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Rendering a status (the `status_reply` as plain JSON data) for a terminal.
-Standard library only: `supervisor status` stays fast."""
+"""Rendering a status for a terminal. Standard library only.
+
+See docs/supervisor.md ("Status").
+"""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""Storage caps and collection outside the WAL (docs/storage.md): the
-`storage:` config section, `supervisor du` (usage per tier and per session)
-and the non-WAL half of `supervisor gc`:
+"""Storage caps and collection outside the WAL; `supervisor du` and `gc`.
 
-- background command and terminal logs (`agents/<s>/.procs/`, `.terminals/`):
-  ended jobs (an `<id>.end` file) are removed whole (`.log`, `.exit`,
-  `.end`), oldest ended first, until each session is under
-  `procs_max_bytes_per_session` and all of them under `procs_max_bytes`; a
-  running job's files are never touched;
-- snapshot generations: the newest `keep_generations` per session are kept
-  (`agents/<s>/state/generations/gen-<seq>.json`);
-- pinned sessions (`pins`, fnmatch) are never collected, and the persist tier
-  (`memory/`, `approvals.jsonl`), the config tier and operator evidence are
-  never candidates at all.
-
-The trees store (`trees/packs/`) is collected by reachability in
-actors/trees/collect.py, after the WAL pass (fewer records, fewer roots).
-
-The WAL half (retention and compaction) runs in the writer
-(actors/writer/walgc.py): `gc` asks it through `run/gc.request` and waits for
-`run/gc.result.json`."""
+See docs/storage.md.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""`supervisor du [--json]` and `supervisor gc [--dry-run] [--json]`: storage
-usage per tier and per session, and a collection pass now (supervisor/
-storage.py; the WAL part runs in the writer). Both read `storage:` from the
-config (`--config`, default the packaged one)."""
+"""`supervisor du [--json]` and `supervisor gc [--dry-run] [--json]`.
+
+See docs/storage.md ("Tiers: what may be collected").
+"""
 
 from __future__ import annotations
 

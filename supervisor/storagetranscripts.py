@@ -1,14 +1,7 @@
-"""Transcripts rotated by size (docs/storage.md, "Transcripts"): the janitor's
-and `supervisor gc`'s part for `sessions/<id>/transcript.jsonl` (audit tier).
+"""Transcripts rotated by size: `transcript.jsonl` -> `transcript.old.jsonl`.
 
-A session's current transcript over `transcript_max_bytes` is renamed
-`transcript.old.jsonl` (replacing the one before), and the directory
-fsynced: the agent opens the file by name for every line (O_APPEND,
-actors/sessions/transcript.py), so its next line starts a new current file,
-and a line written during the rename lands whole in one of the two. A
-session then holds at most about twice the cap, as `logging.max_bytes`
-bounds a log with one backup. 0 (the default) never rotates. Pinned
-sessions (`pins`, matched against the session id) are never rotated."""
+See docs/storage.md ("Transcripts").
+"""
 
 from __future__ import annotations
 

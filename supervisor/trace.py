@@ -1,29 +1,6 @@
-"""`supervisor trace AGENT [-f] [--since SEQ] [--json]`: an agent's session as a
-person reads it, from its WAL stream `agent/<name>`.
+"""`supervisor trace AGENT [-f] [--since SEQ] [--json]`: a session, readable.
 
-Where the records come from: while the writer runs (its lock `run/writer.lock`
-is held), its `read_stream` pages (actors/writer/client.py), so only durable
-records are shown; when it does not run, or does not answer, the WAL segments
-are read directly, read-only (a torn final record is not shown; it is shown
-once complete). `-f` asks again from the next seq every `FOLLOW_INTERVAL_S`.
-
-What is printed: one line per fact, `#seq time` then what happened: session
-starts and exits (with the reason: finished, max_turns, budget), each turn's
-model text and its actions with their arguments, each call's verdict (rule,
-reason), approvals asked and answered, starts with their effect, results
-(bounded to `RESULT_CHARS`), schema rejects, aborted turns and what recovery
-found, subagent usage and change sets, budget resumes, todos, operator answers
-and corrections (identity, size, hash in the WAL; their exact text read from the
-agent's input file, actors/agent/operator_input.py) and their deliveries. Strings are
-clipped to `ARG_CHARS`. The records of a purged session are never shown
-(actors/sessions/purged.py). Secrets stay sealed: the WAL holds terminal input only
-as `{sha256, bytes}` (actors/agent/vault.py), printed as `<sealed N bytes
-sha256:...>`. `--json` prints each record as one JSON object (seq, ts, event,
-origin, payload as stored: the same sealed values).
-
-Exit codes: 0 printed (or followed until Ctrl-C); 1 no such agent (no record
-of its stream and no agent directory; with `-f` it is waited for instead), or
-the WAL cannot be read; 2 usage.
+See docs/supervisor.md ("Trace").
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""What `supervisor trace` shows of workspace trees, rewinds and forks
-(docs/trees.md): their lines, and which records a rewind abandoned (printed
-with `~` instead of `#`, `"abandoned": true` in --json). Records are judged
-on what the trace has read so far (a follower marks an abandoned record only
-if the rewind came in the same read)."""
+"""What `supervisor trace` shows of workspace trees, rewinds and forks.
+
+See docs/trees.md ("Rewind").
+"""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The operator's time-travel commands: `rewind` and `fork` (docs/trees.md).
+"""The operator's time-travel commands: `rewind` and `fork`.
 
-    supervisor rewind REF --to-turn N | --to-seq S [--json]
-    supervisor fork REF --name NEW [--at-turn N] [--json]
-
-Both need the running supervisor's writer (they read the agent's stream and
-append through it, origin `operator`) and a stopped session: the agent's
-process is not running (the supervisor's status says stopped, exited or
-fatal, or does not list it). Exit codes as agentcli: 0 done (a repeated
-rewind is a no-op, 0), 1 refused, 2 usage, 3 no supervisor, 4 no answer.
+See docs/trees.md ("Rewind", "Fork").
 """
 
 # ruff: noqa: PLC0415

@@ -1,17 +1,6 @@
 """`supervisor up`: take the lock, load the config, run the supervisor loop.
 
-In the foreground it says what it does (docs/supervisor.md, "Start, stop,
-restart"): a
-start line, "N of M ready" while the children come up, and a ready line
-naming the state directory and the control socket; `--quiet` silences them.
-
-Exit codes (also in docs/supervisor.md):
-    0   stopped cleanly (stop request, SIGTERM, Ctrl-C)
-    1   unexpected internal error (traceback in logs/supervisor.log)
-    65  the writer found the WAL corrupt and gave up: repair before restarting
-    69  the writer or the broker gave up (over its restart intensity)
-    75  another supervisor holds this state directory (its pid is named)
-    78  invalid configuration or unusable state directory
+See docs/supervisor.md ("Start, stop, restart", "Exit codes").
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.

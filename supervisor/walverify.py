@@ -1,13 +1,7 @@
-"""`supervisor wal verify [--state-dir D] [--json]`: check a WAL offline,
-without the writer. Reads every segment to the end (it does not stop at the
-first problem), and reports records, head seq, gaps, checksum failures, a torn
-final batch, ledger lines that do not match the WAL and ledger records the WAL
-holds but a ledger lacks. It also runs the writer's own start-up plan
-(`actors.writer.recovery.plan`, read-only) and says what the writer will do
-at its next start: start, cut a torn batch first, or refuse (and why).
+"""`supervisor wal verify [--state-dir D] [--json]`: check a WAL offline.
 
-Exit 0 only when the WAL is sound; 1 when it is not (a torn tail included:
-the writer's next start cuts it); 2 when there is nothing to check."""
+See docs/wal.md ("`supervisor wal verify [--state-dir D] [--json]`").
+"""
 
 from __future__ import annotations
 

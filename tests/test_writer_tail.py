@@ -1,5 +1,5 @@
-"""The writer's checkpoint with a short loop part (docs/performance.md, "The
-writer's tail"): the loop only copies the idempotency windows
+"""The writer's checkpoint with a short loop part (docs/wal.md, "Start-up";
+actors/writer/checkpointsync.py): the loop only copies the idempotency windows
 (`DedupeWindows.snapshot`) and takes the stream index's pending entries
 (`StreamIndex.take_pending`); the checkpoint thread appends and fsyncs the
 entries (`write_unsynced`) and encodes the checkpoint without pydantic

@@ -1,4 +1,5 @@
-"""An agent: one OS process per agent running one session (`process.serve`):
-the loop (`loop`), typed ops (`ops`, `builtin_ops`, `catalog`), the gate
-(`gate`, `workspace`), model backends (`backends`, `openai_backend`), and
-state recovery (`state`, `generations`, `rebuild`). See docs/agents.md."""
+"""An agent: one OS process per agent running one session.
+
+The loop, typed ops, the gate, model backends and state recovery.
+See docs/agents.md.
+"""

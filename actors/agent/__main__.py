@@ -1,6 +1,8 @@
-"""`python -m actors.agent --name N --state-dir D`: one agent in a fresh
-interpreter (the fallback when the zygote is off, the benchmark baseline, and
-the process-level tests). It runs its spec's session, or idles without one."""
+"""`python -m actors.agent --name N --state-dir D`: one agent, fresh interpreter.
+
+The fallback when the zygote is off, the benchmark baseline and the
+process-level tests. See docs/agents.md ("Specs and process").
+"""
 
 from __future__ import annotations
 

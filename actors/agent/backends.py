@@ -1,18 +1,9 @@
-"""Model backends behind one interface: given the agent's state, return the next
-reply (zero or more raw actions, optional text, token usage).
+"""Model backends behind one interface: the agent's state in, the next reply out.
 
-    scripted  the default: plays a task file's steps in order, `repeat` times,
-              from the state's cursor (settled decisions), so a restarted agent
-              picks up exactly where the fold says it is; deterministic. In a
-              step's strings `{i}` is the pass number, and `{last_command}` /
-              `{last_terminal}` the proc id of the newest command / terminal a
-              result in the state's recent context names (a script cannot know
-              ids made at run time).
-    replay    re-plays the replies (the `turn` events' actions) recorded in an
-              earlier session's stream, one per model call.
-    openai    an OpenAI-compatible chat-completions client (openai_backend.py).
-
-Actions are validated by the loop, never here: a backend may return anything.
+`scripted` (a task file's steps, from the state's cursor; `{i}`,
+`{last_command}` and `{last_terminal}` are filled in), `replay` and `openai`.
+Actions are validated by the loop, never here.
+See docs/agents.md ("Model backends").
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""How the fold takes the records of workspace trees, rewind and fork
-(actors/trees, docs/trees.md), kept apart from the fold of a turn's records:
+"""How the fold takes the records of workspace trees, rewind and fork.
 
-- `workspace_tree {turn, tree}`: the active branch's newest tree;
-- `rewind {to_seq, to_turn, grants, ...}`: the fold sees it only on the
-  active branch (actors/trees/branch.py dropped the records it abandons),
-  so the state is already that of `to_seq`; it sets the branch tag that
-  prefixes every later idempotency key (the rewound turns run again under
-  new keys) and keeps the `--always` grants of the abandoned records
-  (approvals are persist tier: never reverted). A rewind that cuts below
-  what a state has folded cannot be folded into it: `BranchSwitchedError`
-  (a live agent exits and rebuilds);
-- `session_fork {state, ...}`: the first record of a fork's stream: the
-  parent's state at the fork point becomes this state.
+A rewind that cuts below what a state has folded raises
+`BranchSwitchedError`. See docs/trees.md ("Rewind", "Fork").
 """
 
 from __future__ import annotations

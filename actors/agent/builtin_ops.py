@@ -1,12 +1,8 @@
-"""The ops of the agent issue: files, search, memory, todos, ask and finish.
-Each is one model and one handler, registered at import (actors/agent/ops.py
-explains the contract). Handlers read; writes are returned as `Write` and
-applied by the loop after it has recorded them.
+"""The built-in ops: files, search, memory, todos, ask and finish.
 
-Every path goes through actors/agent/workspace.py (normalised, then reached
-from a directory fd of the workspace without following links; the state
-directory is never entered). `search` and `list_dir` leave out what the
-permission rules would not let the op show (`OpContext.path_visible`)."""
+Handlers read; writes are returned as `Write` and applied by the loop after
+it has recorded them. See docs/agents.md ("Ops").
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """The op catalogue: importing this module registers every op the agent knows.
 
-To add ops (background commands, terminals, subagents), write a module that
-calls `actors.agent.ops.register(Model, handler)` for each, and import it
-below. Nothing else changes: the union, the gate, the tool schemas for
-language models and the loop all read the registry.
+A module of ops is added by importing it here. See docs/agents.md ("Ops").
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""Reading a shell command line for the command rules: a convenience, not a
-boundary (the sandbox is the boundary: docs/agents.md says so).
+"""Reading a shell command line into simple commands for the command rules.
 
-`simple_commands(line)` splits a command line into the simple commands a
-shell would run and gives each as its words, normalised the way a rule
-author means them: shell quoting and backslashes removed (`\\rm`, `'r'm`),
-split on `;`, `&&`, `||`, `|`, `&`, parentheses and newlines, leading
-`VAR=value` assignments, redirections and keywords (`if`, `then`, `do`,
-`!`, `{`, ...) dropped, wrappers that run their arguments as a command
-(`env`, `command`, `exec`, `nohup`, `sudo`, `xargs`, `timeout`, `nice`,
-`setsid`, `busybox`, ...) dropped with their options, a path prefix
-removed from the command name (`/bin/rm` is `rm`), and `sh -c TEXT` read
-as TEXT.
-
-A line is *opaque* (None) when what runs cannot be read from its text: a
-command substitution or process substitution anywhere (`$(...)`, backticks,
-`<(...)`), a command name built from an expansion (`$X`, `${IFS}`), `eval`,
-`source`, unbalanced quotes. Rules treat an opaque line as matching every
-deny and ask rule, and no allow rule.
+A convenience, not a boundary (the sandbox is). A line whose command cannot
+be read from its text is opaque (None) and matches every deny and ask rule
+and no allow rule. See docs/agents.md ("The gate").
 """
 
 from __future__ import annotations

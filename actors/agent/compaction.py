@@ -1,28 +1,8 @@
 """Context compaction: a long session keeps its thread within the model's window.
 
-Before a model request, when the context (estimated: ~4 characters a token,
-the same figure every backend and the benchmark use) passes
-`compaction.trigger_share` of `compaction.window_tokens`, the agent asks for a
-summary of the oldest exchanges (and of the summary before them), so that
-those it keeps fill at most `keep_share` of the window. Then, in this order:
-
-1. the summary is appended to `.corral/agents/<name>/compactions.jsonl`
-   (one JSON line: compaction id, method, range, sizes, summary, sha256;
-   fsynced) -- the seeds' compaction file;
-2. `compaction_recorded` (id `m<n>`, method, `items` and `through_turn`: the
-   range of exchanges it replaces, tokens before and after, the summary's
-   sha256, characters and tokens, the summary call's usage; ledger `budget`)
-   goes to the WAL: the record;
-3. `compaction_boundary {compaction}` goes to the WAL: the boundary. Only
-   this fact changes the context (the fold drops the replaced exchanges and
-   puts the summary in their place).
-
-Killed between 2 and 3, the rebuilt state has the record pending and the
-context unchanged; the next step appends the boundary of that same record (its
-summary read back from the file), so the context equals an uninterrupted
-run's. A record whose summary cannot be read back (file lost or altered) is
-closed with `compaction_abandoned` and a new compaction is made. No fact is
-ever deleted: the raw history stays in the WAL (and the transcript).
+Owns the order summary file -> `compaction_recorded` -> `compaction_boundary`
+and the recovery between them. See docs/operator-input.md
+("Context compaction").
 """
 
 from __future__ import annotations

@@ -1,39 +1,11 @@
-"""The effect journal: an agent's local note of each write it is about to
-apply, so that a write is applied at most once even when the WAL loses the
-records that said it was (a disk that lost an acknowledged tail; the soak test
-cuts one on purpose).
+"""The effect journal: a write is applied at most once even if the WAL lost it.
 
-    .corral/agents/<name>/effects/journal@<session>.jsonl
-        one line per entry: {"call_id", "action_sha", "label", "before_sha",
-        "after_sha", "result"}; the last line of a call id is its entry
-
-Call ids (`turn.index`) start again in each session, so an entry is kept in
-its session's journal (`journal.jsonl` for a stream written before sessions
-existed): an entry is only ever matched in its own session, the other
-sessions' journals go at the next prune (their calls are all settled), and a
-purge of a session removes its journal (actors/sessions/purge.py). The
-earlier layout, a file per entry (`<call_id>@<session>.json`, written with
-a temporary file and a rename), is still read, and pruned as before.
-
-Appended (one write through an fd the journal keeps; not fsynced) before the
-write is applied, and read from memory (a file per entry cost a step an
-open, a write, a close, a rename and an open that failed for the lookup:
-docs/performance.md, "perf8"). When the loop is
-about to apply a write for a call id whose entry names the same action and
-target, and the target already has the entry's after-digest, the effect is
-there: the loop records it and does not apply it again. Only the last
-`KEEP_TURNS` turns' entries are kept (a lost tail is short; pruned every
-`PRUNE_EVERY` turns), so the journal
-does not grow with history. Derived and local: deleting it only removes this
-protection.
-
-Why no fsync (docs/performance.md, "The effect journal's fsync"): a crash
-of processes keeps the page cache, so the entry is there for every WAL cut
-that is not a power loss; after a power loss on a disk that honours fsync,
-the WAL still holds `tool_start` (durable before the effect, with the
-path and both digests) and recovery settles the call by the abort rule; on
-a disk that lost an acknowledged WAL tail at a power loss, the entry's own
-fsync went to the same lying disk after it, so it promised nothing more."""
+Owns `.corral/agents/<name>/effects/journal@<session>.jsonl` (not fsynced;
+derived and local); the earlier layout, a file per entry
+(`<call_id>@<session>.json`), is still read and pruned. See docs/agents.md
+("Recovery") and docs/decisions.md ("Only what nothing else holds is
+fsynced").
+"""
 
 from __future__ import annotations
 

@@ -1,25 +1,7 @@
-"""Fault injection for tests (and only tests): SIGKILL the agent at an exact
-point of the loop, once.
+"""Fault injection for tests (and only tests): kill the agent at an exact point.
 
-    CORRAL_AGENT_FAULT="<point>@<call_id>[,<point>@<call_id>...]"
-
-Points: `before_tool_call` (the action is decided, nothing of it recorded),
-`before_tool_start` (the handler ran, e.g. procs started a command, and
-nothing of it is recorded), `after_tool_start` (recorded as started, its
-effect not yet applied),
-`after_effect` (effect applied, no `tool_result`), `after_tool_result`;
-keyed by turn (`t<turn>`, the model turn about to be asked):
-`before_input_consumed` (operator input pending, nothing of its delivery
-recorded), `after_input_consumed` (consumption facts durable, no model
-request yet), `after_model_reply` (the model answered, its `turn` not
-recorded), `after_compaction_recorded` (a compaction's record is durable, its
-boundary is not; actors/agent/compaction.py).
-A fault ends the process with SIGKILL; `<point>@<call_id>:term` sends it
-SIGTERM instead (an operator's stop at that point: the loop ends its step
-and stops as it would on `supervisor stop`). A fault fires once per agent:
-a marker file `faults/<point>@<call_id>` in the agent's directory is
-written and fsynced before the kill, so the restarted process goes past it.
-Unset (the normal case), `hit()` costs one dict lookup.
+`CORRAL_AGENT_FAULT="<point>@<call_id>[:term],..."`; each fires once (a
+marker file is fsynced before the kill). See docs/agents.md ("Recovery").
 """
 
 from __future__ import annotations

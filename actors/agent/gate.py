@@ -1,29 +1,7 @@
-"""The gate every op passes, whatever model backend chose it: pure decisions.
+"""The gate every op passes, whatever backend chose it: pure decisions.
 
-Order: exclude (ops disabled by `agent.exclude`) -> confinement (the op's path
-is normalised to its workspace-relative form, actors/agent/workspace.py; a
-path that escapes the workspace, holds a control or format character, runs
-through a symlink, names a file with several links, or enters the state
-directory is refused here, before any rule) -> permission (rules, first
-match wins, else the default) -> dispatch (the loop). An `ask` verdict
-becomes an approval request unless an `--always` grant names exactly this op
-and this pattern; ops that need the operator (`ask`) always wait for an
-answer.
-
-Path rules match the normalised path. Command rules match the simple
-commands of the line (actors/agent/commands.py: quoting, wrappers such as
-`env`, path prefixes and separators undone): a deny or ask rule when any of
-them starts with the rule's words, an allow rule only when all of them do;
-an opaque line (`$(...)`, `$X` as a command) matches every deny and ask rule
-and no allow rule. A command rule on `bash`, `bash_start` or
-`terminal_start` holds for all three. What a program typed into a terminal
-(`terminal_input`) does is not read by the rules: its text is a secret, and
-what it means depends on the program reading it. Command rules are a
-convenience; the sandbox is the boundary.
-
-The pattern of a request (what an `--always` grant covers) is the command
-of an op that runs one, else its normalised path; an op with neither has the
-pattern "*".
+Order: exclude -> confinement -> permission rules -> dispatch.
+See docs/agents.md ("The gate") and docs/security.md.
 """
 
 from __future__ import annotations

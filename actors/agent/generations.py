@@ -1,21 +1,8 @@
 """Snapshot generations of an agent's state: the on-disk format and its reader.
 
-    .corral/agents/<name>/state/generations/gen-<seq, 20 digits>.json
-    .corral/agents/<name>/state/snapshot.json        (another link to the newest)
-
-A generation is `{"version": 1, "agent": ..., "seq": N, "key": K, "state":
-{...}}`: the fold of every event of the stream up to seq N, whose record has
-the idempotency key K. Recovery uses a generation only if the WAL still holds
-that record (seq N, key K) in the stream: a generation ahead of the WAL (a
-head that went back) or from another history is skipped. And only if the
-WAL vouches for its content: when the agent writes a generation it appends
-`generation_saved {"seq": N, "sha256": D}` (D over the file's bytes) to its
-stream, and recovery trusts a generation only when a record of its tail is
-that fact with the generation's own digest; a file written by anyone else (a
-forged grant) is skipped like a damaged one. Each is written to a temp file,
-fsynced, renamed, and the directory fsynced. Both are derived: deleting them
-loses nothing (recovery then folds from the first event, only slower). A
-generation that does not parse is skipped for the next older one.
+A generation is trusted only when the WAL holds its record (seq, key) and a
+`generation_saved` fact with its digest. See docs/agents.md
+("State and generations").
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Whose grants an agent has: privilege comes from what the operator wrote,
-never from a name an agent picked (docs/automation.md, "Grants";
-docs/security.md).
+"""Whose grants an agent holds: the operator-created agent at its chain's root.
 
-An agent the operator created (the configuration, `supervisor spawn`, `run`,
-`fork`) holds its own grants: the operator's `sandbox.network` patterns are
-matched against the name the operator gave it. An agent an agent caused holds
-at most its creator's: a schedule's run records the schedule's owner as its
-spec's `creator`, a subagent child its `parent_agent`, an in-process pipeline
-runner (`A.pl-<call>`, no spec) is its agent's. `holder` follows that chain
-to the operator-created agent at its root; the runtime's own sessions (hook
-commands run as `automation`) and a chain that cannot be read or does not end
-hold nothing.
+Privilege comes from what the operator wrote, never from a name an agent
+picked. See docs/automation.md ("Grants: what a schedule's run may do and
+spend") and docs/decisions.md ("Grants come from the operator's spec, never
+from a name").
 """
 
 from __future__ import annotations

@@ -2,45 +2,9 @@
 
     context -> model -> validate -> gate -> dispatch -> record
 
-`step()` looks at the state (the fold of the agent's stream), does the one
-next thing, appends its fact and folds what the stream now holds (its own
-events and the operator's answers, in seq order; when the append's seq
-follows the last folded one, nothing can lie between, and the record is
-folded without reading it back). So the state in memory is always the fold
-of the stream, and a process killed anywhere restarts by rebuilding it and
-calling `step()` again:
-
-- a turn recorded with actions not yet called: its calls go on (no new model call);
-- a call recorded and not started (`tool_call`, `permission`, an approval
-  pending or answered): it goes on through the gate; nothing has run;
-- a call started (`tool_start`) without `tool_result` whose op is
-  `replay_safe` (procs keys its starts by call id, so a command is started
-  once however often it is asked for): it is run again;
-- any other call started without `tool_result`: the turn is closed with
-  `turn_aborted`, whose payload says for each call whether its recorded effect
-  (file digests before/after) is on disk, and the model decides again (a
-  scripted model moves past an applied effect: each op runs at most once);
-- a call with a `tool_result` is never run again.
-
-Facts that need no fsync between them are appended together, in one atomic
-multi-record append (`append_many`: one round trip, one fdatasync, all or none
-after a crash): `_append` folds a fact at once and keeps it pending, and
-`flush()` makes the pending facts durable. The loop flushes before anything
-leaves the process: before an effect (so `tool_start`, the intent, is durable
-before the write; before the handler of an op that is not `local`, which acts
-through another actor), before a call to a remote model, after the
-`tool_result` of a call that was not local, before it waits or ends (`WAIT`,
-`DONE`). The `tool_result` of a local effect joins the next group
-(`_result_may_wait`). So a scripted step that writes a file pays one durable
-wait (the previous result with `turn`, `tool_call`, `permission`,
-`tool_start`) instead of five. A crash loses only facts nobody outside has
-seen; the restarted process derives them again from the same state, or
-settles a call whose result was lost by the abort rule above.
-
-Idempotency keys are derived from the state ("c3.0:result", "t4:turn"), so a
-redone append is written once. Secret arguments (a terminal's input) are
-sealed into the agent's vault before the turn is recorded: the WAL keeps
-their hash and size (actors/agent/vault.py).
+The state in memory is always the fold of the stream, so a killed process
+rebuilds it and calls `step()` again. See docs/agents.md ("The loop",
+"Recovery").
 """
 
 from __future__ import annotations

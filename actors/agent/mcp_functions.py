@@ -1,24 +1,7 @@
-"""MCP tools offered to a function-calling model as functions of their own
-(docs/mcp.md, "Typed tools for the openai backend").
+"""MCP tools offered to a function-calling model as functions of their own.
 
-When the agent lists a server's tools (`mcp_tools`, or `mcp_call`, which
-lists them first), the list is noted in `.corral/agents/<name>/mcp-tools.json`
-(`note_tools`: names, descriptions, input schemas; atomic, bounded). The
-openai backend then offers each tool of an installed, enabled server
-(the `mcp` registry) that the agent has listed as the function
-`mcp__<server>__<tool>` with the tool's input schema as its parameters
-(`offer`); a call of one is turned back into the action
-`{"op": "mcp_call", "server", "tool", "arguments"}` (`to_action`), so it goes
-through the same validation (the tool's schema, checked again against a fresh
-listing), the same gate (`mcp:<server>/<tool>` rules) and the same replay
-rules as an `mcp_call` the model wrote itself.
-
-Bounds: at most `MAX_FUNCTIONS` tools are offered (servers and tools in name
-order), a schema is offered only when it is a JSON object schema of at most
-`MAX_SCHEMA_BYTES` bytes that is a valid Draft 2020-12 schema, a function
-name must fit OpenAI's `^[A-Za-z0-9_-]{1,64}$`, descriptions are clipped.
-Whatever does not fit is left out (the generic `mcp_call` still reaches it).
-The file is untrusted input like any other: anything malformed is skipped.
+A call of `mcp__<server>__<tool>` becomes an `mcp_call` action.
+See docs/mcp.md ("Typed tools for the openai backend").
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""MCP tools as typed ops (docs/mcp.md): `mcp_tools` lists what the installed
-servers offer (names, descriptions, input schemas, hints); `mcp_call` calls
-one tool. Both go to procs (actors/procs/mcpbridge.py), which runs the
-servers in this agent's sandbox.
+"""MCP tools as typed ops: `mcp_tools` and `mcp_call`, run by procs.
 
-`mcp_call` passes the gate under the name `mcp:<server>/<tool>` (rules can
-name it, or `mcp:<server>/*`; an `--always` grant covers that tool only). Its
-arguments are validated against the tool's JSON input schema (jsonschema,
-value-free errors) before anything is sent. It is replay-safe only when the
-server annotates the tool `readOnlyHint` or `idempotentHint`: the hints are
-noted in `.corral/agents/<name>/mcp-hints.json` when the tools are listed, so
-recovery after a crash reads them without asking the server; a call of any
-other tool that was started and not settled is closed with `turn_aborted`.
-The call's msg_id is derived from the call id, so procs answers a call run
-again before its start was recorded from memory instead of calling twice.
+See docs/mcp.md ("The agent's side (actors/agent/mcp_ops.py)").
 """
 
 from __future__ import annotations

@@ -1,35 +1,8 @@
-"""An OpenAI-compatible chat-completions backend (vLLM, Ollama, llama.cpp
-server, hosted APIs: any `base_url`), with tool calling, on the official
-`openai` Python library.
+"""An OpenAI-compatible chat-completions backend with tool calling.
 
-The context is built from the state alone: a system message (the task's
-prompt and the rules of the game), the summary of a compaction in effect
-(actors/agent/compaction.py), then the exchanges the fold keeps (each action
-as an assistant tool call, each result as a tool message, each operator input
-already delivered as a user message), and last the operator inputs consumed
-for this very request (actors/agent/operator_input.py), so a restarted agent
-sends the same context. Without compaction the exchanges are the newest
-`agent.context_window`; with it, every exchange since the last boundary.
-Every registered op is offered as a function (its pydantic schema), and each
-listed tool of an installed, enabled MCP server as `mcp__<server>__<tool>`
-(actors/agent/mcp_functions.py: a call of one becomes an `mcp_call`). A reply's
-tool calls become raw actions (`{"op": name, **arguments}`); arguments that
-are not a JSON object become an action the loop rejects (`schema_reject`),
-never an exception. The server's `usage` (prompt and completion tokens) is
-what the budget counts.
-
-The library sends the request (its own retries are off: `max_retries=0`);
-this module keeps corral's guarantees around it. Each attempt has a timeout
-(`timeout_s`); 429 and 5xx answers, timeouts and connection errors are
-retried `max_retries` times with exponential backoff (`backoff_base_s *
-2**n`, capped, honouring a numeric Retry-After up to the cap); then
-ModelError. The whole call has a deadline (`OpenAISettings.call_deadline_s()`):
-every attempt's timeout plus every backoff; the body is streamed in chunks
-and checked against the deadline, so a server that trickles its answer gets
-ModelTimeoutError at it, not only per socket read. The agent's heartbeats go
-on during the call up to that deadline (docs/agents.md, "Long calls"). The key
-is read from the environment variable named by `api_key_env` and never logged
-(nor put in an error: the library's messages are not passed on).
+Builds the context from the state alone; owns retries, the call deadline and
+the API key (never logged). See docs/agents.md ("Model backends",
+"Long calls").
 """
 
 from __future__ import annotations

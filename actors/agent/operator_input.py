@@ -1,23 +1,7 @@
 """Operator input that reaches the model: clarification answers and corrections.
 
-The exact text never enters the WAL. It lives in the agent's directory
-(persist tier, 0600):
-
-    .corral/agents/<name>/input/answer-<request>-<sha12>.txt
-    .corral/agents/<name>/input/correction-<id>-<sha12>.txt
-
-written durably (temp file, fsync, rename, fsync of the directory) *before*
-the operator fact that names it (`operator_answer`, `operator_correction`:
-identity, sha256, character count, file name). The agent folds the fact into
-`AgentState.inputs` (actors/agent/state.py); at its next model request it
-appends one consumption fact per pending input (`clarification_consumed`,
-`correction_consumed`: identity, hash, the turn it feeds), durable before the
-request is sent, then reads the texts and gives them to the backend. The turn
-record moves them into the context's history, so an input is delivered with
-exactly one model turn whatever crashes in between (docs/operator-input.md).
-
-This module owns the file format and the two halves: `record_*` (the
-operator's CLI) and `consume` / `texts` (the agent loop).
+Owns the input files (text outside the WAL) and both halves: `record_*` (the
+CLI) and `consume` / `texts` (the loop). See docs/operator-input.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,7 @@
 """Typed ops: the registry that makes them one pydantic discriminated union.
 
-An op is a frozen, strict pydantic model with a literal `op` field, plus one
-handler; `register(Model, handler)` adds both, and the union used to validate
-a model's action (`parse_action`) is rebuilt from the registry. This is the
-ONE place new ops join: the ops of this issue register in
-actors/agent/builtin_ops.py, and actors/agent/catalog.py imports every module
-that registers ops (add yours there, e.g. background commands, terminals,
-subagents).
-
-Class variables tell the gate and the loop what an op touches:
-    path_field      the argument holding a workspace path (confinement, path rules)
-    command_field   the argument holding a command (command-prefix rules)
-    mutates         the op changes files: the loop records its effect digest in
-                    `tool_start` before running it, so recovery can tell whether
-                    it happened
-    needs_operator  the op always waits for an operator answer (`ask`)
-    ends_session    a successful result closes the session (`finish`)
-    replay_safe     running the handler again for the same call (same
-                    `OpContext.call_id`) has the effect of running it once, so
-                    a call whose result was lost in a crash is run again
-                    rather than aborted (procs keys its starts by call id)
-    secret_fields   string arguments the WAL must never hold (a terminal's
-                    input): the loop seals them into the agent's input vault
-                    before the turn is recorded (actors/agent/vault.py)
-    call_deadline_s how long the handler may block (waiting on procs or
-                    subagents); 0 for ops that return at once. `deadline_s()`
-                    may refine it from the arguments (`bash`: its timeout). The
-                    agent's heartbeats go on while a call runs, up to its
-                    deadline (docs/agents.md, "Long calls")
-
-A handler returns an `Outcome`: `Done(result)` or, for a mutating op,
-`Write(target, content, result)`, which the loop applies atomically after
-recording it. Handlers never write themselves.
+The one place ops join; an op's class variables tell the gate and the loop
+what it touches. See docs/agents.md ("Ops").
 """
 
 from __future__ import annotations

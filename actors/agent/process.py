@@ -1,25 +1,8 @@
 """The agent process shell: what runs in one agent's OS process.
 
-`serve()` is called either in a child forked by the supervisor's zygote
-(actors/zygote.py, the cheap path) or by `python -m actors.agent` in a
-fresh interpreter. It configures logging, tells the supervisor it is ready,
-sends heartbeats, joins the broker as a peer named after the agent and
-answers `ping` with `pong`.
-
-With a spec (`.corral/config/agents/<name>.json`, written by `supervisor run`
-or `spawn`) it runs the agent loop (actors/agent/loop.py): it rebuilds its
-state (newest snapshot generation + the stream's tail) *before* `ready`, so
-`ready` means "rebuilt and serving", then steps the loop, answering pings
-between steps. Heartbeats come from a pulse thread (broker/control.py) that
-goes on beating while a step waits in a tool call, a model call or an append
-(each declared with its deadline), so a slow command is never taken for a
-hang; a main thread stuck past a call's deadline stops the beats. Without a
-spec it is an idle agent, as before.
-
-Exit codes: 0 the session is over (finished, or closed at a bound) or an idle
-agent was stopped; 75 an agent with a session still open was stopped
-(SIGTERM) or lost the writer: a transient restart policy restarts it; 78 its
-spec or task file is invalid.
+Rebuilds the state before `ready`, steps the loop, answers pings; exit codes
+0, 75 and 78. See docs/agents.md ("Specs and process") and
+docs/supervisor.md ("Exit codes").
 """
 
 from __future__ import annotations

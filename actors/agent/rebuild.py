@@ -1,11 +1,8 @@
-"""Rebuilding an agent's state: the newest snapshot generation plus the tail of
-its stream read from the writer (`read_stream` from the generation's seq + 1,
-served from the writer's per-stream index), folded. The cost is one small file
-and at most `snapshot_every` events, whatever the length of the history.
+"""Rebuilding an agent's state: the newest generation plus its stream's tail.
 
-Used by the agent at start-up, by the CLI (approve/deny/resume check what they
-answer) and by `supervisor run` (progress, summary), so all of them see the
-same state."""
+Shared by the agent, the CLI and `supervisor run`. See docs/agents.md
+("State and generations").
+"""
 
 from __future__ import annotations
 

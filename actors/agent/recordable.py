@@ -1,12 +1,9 @@
 """What the model says, made recordable before the turn is appended.
 
-The writer refuses a payload that breaks its JSON policy (actors/writer/payload.py:
-lone surrogates, non-finite numbers, nesting past its depth limit). A model's
-action is data from outside, so an action that would break the policy is
-replaced by a stand-in that names its op and why it cannot be recorded; the
-catalog rejects the stand-in (it has a field no op takes), the loop records a
-`schema_reject`, and the model hears of it like any other malformed action.
-Nothing the model says can make an append fail and stop the agent."""
+An action the writer's JSON policy would refuse becomes a stand-in the
+catalog rejects, so nothing the model says can make an append fail.
+See docs/agents.md ("The loop").
+"""
 
 from __future__ import annotations
 

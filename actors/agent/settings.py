@@ -1,12 +1,7 @@
-"""What an agent is told before it starts: its settings (bounds, gate rules,
-backend options; the `agent:` section of the runtime configuration) and its
-spec (task file, backend, workspace), written by `supervisor run` / `spawn` to
-`.corral/config/agents/<name>.json` (recovery-core: written only by those
-dedicated commands). An agent without a spec file is an idle agent.
+"""An agent's settings (the `agent:` section) and its spec file.
 
-A task file (config/tasks/*.yaml) holds a `prompt` (for a language model) and
-the `setup` steps a scripted model plays once, then its `steps`, `repeat` times
-(loops allowed; "{i}" in a string is replaced by the iteration number).
+An agent without a spec file is an idle agent. See docs/agents.md
+("Specs and process").
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """An agent's state: a pure fold of the events of its stream (`agent/<name>`).
 
-`fold(state, events)` returns a new state and never touches its input; the
-same events always give the same state, and folding a generation's state with
-the events after its seq gives what folding every event from the first gives
-(tests/test_agent_state.py). Events at or below `last_seq` are skipped, so a
-replayed tail is harmless. A `session_started` fact begins a new session of
-the stream: the state starts afresh from it, so the fold of a stream is the
-fold of its newest session.
-
-What the state holds is bounded (the open turn, pending approvals, grants, a
-window of recent exchanges for a model's context), so a snapshot's size does
-not grow with history. Event payloads are documented in docs/agents.md.
+Bounded; events at or below `last_seq` are skipped; `session_started` starts
+afresh. See docs/agents.md ("State and generations").
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""The agent's input vault: the text of an op's secret fields (what the
-model types into a terminal) kept outside the WAL.
+"""The agent's input vault: an op's secret fields kept outside the WAL.
 
-The WAL records what the model asked for, and recovery runs a turn's
-actions from it; but terminal input may be a password, and the WAL records
-input only as a hash and a size. So before a turn is appended, every secret
-field of its actions (`OpBase.secret_fields`) is sealed: the text goes to
-`<agent dir>/vault/<sha256>` (0600, fsynced) and the action carries
-`{"sha256": ..., "bytes": ...}` in its place. A call opens it again just
-before it is parsed and run. The vault holds only the open turn's texts,
-and only while the session runs: a new turn clears it, and so does the loop
-whenever no turn is open or the session is over (finished, closed at a
-bound, paused on its budget; checked again by an agent restarted after the
-end). A sealed field whose text is gone (the vault was
-removed, or a replay of another agent's turns) is refused as the call's
-error, never guessed.
+See docs/agents.md and docs/security.md ("Secrets").
 """
 
 from __future__ import annotations

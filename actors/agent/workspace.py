@@ -1,28 +1,8 @@
-"""Workspace confinement and the gate over the state directory: every path an
-agent op names is normalised and reached here, and nowhere else.
+"""Workspace confinement: every path an agent op names is normalised here.
 
-Normalising (`normalise`, before any rule sees the path): a path is refused
-when it is empty, starts with `~`, holds a control character or an invisible
-format character (Unicode category Cf: bidi overrides, zero-width
-characters), or escapes the workspace (an absolute path outside it, `..`
-above its root). Otherwise it becomes one workspace-relative form: `.` and
-empty components dropped, `..` applied, an absolute path into the workspace
-made relative. `./secrets/key`, `a/../secrets/key`, `secrets//key` and
-`<workspace>/secrets/key` are all `secrets/key`, and that is what the
-permission rules match.
-
-Reaching the file goes through actors/changesets/confined.py: from an fd of
-the workspace root, one component at a time, never following a link (a
-symlink anywhere is refused, even one pointing inside the workspace), files
-with more than one link refused, temp files made with O_EXCL | O_NOFOLLOW
-under random names, renamed with directory fds. The state directory (`.corral/`)
-and its tiers are never entered, for reading or writing, by any op: the
-guard compares each directory's (st_dev, st_ino) with theirs while walking,
-so it holds wherever the workspace is and whatever name reaches them.
-
-A `Place` is a normalised path under a root (the workspace, or the agent's
-memory directory for memory ops) with its guard; handlers return one in
-`Write`, and the loop applies it through the same walk.
+Paths are reached through actors/changesets/confined.py; `.corral/` is never
+entered (the guard compares (st_dev, st_ino) while walking).
+See docs/agents.md ("Workspace") and docs/security.md.
 """
 
 from __future__ import annotations

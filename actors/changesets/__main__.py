@@ -1,12 +1,7 @@
-"""`python -m actors.changesets {show,apply} DIR ...`: inspect or apply one
-change set from the command line (operators, and the crash tests, which
-SIGKILL it at every step through CORRAL_APPLY_FAULT).
-
-    show DIR                         print the manifest and receipt as JSON
-    apply DIR --workspace W [--state-dir D --stream S]
-                                     apply; with a state dir, record the WAL fact
+"""`python -m actors.changesets {show,apply} DIR ...`: one change set by hand.
 
 Exit codes: 0 applied (or shown), 1 refused (the bound is printed), 2 usage.
+See docs/changesets.md ("Applying (`apply.py`)").
 """
 
 from __future__ import annotations

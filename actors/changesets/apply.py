@@ -1,30 +1,8 @@
-"""Applying a change set to the parent's workspace, at most once, all or
-nothing, surviving a crash at any step.
+"""Applying a change set to the parent's workspace: once, all or nothing.
 
-Steps (each a fault-injection point, see FAULT_ENV):
-
-    checked   the set is ready; its manifest, patch and blobs are the ones
-              built (with a seal: the digests the WAL recorded when the set
-              was built, else bound `tampered`; without one: the manifest's
-              own hashes, else `damaged`), each read once and written from
-              memory; no receipt exists, and every touched file still has its
-              base hash (stale-state check; refused with bound `stale` naming
-              the path)
-    intent    apply.intent.json is durable: from here on the apply is
-              rolled forward, never back
-    file<N>   file N is replaced (temp + fsync + rename + fsync of its
-              directory) or deleted, through directory fds without links
-    files     every file is done
-    receipt   application.json is durable: the set counts as applied
-    fact      the WAL fact `subagent_applied` (idempotency key
-              `apply:<changeset_id>`: a retry is written once)
-    done      the intent is removed
-
-Recovery (`apply()` again, or `recover()` at start-up) finds the intent and
-rolls forward: a file already at its after-hash is skipped, one still at its
-before-hash is written, anything else stops with bound `conflict` (the intent
-stays for the operator). A set with a receipt and no intent is refused with
-bound `already_applied`.
+Steps checked, intent, file<N>, files, receipt, fact, done; after the intent
+an apply is rolled forward, never back. See docs/changesets.md ("Applying
+(`apply.py`)").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Building a change set: compare the child's tree with its base index,
-check every changed path, enforce the bounds, render the patch, write the
-set (blobs, patch, manifest last) into its directory.
+"""Building a change set: the child's tree against its base, bounds enforced.
 
-A set over a bound, or touching a refused path (symlink, special file,
-`.git`, `.corral/`, ...), is written with status `refused` and a `refusal`
-naming the bound, the limit and the value; it has no patch and cannot be
-applied. Bounds are checked in order: files, input bytes, patch bytes.
+A set over a bound is written `refused`, with no patch. See docs/changesets.md
+("Building").
 """
 
 from __future__ import annotations

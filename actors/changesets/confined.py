@@ -1,28 +1,8 @@
-"""Confined file access: the one implementation of reaching a file below a
-root directory without following a link, used by change-set apply
-(actors/changesets/paths.py) and by every agent file op
-(actors/agent/workspace.py).
+"""Confined file access: reaching a file below a root without following a link.
 
-A path is a list of plain components (the callers normalise and check the
-text first). From an fd of the root, each directory on the way is opened
-with `O_DIRECTORY | O_NOFOLLOW` relative to the fd before it, so a symlink
-anywhere (planted, or swapped in by a racing rename) makes the open fail
-instead of leading elsewhere; nothing is ever re-opened by name from the
-root after a check. Directories whose (st_dev, st_ino) are in the guard's
-`protected` set (the state directory and its tiers) are never entered, so
-the write-gate holds wherever the state directory sits and whatever name
-reaches it.
-
-Files are opened with `O_NOFOLLOW | O_NONBLOCK` and checked on the open fd:
-a regular file with exactly one link (a hard link to a file outside would
-otherwise be read or replaced through). A write goes to a temp file created
-with `O_CREAT | O_EXCL | O_NOFOLLOW` under a random name in the target's
-directory fd, is fsynced, renamed onto the target with the same directory
-fd as source and destination, and the directory is fsynced.
-
-Errors: `UnsafeFileError` (a PathRefusedError) with `kind` one of
-`symlink`, `not_a_directory`, `special_file`, `hard_link`, `protected`,
-`is_a_directory`; a missing file is FileNotFoundError.
+The one implementation, shared by change-set apply and every agent file op.
+See docs/decisions.md ("File ops never follow a symlink and never enter
+`.corral/`") and docs/security.md ("File operations, rules and change sets").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Rendering a git-format patch, binary-safe, that `git apply` accepts.
 
-Text files get unified hunks (3 lines of context, `\\ No newline at end of
-file` where git writes it); a file with a NUL byte gets a `GIT binary patch`
-with forward and reverse `literal` sections (zlib, git's base85 alphabet,
-which is Python's b85). Every header carries the full 40-hex blob ids
-(`index <before>..<after>`), which git requires for binary patches.
+See docs/changesets.md ("Building").
 """
 
 from __future__ import annotations

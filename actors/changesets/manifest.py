@@ -1,21 +1,7 @@
-"""The on-disk format of one change set (version 1), in its directory
-(`<session dir>/subagents/<id>/`):
+"""The on-disk format of one change set (version 1) and its one reader.
 
-    changeset.json    the manifest (`Manifest`): paths, before/after SHA-256 and
-                      sizes, modes, the limits, the status (`ready` or `refused`,
-                      with the bound that was hit), the patch's hash and size
-    changes.patch     the git-format patch (only for a ready set)
-    blobs/<sha256>    the after-content of every added or modified file (what
-                      the applier writes; the patch renders the same change)
-    application.json  the receipt (`Receipt`), written once by a successful apply
-    apply.intent.json the write-ahead intent of an apply in progress
-
-Every file is written to a temp name, fsynced, renamed and made read-only (0400);
-the manifest is written last, so its presence means the set is complete.
-`load()` is the one reader (tests and tools share it). The files are not
-trusted after the build: the host records a `Seal` (the digests of the
-manifest and of every blob) in the WAL when the set is built, and apply
-refuses a set that no longer matches it (`load_sealed`, bound `tampered`).
+See docs/changesets.md ("Files", "The manifest (`changeset.json`,
+version 1)").
 """
 
 from __future__ import annotations

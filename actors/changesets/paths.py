@@ -1,17 +1,7 @@
-"""Path rules for change sets and file access that never follows a link.
+"""Path rules for change sets (bound `unsafe_path`).
 
-A change-set path is relative, '/'-separated, and refused (ChangeSetRefusedError
-with bound `unsafe_path`) when it is absolute, empty, has an empty, `.` or `..`
-component, a `.git` component in any letter case (also with the trailing dots,
-spaces and ignorable code points that Windows and macOS drop), a backslash,
-a control character or an invisible format character (Unicode category Cf:
-bidi overrides, zero-width characters), starts with `.corral`, or is too long.
-
-Files are reached through actors/changesets/confined.py (the one
-implementation, shared with the agent's file ops): from an fd of the
-workspace root, one component at a time with O_NOFOLLOW | O_DIRECTORY; a
-symlink anywhere on the way (a write below a symlink) is refused with bound
-`symlink`, never followed; a file with more than one link with `hard_link`.
+See docs/changesets.md ("Building") and docs/security.md ("File operations,
+rules and change sets").
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Snapshots: copy a parent's workspace into a child's isolated directory and
-index the base it came from, without following links.
+"""Snapshots: a parent's workspace copied for a child, its base indexed.
 
-The base is kept as one pack file (`base.pack`: every file's bytes end to
-end) and an index (`base.json`: path -> sha256, size, mode, pack offset, and
-the stat identity of the child's copy). Building a change set then reads
-only what the child touched: a copy whose (inode, size, mtime, ctime) is
-unchanged was not written (ctime cannot be set by a program).
-`.git` (any case, anywhere) and a top-level `.corral` are not copied.
-Symlinks are copied as links and indexed with their target's hash, so a
-child that changes one is refused, never followed.
+See docs/changesets.md ("Files").
 """
 
 from __future__ import annotations

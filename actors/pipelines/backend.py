@@ -1,10 +1,7 @@
-"""The pipeline runner's "model": the backend of an agent whose spec names a
-pipeline run file (backend `pipeline`). It decides nothing: each reply is the
-next batch of the pipeline's steps (actors/pipelines/plan.py) from the fold of
-the runner's own stream, and at the end a `finish` whose summary holds the
-status and outputs. So a pipeline step goes through exactly what an agent's
-op goes through (the loop: validation, the gate, approvals, recording,
-recovery), and no model is called: its usage is zero.
+"""The pipeline runner's "model": each reply is the pipeline's next steps.
+
+It decides nothing and calls no model (usage zero). See docs/pipelines.md
+("How a run runs").
 """
 
 from __future__ import annotations

@@ -1,36 +1,7 @@
-"""The pipeline file: its models, its strict loading, and the checks that make it
-closed before anything runs.
+"""The pipeline file: its models, strict loading, and the checks that close it.
 
-    name: release-notes
-    inputs: [version]                  # names; given with --input k=v
-    steps:
-      - id: notes                      # unique step ids
-        op: write_file                 # any registered op but the refused ones
-        args: {path: "notes/${inputs.version}.md", content: "v${inputs.version}"}
-        output: notes                  # a named output later steps may read
-        on_error: stop                 # stop (default) | continue
-      - id: each
-        for: {items: [a, b, c], as: f, max: 3}    # or items: "${inputs.x}"
-        steps: [{id: w, op: write_file, args: {path: "${f}.txt", content: "${index}"}}]
-      - id: maybe
-        if: {output: notes, status: ok}           # on a previous step's result
-        then: [...]
-        else: [...]
-      - id: run
-        op: bash
-        args: {command: "make"}
-        timeout_s: 30                  # only for ops that take a timeout
-    outputs: {path: "${outputs.notes.result.path}"}
-
-What makes it closed: every loop declares `max` (the items are cut to it at
-run time, never more), there is no `while`, no goto, no call of a pipeline
-from a pipeline (`pipeline_run` is refused, so no recursion), aliases are
-refused at the YAML level, and the whole expansion has a static bound
-(`MAX_INSTANCES`). Templates are `${inputs.X}`, `${outputs.NAME[.path]}`,
-`${VAR}` (a loop's `as`) and `${index}`; a template in an op argument always
-makes a string, and a reference must name an input or an output produced
-earlier in an enclosing scope. Any refusal is a `PipelineError` naming the
-file, the line and the key.
+Any refusal is a `PipelineError` naming the file, the line and the key.
+See docs/pipelines.md ("The file").
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
-"""The agent op `pipeline_run`: run an installed pipeline and return its outputs.
+"""The agent op `pipeline_run`: an installed pipeline run in the agent's process.
 
-    pipeline_run  name, inputs={}, wait_s=600
-
-The run happens in the agent's own process, as a nested runner: the same
-`AgentLoop` with the pipeline backend, named `<agent>.pl-<call id>`, on its
-own stream `agent/<agent>.pl-<call>` (the writer lets an agent append there
-under that origin: broker/auth.py), working in the agent's workspace under
-the agent's own gate settings (its spec: rules, exclusions, budget). So
-every step is gated, recorded and recovered exactly like a
-`supervisor pipeline run` step, and `supervisor trace`/`approve` work on the
-runner's name. It is not a child process: a pipeline is bounded and makes no
-model calls, so a fork, a spawn round-trip and a second credential would
-only add latency; the cost is that a crash of the agent stops its runner
-too, and both resume together.
-
-`replay_safe`: the runner is keyed by the call, so an agent that crashed
-while the pipeline ran runs the call again and the runner rebuilds from its
-stream and goes on at its first unsettled step (never repeating one). A
-pipeline cannot call `pipeline_run` (the DSL refuses it and a runner's
-settings exclude it), so runs never nest.
-
-A step that waits for the operator keeps the call waiting (up to `wait_s`);
-past it the result is `timeout` with the runner's name, and the run stays
-where it is.
+`replay_safe` (the runner is keyed by the call); runs never nest.
+See docs/pipelines.md ("`pipeline_run` (the agent op)").
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""The pipeline interpreter: a pure function from (pipeline, inputs, track) to
-the next batch of actions, or the end.
+"""The pipeline interpreter: (pipeline, inputs, track) to the next batch. Pure.
 
-The step instances of a run form one sequence, fixed by the file, the inputs
-and the results of earlier instances (a `for` over a list, an `if` on a named
-output). `next_batch` walks that sequence, skips the `track.done` instances
-already settled, and returns the following ones, up to `max_batch`, stopping
-before the first one whose arguments, loop items or condition read an output
-that is not settled yet (it waits for the next turn). Outputs are never
-overwritten (names are unique; inside a loop each iteration has its own key),
-so walking the settled prefix again always takes the same branches: that is
-what makes a restarted runner land exactly on its first unsettled step.
+Outputs are never overwritten, so a restarted runner lands on its first
+unsettled step. See docs/pipelines.md ("How a run runs").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""What a pipeline run came to, read from its runner's stream: the status
-(`ok`, `failed`, or the runner's phase while it is not over) and the declared
-outputs, computed from the fold and the run file the same way the runner
-computes them (actors/pipelines/plan.py), so every reader agrees."""
+"""What a pipeline run came to (status and outputs), read from its runner's stream.
+
+See docs/pipelines.md ("How a run runs").
+"""
 
 from __future__ import annotations
 

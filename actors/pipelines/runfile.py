@@ -1,8 +1,7 @@
-"""A pipeline run's file: what its runner process is told (the pipeline's text,
-where it came from, the inputs). The agent spec of a runner (backend
-`pipeline`) names this file as its task; it lives in
-`.corral/pipelines/<runner>.json`, written once (temp, fsync, rename) by the
-command that starts the run, before the spawn.
+"""A pipeline run's file, `.corral/pipelines/<runner>.json`: what its runner is told.
+
+Written once, durably, before the spawn. See docs/pipelines.md ("How a run
+runs").
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""What a pipeline run's fold keeps: how many step instances are settled, the
-named outputs they produced, whether a failed step halted the run, and the
-run file's digest the first batch was planned from (`run_sha256`).
+"""What a pipeline run's fold keeps (`AgentState.pipeline`). Bounded.
 
-It is part of the agent's state (`AgentState.pipeline`), folded from the same
-events as the rest of it: the `turn` a pipeline runner records carries one
-`{id, output, stop}` entry per action (`pipeline`), and each action's
-`tool_result` / `schema_reject` / applied `turn_aborted` entry settles one
-instance. A call aborted with its effect not applied is not settled: its step
-is issued again (the agent's rule: each effect happens at most once). Bounded:
-the outputs are the file's named outputs (unique names; one per loop
-iteration inside a loop), each result already clipped by the op.
+A call aborted with its effect not applied is not settled: its step is
+issued again. See docs/pipelines.md ("How a run runs").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Safe YAML loading that keeps where each value came from (line numbers), so a
-refusal can name the file, the line and the key.
+"""Safe YAML loading that keeps each value's line number; aliases are refused.
 
-Only plain data is built: mappings with string keys, sequences, scalars
-(through the safe resolver's tags). Aliases are refused outright: an alias is
-the only way YAML can make a structure refer to itself (recursion), and a
-pipeline never needs one.
+See docs/pipelines.md ("The file").
 """
 
 from __future__ import annotations

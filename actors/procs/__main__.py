@@ -1,7 +1,7 @@
-"""`python -m actors.procs --state-dir D`: the procs host (docs/procs.md).
+"""`python -m actors.procs --state-dir D`: the procs host.
 
-Exit codes: 0 stopped by SIGTERM/SIGINT (every job ended first), 78 the
-state directory or the registry is unusable.
+Exit codes: 0 stopped by SIGTERM/SIGINT (every job ended first), 78 the state
+directory or the registry is unusable. See docs/procs.md.
 """
 
 from __future__ import annotations

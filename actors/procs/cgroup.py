@@ -1,19 +1,9 @@
 """A job's control group: the unit the kernel knows, which procs ends whole.
 
-Every job procs starts gets a group of its own, created (with its limits)
-before the job's first process leaves its start gate and joined by it there,
-so everything the job ever forks is inside, whatever it does to itself
-(`setsid`, a cleared environment, a rewritten argv, a dead parent). Ending
-the job kills the group: `cgroup.kill` of the v2 tree where the host has one,
-else freeze (v1 `freezer`), SIGKILL every member, thaw.
-
-The host's hierarchies are read from /proc/self/mountinfo and
-/proc/self/cgroup: a v2 tree gives the kill (and the controllers it can
-delegate); each limit the v2 tree cannot take uses the v1 hierarchy of its
-controller (`pids`, `memory`, `cpu`, `freezer`) where one is mounted. A
-runtime's groups live under `<procs' own group>/corral-<runtime>/<proc_id>`
-in each hierarchy used; at procs' start, the groups there that no running job
-claims (orphans of a previous run) are killed and removed. docs/security.md.
+`cgroup.kill` where there is a v2 tree, else freeze (v1 `freezer`), SIGKILL
+every member, thaw; orphan groups of a previous run are killed at start.
+See docs/procs.md ("Ending a tree") and docs/decisions.md ("A job is a
+control group; the sandbox filters syscalls").
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The agent side of procs: typed calls over a BrokerPeer, one method per
-request. Errors arrive as RemoteError (code `not_found`, `invalid_message`,
-...); a request is resent under the same msg_id on timeout, and procs names
-jobs from (session, msg_id), so a resent start never starts twice (and a
-terminal takes an input once per msg_id). Every method that changes
-something takes an optional `msg_id`: an agent passes one derived from its
-call id, so the same call asked again after a crash is the same request."""
+"""The agent side of procs: typed calls over a BrokerPeer, one per request.
+
+A resent request keeps its msg_id, so a start never starts twice.
+See docs/procs.md ("Messages").
+"""
 
 from __future__ import annotations
 

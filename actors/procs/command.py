@@ -1,20 +1,6 @@
-"""One background command.
+"""One background command: its wrapper, exit file, cap and lifetime.
 
-It runs as `bash -c WRAPPER` in its own session: the wrapper runs the
-command with combined stdout/stderr piped into `head -c CAP >> LOG` (with
-`stdbuf -o0`: head writes through stdio, which would hold bytes back), so the
-bytes go to `.procs/<id>.log` without passing through procs (nothing is lost
-if procs dies, and procs' memory does not grow with the output), the cap is
-exact, and a command that keeps writing past it gets SIGPIPE. The wrapper
-then writes the command's exit status to `.procs/<id>.exit` (temp + rename),
-which is how a re-attached command's status is known after a procs restart.
-
-The wrapper runs outside the sandbox (it writes the log and the exit file,
-which the command cannot reach) with procs' environment and the job marker;
-the command runs inside it: the sandbox's argv prefix
-(actors/procs/sandbox.py: `bwrap ... --`, or `env -i ...` with the sandbox
-off) comes after the wrapper's four arguments, and is exec'd with an empty
-environment (`exec -c`), so nothing of procs' reaches the sandbox.
+See docs/procs.md ("Commands").
 """
 
 from __future__ import annotations

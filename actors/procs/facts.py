@@ -1,26 +1,7 @@
-"""The WAL facts procs records, through the writer, on the stream
-`procs/<session>`, with the origin `procs/<session>` too: the writer keeps
-idempotency keys per origin for a bounded window (the last 256), so each
-session gets a window of its own and a fact replayed for one agent (a call
-run again after its crash) is not pushed out of it by every other agent's
-facts. Each carries an idempotency key derived from the job and the
-request, so a retried or replayed fact is written once.
+"""The WAL facts procs records on `procs/<session>` (origin `procs/<session>`).
 
-    proc_start      proc_id, pid, command_sha256, command_bytes, cwd, cap_bytes,
-                    lifetime_s, foreground
-    proc_poll       proc_id, cursor, next_cursor, data_sha256, state, exit_code
-                    (only polls that return bytes or the end: what entered context)
-    proc_exit       proc_id, state, exit_code, log_bytes
-    proc_kill       proc_id, reason
-    proc_reattached proc_id, pid                 (after a procs restart)
-    proc_lost       proc_id, kind, reason         (after a procs restart)
-    terminal_start  proc_id, pid, argv_sha256, argv_bytes, cwd, cap_bytes, lifetime_s
-    terminal_input  proc_id, data_sha256, data_bytes   (never the text)
-    terminal_read   proc_id, cursor, next_cursor, data_sha256, state
-    terminal_end    proc_id, state, exit_code, log_bytes, reason
-    session_end     ended
-
-Command text and terminal input are recorded as SHA-256 and sizes only.
+Keys derive from the job and the request; command text and terminal input
+are recorded as SHA-256 and sizes only. See docs/procs.md ("WAL facts").
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""The procs loop: serve requests from agents through the broker, pump
-terminals, reap, enforce caps and lifetimes, settle deferred replies, keep the
-registry durable, report statistics in heartbeats.
+"""The procs loop: requests, terminal pumps, reaping, caps, deferred replies.
 
-Every program runs in the sandbox (actors/procs/sandbox.py): the session's
-workspace, from its agent spec (`config/agents/<session>.json`, else
-`.corral/agents/<session>/workspace/`), is its only writable place, and its
-`cwd` must lie inside it. If the sandbox cannot be built (bwrap missing or
-failing the self-check at start), starts are refused with
-`sandbox_unavailable`, unless the policy turned the sandbox off.
-
-Replies that must wait (a foreground `bash`, a kill, `terminal_end`,
-`session_end`) are deferred: the loop never blocks on a program. Jobs are
-named deterministically from (session, msg_id), so a request the agent
-resends under the same msg_id finds the job it already started.
+The loop never blocks on a program; jobs are named from (session, msg_id).
+See docs/procs.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""What background commands and terminals share: the registry entry, the log
-read by cursor, the lifetime, and ending the whole tree: SIGTERM to the
-programs of the job's control group (inside the sandbox: every process but
-its init, whose end would kill the rest at once), then the group killed
-after the grace period (actors/procs/cgroup.py). A job without a group (the
-sandbox off on a host without usable cgroups) is ended through its process
-group and its marked processes (actors/procs/launch.py).
+"""What background commands and terminals share: entry, log cursor, ending.
 
-Final states: `exited` (ended by itself), `killed` (bash_kill, terminal_end,
-session_end, procs shutdown), `capped` (output cap), `expired` (lifetime or a
-foreground timeout), `quota_exceeded` (it wrote more than its workspace quota:
-actors/procs/quota.py), `lost` (procs could not account for it after a crash).
+Final states: exited, killed, capped, expired, quota_exceeded, lost.
+See docs/procs.md ("Ending a tree").
 """
 
 from __future__ import annotations

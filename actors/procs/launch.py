@@ -1,26 +1,9 @@
-"""Starting and ending process trees.
+"""Starting and ending process trees behind a start gate.
 
-`spawn()` forks, and the child, before it execs: starts a new session (its
-pid is its process group), optionally takes the PTY on fd 0 as its
-controlling terminal and asks for SIGKILL when procs dies, then blocks on a
-*start gate* (a pipe). The parent records the pid durably (registry) and only
-then opens the gate. If procs dies in between, the gate reads EOF and the
-child exits 125 without running anything: no process exists that the
-registry does not name.
-
-A job's processes outside the sandbox carry `CORRAL_PROC_ID=<marker>` (the
-job's id scoped to its runtime: `marker()`) in their
-environment (the command's wrapper; with the sandbox off, every process of
-the job), and a sandbox's bwrap and its pid 1 carry `--hostname corral-<marker>`
-in their command line and nothing in their environment
-(actors/procs/sandbox.py); so `end_tree()` reaches,
-besides the process group, what left it: with the sandbox off, descendants
-that called `setsid` or double-forked (it scans /proc for the markers); with
-the sandbox on, its pid 1, whose end takes every process of the sandbox.
-The child closes every inherited descriptor above 2 before it execs.
-Where the host has control groups, a job is ended through its group
-(actors/procs/cgroup.py, joined at the start gate), which nothing it does
-leaves; the markers are what ends a job without one.
+No process exists that the registry does not name. Processes outside the
+sandbox carry `CORRAL_PROC_ID=<marker>`, a sandbox's bwrap the hostname
+`corral-<marker>`, so a job without a control group is still ended whole.
+See docs/procs.md ("Ending a tree").
 """
 
 from __future__ import annotations

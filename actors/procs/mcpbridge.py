@@ -1,26 +1,6 @@
-"""MCP servers as supervised children of procs (docs/mcp.md).
+"""MCP servers as supervised children of procs, one instance per sender.
 
-An agent reaches an MCP server only through procs (`mcp_request`, answered by
-`mcp_reply`). procs runs one instance of each installed server (the `mcp`
-registry, read through actors/registries/store.py) per *sender*, the actor
-the broker authenticated: the server runs in that session's sandbox (its workspace, the
-state directory hidden, a clean environment), so an agent can neither reach
-another agent's server nor its files.
-
-Each instance is a thread with its own asyncio loop holding the official SDK's
-`ClientSession` over a transport of ours (not the SDK's `stdio_client`): the
-server's stdout is read in chunks and a line longer than `MAX_LINE_BYTES`
-ends the instance (the SDK would buffer it whole). What comes back is bounded
-too: at most `MAX_TOOLS` tools, each input schema at most `MAX_SCHEMA_BYTES`
-of JSON and `MAX_SCHEMA_DEPTH` deep, a call's result at most
-`MAX_RESULT_BYTES`. Refusals are typed (`McpReply.error`): `unknown_server`,
-`server_failed` (it would not start, or died: the next request starts it
-again), `schema_too_large`, `result_too_large`, `timeout`, `bad_request`.
-
-A call carries the agent's msg_id (derived from its call id); an instance
-remembers the replies of its last `REMEMBERED_CALLS` call msg_ids, so a call
-the agent runs again after a crash is answered from memory instead of calling
-the tool twice (as long as procs and the instance live).
+See docs/mcp.md ("procs' side (actors/procs/mcpbridge.py)").
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""The agent ops served by the procs host: `bash`, `bash_start`, `bash_poll`,
-`bash_kill`, `terminal_start`, `terminal_input`, `terminal_read`,
-`terminal_end`. Registered into the agent's op union (actors/agent/catalog.py
-imports this module); each passes the agent's gate like any op: the command
-is the gate's pattern (`command_field`), the working directory is confined to
-the workspace (`path_field`). Handlers talk to procs through the agent's
-broker peer (`OpContext.peer`); the session is the agent's name.
+"""The agent ops served by procs: `bash`, `bash_*` and `terminal_*`.
 
-Every op here is `replay_safe`: a request that changes something carries a
-msg_id derived from the call id, and procs names a job from (session,
-msg_id) and takes a terminal's input once per msg_id; so an agent that
-crashed with a call started and no result runs the call again and gets the
-job it started, never a second one. A terminal's input text is a secret
-field: the WAL keeps its hash and size (actors/agent/vault.py).
-
-Output enters the model's context only through these results (decoded as
-UTF-8 with replacement, clipped to the agent's max_result_chars), each
-recorded by procs as a `proc_poll` / `terminal_read` fact.
+Every op here is `replay_safe` (msg_ids derive from the call id).
+See docs/agents.md ("Ops") and docs/procs.md.
 """
 
 from __future__ import annotations

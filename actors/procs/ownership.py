@@ -1,30 +1,6 @@
-"""Which sessions a sender may act on: the one rule procs applies to every
-request that names a session (`bash`, `bash_start`, `bash_poll`, `bash_kill`,
-`terminal_start`, `terminal_input`, `terminal_read`, `terminal_end`,
-`session_end`), before anything else is looked at (actors/procs/requests.py).
+"""Which sessions a sender may act on: checked first on every request.
 
-The sender is the broker-authenticated name the request came from (the
-broker names each peer by the name its connection authenticated as,
-broker/auth.py; only operator connections name themselves). A session is
-named after its agent (docs/procs.md). The rule:
-
-- an agent `A` acts on session `A`, and on the sessions of the pipeline
-  runners it runs in its own process (`A.pl-<call>`, actors/pipelines/ops.py:
-  their steps reach procs through A's connection; the writer lets A append
-  under those names the same way, broker/auth.py), nothing else;
-- a subagent child `P.<id>` on `P.<id>` only (its parent's session is not its
-  own, nor the other way round); `automation` (the supervisor's hook
-  commands) on `automation`;
-- `subagents` (the subagents host) ends the sessions of children:
-  `session_end` on a child's name (`<parent>.<id>`), nothing else. It holds
-  the key that mints every child's credential, so it could act as any child
-  anyway; what it actually sends is `session_end` when a child exited;
-- `operator` (a connection holding the operator credential that names itself
-  `operator` at the broker; the name is reserved, no other credential can take
-  it) acts on any session, as it may do anything else.
-
-Everything else is refused with `forbidden`. MCP requests name no session:
-procs keys them by the sender itself (actors/procs/mcpbridge.py).
+See docs/procs.md ("Who may act on a session").
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""The workspace quota of a job: bytes it may add to its session's workspace
-(`sandbox.limits.workspace_bytes`; docs/security.md, "Per-job limits").
+"""The workspace quota of a job: the bytes it may add to its workspace.
 
-The workspace is the job's one writable place on the host's disk, so a
-command could fill the disk every agent and the runtime share. procs notes
-the workspace's usage (allocated blocks of its regular files, symlinks not
-followed) when the job starts and looks again while it runs: every CHECK_S,
-or DUTY times the last look's own time when that is longer (a look takes at
-most about 1/DUTY of a core however large the workspace). A job whose
-workspace grew past its quota is ended with the state `quota_exceeded`, the
-agent's typed result. Between two looks a fast writer may go past the quota
-by what it writes meanwhile; the walk stops after MAX_ENTRIES entries (a
-workspace that large is measured in part).
+See docs/security.md ("Per-job limits").
 """
 
 from __future__ import annotations

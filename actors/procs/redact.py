@@ -1,30 +1,7 @@
 """Redacting what was typed into a terminal from what the terminal shows.
 
-The model's terminal input may be a password; the agent keeps its text out
-of the WAL (actors/agent/vault.py), but a terminal echoes it (the tty's echo,
-or a program such as `cat` printing it back). So procs removes it from the
-PTY output *before* the output is written to the terminal's log, the only
-place a `terminal_read` (the WAL's result, the model's context) or an
-operator reads it from.
-
-What counts as typed text: every line of an input (split at CR/LF, stripped
-of surrounding blanks) of at least MIN_LINE_BYTES, and every word of a line
-(split at blanks and quotes) of at least MIN_WORD_BYTES (a secret assigned
-in a longer line, `x = 'hunter2'`, printed back alone). A line typed with
-editing keys (backspace, ^W, ^U) counts also as the program reads it after
-the tty's line editing (`cat` prints `Edit3d-Secret-999` for
-`Edit3dX<DEL>-Secret-999`) and as the runs between the keys (the tty's echo).
-Each occurrence in the output becomes MASK.
-
-Across reads: output that ends with the beginning of a secret is held back
-until the next bytes show whether the secret follows (then it is masked) or
-not (then they pass), so a secret split over two reads of the PTY is masked
-too. Held bytes are released after HOLD_S of silence (a prompt may end
-with what happens to begin a secret) and at the end of the terminal.
-
-Not covered (docs/security.md): output derived from the input (a program
-printing it reversed, encoded, or one character at a time slower than
-HOLD_S), and typed text shorter than the minimums.
+Output ending with the start of a secret is held back until the next bytes
+(at most HOLD_S). See docs/security.md ("Secrets").
 """
 
 from __future__ import annotations

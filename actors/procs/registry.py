@@ -1,16 +1,7 @@
-"""The procs registry: one small JSON file naming every job procs started and
-has not yet forgotten (`<state>/procs/registry.json`, version 1).
+"""The procs registry (`procs/registry.json`): every job started, not forgotten.
 
-It is written (temp file, fsync, rename, fsync of the directory) after a
-job's fork and *before* its start gate opens, and again when a job changes
-state; so after a crash of procs every process it may have started is named
-here with its pid and start time (pid reuse is told apart), its log and its
-exit file. The restarted procs re-attaches live commands, finishes the ended
-ones from their exit files, and reports the rest (and every terminal: a PTY
-master does not survive its holder) lost. Entries leave with `session_end`,
-and ended ones beyond the newest KEEP_ENDED leave the file and memory; a job
-that left is answered for from its files (`<id>.log`, `<id>.exit`, and the
-`<id>.end` noted when it ended).
+Written durably before a job's start gate opens. See docs/procs.md
+("Crashes").
 """
 
 from __future__ import annotations

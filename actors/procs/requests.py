@@ -1,10 +1,8 @@
 """Request handlers: one function per procs message, dispatched by `handle`.
-A request naming a session is served only if the session is the sender's
-(actors/procs/ownership.py): that is checked first, else `forbidden`.
-Each answers through the host's peer at once or defers its reply. Replies and
-errors that reach procs unasked are dropped, never answered (no error loops);
-a handler that raises is answered with internal_error and logged at a
-bounded rate, and the loop goes on."""
+
+Ownership is checked first; unasked replies and errors are dropped.
+See docs/procs.md ("Messages").
+"""
 
 from __future__ import annotations
 

@@ -1,40 +1,8 @@
 """The sandbox every command and terminal of procs runs in (bubblewrap).
 
-A job's program is started as `bwrap <confinement> -- argv`:
-
-- the whole filesystem read-only (`--ro-bind / /`), a fresh `/dev` and a
-  `/proc` of its own pid namespace (so no other process, and no other
-  process's environment, is visible), a private tmpfs on `/tmp`;
-- the state directory (`.corral/`: sockets, WAL, other agents) hidden under
-  an empty read-only tmpfs, and so are the `hide` paths of the policy
-  (default `/run`: host daemons' sockets); a `hide` path that is a file (a
-  credential: the fleet's NATS creds, nkey seed, TLS key or bus secret,
-  which the supervisor adds itself) has an empty read-only file bound over
-  it (`mask_file`; not /dev/null, whose device node the sandbox's mounts
-  refuse to open), so it reads as empty and cannot be written or removed;
-  the session's workspace is the one
-  writable bind. Mounts are made parents first, so the workspace may lie
-  inside the state directory (a subagent child's copy) or contain it (the
-  state directory stays hidden);
-- new user, pid, ipc, uts, cgroup and (unless the policy lets the session
-  use it) network namespaces; every capability dropped and no further user
-  namespaces (`--disable-userns`), so the program cannot remount or unmount
-  its way out;
-- `--die-with-parent` and the pid namespace: when the program's init (pid 1
-  of the namespace, bwrap's reaper) ends, the kernel kills every process
-  left in it; `setsid`, `env -i`, double forks do not leave the namespace;
-- an environment built from an allow-list (`clean_env`): never the model's
-  key, never `CORRAL_*`.
-
-The prefix is exec'd with an empty environment (the command wrapper's
-`exec -c`, a terminal's spawn), since bwrap's copy is the sandbox's pid 1,
-whose environ a program can read.
-
-`check()` runs the same confinement on a probe once when procs starts: if
-bwrap is missing or cannot build the sandbox, every command request is
-refused with the reason (fail closed), unless the policy says `enabled:
-False` (configuration `sandbox: {mode: off}`), when programs run bare with
-the clean environment and a warning is logged.
+A hidden file is bound over by an empty read-only file (`mask_file`); fails
+closed when bwrap cannot build it. See docs/security.md ("Commands and
+terminals: the sandbox").
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""The seccomp filter of the sandbox: system calls a command never needs and
-that would let it reach past its walls (docs/security.md, "seccomp").
+"""The seccomp filter of the sandbox, built here as classic BPF.
 
-A classic BPF program, built here (no libseccomp needed) and handed to bwrap
-with `--seccomp FD`; bwrap installs it (with no_new_privs) on the sandbox's
-init and the program just before they run, so it binds every process of the
-job and cannot be lifted. The program:
-
-1. checks the architecture of the call (a call made through another ABI,
-   e.g. i386's `int 0x80` on x86_64, kills the process), and on x86_64
-   refuses the x32 ABI (numbers with bit 30 set);
-2. answers EPERM to every call of `DENIED` (the calls Docker's default
-   profile refuses, and those Codex's sandbox denies: ptrace and reading or
-   writing another process's memory, the kernel's keyring, BPF and perf,
-   mounting, module loading, kexec, the clock, reboot, swap, namespaces,
-   io_uring, handles that open files by inode);
-3. allows the rest.
+See docs/security.md ("seccomp").
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
-"""One program on a PTY.
+"""One program on a PTY: pumped to its log, capped, redacted, typed once.
 
-procs holds the master (non-blocking) and pumps what the program writes into
-`.terminals/<id>.log`, counting bytes against the cap: the byte that would go
-past it is not written and the program's tree is ended (state `capped`).
-The program is a session leader with the PTY as its controlling terminal and
-dies with procs (PDEATHSIG): a PTY master cannot be handed to a successor,
-so after a crash of procs a terminal is reported lost, never re-attached.
-
-Output written before the program exits is never lost: the terminal ends
-only when the program has been reaped *and* the master reads EIO (on Linux:
-every byte the slave side wrote has been read).
-
-A full disk (ENOSPC, EDQUOT, EFBIG on the log) never stops procs: the bytes
-that could not be written wait in memory (at most MAX_UNWRITTEN_BYTES; then
-the master is no longer read, so the program blocks on its terminal) and are
-written, in order, once space returns; the terminal does not end with bytes
-unwritten, unless its lifetime passed (then they are dropped and logged).
-
-What was typed is redacted from the output before the log is written
-(actors/procs/redact.py): a password typed into an echoing program never
-reaches the log, a `terminal_read`, the WAL or the model.
-
-Input is typed once per request: the msg_ids of the last INPUT_IDS_KEPT
-inputs are remembered, so a resent `terminal_input` (a retry after a lost
-reply, or an agent running the same call again after a crash) is answered
-without typing it twice.
+See docs/procs.md ("Terminals", "A full disk").
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""The base of every registry entry: a strict, closed, frozen pydantic model
-with a `name` unique within its registry (each registry narrows the name)."""
+"""The base of every registry entry: a strict, closed, frozen pydantic model.
+
+See docs/registries.md.
+"""
 
 from __future__ import annotations
 

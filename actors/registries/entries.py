@@ -1,12 +1,7 @@
-"""The entries of the agent-managed registries that run at runtime: schedules,
-hooks and MCP servers, as strict pydantic models (docs/automation.md,
-docs/mcp.md).
+"""The entries of the schedules, hooks and MCP servers registries.
 
-The registry ops validate what they are given with these models
-(schemas.ENTRY_MODELS), the generations (actors/registries/store.py) are
-checked with them when read, and the runtime's readers get them from the
-store (`store.load_schedules`, ...): what an op accepts is exactly what the
-scheduler, the hook deliverer and procs run.
+What an op accepts is exactly what the runtime runs. See docs/registries.md,
+docs/automation.md and docs/mcp.md.
 """
 
 from __future__ import annotations

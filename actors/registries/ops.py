@@ -1,23 +1,7 @@
-"""The registry ops: the only way an agent (or, through the same functions, the
-operator's `supervisor registry ...`) changes `.corral/config/<registry>`.
+"""The registry ops: the only way an agent changes `.corral/config/<registry>`.
 
-    pipeline_install  path, name=None      a workspace file, checked by the DSL
-    pipeline_remove   name
-    schedule_add      entry (entries.ScheduleEntry)   replaces an entry of that name;
-                      its `owner` is the caller (the agent, or `operator`)
-    schedule_remove   name
-    schedule_enable   name, enabled=true
-    hook_add          entry (entries.HookEntry)
-    hook_remove       name
-    mcp_install       entry (entries.McpServerEntry)
-    mcp_remove        name
-
-Each passes the gate like any op (rules name the op; `pipeline_install`'s
-path is confined like a read), and writes one generation
-(actors/registries/store.py) under the key `cfg:<agent>:<call>`. They are
-`replay_safe`: a call run again after a crash finds its own key on the newest
-generation (or the writer answers its fact as a duplicate) and changes
-nothing twice.
+`replay_safe` under the key `cfg:<agent>:<call>`. See docs/registries.md
+("The ops").
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The entry of each registry: one pydantic model per registry, strict and
-closed. Every entry has a unique `name` within its registry.
+"""The entry model of each registry (`ENTRY_MODELS`), strict and closed.
 
-`PipelineEntry` is defined here (actors/pipelines); schedules, hooks and MCP
-servers are the models their runtime reads (actors/registries/entries.py), so
-what an op accepts is exactly what the scheduler, the hook deliverer and procs
-can run. The registry ops, the CLI and the generations take them from
-`ENTRY_MODELS`.
+See docs/registries.md.
 """
 
 from __future__ import annotations

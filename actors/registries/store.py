@@ -1,38 +1,8 @@
-"""Config generations: the on-disk truth of the registries, and the one way to
-change them.
+"""Config generations: the registries' on-disk truth, and the one way to change them.
 
-    .corral/config/generations/<registry>/pending-<sha256>.json   written, not yet named
-    .corral/config/generations/<registry>/<seq, 20 digits>.json   a generation, by its seq
-    .corral/config/<registry>.yaml                                 the newest, materialised
-
-A change (`commit`) runs under the registry's lock (flock): it takes the
-newest generation, applies the change to its entries (full state: the whole
-list of entries, each valid for the registry's schema), writes the result
-durably as `pending-<sha>.json` (temp, fsync, rename, fsync dir), then
-appends the WAL fact that names it (`config_generation {registry, sha256,
-op, actor}` on stream `config/registries`, durable on return), then renames
-the file to its fact's seq and rewrites the `.yaml`. So the content is on
-disk before the fact that names it, every generation is keyed by the seq of
-its fact, and the file outlives the fact (a compacted WAL still has every
-generation). A crash between the append and the rename leaves a pending file
-that the next change names from the stream (`_reconcile`); one before the
-append leaves a pending file no fact names, which is removed.
-
-A change carries an idempotency key (`cfg:<agent>:<call>` for an op): when
-the newest generation already has that key the change was made (a call run
-again after a crash) and is not made twice; the writer dedupes the fact by
-the same key.
-
-Readers (the supervisor's schedules and hooks, procs' MCP servers, the
-agent's MCP offer) read the newest generation here too (`load_schedules`,
-`load_hooks`, `load_mcp`, and `newest_seq` to notice a change), so one module
-writes and reads the format; `config/<registry>.yaml` is a copy for people to
-read (`{registry, generation_seq, entries}`), which nothing reads back.
-
-`at(seq)` is the generation in force at a seq (the newest at or before it);
-`restore_registries(state_dir, writer, seq)` makes each registry's content at
-`seq` the newest again, as new generations (none is ever deleted): what a
-rewind calls.
+The content is durable before the WAL fact that names it; `at(seq)` and
+`restore_registries` serve rewind. See docs/registries.md ("Generations on
+disk", "Restore").
 """
 
 from __future__ import annotations

@@ -1,2 +1,4 @@
-"""Sessions: ids, the session index (`.corral/sessions.sqlite3`), the resolver,
-purge, and transcripts (docs/sessions.md)."""
+"""Sessions: ids, the session index, the resolver, purge, and transcripts.
+
+See docs/sessions.md.
+"""

@@ -1,7 +1,7 @@
-"""Session ids: 26 characters of Crockford base32, a 48-bit millisecond time
-then 80 random bits (the ULID layout), so ids sort by creation time as text
-and two ids minted anywhere never collide in practice. Also where a session's
-own files live under the state directory."""
+"""Session ids (ULID layout, Crockford base32) and where a session's files live.
+
+See docs/sessions.md ("Ids").
+"""
 
 from __future__ import annotations
 

@@ -1,29 +1,8 @@
-"""The session index, `.corral/sessions.sqlite3` (stdlib sqlite3, WAL mode).
+"""The session index, `.corral/sessions.sqlite3`: derived tables and owned ones.
 
-Two kinds of tables (docs/sessions.md):
-
-- **derived** from the WAL, rebuildable at any time (`supervisor sessions
-  reindex`): `sessions` (one row per session: agent, lineage, status,
-  counts, seq range, the fold's state), `segments` (run segments), `streams`
-  (each agent stream's newest session) and `meta` (how far the WAL was read:
-  seq and the CRC of that record's line);
-- **owned**, held only here: `labels`, `archive`, `purge_journal`.
-
-Who updates the derived part: every reader, lazily. `open_index()` reads the
-WAL segments directly (read-only, no writer needed, whole group-commit
-batches only) from the seq after `meta.last_seq` and folds what it finds
-with the agents' own fold (actors/agent/state.py) in one transaction. If the
-record at `meta.last_seq` is no longer the one it read (the WAL lost its
-tail), the derived tables are rebuilt from the first record. This needs no
-process of its own, works with the supervisor down, and cannot fall behind
-what the CLI shows; the cost is one read of the WAL's new records per
-command.
-
-Every connection writes with `synchronous=FULL`: an owned row (a label, an
-archive time, a purge journal step) is durable when the call returns.
-Records of a session in `purge_journal` (in any state) are never folded:
-a purged session is unreachable through the index even while its records
-are still in the WAL.
+Every reader brings the derived part up to date from the WAL; a purged
+session's records are never folded. See docs/sessions.md ("The index:
+`.corral/sessions.sqlite3`").
 """
 
 from __future__ import annotations

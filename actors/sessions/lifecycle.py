@@ -1,21 +1,8 @@
-"""Which session an agent process runs: the one decision made at each step
-before anything else (docs/sessions.md, "A new session or a resumed one").
+"""Which session an agent process runs: a new one, or the open one resumed.
 
-`supervisor run` and `spawn` write a fresh session id into the agent's spec
-each time they start it (`AgentSpec.session`). The agent, having folded its
-stream (the fold is the newest session's), starts that session when
-
-- the stream holds no session yet (a new agent; an id is minted when the
-  spec names none), or
-- its newest session is over (finished, or closed at a bound) and the spec
-  names a later session id (ids sort by creation time).
-
-A session that is not over (stopped, killed, paused on its budget) is
-resumed as a new run segment whatever the spec names, and a restart by the
-supervisor's policy (the same spec) never begins a second session. The
-segment records the spec's id it went on under (`session_start`'s
-`spec_session`), so that id never begins a session once this one is over:
-a spawn over an open session resumes it, and only it.
+A spec's session id that went on an open session (`spec_session`) never
+begins a session of its own. See docs/sessions.md ("A new session or a
+resumed one").
 """
 
 from __future__ import annotations

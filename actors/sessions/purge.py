@@ -1,36 +1,7 @@
-"""Purging one session (docs/sessions.md, "Purge"; saved-files.txt's rules).
+"""Purging one session: journal, stage, remove, drop the rows.
 
-    preview(root, id)        what would go; changes nothing
-    purge(root, id, confirm) journal -> stage -> remove -> drop the rows
-
-What a session owns: its directory `.corral/sessions/<id>/` (transcripts)
-and the snapshot generations of its agent that hold this session's state
-(`agents/<agent>/state/generations/gen-*.json`, `state/snapshot.json` whose
-`state.session` is the id), and its agent's effect journal of the session
-(`agents/<agent>/effects/journal@<id>.jsonl`, and the entry files of the
-earlier layout, `<call_id>@<id>.json`). Never the
-agent's workspace, memory, other
-sessions, parents or children: those belong to the agent or to them.
-
-The confirmed purge, each step durable before the next:
-
-1. `purge_journal` row (state `journaled`) with the session's stream and seq
-   range; from now on every reader hides the range (actors/sessions/purged.py)
-   and the resolver refuses the session;
-2. the owned files are renamed into `.corral/purge-staging/<id>/` (same file
-   system, so a rename), fsynced (`staged`);
-3. the staging tree is removed without following links: every directory is
-   opened `O_NOFOLLOW | O_DIRECTORY` and walked by its fd (`files_removed`);
-4. one transaction deletes the session's rows (sessions, segments, labels,
-   archive) and marks the journal `done`: the index row goes last.
-
-A purge stopped at any point (SIGKILL included) is previewed and retried with
-the same command, or finished by the next `supervisor up`
-(`finish_interrupted`): each step is redone from what is on disk. No path is
-reached through a link (a linked directory above an owned file, or a linked
-`purge-staging`, refuses the purge). The journal row stays (`done`) for WAL
-compaction, which removes the range's records; the index is vacuumed at the
-end so its file keeps no byte of the deleted rows.
+Each step durable before the next; an interrupted purge is retried or
+finished by `supervisor up`. See docs/sessions.md ("Purge").
 """
 
 from __future__ import annotations

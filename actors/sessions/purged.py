@@ -1,10 +1,6 @@
 """What a reader of the WAL must not show: the seq ranges of purged sessions.
 
-A purged session's records stay in the WAL until compaction removes them
-(docs/wal.md); until then every reader skips them: the agents' rebuild
-(actors/agent/rebuild.py), `supervisor trace`, the session index. The ranges
-come from the index's `purge_journal` (any state: a purge under way already
-hides its session), read-only; no index means nothing was ever purged.
+See docs/sessions.md ("Purge").
 """
 
 from __future__ import annotations

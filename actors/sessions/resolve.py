@@ -1,12 +1,7 @@
-"""The one resolver of a session reference, shared by `sessions show/label/
-archive/purge` and by rewind and fork:
+"""The one resolver of a session reference: an id, a unique prefix, or an agent.
 
-    resolve(root, ref) -> Resolved(session_id, agent, stream, status, first_seq, last_seq)
-
-`ref` is a full session id, a unique prefix of one (at least 4 characters),
-or an agent name meaning that agent's newest session, tried in that order.
-A session whose purge has begun is refused (`SessionPurgingError`): an
-interrupted purge blocks ordinary use of its session until it is retried.
+A session whose purge has begun is refused (`SessionPurgingError`).
+See docs/sessions.md ("Commands").
 """
 
 from __future__ import annotations

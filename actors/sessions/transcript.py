@@ -1,27 +1,6 @@
-"""Transcripts: the exact model requests and responses of a session, one
-JSON line per model call, in `.corral/sessions/<id>/transcript.jsonl` (audit
-tier: written, never read back by the runtime).
+"""Transcripts: a session's exact model requests and responses, a line per call.
 
-A run segment has its own file: when a new segment begins, the file of the
-previous one is renamed `transcript.pre_seg_<N>.jsonl` (N its segment).
-A backend that talks to a model server exposes the body it sent and the one
-it got (`last_request`, `last_response`); for the scripted and replay
-backends the request is the position they answer from and the response is
-the reply itself. Secrets are sealed as in the WAL: every text the input
-vault sealed in this reply (a terminal's input) is replaced, wherever it
-occurs in the line, by `<sealed sha256:... N bytes>` before the line is
-written (actors/agent/vault.py). A line that cannot be written (a full disk)
-is logged (`transcript_write_failed`) and the session goes on.
-
-Durability: a line that records a request sent to a model server (the
-backend exposes `last_request`) is fsynced before the turn is appended: it
-is the only record of the exact bytes sent and received, which nothing can
-derive again. A scripted or replay backend's line is written without fsync:
-its request (the cursor, the count of model calls) and its response (the
-actions, text and usage) are exactly what the fold and the `turn` record in
-the WAL hold, so a line a power loss takes can be derived from the WAL,
-and an fsync per step bought nothing (it was one of a scripted step's five
-syncs; docs/performance.md).
+See docs/sessions.md ("Transcripts").
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """`python -m actors.subagents --state-dir D`: the subagents host.
 
-One thread: a loop that polls the broker socket and a wakeup pipe (SIGCHLD,
-SIGTERM), answers requests, reaps children, builds change sets and sends the
-replies that were waiting for them.
-
-Exit codes: 0 stopped by SIGTERM/SIGINT (children stopped; a restart resumes
-them from their streams), 78 the state directory is unusable.
+Exit codes: 0 stopped by SIGTERM/SIGINT (a restart resumes the children from
+their streams), 78 the state directory is unusable. See docs/changesets.md
+("The host and the ops").
 """
 
 from __future__ import annotations

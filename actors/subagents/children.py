@@ -1,11 +1,7 @@
-"""The subagents registry: `<state>/subagents/registry.json` (version 1),
-rewritten atomically (temp, fsync, rename, fsync of the directory) before a
-child's start gate opens and on every state change.
+"""The subagents registry: `<state>/subagents/registry.json` (version 1).
 
-After a crash of the host, a child recorded `running` is started again: the
-agent rebuilds its state from its stream and carries on (its process died
-with the host: PDEATHSIG). One recorded `exited` without a manifest gets
-its change set built; an apply with an intent on disk is rolled forward.
+Written durably before a child's start gate opens; what a restart resumes.
+See docs/changesets.md ("The host and the ops").
 """
 
 from __future__ import annotations

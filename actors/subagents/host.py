@@ -1,17 +1,6 @@
-"""The subagents host's work: spawn a child on a snapshot, watch it, build
-its change set when it ends, answer the parent through the broker, apply a
-ready set once.
+"""The subagents host's work: spawn, watch, build the change set, apply once.
 
-Replies that wait for a child (`spawn_subagent`, `subagent_changes` with
-`wait_s`) are deferred; the loop never blocks on a child. A child is named
-from (parent, msg_id), so a resent spawn finds the child it already started.
-Its process comes from actors/subagents/starter.py (the host's zygote, or a
-fresh interpreter); the host is a child subreaper, so either way the child is
-its own child, reaped here.
-
-A child runs with what remains of its parent's budget when it is spawned (the
-parent's configured bounds plus any granted extra, minus its use so far); a
-parent with nothing left is refused.
+See docs/changesets.md ("The host and the ops").
 """
 
 from __future__ import annotations

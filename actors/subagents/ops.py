@@ -1,18 +1,7 @@
-"""The agent ops served by the subagents host: `spawn_subagent`,
-`subagent_changes`, `apply_subagent` (registered through
-actors/agent/catalog.py, passing the gate like any op).
+"""The agent ops `spawn_subagent`, `subagent_changes` and `apply_subagent`.
 
-`spawn_subagent` waits for the child (up to `wait_s`) and returns a summary
-of its change set; the child's model usage comes back with it and is
-recorded in the parent's stream as a `subagent_usage` fact, which the
-parent's fold adds to its budget. `apply_subagent` applies a ready set once
-(the host does the write-ahead intent, the stale check and the receipt).
-
-`spawn_subagent` and `subagent_changes` are `replay_safe`: the spawn is keyed
-by the call, so a parent that crashed while it waited runs the call again
-and waits for the same child. `apply_subagent` is not (a second apply is
-refused, which is not what the first one answered): a crash in its middle
-closes the turn with `turn_aborted` and the model decides again.
+`apply_subagent` is not `replay_safe`; the other two are.
+See docs/changesets.md ("The host and the ops").
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
-"""A subagent on another host of the fleet (docs/fleet.md, "Subagents on
-another host"): both ends, in the subagents actor of each host.
+"""A subagent on another host of the fleet: both ends.
 
-The parent's host (A) snapshots the parent's workspace as for a local child,
-sends the snapshot's pack (actors/subagents/remotepack.py) to host B's
-subagents actor through the brokers' bridge in `subagent_chunk` frames and
-then a `subagent_remote` offer naming its SHA-256. B joins the chunks,
-verifies the pack, materialises it, runs the child as its own local child
-(its own stream, registry entry and zygote fork on B), and when the child
-ends sends its change set back the same way, followed by a
-`subagent_remote_reply` naming the pack's digest. A verifies it
-(`remotepack.verify_changeset`: manifest, bounds, digests, the base it was
-sent), writes it into the child's directory and records the seal in its WAL
-as for a local child, so `apply_subagent` applies it on A exactly as today.
-
-Every frame is taken only from `HOST:subagents` as the bridge delivers it
-(its MAC and the sending host's own signature checked there); A takes a
-reply only from the host it asked, for a child it sent there. Lost frames
-(core NATS stores nothing) are made up for by the parent's spawn rounds: a
-resent spawn finds the same record, and nudges B (the offer again while B
-has not accepted it, else a poll that makes B send its change set again).
-B names the child from (A, A's id), so a resent offer finds the same child;
-its change set carries A's id, so A's receipt and facts name the child as A knows it.
+See docs/fleet.md ("Subagents on another host").
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
-"""The wire form of what crosses hosts for a remote subagent (docs/fleet.md,
-"Subagents on another host"): a parent's snapshot going out, a child's
-change set coming back. Pure: bytes in, verified files out.
+"""The wire form of what crosses hosts for a remote subagent. Pure.
 
-A pack is `CRLPACK1\\n`, a 4-byte big-endian header length, a JSON header
-`{"files": [[path, mode, size, sha256], ...]}` and the files' bytes end to
-end. The whole pack is named by its SHA-256, which travels in an
-authenticated frame (the bridge's MAC and the sending host's signature); the
-receiver refuses, before it writes anything, a pack whose digest differs,
-that is over its size or file-count bound, whose header is malformed, whose
-sizes do not add up, whose file does not hash to its entry, or whose path is
-unsafe (`actors/changesets/paths.check_path`: no `..`, no absolute path, no
-`.git`, no `.corral/`, ...), duplicated, or both a file and a directory.
-Only regular files travel (mode 100644 or 100755): a snapshot leaves its
-symlinks out, and a pack naming any other mode is refused.
-
-`verify_changeset` is the parent's host's check of a change set built on
-another host: on top of the pack's own checks, the manifest must parse
-(`actors/changesets/manifest.py`), name the child and the very snapshot that
-was sent, stay within this host's bounds (files, input bytes, patch bytes),
-and the patch and every blob must be exactly the ones the manifest names
-(no more, no fewer, each hashing and sized as the manifest says, each
-before-hash the sent base's). Every failure is `ChangeSetRefusedError` with a
-bound naming the rule.
+A pack is the line `CRLPACK1`, a 4-byte big-endian header length, a JSON
+header and the files' bytes, named by its SHA-256; every check runs before
+anything is written. See docs/fleet.md ("Subagents on another host").
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
-"""Starting a child agent's process: forked by the host's zygote, or, when the
-zygote is unavailable, a fresh interpreter.
+"""Starting a child agent's process: a zygote fork, or a fresh interpreter.
 
-The zygote (`python -m actors.zygote`, actors/zygote.py) is a
-preloaded template the host starts for itself: forking an agent from it skips
-the interpreter start and the imports (some hundreds of ms). The host is a
-child subreaper, so the zygote's double-forked agents become its children; the
-zygote runs without CORRAL_CONTROL (children of subagents are not the
-supervisor's). It is started with the host, restarted on the next spawn after
-it exits, and given up (fresh interpreters only) after `ZYGOTE_MAX_FAILURES`
-failures in a row; a failure is logged and the child still starts.
-
-Either way the child gets its credential (broker/auth.py: minted from the
-host's own) on a pipe, never in argv or the environment: sent with the fork
-request, or inherited by the fresh interpreter (CORRAL_CREDENTIAL_FD).
-
-Either way the child is held at a start gate until the host has recorded its
-pid in the registry: `Started.open_gate()` releases it, `abandon()` makes it
-exit without running anything (so does the host's death). A zygote fork that
-answers late finds its gate closed.
+The child gets its credential on a pipe and waits at a start gate until the
+registry has it. See docs/changesets.md ("The host and the ops") and
+docs/decisions.md ("The zygote also serves the subagents host, the writer and
+the broker").
 """
 
 from __future__ import annotations

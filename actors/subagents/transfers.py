@@ -1,8 +1,6 @@
-"""Packs crossing hosts for remote subagents (actors/subagents/remote.py):
-cut into `subagent_chunk` frames and joined again, bounded in count, bytes
-and time; and the files at either end: the task file read for an offer (a
-regular file of bounded size, never a FIFO or device the model named), and a
-verified pack's files written into a new directory without following links.
+"""Packs crossing hosts for remote subagents: chunks, and the files at each end.
+
+See docs/fleet.md ("Subagents on another host").
 """
 
 from __future__ import annotations

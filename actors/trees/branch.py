@@ -1,17 +1,7 @@
 """The active branch of an agent's stream: what the fold follows after rewinds.
 
-A `rewind` record (appended at seq R, payload `to_seq` S) abandons every
-record of the stream after S and before R: they stay in the WAL (raw rows
-are never deleted or rewritten; `supervisor trace` shows them as
-abandoned), but the state is the fold of the records that remain, the
-active branch. Rewinds nest: each one cuts the branch as it stood when it
-was appended, so the active branch is computed in one pass, in seq order,
-as a stack.
-
-`active(events)` is that branch; `active_tail(events, base_seq)` is the same
-over a tail read after a state folded up to `base_seq`, or None when a
-rewind in the tail cuts below `base_seq` (the base is then on an abandoned
-branch: fold from further back). Pure functions over (seq, event, payload).
+Pure functions over (seq, event, payload). See docs/trees.md
+("The active branch").
 """
 
 from __future__ import annotations

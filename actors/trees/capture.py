@@ -1,32 +1,7 @@
 """Capturing a workspace as a tree: one walk that reads only what changed.
 
-The walk starts from an fd of the workspace root and goes down with
-`O_DIRECTORY | O_NOFOLLOW` opens relative to the parent's fd
-(actors/changesets/confined.py), so no symlink is ever followed, in or out
-of the workspace: a link is recorded as a link (its target is its content).
-Directories the guard protects (the state directory, when the workspace is
-a project directory holding `.corral/`) are skipped, as are special files
-and empty directories (as git does). Every entry is lstat'ed at its
-directory's fd (the floor of any capture, git's included); what happens next
-follows the stat cache (actors/trees/statcache.py): an unchanged directory
-keeps its tree digest, an unchanged file its content digest, and only the
-rest is read, hashed and staged. A cached digest the store no longer holds
-(a collection removed it: the capture that cached it was never named by a
-fact) is a miss: read and stored again (actors/trees/collect.py).
-
-With a watch (actors/trees/watch.py; the agent's own capturer), a capture
-after a full walk lstats only the names inotify reported changed, and the
-entries with more than one link, and re-encodes only their directories,
-each patched in place from those names (`Capturer._patch`: its cost follows
-the names changed, not the directory's size, but for joining and hashing
-the rows); an unsure queue, a refused watch, a name that has other links
-and had none (its other names' directories had no event), the caller's
-`unsure()` or `FULL_EVERY_S` since the last full walk make it walk in full
-(docs/trees.md, "Watched captures").
-
-`Capturer.capture()` returns the root tree's digest; the trees and every new
-blob are in the store, durably (one pack), when it returns, so the caller
-can then append the fact that names the tree.
+No symlink is followed; the tree and its blobs are durable (one pack) when
+`capture()` returns. See docs/trees.md ("Trees", "Watched captures").
 """
 
 from __future__ import annotations

@@ -1,41 +1,7 @@
-"""Collection of the trees store by reachability (docs/trees.md, "Collection";
-docs/storage.md): each pack is rewritten with only the objects something
-still names, and a pack left with none is removed.
+"""Collection of the trees store by reachability, pack by pack, under a lease.
 
-**Roots** (a tree digest each; an object is reachable when a root's tree
-reaches it, directories and files alike):
-
-- the `workspace_tree` and `session_fork` records, and the `tree` of the
-  `rewind` records, on the active branch of every `agent/<name>` stream the
-  WAL still holds (`state/wal/` read from disk, from the retention floor up:
-  actors/writer/retention.py), less the records of purged sessions (the
-  purge journal, actors/writer/walgc.py `read_purges`). Records a rewind
-  abandoned name no root: their objects are collected;
-- the `tree` of every kept snapshot generation (and `snapshot.json`) that no
-  rewind abandoned (recovery skips those);
-- intents in progress: a rewind's `tree` and `from_tree`
-  (`agents/<name>/rewind.json`); a fork's source (`trees/forks/<new>.json`):
-  every tree of the source's stream, abandoned or not, until it is published.
-
-**Concurrency.** A pass holds the collection lease exclusively
-(`store.lease`), which every capture holds shared from its walk until the
-fact naming its tree is appended (actors/agent/loop.py, rewind.py): no fact
-can be on its way while roots are read, and a capture waits for the pass.
-Each pack is rewritten under its own `flock` (the lock its writer takes to
-append), and everything appended after the end this pass indexed before it
-read the roots (the end of the last complete object) is kept, whoever
-appended it. A capture's stat cache may name
-objects no fact names (a capture never recorded); the capturer checks that
-the store holds a cached digest before trusting it (actors/trees/capture.py).
-
-**Repack steps**, each a fault point (`CORRAL_FAULT_TREES_GC_KILL_AT`):
-`written` (the new pack `.<name>.tmp` written and fsynced), `renamed` (renamed
-over the pack: atomic), `synced` (the directory fsynced); a pack with nothing
-reachable is unlinked (`removed`) and the directory fsynced. A crash leaves
-the old pack or the new one, both complete; a temp file left behind is not a
-pack (readers list `*.pack`) and the next pass deletes it. Readers and
-writers of other processes notice a replaced pack by its inode
-(`ObjectStore.validate`).
+See docs/trees.md ("Collection") and docs/decisions.md ("Trees are collected
+by reachability under a lease").
 """
 
 from __future__ import annotations

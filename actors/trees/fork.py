@@ -2,31 +2,7 @@
 
     supervisor fork SOURCE --name NEW [--at-turn N]
 
-The new agent's stream `agent/<NEW>` begins with a `session_fork` record
-(origin `operator`): the parent's name (and session id, once sessions have
-them), the cut (seq and turn, as for rewind: actors/trees/branch.py), the
-sha256 of the parent's folded state at the cut (`source_digest`), the tree,
-and that state, which the fold takes as its own (actors/agent/branch_events.py).
-Its workspace, `.corral/agents/<NEW>/workspace/`, is a copy of the tree at
-the cut written from the object store: new files, no hard links, nothing
-shared with the parent. Its spec is the parent's with the default workspace.
-
-The parent's memory (`.corral/memory/<SOURCE>/`, persist tier, never
-reverted, so as it is now, not as it was at the cut) is copied to the fork's,
-and so are the lines of the parent's compaction file that the state at the
-cut names (its summary in effect, a pending one): the fork's context needs
-them (actors/agent/compaction.py).
-
-Steps: (1) intent `.corral/trees/forks/<NEW>.json`; (2) the agent directory
-built under a staging name and the workspace written into it; (3) the
-source verified again (its state at the cut re-folded from the WAL must
-have the same digest, every object re-read against its name); (4) the
-staging directory renamed into place and the spec written; (5) the
-`session_fork` record appended: the fork is published; (6) the intent
-removed. A failure at any step removes what was made; a crash leaves the
-intent, and the next `fork` of that name (or `recover`) removes the
-leftovers and starts again, unless the record is there (then it only
-removes the intent).
+See docs/trees.md ("Fork").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The agent's side of workspace trees: at a turn boundary, capture the
-workspace and name the tree in a `workspace_tree` fact when it changed (any
-means: file ops, `bash`, terminals, an applied change set: the capture looks
-at the files, not at the ops). The tree and its blobs are durable in the
-store before the fact is appended (actors/trees/capture.py).
+"""The agent's side of workspace trees: a `workspace_tree` fact when it changed.
 
-    .corral/trees/packs/            the object store (recovery-core: rewind reads it)
-    .corral/cache/trees/<agent>.jsonl   the stat cache (cache tier)
+The tree is durable in the store before the fact is appended.
+See docs/trees.md ("Trees").
 """
 
 from __future__ import annotations
@@ -170,7 +166,7 @@ class TreeRecorder:
             self._capturer = capturer_for(self.state_dir, self.name, self.workspace,
                                           watch=self.watch)
             # a stat cache line a second or every 16 captures, not one a turn: a
-            # line was a tenth of a lone step's capture (docs/performance.md, perf12)
+            # line was a tenth of a lone step's capture
             self._capturer.cache.save_every = CACHE_LINE_EVERY
             self._capturer.cache.save_every_s = CACHE_LINE_EVERY_S
         got = self._capturer.capture(durable=False)

@@ -1,19 +1,7 @@
 """Restoring a workspace to a tree, touching only what differs.
 
-`restore(workspace, store, current, target)` removes the paths the target
-lacks and writes the paths whose content, mode or kind differ, and nothing
-else: rewinding ten files of a 10,000-file workspace writes ten files. It is
-idempotent (run it again after a crash anywhere and it finishes the job),
-and every write is durable before it returns: each file goes to a temp name
-in its directory fd, its data fsynced (the fsyncs of a batch run in
-parallel threads, so the filesystem's journal commits them together), is
-renamed over the target, and every touched directory is fsynced.
-
-Nothing is followed: directories are reached one component at a time with
-`O_NOFOLLOW` from the workspace root's fd (actors/changesets/confined.py);
-a link in the way of a path the target needs as a directory is removed (it
-is the current tree's entry) rather than followed, a link recorded in the
-tree is recreated as a link. Directories left empty by removals are removed.
+Idempotent, durable before it returns, nothing followed. See docs/trees.md
+("Rewind").
 """
 
 from __future__ import annotations

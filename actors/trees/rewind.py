@@ -1,34 +1,8 @@
-"""Rewind: a stopped session goes back to the end of turn N (or to seq S) and
-goes on from there, its workspace restored byte for byte.
+"""Rewind: a stopped session goes back to turn N, its workspace restored.
 
-Nothing is deleted: a `rewind` record (stream `agent/<name>`, origin
-`operator`) is appended, and the fold follows the active branch
-(actors/trees/branch.py): records after the cut are abandoned, still in the
-WAL and in `supervisor trace`. The steps, each safe to crash after:
-
-1. resolve the cut on the active branch and its tree (the newest
-   `workspace_tree` at or before it); capture the current workspace (its
-   tree is stored: nothing the rewind overwrites is lost);
-2. write the intent `.corral/agents/<name>/rewind.json` (durably);
-3. restore the workspace to the target tree, only the difference
-   (actors/trees/restore.py: idempotent, durable);
-4. append the `rewind` record (key `rewind:<name>:<head>`, so a retry is
-   written once); this switches the branch;
-5. remove the intent.
-
-A crash before 2 changed nothing. After 2, `recover()` (run by a retried
-rewind and by the agent at start, before it folds) finishes the job when
-the branch head is still the one the intent names (restore again, append),
-or puts the workspace back to the intent's `from_tree` when the stream has
-moved on: old branch or new, never a mix. A rewind to where the branch
-already is (its last record is a rewind to that cut) is a no-op.
-
-Persist-tier data is never reverted: memory lives outside the workspace
-(`.corral/memory/`), `approvals.jsonl` is an append-only ledger, and the
-record carries the `--always` grants of the state it leaves, which the fold
-keeps. Registries under `.corral/config/` become seq-keyed config
-generations: `restore_config_generations` restores those the session's agent
-changed after the cut (before the rewind fact, idempotently).
+Nothing is deleted: a `rewind` record is appended after the workspace is
+restored, under an intent `recover()` finishes or undoes. See docs/trees.md
+("Rewind").
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
-"""The stat cache: what makes a capture cost follow what changed, as git's
-index does.
+"""The stat cache: what makes a capture's cost follow what changed.
 
-Per directory of the last capture it keeps the signature of its entries
-(name and lstat identity: mode, inode, size, mtime_ns, ctime_ns, in the
-order the directory lists them), the newest timestamp among them, the
-directory's tree digest and each file's digest. A directory whose signature
-and subdirectory digests are unchanged keeps its tree digest without a file
-read or a tree encoded; in a directory that changed, a file whose identity
-is unchanged keeps its digest; only the rest is read and hashed.
-
-Racy timestamps (git's "racy git"): a file written within the timestamp
-tick of the capture that hashed it can change again without its mtime
-moving. So a cached digest is trusted only when the file's mtime_ns and
-ctime_ns are older than the stamp of that capture (the filesystem's own
-clock, read from a probe file just before the walk: `fs_now_ns`); a
-directory holding any newer file is looked at file by file, and those files
-are hashed again.
-
-On disk (tier `cache`): `.corral/cache/trees/<agent>.jsonl`, one JSON line
-per capture with the directories it changed (and those gone; a directory
-whose rows were updated in place gives only the files that changed and the
-names gone, applied to its previous line on replay), appended
-without fsync, rewritten whole when it grows past a few times its live
-size; or a line every few captures (`save_every`, the agent's: what the
-captures between changed goes in the next line). A missing, damaged or
-foreign file costs one full hashing pass, never a wrong digest (a line that
-does not parse ends the replay there). On a full disk (ENOSPC, EDQUOT) a line
-is skipped, never raised: the next one rewrites the file whole.
+See docs/trees.md ("The stat cache").
 """
 
 from __future__ import annotations

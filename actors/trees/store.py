@@ -1,36 +1,8 @@
-"""The content-addressed object store of workspace trees: file contents and
-tree objects, each named by the sha256 of its bytes, deduplicated.
+"""The content-addressed object store of workspace trees: append-only packs.
 
-    .corral/trees/packs/<writer>.pack      one append-only pack per writer (an agent)
-
-Objects are appended to their writer's pack, all of a capture's new objects
-(its blobs and trees) in one write followed by one `fdatasync`, before the
-WAL fact that names the tree is appended: a fact never names an object that
-is not durable, and a capture costs one sync however many files changed (an
-fsync costs ~10 ms or far more on a busy disk: one file per blob would
-multiply that by the number of changed files, and a new file per capture
-would add a directory fsync). Only creating a pack fsyncs the directory.
-Pack format (version 1):
-
-    b"CTPK1\\n" then, per object: 32 bytes sha256, 8 bytes big-endian length, data
-
-Writers append under an exclusive `flock` of the pack. A crash mid-append
-leaves a torn tail that no fact names (the fact comes after the sync); the
-next append truncates it away. Readers index every pack's complete objects
-(headers only, seeking over the data), remembering where each pack ended,
-so a refresh reads only what was appended since; an object is checked
-against its name whenever it is read (`CorruptObjectError`, never returned).
-
-Collection (actors/trees/collect.py) replaces a pack by a repacked one
-(rename) or removes it, under the pack's `flock` and while it holds the
-collection lease (`trees/collect.lock`) exclusively. So a pack's identity
-(device, inode) is remembered: `validate()` (a stat per pack) drops the
-whole index when a pack was replaced or removed and indexes again, an
-append that waited for the lock of a file renamed away opens the new one,
-and a read that finds an object missing or damaged validates and tries once
-more. A capture holds the lease shared (`lease()`) from its walk until the
-fact naming its tree is durable, so a collection never runs between an
-object written (or found already stored) and the fact that names it.
+A fact never names an object that is not durable. See docs/trees.md
+("Trees") and docs/decisions.md ("Workspace trees: per-directory objects in
+append-only packs").
 """
 
 from __future__ import annotations

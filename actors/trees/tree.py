@@ -1,16 +1,7 @@
 """Tree objects: one directory of a workspace at one moment, as git's trees.
 
-    {"version": 1, "entries": [[name, mode, sha256, size], ...]}   (sorted by name)
-
-encoded canonically (compact JSON), named by the sha256 of those bytes. An
-entry is a regular file (its st_mode: type and permission bits), a symbolic
-link (mode 0o120000; its "content" is its target: links are recorded and
-recreated, never followed) or a directory (mode 0o040000, the sha256 names
-its own tree object, size 0). Equal workspaces give equal root digests, an
-unchanged directory keeps its digest, so capture re-encodes and diff
-descends only into directories that changed. A tree object read back is
-input like any other: `decode` refuses names that are not plain (empty,
-`.`, `..`, with `/` or NUL) and unknown modes.
+`decode` refuses names that are not plain and unknown modes.
+See docs/trees.md ("Trees").
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
-"""An inotify watch over a workspace's directories: which names changed in
-which directory since the last capture, so that a capture re-reads only
-those (git's fsmonitor, with the kernel as the monitor; docs/trees.md,
-"Watched captures").
+"""An inotify watch over a workspace's directories: which names changed.
 
-The capture's full walk watches each directory it reads, before it lists
-it, and drains the queue first: a change after the watch is an event, a
-change before it is in the listing. A later capture reads the queue
-(`changes()`) and lstats only the names the events give. Anything the
-events cannot say exactly makes the answer unsure, and the capture walks
-in full again:
-
-- the queue overflowed (`IN_Q_OVERFLOW`), or a watched directory was
-  removed, moved or unmounted (`IN_DELETE_SELF`, `IN_MOVE_SELF`,
-  `IN_IGNORED`, `IN_UNMOUNT`);
-- a directory was created, removed or renamed inside a watched one (the
-  set of watched directories changes).
-
-The watch opens with `inotify_init1(IN_CLOEXEC | IN_NONBLOCK)`. Instances
-are limited per user on a host (`fs.inotify.max_user_instances`, 128 by
-default), and other programs of the same user need theirs, so a runtime's
-agents take at most a quarter of that limit: a watch holds a slot, an
-`flock` on one of `trees/watch-slots/<n>.lock` (released when its process
-ends, however). Without a free slot, without an instance, past
-`MAX_DIRS` directories or when a watch is refused (`max_user_watches`), the
-capturer walks every time, as without a watch.
+See docs/trees.md ("Watched captures") and docs/decisions.md ("Captures
+watch the workspace with inotify").
 """
 
 from __future__ import annotations

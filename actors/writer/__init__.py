@@ -1,7 +1,5 @@
-"""The writer: the only process that appends to the WAL and the ledgers
-(`process`), and what it is made of: the WAL record format (`wal`), segment
-files (`segments`), group commit (`groupcommit`), start-up recovery
-(`recovery`, `checkpoint`), idempotency windows (`dedupe`), the ledgers
-(`ledgers`), the per-stream index and its reader (`streamindex`,
-`streamreader`), and the client every other actor appends through (`client`).
-See docs/wal.md."""
+"""The writer: the only process that appends to the WAL and the ledgers.
+
+Also the WAL record format, group commit, start-up recovery, the stream index
+and the client every other actor appends through. See docs/wal.md.
+"""

@@ -1,5 +1,7 @@
-"""`python -m actors.writer --state-dir D`: the writer process (see
-`actors.writer.process`)."""
+"""`python -m actors.writer --state-dir D`: the writer process.
+
+See actors/writer/process.py and docs/wal.md.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Histogram bucket counts the writer carries in its heartbeat values, so the
-supervisor's metrics endpoint can serve the fsync latency and batch size
-histograms (supervisor/metrics.py). Observing is one bisect and two adds per
-batch. Keys: `<prefix><bound>` per bucket (not cumulative; `inf` last) and a
-sum key."""
+"""Histogram bucket counts the writer carries in its heartbeat values.
+
+They feed the fsync latency and batch size histograms of the metrics
+endpoint. See docs/operations.md ("Metrics").
+"""
 
 from __future__ import annotations
 

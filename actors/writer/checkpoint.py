@@ -1,12 +1,8 @@
-"""The writer's checkpoint (`state/wal.checkpoint.json`): where the durable WAL
-ended at a moment (segment, offset, head seq), the idempotency windows and how
-many entries each stream index held. Start-up reads it and scans only what
-follows, so start-up time does not grow with the length of the WAL.
+"""The writer's checkpoint (`state/wal.checkpoint.json`) and the previous one.
 
-It is derived state: written atomically (temp file, fsync, rename, fsync of the
-directory) after everything it describes is durable, and the previous one is
-kept (`wal.checkpoint.prev.json`); when neither matches the WAL, the writer
-falls back to a full scan."""
+Derived state naming only what is durable; start-up scans only what follows
+it. See docs/wal.md ("Start-up").
+"""
 
 from __future__ import annotations
 

@@ -1,31 +1,9 @@
-"""The writer's checkpoint, made durable off its loop (docs/wal.md).
+"""The writer's checkpoint, made durable by a thread off the writer's loop.
 
-A checkpoint may name only durable state: the ledgers' sizes (fdatasynced)
-and the stream index's counts (the files fsynced, their directory too when a
-file was created). Those syncs took the writer's loop for tens of milliseconds
-per checkpoint, so no acknowledgement left meanwhile. Now the loop only takes
-the snapshot (the checkpoint's values, the ledgers written since the last
-sync, the index entries taken from memory by `StreamIndex.take_pending`:
-appending them to 64 files took the loop 1-27 ms of CPU per checkpoint) and
-this thread does, in order: fdatasync the ledgers, append the index entries
-to their files and fsync them and their directory (`write_unsynced`), then
-write the checkpoint atomically (the idempotency windows, copied by the loop
-as `dedupe.snapshot()`, become the checkpoint's pairs here, and the JSON is
-encoded by msgspec, not validated by pydantic: a long C call holds the GIL,
-and with it the loop, for its whole length). The loop collects
-the outcome on a later turn; on a failure it gives the ledgers and the index
-entries back (they are synced again at the next checkpoint) and no
-checkpoint names them.
-
-One job at a time, and while one runs the loop changes no index file (no
-flush; storage collection waits: `busy`); the loop `commit`s the index
-entries when the job's index stage succeeded, else `revert`s them. A crash at any point leaves the
-previous checkpoint, whose counts are a prefix of every index file (start-up
-cuts files back to it and scans the tail).
-
-Fault injection for tests: `CORRAL_FAULT_CHECKPOINT_KILL_AT=index_synced:N`
-SIGKILLs the writer in the N-th checkpoint that synced index files, after
-their fsync and before the checkpoint is written."""
+Order: fdatasync the ledgers, write and fsync the index entries, write the
+checkpoint. Tests: `CORRAL_FAULT_CHECKPOINT_KILL_AT=index_synced:N` kills the
+writer after the N-th such index sync. See docs/wal.md ("Start-up").
+"""
 
 from __future__ import annotations
 

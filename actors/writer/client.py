@@ -1,9 +1,9 @@
-"""The client side of the writer: append with an idempotency key (retried under
-the same key until answered), and read one stream in pages. Used by agents,
-benchmarks and tests; it talks to the writer directly, not through the
-broker: appends on the local lane (`run/writer.lane`, actors/writer/
-laneclient.py) when it can, on `run/writer.sock` (the ROUTER) otherwise and
-for everything else."""
+"""The client side of the writer: keyed appends (retried until answered), reads.
+
+Talks to the writer directly, on the local lane when it can, else on the
+ROUTER. See docs/protocol.md ("The writer (`run/writer.sock`)",
+"The local lane (`run/writer.lane`)").
+"""
 
 from __future__ import annotations
 
@@ -133,8 +133,8 @@ class WriterClient:
         own window.
 
         The ack is the frame decoded in C (no model is built for it: that
-        was a fifth of the appender's Python; docs/performance.md, "The
-        appender's CPU"); while the writer answers `storage_full` (a full
+        was a fifth of the appender's Python; docs/decisions.md, "The
+        append path's frames in msgspec"); while the writer answers `storage_full` (a full
         disk, docs/storage.md) the append is sent again under the same key,
         backing off, for up to `storage_wait_s`, then the RemoteError raised."""
         body = payload if isinstance(payload, bytes) else encode_payload(payload)

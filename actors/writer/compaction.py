@@ -1,25 +1,8 @@
-"""Compaction of one sealed WAL segment: the records of purged sessions are
-removed by rewriting the segment; every other record is kept byte for byte
-with its seq (docs/storage.md, "Compaction").
+"""Compaction of one sealed WAL segment: the records of purged sessions removed.
 
-The steps, each a fault injection point (`CORRAL_FAULT_GC_KILL_AT=<step>`
-SIGKILLs the writer right after it, for the tests):
-
-1. `written`: the kept lines are written to `wal/.<segment>.compact` and
-   fsynced (by a child process, `actors/writer/compactor.py`, that a
-   background thread waits for: appends go on meanwhile);
-2. `recorded`: the removed seq ranges and a new storage epoch are written to
-   `state/wal.retention.json` (actors/writer/retention.py), durably;
-3. `swapped`: the temp file is renamed over the segment, the directory
-   fsynced: the old segment is gone in the same step the new one appears;
-4. `indexed`: the stream index, the idempotency windows and the ledgers drop
-   the removed records (and the checkpoint is rewritten, twice, so that
-   neither it nor the previous one names a purged stream).
-
-A crash before 3 leaves the old segment (the temp file is deleted at the next
-start; a recorded range whose records are still there is harmless); after 3,
-the new one. Never both, never neither: a rename is atomic. A checkpoint of
-the old epoch is not used after a crash (a full scan rebuilds the index)."""
+Steps written, recorded, swapped, indexed (each a `CORRAL_FAULT_GC_KILL_AT`
+point). See docs/storage.md ("Compaction").
+"""
 
 from __future__ import annotations
 

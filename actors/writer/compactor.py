@@ -1,13 +1,8 @@
-"""The child process that rewrites one sealed segment without the records of
-purged sessions (actors/writer/compaction.py), so that the work never holds
-the writer's GIL:
+"""The child process that rewrites one sealed segment off the writer's GIL.
 
-    python -m actors.writer.compactor PURGED_JSON RESULT FIRST_SEQ:SEGMENT...
-
-PURGED_JSON maps a stream to its purged [first, last] seq ranges. The kept
-lines of each segment go to its temp file (fsynced); RESULT receives, per
-segment, where each kept record now lies and what was dropped. Exit 0, or 1 with the error on
-stderr (the writer logs it and leaves the segment as it was)."""
+`python -m actors.writer.compactor PURGED_JSON RESULT FIRST_SEQ:SEGMENT...`;
+exit 0, or 1 with the error on stderr. See docs/storage.md ("Compaction").
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Idempotency state of the writer: for each origin, the seq of its most recent
-`window` keys. A retried (origin, key) inside the window is answered with its
-original seq and never written again; the window is saved in every checkpoint
-and rebuilt from the WAL tail after it, so it survives a writer restart.
+"""The writer's idempotency windows: an origin's newest keys and their seqs.
 
-Each window is a plain dict (insertion-ordered, oldest first): the checkpoint
-takes `snapshot()` in the writer's loop, a C-level copy of each window (well
-under a millisecond for a hundred full windows), and the checkpoint thread
-turns it into the pairs it writes (`pairs`), off the loop."""
+See docs/decisions.md ("Idempotency is remembered per origin for a bounded
+window").
+"""
 
 from __future__ import annotations
 

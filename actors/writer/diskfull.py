@@ -1,27 +1,7 @@
-"""The writer on a full (or failing) disk: what happens when a batch's write or
-fdatasync fails with ENOSPC, EDQUOT, EFBIG or EIO (docs/storage.md, "A full disk").
+"""The writer on a full or failing disk: roll back, refuse, probe, resume.
 
-Nothing of the failed batch was acknowledged (today's rule). Instead of exiting
-and crash-looping against a disk that is still full, the writer:
-
-1. rolls the files back to the last acknowledged batch: the active segment is
-   cut at the failed batch's first byte and each ledger after the durable head,
-   both fsynced (the bytes before were durable already; the cut discards any
-   page of the failed batch, written or not). If the rollback itself fails the
-   writer exits 74 as before (restart re-scans);
-2. refuses the failed batch's appends, and every append staged behind it (their
-   seqs assumed the failed batch), with the typed error `storage_full`; the
-   clients retry under the same keys and get new seqs once space is back;
-3. stays *stopped*: every new append is refused with `storage_full` at once
-   (reads, pings and stats are still served, an acknowledged duplicate is
-   still answered), and `storage_full` (1), `storage_free_bytes` and the log
-   event `storage_full` (path, error, free bytes) say so;
-4. probes every `PROBE_INTERVAL_S`: enough free space (`RESERVE_BYTES`) and a
-   probe file written and fsynced in the WAL's directory. Then it resumes by
-   itself (`storage_recovered`).
-
-A failure with another cause (the test fault injection among them) keeps the
-old rule: exit 74 and let the restart re-scan the tail."""
+See docs/storage.md ("A full disk").
+"""
 
 from __future__ import annotations
 

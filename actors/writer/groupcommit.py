@@ -1,12 +1,8 @@
-"""Group commit for the writer: a batch of framed records is written and
-fdatasynced by one worker thread while the writer's loop goes on receiving,
-checking and framing the next batch. `fdatasync` and `write` release the GIL,
-so the disk wait overlaps the CPU work; at most one batch is in flight, and
-the loop acknowledges a batch only after the worker reports it durable.
+"""Group commit: a worker thread writes and fdatasyncs a batch off the loop.
 
-The worker owns the active segment's and the ledgers' file writes while a
-batch is in flight; the loop touches them only when the worker is idle
-(rotation, checkpoint, shutdown)."""
+At most one batch is in flight; a batch is acknowledged only once durable.
+See docs/wal.md ("Acknowledgement and group commit").
+"""
 
 from __future__ import annotations
 
@@ -53,7 +49,7 @@ class Batch:
 
     def seal(self, first_seq: int) -> None:
         """Frame every staged body as its final line, naming the batch
-        [first_seq, first_seq + n - 1] in each (docs/wal.md, "Torn writes")."""
+        [first_seq, first_seq + n - 1] in each (docs/wal.md, "Start-up": torn writes)."""
         last_seq = first_seq + len(self.bodies) - 1
         self.first_seq = first_seq
         self.lines = [seal(body, crc, first_seq, last_seq) for body, crc in self.bodies]

@@ -1,34 +1,9 @@
-"""The writer's local append lane: `run/writer.lane`, an AF_UNIX SOCK_SEQPACKET
-socket beside the ZeroMQ ROUTER (`run/writer.sock`), served from the
-writer's own loop (docs/protocol.md, "The local lane"; docs/decisions.md).
+"""The writer's local append lane: `run/writer.lane`, served from its own loop.
 
-Why: a request over ZeroMQ crosses two I/O threads (the client's and the
-writer's), and on this machine the wake-up of an idle thread costs its waker
-tens of microseconds; a packet on a Unix socket goes from the client's thread
-to the writer's loop and back with one system call each way. Same-run
-measurement: a Python echo over SOCK_SEQPACKET answers 3.3x the round trips
-of the pyzmq echo at 64 clients, at a quarter of the CPU each (bench.py wal,
-`lane_echo_*`).
-
-What travels is what the ROUTER takes, one frame per packet (the packet is
-the frame: no length prefix, no identity frame), answered on the same
-connection by the same `_handle` code, so every rule of the ROUTER path
-(validation, authentication, idempotency, acks only once durable) holds here
-unchanged. Only the first packet differs: the hello,
-
-    b"corral-lane/1\\n" + name + b"\\n" + password
-
-checked against the keyring like a PLAIN handshake (broker/auth.py); the
-writer answers `HELLO_OK` and from then on every frame of the connection is
-that actor's. A bad hello is answered with an `error` frame (`forbidden`,
-or `recipient_busy` past `max_connections`) and the connection closed; so is a
-connection that sends no hello within `HELLO_TIMEOUT_S`. A packet over
-`MAX_PACKET` bytes (truncated by the kernel: MSG_TRUNC) is answered
-`frame_too_large`; clients send bigger frames on the ROUTER. Nothing a peer
-sends stops the loop: every refusal is typed and counted.
-
-The server holds one epoll set of the listening socket and its connections;
-its fd is what the writer's zmq.Poller watches (one fd however many agents)."""
+The same frames and rules as the ROUTER. See docs/protocol.md ("The local
+lane (`run/writer.lane`)") and docs/decisions.md ("A local append lane
+beside the writer's ROUTER").
+"""
 
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
-"""The thread that sends a durable batch's acks on the writer's local lane
-(actors/writer/lane.py) while the writer's loop goes on with the next batch.
+"""The thread that sends a durable batch's acks on the local lane.
 
-A packet sent to a client asleep in its `recv` wakes it, and the sender pays
-for the wake-up: 18 us a send on this VM (an idle vCPU woken through the
-hypervisor), against ~1 us of Python to encode the ack. At 64 appenders a
-batch answers ~30 of them, so its acks were a quarter of the loop's time
-(py-spy, docs/performance.md "perf13"). ZeroMQ's ROUTER pays the same on its
-I/O thread; the lane pays it here, on a thread of its own, one hand-off a
-batch. A batch of `INLINE_ACKS` acks or fewer (a lone appender's) is sent by
-the loop itself when this thread is idle: a hand-off costs a wake-up too.
-
-Ordering and lifetime: every send of a connection goes through this thread
-once it is busy (what the loop sends meanwhile waits in the same queue), so
-a connection's acks leave in the order the loop made them; and a connection
-the loop closes while this thread may still send on it is closed by this
-thread, after what was queued before it, so its fd cannot be reused by a new
-connection under a queued ack. Failed sends are counted, never retried: the
-client's retry (same msg_id, same key) is answered again."""
+A connection's acks leave in order; failed sends are counted, never retried.
+See docs/decisions.md ("A local append lane beside the writer's ROUTER").
+"""
 
 from __future__ import annotations
 

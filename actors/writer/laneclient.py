@@ -1,19 +1,9 @@
-"""The client end of the writer's local lane (actors/writer/lane.py): appends
-sent as SOCK_SEQPACKET packets from the caller's own thread, no ZeroMQ I/O
-thread between (docs/protocol.md, "The local lane").
+"""The client end of the writer's local lane: appends as SOCK_SEQPACKET packets.
 
-The lane is an optimisation, never a second set of rules: the frame is the
-one the ROUTER would get, under the same msg_id and idempotency key, and
-whenever the lane cannot answer (no writer listening on it, a connection
-that breaks, a reply that does not come within the attempt's timeout, a
-lane that is full) `request_append` answers None and the caller sends the
-same frame on the ROUTER, whose Lazy Pirate retries take it from there. A
-frame the writer may already hold is therefore sent again under its key and
-answered with its original seq, exactly as a ROUTER retry is. After a
-failure the lane is left alone for `RETRY_AFTER_S`.
-
-Set CORRAL_WRITER_LANE=0 to never use it (the ROUTER path alone: A/B runs,
-and tests of that path)."""
+An optimisation, never a second set of rules: when the lane cannot answer the
+caller sends the same frame on the ROUTER. See docs/protocol.md ("The local
+lane (`run/writer.lane`)").
+"""
 
 from __future__ import annotations
 

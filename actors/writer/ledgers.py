@@ -1,13 +1,9 @@
-"""The append-only ledgers (`state/budget_ledger.jsonl`, `approvals.jsonl`):
-each line is the exact WAL record of a ledger append, so a ledger is a
-projection of the WAL that the writer can always complete from it. Only the
-writer writes them, and creating a ledger fsyncs its directory. A batch's
-ledger lines are written (to the page cache, where every reader sees them)
-once the batch's WAL fdatasync returned, and fdatasynced before each
-checkpoint, not per batch: a crash can lose or tear only ledger lines written
-since the newest checkpoint, and start-up checks exactly those (`check`), cuts
-from the first bad one and completes the ledger from the WAL. So a ledger
-append costs no second fdatasync on the append path."""
+"""The append-only ledgers (`budget_ledger.jsonl`, `approvals.jsonl`).
+
+Each line is the exact WAL record; fdatasynced before each checkpoint.
+See docs/wal.md ("The ledgers at start-up") and docs/decisions.md ("Ledger
+lines are WAL records, fdatasynced at checkpoints").
+"""
 
 from __future__ import annotations
 

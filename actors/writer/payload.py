@@ -1,23 +1,7 @@
-"""The JSON policy for append payloads (docs/wal.md, "The payload"): what the
-writer accepts before it frames a payload into the WAL, so that every line of
-the WAL stays readable with `jq`, line by line, whatever a client sends.
+"""The JSON policy for append payloads: what the writer accepts before framing.
 
-A payload is accepted only when it is
-
-- one JSON value (RFC 8259) in UTF-8, without lone surrogates, raw or escaped;
-- made of finite numbers only (no NaN, no Infinity, nothing that overflows a
-  double such as `1e999`);
-- nested at most MAX_DEPTH arrays/objects deep;
-- compact: no whitespace between tokens (space, tab, CR, LF), so it is one
-  canonical line; whitespace inside strings is data and is kept.
-
-An accepted payload is stored byte for byte; nothing is re-encoded. Anything
-else is refused with a typed `invalid_payload` error before it is framed.
-The check never recurses in Python: orjson parses (it is bounded at 1,024
-levels on its own) and the depth is measured on the bytes, iteratively. A
-payload orjson writes back byte for byte is compact by construction (orjson
-writes no whitespace between tokens), so only its depth is measured; any
-other is scanned for whitespace outside its strings."""
+See docs/wal.md ("The payload").
+"""
 
 from __future__ import annotations
 

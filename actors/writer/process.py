@@ -1,16 +1,8 @@
-"""The writer process: the only process that appends to the WAL and the
-ledgers. One ROUTER socket (`run/writer.sock`) and the local lane
-(`run/writer.lane`, actors/writer/lane.py: the same frames as Unix socket
-packets) take appends straight from clients (no broker hop); every append
-waiting when a batch begins shares that batch's fdatasync (group commit), and
-is acknowledged only after it.
+"""The writer process: the only process that appends to the WAL and the ledgers.
 
     python -m actors.writer --state-dir .corral [--segment-bytes N] ...
 
-Exit codes: 0 clean stop; 65 WAL corruption before the tail (file and offset
-logged: an operator must act); 74 a write or fdatasync failed (nothing of the
-batch was acknowledged; restart re-scans); 75 another writer holds the lock;
-78 the state directory or options are unusable.
+See docs/wal.md (exit codes: "Exit codes of the writer").
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
-"""The WAL floor of `procs/<session>` streams (docs/storage.md, "WAL retention").
+"""The WAL floor of `procs/<session>` streams: their unsettled starts.
 
-What procs needs of its stream on restart is nothing: it re-attaches or
-accounts for its jobs from `procs/registry.json` (docs/procs.md, Crashes),
-and an agent reads only its own stream. procs' facts are the record of what
-its jobs did and what of their output entered an agent's context. The one
-thing a reader of that record cannot do without is the start fact of a job
-that may still run: every later fact of the job (polls, its kill, its exit,
-re-attachment after a restart) refers to the command, cwd, cap and lifetime
-that fact names. So a procs stream needs its **unsettled starts**: the
-`proc_start`/`terminal_start` of each job whose `proc_exit`, `terminal_end`
-or `proc_lost` is not recorded yet (a `session_end` settles every job of
-the session), and nothing older; a stream with no unsettled job needs
-nothing below the rewind horizon.
-
-A start whose job's lifetime (`lifetime_s` of the fact, plus
-`LIFETIME_MARGIN_S`) has passed is not held either: procs ends every job at
-its lifetime, so such a job is settled, and a missing end fact (a registry
-lost with its disk, say) must not pin the floor forever.
-
-The writer learns the unsettled starts incrementally: each pass reads the
-records of every procs stream appended since the last pass (through the
-stream index, one `pread` each), from the retention floor at the first pass
-after a start: every unsettled start lies at or above the floor, because
-this rule kept it there."""
+See docs/storage.md ("WAL retention").
+"""
 
 from __future__ import annotations
 

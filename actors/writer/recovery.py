@@ -1,17 +1,8 @@
-"""Writer start-up: find where the durable WAL ends and rebuild the writer's
-in-memory state (head seq, idempotency windows, stream index, ledgers).
+"""Writer start-up: where the durable WAL ends, and the writer's state rebuilt.
 
-With a valid checkpoint only the records after it are scanned, so start-up time
-does not grow with the WAL's length; without one, everything is scanned and the
-derived index is rebuilt. A torn, never-acknowledged final batch is cut and
-reported; damage to acknowledged records raises WalCorruptionError (file +
-offset) (`walscan`). The ledgers' lines written since the checkpoint are
-checked, a torn line is cut, and every ledger record the WAL holds and a ledger
-lacks is appended to it. Everything start-up accepts is fsynced before the
-writer answers anyone.
-
-`plan()` is the read-only half (which checkpoint, what the scan finds) that
-`supervisor wal verify` shares, so it reports what the writer will do."""
+`plan()` is the read-only half `supervisor wal verify` shares.
+See docs/wal.md ("Start-up", "The ledgers at start-up").
+"""
 
 from __future__ import annotations
 

@@ -1,31 +1,6 @@
-"""The writer's replication to NATS JetStream in fleet mode (docs/fleet.md).
+"""The writer's replication to NATS JetStream in fleet mode.
 
-After a batch is durable in the local WAL (write + fdatasync) and before it is
-acknowledged, the sync worker hands it to `Replicator.replicate`, which
-returns only once the batch is stored in the host's stream
-`CORRAL_WAL_<host>` (file storage, replicas 3, servers with `sync_interval:
-always`): the fleet ack rule. A batch is one message (split into messages of
-whole records only when it exceeds the server's max payload) on
-`corral.wal.<host>.batch`, headers `Corral-Seq: first-last`, `Nats-Msg-Id:
-<host>:first-last` and `Nats-Expected-Last-Sequence` (the stream sequence
-this writer last stored). So:
-
-- a publish that timed out and committed later is never stored twice (the
-  server answers the retry as a duplicate, or the expectation fails and the
-  writer re-reads the stream's last message and finds its batch there);
-- records reach the stream gapless and in seq order; after a restart or an
-  outage the writer first publishes what the stream lacks from its local WAL;
-- fencing: a host that adopts this host's agents appends a fence message to
-  the stream (`corral.wal.<host>.fence`); every later publish of this writer
-  fails its expectation, the writer reads the fence and stops with
-  `FencedError` (exit 77): nothing more is acknowledged, so nothing runs twice.
-
-While the cluster is unreachable `replicate` keeps retrying (in order, the
-same batch) and the writer acknowledges nothing; `values()` says so in the
-writer's statistics (`fleet_connected`, `fleet_waiting_s`). nats-py is
-asyncio: the client runs on its own event-loop thread; the sync worker waits
-on it. Credentials (a creds file, an nkey seed file, TLS keys) are read by the
-client and never logged; URLs may not carry user:password (config refuses it).
+See docs/fleet.md ("The fleet ack rule", "Fencing").
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
-"""The record of what storage collection removed from the WAL on purpose
-(`state/wal.retention.json`), so that a WAL starting above seq 1, or with seqs
-missing inside a sealed segment, is told apart from loss (docs/storage.md).
+"""The record of what storage collection removed on purpose.
 
-    {"version": 1, "floor_seq": F, "epoch": E, "compacted": [[a, b], ...]}
-
-- `floor_seq`: the lowest seq the WAL still holds; every seq below it was
-  truncated by retention (segments removed or archived). Written, durably,
-  *before* the first segment below it is removed, so a crash in the middle
-  leaves segments below the floor that the next start removes.
-- `compacted`: seq ranges (inclusive, merged) removed from sealed segments
-  by compaction (records of purged sessions). Written before the compacted
-  segment replaces the old one: a range may name records that are still
-  there (the swap had not happened); a record in it is accepted, a seq in it
-  that is absent is not a gap.
-- `epoch`: bumped before every change to the segments (a swap, a removal).
-  The checkpoint names the epoch it was taken in; a checkpoint of another
-  epoch is not used (its offsets and index counts may describe the old
-  files), so a crash during collection costs one full scan, never a wrong
-  start.
-
-Written atomically (temp file, fsync, rename, fsync of the directory)."""
+Owns `state/wal.retention.json`. See docs/storage.md ("WAL retention").
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The active WAL segment: appending a batch, fdatasync, rotation. Creating or
-rotating a segment fsyncs the directory so the new file's name is durable too.
-Any OSError becomes DurabilityError: the caller must not acknowledge, and the
-writer exits rather than retry a failed fdatasync (as PostgreSQL does)."""
+"""The active WAL segment: appending a batch, fdatasync, rotation.
+
+Any OSError becomes DurabilityError: the caller must not acknowledge.
+See docs/wal.md ("Files").
+"""
 
 from __future__ import annotations
 

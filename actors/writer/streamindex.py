@@ -1,18 +1,7 @@
-"""Per-stream index of the WAL (`cache/wal-index/<name>.idx`, the name from
-`stream_filename`): fixed 28-byte entries (seq, segment first seq, offset,
-length), so that one stream can be read from any seq without scanning the WAL.
-New entries are kept in memory and appended to the files at each checkpoint
-(fsynced, and the directory fsynced when a file was created, before the
-checkpoint names their counts). The writer's loop only takes them from
-memory (`take_pending`: they stay readable while in flight); its checkpoint
-thread appends them to their files and fsyncs them (`write_unsynced`,
-actors/writer/checkpointsync.py), then the loop `commit`s them, or `revert`s
-them to memory when that failed. The index is derived: a full scan rebuilds it.
+"""The per-stream index of the WAL (`cache/wal-index/<name>.idx`).
 
-A file that cannot be written (a full disk, a broken cache directory) never
-stops the writer: `flush` keeps that stream's entries in memory and reports
-the failure; the writer logs it and does not checkpoint until the files hold
-everything again, so a restart rebuilds what is missing from the WAL."""
+Derived: a full scan rebuilds it. See docs/wal.md ("The stream index").
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Serving `read_stream` for the writer: one stream's durable records from a
-seq, in bounded pages, found through the per-stream index and read with one
-`pread` each; every record is checked (CRC, seq) before it is sent."""
+"""Serving `read_stream`: one stream's records from a seq, in bounded pages.
+
+See docs/wal.md ("The stream index").
+"""
 
 from __future__ import annotations
 

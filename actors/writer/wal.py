@@ -1,21 +1,6 @@
-"""The WAL record format and its reader, shared by the writer, `supervisor wal
-verify` and the tests (docs/wal.md is the normative text).
+"""The WAL record format and its reader (writer, `wal verify`, tests).
 
-A record is one line of JSON with a fixed field order::
-
-    {"seq":7,"ts":1764000000.123456,"stream":"agent/a","event":"turn",
-     "origin":"agent-a","key":"t7","ledger":null,"payload":{...},
-     "batch":[6,9],"crc":"1a2b3c4d"}
-
-`batch` names the first and last seq of the group-commit batch the record was
-written in (one `write()`, one fdatasync): start-up uses it to tell a torn,
-never-acknowledged final batch from damage to acknowledged records
-(`actors/writer/walscan.py`). `crc` is CRC-32 (zlib) of every byte before
-`,"crc":"`, in lower-case hex. Names are restricted by the protocol so that
-they never need JSON escaping, which lets the writer frame a checked payload
-(`actors/writer/payload.py`) without re-encoding it. Records written before
-`batch` existed parse as batches of one. Segments are
-`state/wal/<first seq, 20 digits>.jsonl`.
+See docs/wal.md ("The record").
 """
 
 from __future__ import annotations

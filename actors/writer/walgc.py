@@ -1,35 +1,7 @@
-"""Storage collection of the WAL, run by the writer (docs/storage.md): retention
-(sealed segments wholly below the truncation floor removed or archived) and
-compaction (records of purged sessions removed from sealed segments,
-actors/writer/compaction.py).
+"""Storage collection of the WAL, run by the writer: retention and compaction.
 
-The **floor** is the lowest seq still needed, the minimum of:
-
-- the rewind horizon: the newest `keep_records` seqs are always kept;
-- for each stream the writer knows: an agent's stream (`agent/<name>`) needs
-  its oldest kept snapshot generation's seq (`agents/<name>/state/
-  generations/gen-<seq>.json`: recovery needs that record and its tail), or
-  its first record when it has no generation; a stream matching a
-  `disposable` pattern needs nothing below the horizon; a purged one
-  nothing; procs' stream (`procs/<session>`) the start fact of its oldest
-  job not yet settled, else nothing (actors/writer/procsfloor.py); any other
-  stream is kept whole (its first record);
-- any stream a reader is paging through (`read_stream` with more to come).
-
-A pass runs when the WAL is over `max_wal_bytes`, when the purge journal
-(`sessions.sqlite3`, table `purge_journal`, opened read-only) names records
-still in a sealed segment, every `interval_s` when either holds, and at once
-on request (`supervisor gc` writes `run/gc.request`; the result goes to
-`run/gc.result.json`). The heavy part (reading and rewriting a segment) runs
-in a thread; the writer's loop only swaps files and updates its index between
-batches, so appends go on during a pass.
-
-Only segments followed by a non-empty segment are touched: the head record is
-never removed or moved, so the next seq is never in doubt. A pass that finds
-a purged session's records in the active segment asks for it to be sealed
-after the next batch (`ActiveSegment.seal_requested`): once a record follows
-in the new segment, the next pass (on request, or the automatic one the purge
-journal triggers) compacts it."""
+See docs/storage.md ("WAL retention", "Compaction", "Triggers").
+"""
 
 from __future__ import annotations
 

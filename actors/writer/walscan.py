@@ -1,32 +1,8 @@
-"""Start-up's scan of the WAL from a batch boundary: which records are whole,
-and whether what follows them is a torn, never-acknowledged batch (cut it) or
-damage to acknowledged records (refuse, with the file and byte offset).
+"""Start-up's scan of the WAL: whole records, a torn batch, or corruption.
 
-The writer appends one group-commit batch with one `write()`, fdatasyncs it,
-and acknowledges its appends only after that; the next batch is written only
-after. So at any moment at most one batch is not yet durable, and it is the
-last one in the WAL. A power loss can tear that batch in any shape: parts of
-it missing (zero bytes, or the file ends early), later parts present while
-earlier ones are not. Every record names its batch (`"batch":[first,last]`),
-so the scan can prove which batch a bad byte belongs to:
-
-- the scan starts at a batch boundary (seq 1, or a checkpoint: checkpoints
-  are taken only between batches) and yields a batch's records only once its
-  last record has been read whole;
-- at the first bad line (or the end of the last segment inside a batch) the
-  open batch, or the batch that should start there, is the suspect. Every
-  valid record after the bad line must belong to that same batch (same
-  `batch`, a seq after the last whole one) and no later segment may exist.
-  Then nothing after the suspect batch's start was ever acknowledged: the
-  batch is cut at its start (`TornBatch`);
-- a valid record of any other batch after the bad line proves that a later
-  batch was written, which happens only after the suspect batch was durable
-  and acknowledged: WalCorruptionError at the first bad byte. So does a bad
-  line at the end of a sealed segment (rotation follows an acknowledged
-  batch).
-
-`supervisor wal verify` runs this same scan, so it reports what the writer
-will do at its next start."""
+A torn, never-acknowledged last batch is cut; damage to acknowledged records
+raises WalCorruptionError. See docs/wal.md ("Start-up").
+"""
 
 from __future__ import annotations
 

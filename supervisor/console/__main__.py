@@ -1,4 +1,7 @@
-"""`python -m supervisor.console`: `supervisor console` (docs/console.md)."""
+"""`python -m supervisor.console`: `supervisor console`.
+
+See docs/console.md.
+"""
 
 import sys
 

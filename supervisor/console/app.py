@@ -1,12 +1,7 @@
-"""The console's routes (docs/console.md): the page and its static files, the
-read endpoints (`/api/...`, JSON), the live streams (server-sent events) and
-the operator's answers, which go through supervisor/agentcli.py's
-`operator_act` with the same actions as `supervisor approve`, `deny`,
-`answer` and `correct` (so the same exactly-once keys and refusals hold).
+"""The console's routes: the page, the read endpoints, the live streams, answers.
 
-Every response carries a strict Content-Security-Policy (scripts and styles
-from this origin only, no inline script, no framing) and `nosniff`; the page
-builds its DOM with textContent only (static/console.js).
+Answers go through `operator_act`, as `supervisor approve` does. See
+docs/console.md ("Pages", "Security").
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Who may use the console, and how much a request may carry (docs/console.md,
-"Security").
+"""Who may use the console (login token, cookie, CSRF), and request bounds.
 
-- The command prints a one-time login URL (`/login?token=...`, 32 random
-  bytes). The first GET with it opens a session: an HttpOnly, SameSite=Strict
-  cookie holding a random session id; the token is then spent.
-- Every request but `/login` needs that cookie (401 otherwise).
-- Every state-changing request (POST) also needs the session's CSRF token in
-  the `X-CSRF-Token` header (the page reads it from `/api/session`, which a
-  page of another origin cannot read), and an `Origin`, when the browser sends
-  one, naming this console (403 otherwise).
-- A request body is at most `MAX_BODY_BYTES` (413 once it is passed, counted
-  as it arrives, whatever Content-Length said).
+See docs/console.md ("Security").
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""One status poller for every open page (docs/console.md, "Where the data
-comes from").
+"""One status poller for every open page, fanned out as server-sent events.
 
-While at least one page listens on `/api/events` (and for `LINGER_S` after
-the last one left, so a page reloaded finds the table ready), a task asks
-the supervisor for its status every `POLL_S`, or every three times what the
-last request took when that is longer (the console never takes more than a
-third of the supervisor's loop), in a thread (the status client blocks),
-turns it into rows (supervisor/console/views.py) and sends each listener:
-
-- `agents`: every row, on connecting and every `FULL_EVERY_S` (CPU, memory
-  and ages move all the time; they ride on these);
-- `delta`: the rows whose child changed in what the operator follows (state,
-  turn, busy call, restarts, budget, requests waiting) and the names gone;
-- `queue`: the pending approvals and questions, again whenever an agent's
-  waiting count or turn while waiting changes;
-- `down`: the supervisor does not answer (the reason), until it does again.
-
-A listener that does not keep up (its queue full) is dropped; the page
-reconnects (EventSource does) and starts again from a full table.
+A listener that does not keep up is dropped (the page reconnects). See
+docs/console.md ("Where the data comes from").
 """
 
 from __future__ import annotations

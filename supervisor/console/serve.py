@@ -1,11 +1,7 @@
-"""`supervisor console [--listen HOST:PORT] [--config F]`: serve the console
-(docs/console.md) until Ctrl-C or SIGTERM.
+"""`supervisor console [--listen HOST:PORT] [--config F]`: serve the console.
 
-The address is loopback unless the configuration says otherwise, explicitly
-(`console: {allow_remote: true}`): a non-loopback `--listen` is refused with
-exit 2 otherwise. Port 0 (the default) takes a free port. Once the socket is
-bound, the command prints the one-time login URL (with its token) on
-stdout, and nothing else does: the token is never logged.
+Loopback unless `console: {allow_remote: true}`; the login URL is printed,
+never logged. See docs/console.md ("Security").
 """
 
 from __future__ import annotations

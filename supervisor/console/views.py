@@ -1,13 +1,7 @@
-"""What each console page shows, read from the sources the CLI reads
-(docs/console.md): the supervisor's status reply (supervisor/statusclient.py),
-an agent's rebuilt state for its pending requests (as `supervisor approve`
-checks them), its WAL stream as `supervisor trace` renders it, the session
-index (`supervisor sessions`), and `supervisor du`. Every function here is
-blocking (ZeroMQ, SQLite, the file system): the app runs them in threads.
+"""What each console page shows, read from the sources the CLI reads. Blocking.
 
-Text that came from a model or a command is made plain here (`plain`: ANSI
-sequences dropped, other control characters shown as `\\xNN`) and the page
-puts it in the DOM as text only.
+Text from a model or a command is made plain here (`plain`) and put in the
+DOM as text only. See docs/console.md ("Where the data comes from").
 """
 
 from __future__ import annotations
