@@ -10,7 +10,8 @@ is acknowledged only after it.
 Exit codes: 0 clean stop; 65 WAL corruption before the tail (file and offset
 logged: an operator must act); 74 a write or fdatasync failed (nothing of the
 batch was acknowledged; restart re-scans); 75 another writer holds the lock;
-78 the state directory or options are unusable.
+77 a hook halted it (actors/writer/hooks.py: the fleet fenced this host); 78 the
+state directory or options are unusable.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from types import FrameType
+from types import FrameType, ModuleType
 
 import structlog
 import zmq
 
-from actors.writer import buckets, diskfull, gcpolicy
+from actors.writer import buckets, diskfull, gcpolicy, hooks
 from actors.writer.checkpointsync import CheckpointThread, Job, Outcome
 from actors.writer.dedupe import DEFAULT_WINDOW
 from actors.writer.groupcommit import Ack, Batch, CommitPacer, ManyAck, SyncWorker
@@ -38,13 +39,13 @@ from actors.writer.lane import LaneServer, lane_path
 from actors.writer.ledgers import Ledgers
 from actors.writer.payload import check_payload
 from actors.writer.recovery import Recovered, recover
-from actors.writer.replicate import EXIT_FENCED, FencedError, Replicator, add_fleet_arguments
 from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.writer.streamindex import IndexWriteError
 from actors.writer.streamreader import StreamReader
 from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
 from actors.writer.walgc import Collector, GcOptions
 from broker import appendwire, auth, curve, logconfig, memtrim, protocol, ratelimit
+from broker import hooks as hook_loader
 from broker.control import ControlReporter
 from broker.curve import check_endpoints
 from broker.durable import write_atomic
@@ -143,9 +144,9 @@ class Writer:
         self._limiter = ratelimit.LogLimiter(self.log.warning)
         self._rate_mark = (time.monotonic(), 0)
         self._rate = 0.0
-        # fleet mode: batches go to the host's JetStream stream before their ack
-        self.replicator: Replicator | None = None
-        self.unconfirmed_through = 0  # recovered records not yet known to be in the stream
+        # optional parts that see each durable batch before its ack (actors/writer/hooks.py)
+        self.hooks: tuple[hooks.WriterHook, ...] = ()
+        self.unconfirmed_through = 0  # recovered records the hooks have not seen yet
 
     # --- start-up -------------------------------------------------------------
     def lock(self) -> None:
@@ -278,9 +279,7 @@ class Writer:
         made durable by the sync worker, the requests arriving queue on the
         socket; when it is durable they are received and framed, the batch they
         make goes to the disk, then the durable one is acknowledged."""
-        replicator = self.replicator
-        self.worker = SyncWorker(self.segment, self.ledgers,
-                                 replicator.replicate if replicator is not None else None)
+        self.worker = SyncWorker(self.segment, self.ledgers, hooks.after_durable(self.hooks))
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.worker.fileno(), zmq.POLLIN)
@@ -299,7 +298,7 @@ class Writer:
         self.staged = Batch()
         self.pacer = CommitPacer()  # larger batches under many appenders (groupcommit.py)
         trimmer = memtrim.Trimmer()  # freed memory back to the system after a burst
-        if replicator is not None:  # the recovered tail to the stream first (an empty batch)
+        if self.hooks:  # the recovered tail through the hooks first (an empty batch)
             self.unconfirmed_through = self.head
             self._submit()
         try:
@@ -312,8 +311,8 @@ class Writer:
                     # the disk is busy: let requests queue meanwhile and take them
                     # all when it is done (one turn per batch, not one per request;
                     # they join the next batch all the same), but wait no longer
-                    # than IN_FLIGHT_WAIT_MS (a slow sync, a fleet batch waiting
-                    # for the cluster: reads and pings are answered meanwhile)
+                    # than IN_FLIGHT_WAIT_MS (a slow sync, a hook waiting, as the
+                    # fleet's for its cluster: reads and pings are answered meanwhile)
                     in_flight_poller.poll(IN_FLIGHT_WAIT_MS)
                     timeout_ms = 0
                 events = dict(poller.poll(timeout_ms))
@@ -339,8 +338,8 @@ class Writer:
                 if lane is not None:
                     lane.tick(time.monotonic())
             self.log.info("writer_stopping", head_seq=self.head)
-            if replicator is not None:  # a batch waiting for the cluster fails unacked
-                replicator.close(grace_s=2.0)
+            for hook in self.hooks:  # a batch a hook holds fails unacked
+                hook.stopping(grace_s=2.0)
             if self.inflight is not None:
                 self._finish(self.worker.collect())
             if self.staged.bodies:
@@ -469,7 +468,7 @@ class Writer:
         """Frame one append into the staged batch (or answer a retried key)."""
         key = (msg.origin, msg.key)
         seq = self.dedupe.lookup(msg.origin, msg.key)
-        if seq is not None and seq <= self.unconfirmed_through:  # fleet: with the catch-up
+        if seq is not None and seq <= self.unconfirmed_through:  # once the hooks saw it
             self.duplicates_total += 1
             self.staged.acks.append((ident, msg.msg_id, seq, True))
             return
@@ -556,7 +555,7 @@ class Writer:
             ack: ManyAck = (ident, msg.msg_id, first, len(keys), None, True)
             if holder is None and first > self.unconfirmed_through:
                 self._send_many_acks([ack])
-            else:  # fleet: a recovered group is answered once it is in the stream too
+            else:  # a recovered group is answered once the hooks saw it too
                 (holder or self.staged).many_acks.append(ack)
             return
         try:
@@ -608,11 +607,11 @@ class Writer:
         batch, self.staged = self.staged, Batch()
         self.pacer.submitted(batch.waiting())
         batch.seal(self.head + 1)  # the worker is idle: head is the last durable seq
-        if inline_ok and batch.waiting() == 1 and self.replicator is None:
+        if inline_ok and batch.waiting() == 1 and not self.hooks:
             # one appender waits (a lone append, or one agent's multi-record
             # group): sync here, no hand-off to wait for; nobody else's request
-            # is being framed meanwhile (in fleet mode the worker thread also
-            # publishes the batch, so it goes through the worker)
+            # is being framed meanwhile (with hooks the worker thread runs
+            # them, so it goes through the worker)
             try:
                 durable = self.worker.run_inline(batch)
             except DurabilityError as exc:
@@ -691,7 +690,7 @@ class Writer:
         (unless not `acknowledge`: the caller does, with `_acknowledge`, once
         it has put the next batch on the disk), rotate the segment if full."""
         self.inflight = None
-        self.unconfirmed_through = 0  # fleet: everything up to this batch is in the stream
+        self.unconfirmed_through = 0  # the hooks saw everything up to this batch
         self.fsyncs_total += 1
         first, offset = batch.segment_first_seq, batch.offset
         for line, (stream, seq, origin, key, ledger) in zip(batch.lines, batch.meta, strict=True):
@@ -955,10 +954,10 @@ class Writer:
         full = self.storage_full
         storage = {"storage_full": int(full is not None),
                    "storage_free_bytes": full.free_bytes if full is not None else -1}
-        fleet = self.replicator.values() if self.replicator is not None else {}
+        hooked = {k: v for hook in self.hooks for k, v in hook.values().items()}
         lane = self.lane.values() if self.lane is not None else {}
         return {**asdict(self.statistics()), **self.fsync_ms.values(),
-                **self.batch_sizes.values(), **storage, **self.gc.values(), **fleet, **lane}
+                **self.batch_sizes.values(), **storage, **self.gc.values(), **hooked, **lane}
 
     def close(self) -> None:
         if self._zap is not None:
@@ -992,7 +991,8 @@ def _count(text: str) -> int:
     return value
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[ModuleType]]:
+    """The options, and the `--hook` modules (imported: they add their own)."""
     parser = argparse.ArgumentParser(
         prog="python -m actors.writer",
         description=__doc__,
@@ -1018,12 +1018,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="streams (fnmatch) that need nothing below the rewind horizon")
     curve.add_arguments(parser)
     logconfig.add_arguments(parser)
-    add_fleet_arguments(parser)
-    return parser.parse_args(argv)
+    hook_loader.add_argument(parser)
+    modules = hook_loader.load(argv, parser)
+    return parser.parse_args(argv), modules
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args, modules = parse_args(argv)
+    except ConfigError as exc:
+        print(f"writer: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         state_dir = StateDir.at(args.state_dir).ensure()
     except StateDirError as exc:
@@ -1057,7 +1062,8 @@ def main(argv: list[str] | None = None) -> int:
     fd_limit = raise_fd_limit()  # a connection or two an agent (broker/fdlimit.py)
     writer = Writer(state_dir, options)
     try:
-        writer.replicator = Replicator.from_args(args, state_dir.wal_dir)
+        writer.hooks = tuple(hook for make in hook_loader.factories(modules, "writer_hook")
+                             if (hook := make(args, state_dir)) is not None)
     except ConfigError as exc:
         print(f"writer: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -1068,8 +1074,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         writer.lock()
         writer.recover()
-        if writer.replicator is not None:
-            writer.replicator.start()
+        for hook in writer.hooks:
+            hook.start()
         writer.bind(ctx)
         reporter = ControlReporter.from_env(ctx, "writer")
         if reporter is not None:
@@ -1085,11 +1091,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_CORRUPT
-    except FencedError as exc:
-        log.error("writer_fenced", error=str(exc))
+    except hooks.HaltedError as exc:
+        log.error("writer_halted", error=str(exc))
         print(f"writer: {exc}; nothing more is acknowledged here (docs/fleet.md)",
               file=sys.stderr)
-        return EXIT_FENCED
+        return hooks.EXIT_HALTED
     except DurabilityError as exc:
         log.error("wal_write_failed", error=str(exc))
         print(f"writer: {exc}; nothing of the failed batch was acknowledged", file=sys.stderr)
@@ -1119,8 +1125,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("writer_stopped", head_seq=writer.head)
         return EXIT_OK
     finally:
-        if writer.replicator is not None:
-            writer.replicator.shutdown()
+        for hook in writer.hooks:
+            hook.close()
         if reporter is not None:
             reporter.close()
         ctx.destroy(linger=0)

@@ -2,7 +2,7 @@
 "Placement").
 
 `supervisor spawn NAME --task FILE --host auto` sends one signed request
-(fleetctl.sign, addressed to host `auto`) to the subject `corral.place`,
+(ctl.sign, addressed to host `auto`) to the subject `corral.place`,
 where every live host supervisor is a member of the queue group
 `corral-placers`: NATS hands it to exactly one of them. That host *accepts*
 only when it is a least-loaded host: its own load (the agents its
@@ -12,7 +12,7 @@ whose status entry is in the fleet view (not expired, not dead: a stale
 one counts, so that a slow status round does not make a busier host accept;
 an entry the view could not read makes it decline, its load unknown), and
 below `fleet.max_agents` when that is set. Then it spawns
-the agent through its own control socket (fleetctl.carry_out, as a direct
+the agent through its own control socket (ctl.carry_out, as a direct
 `--host HOST` spawn does) and answers `{"ok": true, "host": ..., "placed":
 true}`; else it answers `declined`, naming the least-loaded host it sees.
 Each host also takes placements on its own subject `corral.place.<host>`,
@@ -24,7 +24,7 @@ exact; two hosts deciding at once may both accept (each is least-loaded in
 the view it read): placement is a balance, not a quota.
 
 After `ATTEMPTS` declines, or when no host is in the group, the client falls
-back to the fleet view (fleetctl.least_loaded: the hosts in load order, each
+back to the fleet view (ctl.least_loaded: the hosts in load order, each
 asked directly on its control subject).
 """
 

@@ -8,8 +8,8 @@ timestamp `ts`, a random `nonce` and `sig`, the operator's Ed25519 signature
 of `DOMAIN` followed by the canonical JSON of every other field (sorted keys,
 no spaces). `verify` checks the signature, a timestamp within `MAX_SKEW_S`
 and a nonce not seen in the last two skews; the caller then checks what the
-request asks (the addressed host, the verb, the names: supervisor/fleetctl.py,
-broker/bridge.py). Nothing a host holds (its configuration, its state
+request asks (the addressed host, the verb, the names: supervisor/fleet/ctl.py,
+supervisor/fleet/bridge.py). Nothing a host holds (its configuration, its state
 directory, its bus key, the hosts' bus secret) can make a signature that
 verifies: the private key is never on a host.
 
@@ -110,7 +110,7 @@ def sign(key: Ed25519PrivateKey, body: dict[str, Any], now: float | None = None)
 
 def verified(public: str, sig: str, data: bytes) -> bool:
     """Whether `sig` (hex) is `public`'s (hex) Ed25519 signature of `data`;
-    False for anything malformed (also the bus keys': broker/buskeys.py)."""
+    False for anything malformed (also the bus keys': supervisor/fleet/buskeys.py)."""
     from cryptography.exceptions import InvalidSignature  # noqa: PLC0415
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (  # noqa: PLC0415
         Ed25519PublicKey,

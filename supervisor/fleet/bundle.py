@@ -5,7 +5,7 @@ A host's tree store keeps an object once, in the pack of the agent that
 stored it first (actors/trees/store.py): an agent whose files share contents
 with another agent's (a common README, an empty file, a vendored library)
 has those objects only in the other agent's pack, and a workspace equal to
-another's not even its root tree. So the uploader (supervisor/fleetadopt.py
+another's not even its root tree. So the uploader (supervisor/fleet/adopt.py
 `Uploader`) adds to each agent's bundle, beside its pack, the *extras*: the
 objects of the agent's newest tree (the cut an adoption restores) that are
 not in the bundle yet, read from this host's store (checked against their
@@ -18,7 +18,7 @@ the agent's pack, and restores the agent from those two alone.
   incrementally, only the lines appended since the last round (the segment
   and the offset it reached), and keeps, per `agent/<name>` stream, the tree
   of its newest `workspace_tree` or `rewind` record (a rewind's `tree`, or
-  the `from_tree` of one to before any tree), as `fleetadopt.cut` reads them.
+  the `from_tree` of one to before any tree), as `adopt.cut` reads them.
   The objects are durable in the store before the fact naming them is
   written, and the WAL is read before the packs: a tree read is complete.
 - **Incremental.** Per agent and pack generation the uploader remembers the
@@ -50,7 +50,7 @@ BUNDLE_SUFFIX = "+bundle"  # the adopter's pack of an agent's extras: `<agent>+b
 
 
 def tree_named(event: str, payload: object) -> str | None:
-    """The workspace a `workspace_tree` or `rewind` record leaves (fleetadopt.cut)."""
+    """The workspace a `workspace_tree` or `rewind` record leaves (adopt.cut)."""
     if event not in TREE_EVENTS or not isinstance(payload, dict):
         return None
     digest = payload.get("tree")

@@ -1,7 +1,7 @@
 """Per-host bus keys (docs/fleet.md, "Messages between hosts"): who signed a
 frame between hosts.
 
-The fleet's bus key (broker/bridge.py `bus_key`) is derived from the bus
+The fleet's bus key (supervisor/fleet/bridge.py `bus_key`) is derived from the bus
 secret every host holds (`fleet.bus_secret`), so it proves only that a frame
 comes from *some* host of the fleet. Each host also has a key of its own that no other host can
 derive: an Ed25519 private key the host's broker generates on its first fleet
@@ -23,9 +23,9 @@ name>`).
 
 A host whose state directory was wiped makes a new key; its name still holds
 the old one, which every bridge has pinned. Only the operator clears that
-(`supervisor fleet forget-bus-key HOST`, supervisor/fleetcli.py): the entry
+(`supervisor fleet forget-bus-key HOST`, supervisor/fleet/cli.py): the entry
 is purged, then a request signed with the operator's private key
-(broker/operatorsig.py) is published on `FORGET_SUBJECT`; every bridge with
+(supervisor/fleet/operatorsig.py) is published on `FORGET_SUBJECT`; every bridge with
 the operator's public key checks it (`check_forget`), drops its pin for HOST
 (`Pins.forget`) and pins the next key it reads; the host's broker, which
 retries its registration while its name holds another key, registers its
@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from broker import operatorsig
 from broker.durable import write_atomic
+from supervisor.fleet import operatorsig
 
 if TYPE_CHECKING:  # the fleet extra: imported where used, so a plain broker needs none
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-log = structlog.get_logger("broker.bridge")
+log = structlog.get_logger("supervisor.fleet.bridge")
 
 BUCKET = "corral_bus_keys"
 FORGET_SUBJECT = "corral.buskeys.forget"  # the operator's forget-bus-key, to every bridge
@@ -162,7 +162,7 @@ def forget_request(operator: Any, host: str, now: float | None = None) -> bytes:
 def check_forget(data: bytes, operator_public: str | None, seen: dict[str, float]) -> str:
     """The host whose pin to drop, or ForgetRefusedError: not signed by the
     operator, stale, replayed, another verb, a malformed host name."""
-    from broker.fleetnats import HOST_NAME  # noqa: PLC0415
+    from supervisor.fleet.natsclient import HOST_NAME  # noqa: PLC0415
 
     try:
         request = operatorsig.verify(data, operator_public, seen)

@@ -1,7 +1,7 @@
 """Adoption, the seqs a record names: an adopted agent's records keep their
 meaning under the adopter's seqs (docs/fleet.md, "Adoption of a rewound agent").
 
-Seqs are one host's WAL positions. The import (supervisor/fleetadopt.py)
+Seqs are one host's WAL positions. The import (supervisor/fleet/adopt.py)
 appends the dead host's records of `agent/<name>` under new seqs, in order;
 a record that *names* a seq of that same stream must name the new one, or
 the adopter reads the dead host's number as its own (a rewind would cut its

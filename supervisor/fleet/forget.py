@@ -4,7 +4,7 @@ hosts"): the operator clears a wiped host's bus key.
 A host whose state directory was wiped makes a new Ed25519 bus key; its name
 in the KV bucket `corral_bus_keys` still holds the old one, which every
 bridge has pinned, so its frames are refused. This command, signed with the
-operator's private key (broker/operatorsig.py), purges the entry, then
+operator's private key (supervisor/fleet/operatorsig.py), purges the entry, then
 publishes one request on `corral.buskeys.forget` and gathers the answers
 (every bridge with the operator's public key drops its pin for HOST and pins
 the next key it reads; the host's broker, which retries its registration
@@ -29,12 +29,10 @@ import sys
 import time
 from typing import Any
 
-from broker import buskeys
 from broker.errors import ConfigError
-from broker.fleetnats import HOST_NAME
 from broker.statedir import StateDir
-from supervisor.fleetconfig import FleetConfig
-from supervisor.fleetctl import (
+from supervisor.fleet import buskeys
+from supervisor.fleet.ctl import (
     EXIT_FAILED,
     EXIT_NO_ANSWER,
     EXIT_OK,
@@ -44,6 +42,8 @@ from supervisor.fleetctl import (
     operator_key,
     read_hosts,
 )
+from supervisor.fleet.natsclient import HOST_NAME
+from supervisor.fleetconfig import FleetConfig
 
 PROG = "supervisor fleet forget-bus-key"
 

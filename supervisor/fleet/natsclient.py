@@ -5,8 +5,8 @@ broker, and the nats-py connect options built from them.
 
 Credentials (a creds file, an nkey seed file, TLS keys) are read by the
 client and never logged; a URL may not carry user:password. Used by the
-writer's replication (actors/writer/replicate.py) and the broker's bridge
-(broker/bridge.py); nats-py itself is imported only by those, in fleet mode.
+writer's replication (supervisor/fleet/replicate.py) and the broker's bridge
+(supervisor/fleet/bridge.py); nats-py itself is imported only by those, in fleet mode.
 """
 
 from __future__ import annotations
