@@ -262,7 +262,7 @@ class BrokerPeer:
             until = deadline if resend_s is None else min(deadline, time.monotonic() + resend_s)
             while (item := self._next(until, generation)) is not None:
                 sender, reply = item
-                # a reply from another host comes from HOST:TO (fleet mode, broker/bridge.py)
+                # a reply from another host comes from HOST:TO (the fleet's bridge)
                 if getattr(reply, "msg_id", None) == msg_id and (
                         sender in (to, BROKER_NAME) or sender.endswith(f":{to}")):
                     return reply

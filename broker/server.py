@@ -14,14 +14,12 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
-from types import FrameType
+from types import FrameType, ModuleType
 
 import structlog
 import zmq
 
-from broker import auth, buskeys, curve, fleetnats, logconfig, memtrim, protocol, ratelimit
-from broker.bridge import Bridge, Refusal, Target
-from broker.bridge import from_args as bridge_from_args
+from broker import auth, curve, hooks, logconfig, memtrim, protocol, ratelimit
 from broker.control import ControlReporter
 from broker.curve import CurveServer, apply_server, check_endpoints
 from broker.durable import write_atomic
@@ -88,15 +86,15 @@ class Broker:
         curve_server: CurveServer | None = None,
         tcp_endpoints: tuple[str, ...] = (),
         zap: auth.ZapHandler | None = None,
-        bridge: Bridge | None = None,
+        route_hook: hooks.RouteHook | None = None,
     ) -> None:
         """With `zap` (broker/auth.py) every connection authenticates and a peer
         may use only its own name; without it, names are not checked. With
-        `bridge` (fleet mode, broker/bridge.py) names with no local route may
-        be on other hosts."""
+        `route_hook` (broker/hooks.py: the fleet's bridge) names with no local
+        route may be elsewhere."""
         check_endpoints(tcp_endpoints, curve_server is not None)
         self._zap = zap
-        self._bridge = bridge
+        self._hook = route_hook
         self.endpoint = endpoint
         self.rule = rule
         self.limits = limits
@@ -161,10 +159,10 @@ class Broker:
         )
 
     def values(self) -> dict[str, int | float]:
-        """The counters, and the bridge's in fleet mode (heartbeats, `stats`)."""
+        """The counters, and the route hook's (heartbeats, `stats`)."""
         values = self.statistics().values()
-        if self._bridge is not None:
-            values.update(self._bridge.values())
+        if self._hook is not None:
+            values.update(self._hook.values())
         return values
 
     def stop(self) -> None:
@@ -178,8 +176,8 @@ class Broker:
         zap = self._zap
         if zap is not None:
             poll_items.append((zap.socket, zmq.POLLIN))
-        if self._bridge is not None:
-            poll_items.append((self._bridge.inbox, zmq.POLLIN))
+        if self._hook is not None:
+            poll_items.append((self._hook.inbox, zmq.POLLIN))
         poll = zmq.zmq_poll  # half the cost of Socket.poll, which builds a Poller per call
         next_beat = time.monotonic() + self.rule.interval_s
         next_report = 0.0
@@ -193,8 +191,8 @@ class Broker:
                     zap.handle()
                 try:
                     self._drain()
-                    if self._bridge is not None:
-                        self._from_hosts()
+                    if self._hook is not None:
+                        self._from_hook()
                 except Exception:  # the last line of defence: log, go on
                     self._failures += 1
                     if self._limiter.allow():
@@ -320,9 +318,9 @@ class Broker:
             )
         elif to == BROKER_NAME:
             self._control_frame(sender, body, rid)
-        elif self._bridge is not None and to not in self._route and \
-                self._to_host(sender, to, body, rid):
-            return  # another host's (broker/bridge.py), or refused for it
+        elif self._hook is not None and to not in self._route and \
+                self._to_hook(sender, to, body, rid):
+            return  # the route hook's (broker/hooks.py), or refused by it
         elif not self._valid_name(to):
             self._refuse(
                 rid,
@@ -507,30 +505,27 @@ class Broker:
         for peer in self._peers.names():
             self._send_heartbeat(peer, frame)
 
-    # --- fleet mode: frames to and from other hosts (broker/bridge.py) --------
-    def _to_host(self, sender: bytes, to: bytes, body: bytes, rid: bytes) -> bool:
-        """Route `to` (no local route) through the bridge; False: not the bridge's."""
-        assert self._bridge is not None
-        target = self._bridge.resolve(to)
-        if target is None:
+    # --- the route hook: names with no local route (broker/hooks.py) ----------
+    def _to_hook(self, sender: bytes, to: bytes, body: bytes, rid: bytes) -> bool:
+        """Route `to` (no local route) through the hook; False: not the hook's."""
+        assert self._hook is not None
+        routed = self._hook.route(sender, to, body)
+        if routed is None:
             return False
-        if isinstance(target, Target) and target.host == self._bridge.host:
-            local = target.name.encode()  # HOST:NAME naming this host
-            failed = self._send_local(local, sender, body)
+        if isinstance(routed, hooks.Local):
+            failed = self._send_local(routed.name, sender, body)
             if failed is not None:
-                self._route_failed(sender, local, body, failed, rid)
-            return True
-        refusal = target if isinstance(target, Refusal) else \
-            self._bridge.publish(target, sender, body)
-        if refusal is None:
+                self._route_failed(sender, routed.name, body, failed, rid)
+        elif isinstance(routed, hooks.Refusal):
+            peeked = protocol.peek(body, self.limits)
+            if self._limiter.allow():
+                log.warning("route_failed", sender=sender.decode("ascii", "replace"),
+                            recipient=to[:140].decode("ascii", "replace"),
+                            code=routed.code.value, detail=routed.detail,
+                            msg_id=peeked.msg_id, kind=peeked.kind)
+            self._reply_error(rid, peeked, routed.code, routed.detail)
+        else:
             self._routed += 1
-            return True
-        peeked = protocol.peek(body, self.limits)
-        if self._limiter.allow():
-            log.warning("route_failed", sender=sender.decode("ascii", "replace"),
-                        recipient=to[:140].decode("ascii", "replace"), code=refusal.code.value,
-                        detail=refusal.detail, msg_id=peeked.msg_id, kind=peeked.kind)
-        self._reply_error(rid, peeked, refusal.code, refusal.detail)
         return True
 
     def _send_local(self, to: bytes, sender: bytes, body: bytes) -> zmq.ZMQError | None:
@@ -545,11 +540,11 @@ class Broker:
         self._routed += 1
         return None
 
-    def _from_hosts(self) -> None:
-        """Deliver the frames the bridge received from other hosts: `[to, HOST:SENDER,
-        body]`; one it cannot deliver is answered (over the bridge) with an error."""
-        assert self._bridge is not None
-        inbox = self._bridge.inbox
+    def _from_hook(self) -> None:
+        """Deliver the frames the route hook received, `[to, sender, body]`; one
+        it cannot deliver goes back to the hook (which answers its sender)."""
+        assert self._hook is not None
+        inbox = self._hook.inbox
         for _ in range(DRAIN_BATCH):
             if not inbox.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[arg-type,operator]
                 return
@@ -559,21 +554,17 @@ class Broker:
             to, sender, body = frames
             exc = self._send_local(to, sender, body)
             if exc is not None:
-                code = (protocol.ErrorCode.RECIPIENT_BUSY if exc.errno == zmq.EAGAIN
-                        else protocol.ErrorCode.UNKNOWN_RECIPIENT)
-                self._bridge.bounce(to, sender, body, code,
-                                    f"no peer named {to.decode('ascii', 'replace')!r} is "
-                                    f"connected on host {self._bridge.host}"
-                                    if code is protocol.ErrorCode.UNKNOWN_RECIPIENT else
-                                    f"the queue to {to.decode('ascii', 'replace')!r} is full")
+                self._hook.undeliverable(to, sender, body, protocol.ErrorCode.RECIPIENT_BUSY
+                                         if exc.errno == zmq.EAGAIN
+                                         else protocol.ErrorCode.UNKNOWN_RECIPIENT)
 
     def close(self) -> None:
-        if self._bridge is not None:
-            self._bridge.close()
+        if self._hook is not None:
+            self._hook.close()
         self._sock.close(linger=0)
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[ModuleType]]:
     parser = argparse.ArgumentParser(prog="python -m broker.server", description=__doc__)
     parser.add_argument("--state-dir", default=None, help="state directory (default ./.corral)")
     parser.add_argument("--heartbeat-interval-ms", type=int, default=1000)
@@ -583,17 +574,28 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     curve.add_arguments(parser)
     logconfig.add_arguments(parser)
-    fleetnats.add_fleet_arguments(parser)  # fleet mode: the bridge (broker/bridge.py)
-    parser.add_argument("--fleet-bus-secret", default=None,
-                        help="the hosts' bus secret file (frames between hosts are MACed)")
-    parser.add_argument("--fleet-operator-public-key", default=None,
-                        help="the operator's public key file (forget-bus-key is verified)")
-    parser.add_argument("--fleet-view-interval-s", type=float, default=1.0)
-    return parser.parse_args(argv)
+    hooks.add_argument(parser)
+    modules = hooks.load(argv, parser)  # with their options
+    return parser.parse_args(argv), modules
+
+
+def _route_hook(modules: list[ModuleType], ctx: zmq.Context[zmq.Socket[bytes]],
+                args: argparse.Namespace, state: StateDir,
+                limits: protocol.Limits) -> hooks.RouteHook | None:
+    """The route hook the `--hook` modules make (at most one; None: none)."""
+    made = [hook for f in hooks.factories(modules, "route_hook")
+            if (hook := f(ctx, args, state, limits)) is not None]
+    if len(made) > 1:
+        raise ConfigError(f"{len(made)} route hooks: the broker takes one")
+    return made[0] if made else None
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    try:
+        args, modules = _parse(argv)
+    except ConfigError as exc:
+        print(f"broker: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         state = StateDir.at(args.state_dir).ensure()
         endpoint = state.endpoint("broker")
@@ -619,11 +621,7 @@ def main(argv: list[str] | None = None) -> int:
                               server.authorized_dir if server is not None else None)
         broker = Broker(
             ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp),
-            zap=zap,
-            bridge=bridge_from_args(ctx, fleetnats.settings_from_args(args),
-                                    args.fleet_bus_secret, limits.max_frame_bytes,
-                                    args.fleet_view_interval_s, buskeys.key_path(state.root),
-                                    args.fleet_operator_public_key),
+            zap=zap, route_hook=_route_hook(modules, ctx, args, state, limits),
         )
     except (ConfigError, auth.AuthError) as exc:
         print(f"broker: {exc}", file=sys.stderr)

@@ -32,6 +32,7 @@ from broker.peer import BrokerPeer
 from broker.statedir import StateDir
 from ops.bench_broker import _spawn, _stop, _wait_pong
 from ops.benchkit import percentile
+from supervisor.fleetconfig import BROKER_HOOK
 
 WINDOW = 64
 _IDS = itertools.count()  # msg_ids never repeat (a peer drops replies to finished ids)
@@ -41,7 +42,7 @@ def _put_hosts(urls: list[str], hosts: list[str]) -> None:
     import nats
     from nats.js.api import KeyValueConfig
 
-    from broker.fleetnats import HOSTS_BUCKET
+    from supervisor.fleet.natsclient import HOSTS_BUCKET
 
     async def go() -> None:
         nc: Any = await nats.connect(urls, connect_timeout=2)
@@ -62,10 +63,10 @@ def fleet_hosts(root: Path, names: tuple[str, ...]
     """A local 3-node cluster under `root/cluster`, the hosts' bus secret
     (`fleet.bus_secret`) and a state directory per named host, each listed
     in the fleet view: what the benchmarks of the bridge stand on."""
-    from supervisor import fleetcluster
+    from supervisor.fleet import cluster
 
-    urls = [n.url for n in fleetcluster.up(root / "cluster" / ".corral", 3)]
-    fleetcluster.wait_ready(urls, 30)
+    urls = [n.url for n in cluster.up(root / "cluster" / ".corral", 3)]
+    cluster.wait_ready(urls, 30)
     key = root / "bus.secret"
     key.write_text(secrets.token_hex(32))
     key.chmod(0o600)
@@ -77,7 +78,8 @@ def fleet_hosts(root: Path, names: tuple[str, ...]
 def bridged_broker(state: StateDir, host: str, urls: list[str], key: Path) -> list[str]:
     """The arguments of a broker whose bridge joins the fleet as `host`."""
     return ["-m", "broker.server", "--state-dir", str(state.root), "--log-level", "warning",
-            "--fleet-host", host, *[a for u in urls for a in ("--fleet-url", u)],
+            "--hook", BROKER_HOOK, "--fleet-host", host,
+            *[a for u in urls for a in ("--fleet-url", u)],
             "--fleet-bus-secret", str(key), "--fleet-view-interval-s", "0.2"]
 
 
@@ -107,7 +109,7 @@ def _pipelined(peer: BrokerPeer, to: str, n: int) -> float:
 
 
 def run(quick: bool = False) -> dict[str, object]:
-    from supervisor import fleetcluster
+    from supervisor.fleet import cluster
 
     n_rtt = 300 if quick else 3_000
     n_pipe = 2_000 if quick else 20_000
@@ -142,6 +144,6 @@ def run(quick: bool = False) -> dict[str, object]:
     finally:
         ctx.destroy(linger=0)
         _stop(procs)
-        fleetcluster.down(cluster_root)
+        cluster.down(cluster_root)
         if not os.environ.get("CORRAL_BENCH_KEEP"):
             shutil.rmtree(root, ignore_errors=True)

@@ -10,7 +10,7 @@ records, before its next turn).
 
 The agent has a history first (`steps` file writes, ~7 records each; the
 default `snapshot_every` 256 makes a generation every 256 events), so the
-adopter restores its newest uploaded generation (supervisor/fleetgens.py) and
+adopter restores its newest uploaded generation (supervisor/fleet/generations.py) and
 the agent folds only the tail: `failover_rebuild_generation_seq` (0: folded
 from the first record), `failover_rebuild_tail_events`, `failover_rebuild_ms`
 (the agent's own figure), against `failover_full_fold_ms`, the same state
@@ -106,7 +106,7 @@ def _generations_up(state: Path, urls: list[str], host: str, agent: str) -> bool
     """Every generation file of the agent is in the object store (True at once
     with a corral that does not upload them: the figures then say so)."""
     try:
-        from supervisor.fleetgens import uploaded_generations
+        from supervisor.fleet.generations import uploaded_generations
     except ImportError:
         return True
     made = sorted(int(p.name[4:24]) for p in
@@ -153,7 +153,7 @@ def _full_fold_ms(state: Path, agent: str) -> tuple[float, float]:
 def host_failover_ms(root: Path, urls: list[str], steps: int = 120) -> dict[str, float]:
     import json
 
-    from supervisor.fleetadopt import uploaded_pack_size
+    from supervisor.fleet.adopt import uploaded_pack_size
 
     tag = str(int(time.time() * 1000) % 10**8)
     ha, hb = f"fa{tag}", f"fb{tag}"

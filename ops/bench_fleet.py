@@ -16,6 +16,7 @@ from typing import Any
 from ops.bench_failover import host_failover_ms
 from ops.bench_wal import writer_run
 from ops.benchkit import percentile, start_writer, stop, temp_state_root, wait_writer_ready
+from supervisor.fleetconfig import WRITER_HOOK
 
 
 def writer_stats(state_dir: Path) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def jetstream_batches_per_s(urls: list[str], batch_bytes: int, seconds: float) -
 def stream_leader(urls: list[str], host: str) -> str:
     import nats
 
-    from actors.writer.replicate import stream_name
+    from supervisor.fleet.replicate import stream_name
 
     async def go() -> str:
         nc: Any = await nats.connect(urls)
@@ -87,11 +88,11 @@ def failure_figures(cluster_root: Path, state_dir: Path, host: str) -> dict[str,
 
     from actors.writer.client import WriterClient
     from broker.statedir import StateDir
-    from supervisor import fleetcluster
-    from supervisor.fleetcli import fence
+    from supervisor.fleet import cluster
+    from supervisor.fleet.cli import fence
 
     f: dict[str, float] = {}
-    nodes = fleetcluster.read_cluster(cluster_root)
+    nodes = cluster.read_cluster(cluster_root)
     urls = [n.url for n in nodes]
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     client = WriterClient(ctx, StateDir.at(state_dir), "bench-faults", timeout_s=1, retries=120)
@@ -100,14 +101,14 @@ def failure_figures(cluster_root: Path, state_dir: Path, host: str) -> dict[str,
         leader = stream_leader(urls, host)
         victim = next(n for n in nodes if f"n{n.index}" == leader)
         t0 = time.monotonic()
-        fleetcluster.stop_node(victim, signal.SIGKILL)
+        cluster.stop_node(victim, signal.SIGKILL)
         client.append("agent/bench-faults", "turn", {"n": 1}, key="f1")
         f["leader_kill_to_ack_ms"] = (time.monotonic() - t0) * 1000
-        fleetcluster.start_node(cluster_root, victim)
-        fleetcluster.wait_ready(urls, 30)
-        nodes = fleetcluster.read_cluster(cluster_root)
+        cluster.start_node(cluster_root, victim)
+        cluster.wait_ready(urls, 30)
+        nodes = cluster.read_cluster(cluster_root)
         for node in nodes[1:]:
-            fleetcluster.stop_node(node, signal.SIGKILL)
+            cluster.stop_node(node, signal.SIGKILL)
         done: list[float] = []
 
         def append_once() -> None:
@@ -120,15 +121,15 @@ def failure_figures(cluster_root: Path, state_dir: Path, host: str) -> dict[str,
         acked_during_outage = bool(done)
         t0 = time.monotonic()
         for node in nodes[1:]:
-            fleetcluster.start_node(cluster_root, node)
+            cluster.start_node(cluster_root, node)
         thread.join(120)
         f["majority_back_to_ack_ms"] = (done[0] - t0) * 1000 if done else float("nan")
         f["acked_without_majority"] = float(acked_during_outage)
-        fleetcluster.wait_ready(urls, 30)
+        cluster.wait_ready(urls, 30)
     finally:
         client.close()
         ctx.destroy(linger=0)
-    from broker.fleetnats import FleetSettings
+    from supervisor.fleet.natsclient import FleetSettings
 
     t0 = time.monotonic()
     asyncio.run(fence(FleetSettings(host=host, urls=tuple(urls)), "bench"))
@@ -157,13 +158,13 @@ def fenced_append(state_dir: Path) -> None:
 
 
 def run(quick: bool = False) -> dict[str, object]:
-    from supervisor import fleetcluster
+    from supervisor.fleet import cluster
 
     seconds = 1.5 if quick else 5.0
     f: dict[str, float] = {}
     with temp_state_root("corral-bfleet-") as root:
         cluster_root = root / "cluster"
-        nodes = fleetcluster.up(cluster_root, 3)
+        nodes = cluster.up(cluster_root, 3)
         urls = [n.url for n in nodes]
         try:
             # both writers up; rounds alternate local, fleet (the machine's load
@@ -171,7 +172,7 @@ def run(quick: bool = False) -> dict[str, object]:
             local = root / "local" / ".corral"
             fleet = root / "fleet" / ".corral"
             local_writer = start_writer(local)
-            writer = start_writer(fleet, "--fleet-host", "bench",
+            writer = start_writer(fleet, "--hook", WRITER_HOOK, "--fleet-host", "bench",
                                   *[a for u in urls for a in ("--fleet-url", u)])
             try:
                 wait_writer_ready(local)
@@ -205,7 +206,7 @@ def run(quick: bool = False) -> dict[str, object]:
                 urls, int(f["fleet_bytes_per_batch"]), seconds)
             f.update(host_failover_ms(root / "failover", urls, 30 if quick else 120))
         finally:
-            fleetcluster.down(cluster_root)
+            cluster.down(cluster_root)
     f["fleet_over_local_k64"] = f["fleet_acked_per_s_k64"] / f["local_acked_per_s_k64"]
     f["fleet_batches_per_s"] = f["fleet_acked_per_s_k64"] / f["fleet_records_per_batch"]
     figures: dict[str, object] = {key: round(value, 3) for key, value in f.items()}

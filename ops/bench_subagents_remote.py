@@ -63,7 +63,7 @@ def _spawn_child(peer: BrokerPeer, ws: Path, task: Path, host: str | None) -> fl
 
 
 def run(quick: bool = False) -> dict[str, object]:
-    from supervisor import fleetcluster
+    from supervisor.fleet import cluster
 
     files = 100 if quick else 1_000
     rounds = 3 if quick else 10
@@ -122,6 +122,6 @@ def run(quick: bool = False) -> dict[str, object]:
     finally:
         ctx.destroy(linger=0)
         _stop(procs)
-        fleetcluster.down(cluster_root)
+        cluster.down(cluster_root)
         if not os.environ.get("CORRAL_BENCH_KEEP"):
             shutil.rmtree(root, ignore_errors=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.benchkit import start_writer, stop, temp_state_root, wait_writer_ready
+from supervisor.fleetconfig import WRITER_HOOK
 
 
 def _appender(state_dir: str, origin: str, journal: str, stop_file: str) -> None:
@@ -55,7 +56,7 @@ def _stream(urls: list[str], host: str) -> list[tuple[int, int, list[bytes]]]:
 
     import nats
 
-    from actors.writer.replicate import parse_seq_range, stream_name
+    from supervisor.fleet.replicate import parse_seq_range, stream_name
 
     async def go() -> list[tuple[int, int, list[bytes]]]:
         nc: Any = await nats.connect(urls)
@@ -117,7 +118,7 @@ def check_host(urls: list[str], host: str, state_dir: Path,
 
 def run(hosts: int, kill_interval_ms: int, duration_s: float, appenders: int,
         seed: int) -> dict[str, Any]:
-    from supervisor import fleetcluster
+    from supervisor.fleet import cluster
 
     rng = random.Random(seed)
     ctx = mp.get_context("fork")
@@ -125,7 +126,7 @@ def run(hosts: int, kill_interval_ms: int, duration_s: float, appenders: int,
                               "duration_s": duration_s, "seed": seed}
     with temp_state_root("corral-sfleet-") as root:
         cluster_root = root / "cluster"
-        nodes = fleetcluster.up(cluster_root, 3)
+        nodes = cluster.up(cluster_root, 3)
         urls = [n.url for n in nodes]
         names = [f"s{i}{os.getpid() % 1000}" for i in range(hosts)]
         dirs = {h: root / h / ".corral" for h in names}
@@ -135,7 +136,8 @@ def run(hosts: int, kill_interval_ms: int, duration_s: float, appenders: int,
         journals: dict[str, dict[str, Path]] = {h: {} for h in names}
 
         def start(host: str) -> None:
-            writers[host] = start_writer(dirs[host], "--fleet-host", host, "--fleet-publish-"
+            writers[host] = start_writer(dirs[host], "--hook", WRITER_HOOK, "--fleet-host", host,
+                                         "--fleet-publish-"
                                          "timeout-s", "1", *[a for u in urls
                                                               for a in ("--fleet-url", u)])
             wait_writer_ready(dirs[host], 60)
@@ -160,13 +162,13 @@ def run(hosts: int, kill_interval_ms: int, duration_s: float, appenders: int,
                 kills += 1
                 node = None
                 if rng.random() < 0.25:  # the host's NATS node goes with it
-                    node = rng.choice(fleetcluster.read_cluster(cluster_root))
-                    fleetcluster.stop_node(node, signal.SIGKILL)
+                    node = rng.choice(cluster.read_cluster(cluster_root))
+                    cluster.stop_node(node, signal.SIGKILL)
                     node_kills += 1
                 start(host)
                 if node is not None:
-                    fleetcluster.start_node(cluster_root, node)
-                    fleetcluster.wait_ready(urls, 60)
+                    cluster.start_node(cluster_root, node)
+                    cluster.wait_ready(urls, 60)
             stop_file.write_text("")
             for proc in procs:
                 proc.join(60)
@@ -185,7 +187,7 @@ def run(hosts: int, kill_interval_ms: int, duration_s: float, appenders: int,
                 proc.join(5)
             for writer in writers.values():
                 stop(writer)
-            fleetcluster.down(cluster_root)
+            cluster.down(cluster_root)
     return result
 
 

@@ -24,7 +24,7 @@ def read_stream(urls: list[str], host: str) -> list[tuple[int, int, int, list[by
     """(stream seq, first, last, lines, is_fence) of every message of `host`'s stream."""
     import nats
 
-    from actors.writer.replicate import parse_seq_range, stream_name
+    from supervisor.fleet.replicate import parse_seq_range, stream_name
 
     async def go() -> list[tuple[int, int, int, list[bytes], bool]]:
         nc: Any = await nats.connect(urls, connect_timeout=2)
@@ -271,7 +271,7 @@ def tamper(soak: Soak) -> list[str]:
     copied to a host that never held the agent (its records are not there)."""
     import nats
 
-    from actors.writer.replicate import stream_name
+    from supervisor.fleet.replicate import stream_name
 
     planted: list[str] = []
     journal = next((p for h in soak.hosts if h.journal.is_dir()

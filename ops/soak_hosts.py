@@ -174,9 +174,9 @@ async def _connect(urls: list[str]) -> Any:
 def fleet_entries(urls: list[str]) -> tuple[set[str] | None, dict[str, dict[str, Any]]]:
     """(hosts whose status entry is live, members: name -> entry); (None, {}) when
     the read failed."""
-    from broker.fleetnats import kv_entries
-    from supervisor.fleethost import BUCKET
-    from supervisor.fleetwatch import MEMBERS
+    from supervisor.fleet.host import BUCKET
+    from supervisor.fleet.natsclient import kv_entries
+    from supervisor.fleet.watch import MEMBERS
 
     async def go() -> tuple[set[str], dict[str, dict[str, Any]]]:
         nc = await _connect(urls)
@@ -196,7 +196,7 @@ def fleet_entries(urls: list[str]) -> tuple[set[str] | None, dict[str, dict[str,
 
 
 def stream_last(urls: list[str], host: str) -> int:
-    from actors.writer.replicate import stream_name
+    from supervisor.fleet.replicate import stream_name
 
     async def go() -> int:
         nc = await _connect(urls)
@@ -211,7 +211,7 @@ def stream_last(urls: list[str], host: str) -> int:
 
 def uploaded_specs(urls: list[str]) -> set[str]:
     """`host/agent` of every agent bundle's spec in the object store."""
-    from supervisor.fleetadopt import OBJECTS
+    from supervisor.fleet.adopt import OBJECTS
 
     async def go() -> set[str]:
         nc = await _connect(urls)
@@ -284,11 +284,11 @@ def wait_up(soak: Soak, host: Host, timeout_s: float = 90) -> None:
 
 
 def spawn_agents(soak: Soak, host: Host, count: int) -> None:
-    from supervisor import fleetctl
+    from supervisor.fleet import ctl
 
     for i in range(1, count + 1):
         name = f"{host.name}-a{i}"
-        reply = fleetctl.carry_out(host.state_dir, {
+        reply = ctl.carry_out(host.state_dir, {
             "verb": "spawn", "agent": name, "task": task_text(name, soak.repeat),
             "model": None})
         if not reply.get("ok"):
@@ -421,7 +421,7 @@ def kill_cycle(soak: Soak, agents: int, node_kill_chance: float, fencer_kill_cha
     fencer too, the moment it has fenced, before or while it adopts), wait until
     the fleet has adopted the victims' agents, then restart each victim under
     its own name (fenced) and start a fresh host in its place."""
-    from supervisor import fleetcluster
+    from supervisor.fleet import cluster
 
     live = [h for h in soak.hosts if h.alive]
     if len(live) < 2:
@@ -433,8 +433,8 @@ def kill_cycle(soak: Soak, agents: int, node_kill_chance: float, fencer_kill_cha
     killed_at = time.monotonic()
     kill_host(soak, victim)
     if node_too:
-        nodes = fleetcluster.read_cluster(soak.root / "cluster")
-        fleetcluster.stop_node(nodes[victim.slot - 1], signal.SIGKILL)
+        nodes = cluster.read_cluster(soak.root / "cluster")
+        cluster.stop_node(nodes[victim.slot - 1], signal.SIGKILL)
         soak.node_kills += 1
         soak.node_down = victim.slot
     victims = [(victim, killed_at)]
@@ -448,9 +448,9 @@ def kill_cycle(soak: Soak, agents: int, node_kill_chance: float, fencer_kill_cha
     for host, at in victims:
         wait_adopted(soak, host, at)
     if node_too:
-        nodes = fleetcluster.read_cluster(soak.root / "cluster")
-        fleetcluster.start_node(soak.root / "cluster", nodes[victim.slot - 1])
-        fleetcluster.wait_ready(soak.urls, 90)
+        nodes = cluster.read_cluster(soak.root / "cluster")
+        cluster.start_node(soak.root / "cluster", nodes[victim.slot - 1])
+        cluster.wait_ready(soak.urls, 90)
         soak.node_down = None
     for host, _at in victims:
         replace(soak, host, agents, generation)
@@ -529,9 +529,8 @@ def stop_hosts(hosts: list[Host]) -> dict[str, int | None]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from broker import buskeys, operatorsig
     from ops import soak_hostcheck
-    from supervisor import fleetcluster
+    from supervisor.fleet import buskeys, cluster, operatorsig
 
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="corral-shosts-",
                                                                      dir="/tmp"))
@@ -541,7 +540,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "agents_per_host": args.agents, "task_repeat": args.task_repeat,
                                "seed": args.seed}
     started = time.monotonic()
-    nodes = fleetcluster.up(root / "cluster", 3)
+    nodes = cluster.up(root / "cluster", 3)
     _private, public = operatorsig.make_keys(root / "keys" / "operator")
     soak = Soak(root, [n.url for n in nodes], public,
                 buskeys.make_bus_secret(root / "keys" / "bus.secret"), args.task_repeat,
@@ -597,7 +596,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         continue
                 host.proc.wait(10)
         left = [line for host in soak.hosts for line in orphans(host.marker)]
-        fleetcluster.down(root / "cluster")
+        cluster.down(root / "cluster")
     figures.update(
         kills=soak.kills, node_kills=soak.node_kills, fencer_kills=soak.fencer_kills,
         live_hosts_expired=len(soak.live_hosts_expired),

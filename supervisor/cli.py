@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("names", nargs="*", metavar="NAME")
     status.add_argument("--watch", action="store_true", help="refresh every second")
     status.add_argument("--fleet", action="store_true",
-                        help="every host of the fleet (supervisor/fleetctl.py)")
+                        help="every host of the fleet (supervisor/fleet/ctl.py)")
     kill = sub.add_parser("kill", parents=[common, as_json],
                           help="signal a child's process group")
     kill.add_argument("target", metavar="NAME|all")
@@ -283,8 +283,8 @@ def _main(argv: list[str]) -> int:
 
         result: int = wal_verify(argv[2:])
         return result
-    if argv[:1] == ["fleet"]:  # supervisor/fleetcli.py (docs/fleet.md)
-        from supervisor.fleetcli import main as fleet_main
+    if argv[:1] == ["fleet"]:  # supervisor/fleet/cli.py (docs/fleet.md)
+        from supervisor.fleet.cli import main as fleet_main
 
         return fleet_main(argv[1:])
     args = _parser().parse_args(argv)
@@ -321,9 +321,9 @@ def _agent_command(args: argparse.Namespace) -> int:
 
     state_dir = StateDir.resolve(args.state_dir)
     if args.command == "spawn" and args.host is not None:  # fleet placement
-        from supervisor import fleetctl
+        from supervisor.fleet import ctl
 
-        return fleetctl.remote_spawn(state_dir, os.environ.get("CORRAL_FLEET_CONFIG"),
+        return ctl.remote_spawn(state_dir, os.environ.get("CORRAL_FLEET_CONFIG"),
                                      args.name, args.task, args.model, host=args.host,
                                      as_json=args.json)
     if args.command == "spawn":
@@ -353,9 +353,9 @@ def _status(args: argparse.Namespace) -> int:
     from broker.statedir import StateDir
 
     if args.fleet:  # docs/fleet.md: every host, from the KV bucket
-        from supervisor import fleetctl
+        from supervisor.fleet import ctl
 
-        return fleetctl.print_fleet_status(StateDir.resolve(args.state_dir),
+        return ctl.print_fleet_status(StateDir.resolve(args.state_dir),
                                            os.environ.get("CORRAL_FLEET_CONFIG"), args.json)
     from supervisor import client, statusclient, statusfile, statusview
 
@@ -427,9 +427,9 @@ def _control(args: argparse.Namespace) -> int:
     target = getattr(args, "target", None) or ""
     if ":" in target and args.command in ("kill", "stop", "start"):  # HOST:AGENT (fleet)
         from broker.statedir import StateDir
-        from supervisor import fleetctl
+        from supervisor.fleet import ctl
 
-        return fleetctl.remote_control(StateDir.resolve(args.state_dir),
+        return ctl.remote_control(StateDir.resolve(args.state_dir),
                                        os.environ.get("CORRAL_FLEET_CONFIG"), args.command,
                                        target, sig=getattr(args, "signal", 15),
                                        as_json=args.json)

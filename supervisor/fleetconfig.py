@@ -25,6 +25,10 @@ class FleetTls(_Strict):
     key: str | None = None
 
 
+# The fleet's hooks (broker/hooks.py), named here and imported only by the
+# processes started with them: with `fleet.host` unset no fleet module loads.
+WRITER_HOOK = "supervisor.fleet.replicate"
+BROKER_HOOK = "supervisor.fleet.bridge"
 OPERATOR_KEY_ENV = "CORRAL_OPERATOR_KEY"  # the operator's private key file (never a host's)
 
 
@@ -92,14 +96,15 @@ class FleetConfig(_Strict):
         return [os.path.abspath(path) for path in paths]
 
     def writer_args(self) -> list[str]:
-        """The writer's `--fleet-*` options (paths only, never a secret)."""
+        """The writer's replication hook and its `--fleet-*` options (paths
+        only, never a secret)."""
         if self.host is None:
             return []
-        return ["--fleet-replicas", str(self.replicas),
+        return ["--hook", WRITER_HOOK, "--fleet-replicas", str(self.replicas),
                 "--fleet-publish-timeout-s", str(self.publish_timeout_s), *self._cluster_args()]
 
     def broker_args(self) -> list[str]:
-        """The broker's: its bridge to other hosts (broker/bridge.py), which signs
+        """The broker's: its bridge to other hosts (supervisor/fleet/bridge.py), which signs
         frames with a key derived from the hosts' bus secret and takes the
         operator's `forget-bus-key` (paths, never a key)."""
         if self.host is None:
@@ -107,7 +112,7 @@ class FleetConfig(_Strict):
         key = ["--fleet-bus-secret", self.bus_secret] if self.bus_secret else []
         if self.operator_public_key:
             key += ["--fleet-operator-public-key", self.operator_public_key]
-        return [*self._cluster_args(), *key,
+        return ["--hook", BROKER_HOOK, *self._cluster_args(), *key,
                 "--fleet-view-interval-s", str(min(1.0, self.host_ttl_s / 3))]
 
     def subagents_args(self) -> list[str]:

@@ -20,7 +20,7 @@ import structlog
 import zmq
 
 from actors.procs import launch
-from actors.writer.replicate import EXIT_FENCED
+from actors.writer.hooks import EXIT_HALTED
 from actors.zygote import Forked
 from broker import lifeline, protocol
 from broker.control import ENV_HEARTBEAT_TIMEOUT
@@ -30,7 +30,7 @@ from supervisor import automation, commands, monitor, requests, spawner, statusf
 from supervisor.children import Child, describe_exit
 from supervisor.config import CORE_KINDS, KIND_ORDER, Config
 from supervisor.control import ControlServer, Incoming
-from supervisor.fleethost import FleetHost, fleet_host
+from supervisor.hooks import StatusHook, status_hooks
 from supervisor.policy import Exit, GiveUp, Policy, Restart, decide, trim
 from supervisor.sampling import SamplerThread, apply_samples
 
@@ -97,7 +97,7 @@ class Runtime:
         self.gaps = monitor.GapDetector()
         self.listening_since = 0.0  # monotonic: silence before this is not counted
         self.metrics: MetricsServer | None = None  # started by run() when configured
-        self.fleet: FleetHost | None = None  # fleet mode: status to the KV bucket, control
+        self.status_hooks: list[StatusHook] = []  # the fleet's host (supervisor/hooks.py)
         self.automation = automation.Automation(state_dir, config.automation,
                                                 self.control.zap.keyring)
 
@@ -122,7 +122,7 @@ class Runtime:
         janitor = storage.Janitor(self.state_dir, self.config.storage)  # caps (docs/storage.md)
         janitor.start()
         self._finish_purges()
-        self.fleet = fleet_host(self.config.fleet, self.state_dir)  # docs/fleet.md
+        self.status_hooks = status_hooks(self.config, self.state_dir)  # docs/fleet.md
         self.automation.start()
         log.info("supervisor_started", state_dir=str(self.state_dir.root),
                  children=len(self.children), endpoint=self.control.endpoint)
@@ -170,8 +170,8 @@ class Runtime:
             self._publish_status(time.monotonic())
             if self.metrics is not None:
                 self.metrics.close()
-            if self.fleet is not None:
-                self.fleet.close()
+            for hook in self.status_hooks:
+                hook.close()
             self.control.close()
             self.ctx.destroy(linger=0)
             signal.set_wakeup_fd(-1)
@@ -477,7 +477,7 @@ class Runtime:
 
     def _after_exit(self, child: Child, record: Exit, now: float) -> None:
         self._phase_due = True
-        if child.kind == "writer" and record.code == EXIT_FENCED:
+        if child.kind == "writer" and record.code == EXIT_HALTED:  # the fleet fenced it
             self.fenced = True
         if child.removing:
             requests.forget(self, child)
@@ -680,8 +680,8 @@ class Runtime:
         status = self._status("status-file", now).model_dump(mode="json")
         if self.metrics is not None:
             self.metrics.update(status)
-        if self.fleet is not None:
-            self.fleet.update(status)
+        for hook in self.status_hooks:
+            hook.update(status)
         try:
             statusfile.write(self.state_dir.status_path, status)
         except OSError as exc:

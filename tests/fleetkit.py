@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.writer.replicate import parse_seq_range, stream_name
-from supervisor import fleetcluster
+from supervisor.fleet import cluster
+from supervisor.fleet.replicate import parse_seq_range, stream_name
 
 
 @dataclass
@@ -24,8 +24,8 @@ class Cluster:
     root: Path  # the state directory holding fleet/
 
     @property
-    def nodes(self) -> list[fleetcluster.Node]:
-        return fleetcluster.read_cluster(self.root)
+    def nodes(self) -> list[cluster.Node]:
+        return cluster.read_cluster(self.root)
 
     @property
     def urls(self) -> list[str]:
@@ -35,16 +35,16 @@ class Cluster:
         return [a for u in self.urls for a in ("--fleet-url", u)]
 
     def stop(self, index: int) -> None:
-        fleetcluster.stop_node(self.nodes[index])
+        cluster.stop_node(self.nodes[index])
 
     def kill(self, index: int) -> None:
-        fleetcluster.stop_node(self.nodes[index], signal.SIGKILL)
+        cluster.stop_node(self.nodes[index], signal.SIGKILL)
 
     def restart(self, index: int) -> None:
-        fleetcluster.start_node(self.root, self.nodes[index])
+        cluster.start_node(self.root, self.nodes[index])
 
     def wait_ready(self, timeout_s: float = 30) -> None:
-        fleetcluster.wait_ready(self.urls, timeout_s)
+        cluster.wait_ready(self.urls, timeout_s)
 
 
 def start_cluster(nodes: int = 3) -> Cluster:
@@ -62,11 +62,11 @@ def start_cluster(nodes: int = 3) -> Cluster:
     return Cluster(root)
 
 
-def stop_cluster(cluster: Cluster) -> None:
+def stop_cluster(fleet: Cluster) -> None:
     subprocess.run([sys.executable, "-m", "supervisor.cli", "fleet", "down", "--state-dir",
-                    str(cluster.root)], capture_output=True, timeout=60, check=False)
-    fleetcluster.down(cluster.root)  # again, in case the CLI could not
-    shutil.rmtree(cluster.root.parent, ignore_errors=True)
+                    str(fleet.root)], capture_output=True, timeout=60, check=False)
+    cluster.down(fleet.root)  # again, in case the CLI could not
+    shutil.rmtree(fleet.root.parent, ignore_errors=True)
 
 
 @dataclass
@@ -143,10 +143,10 @@ def forget_hosts(urls: list[str], hosts: list[str]) -> None:
     import nats
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
-    from broker.buskeys import BUCKET as BUS_KEYS
-    from broker.fleetnats import HOSTS_BUCKET
-    from supervisor.fleetadopt import OBJECTS
-    from supervisor.fleetwatch import MEMBERS
+    from supervisor.fleet.adopt import OBJECTS
+    from supervisor.fleet.buskeys import BUCKET as BUS_KEYS
+    from supervisor.fleet.natsclient import HOSTS_BUCKET
+    from supervisor.fleet.watch import MEMBERS
 
     async def go() -> None:
         nc: Any = await nats.connect(urls, connect_timeout=2)
@@ -165,7 +165,7 @@ def forget_hosts(urls: list[str], hosts: list[str]) -> None:
                     await status.purge(host)
             except (BucketNotFoundError, NotFoundError):
                 pass
-            try:  # their bus keys (broker/buskeys.py)
+            try:  # their bus keys (supervisor/fleet/buskeys.py)
                 keys = await js.key_value(BUS_KEYS)
                 for host in hosts:
                     await keys.purge(host)
@@ -200,7 +200,7 @@ class FleetKeys:
 
 def make_keys(directory: Path) -> FleetKeys:
     """A fresh operator key pair and bus secret under `directory` (as `fleet up`)."""
-    from broker import buskeys, operatorsig
+    from supervisor.fleet import buskeys, operatorsig
 
     private, public = operatorsig.make_keys(directory / "operator")
     return FleetKeys(private, public, buskeys.make_bus_secret(directory / "bus.secret"))
@@ -222,7 +222,7 @@ async def register_bus_key(js: Any, host: str, public: str, replicas: int = 3,
     the bridge does, until `timeout_s`."""
     import nats.errors
 
-    from broker import buskeys
+    from supervisor.fleet import buskeys
 
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:

@@ -1,4 +1,4 @@
-"""The envelope of a frame between hosts (broker/bridge.py), without a cluster:
+"""The envelope of a frame between hosts (supervisor/fleet/bridge.py), without a cluster:
 what `verify` refuses (unsigned, another key, a changed body or name, stale,
 replayed, another host's, from this host, oversized) and how the fleet view
 resolves a name with no local route."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from broker import protocol
-from broker.bridge import (
+from broker.hooks import Refusal
+from supervisor.fleet.bridge import (
     H_FROM,
     H_TO,
     BusRefusedError,
-    Refusal,
     Target,
     View,
     bus_key,
@@ -86,7 +86,7 @@ def test_the_view_places_agents_on_live_hosts() -> None:
 
 
 def test_resolve() -> None:
-    from broker.bridge import Bridge
+    from supervisor.fleet.bridge import Bridge
 
     bridge = Bridge.__new__(Bridge)
     bridge.host = "ha"

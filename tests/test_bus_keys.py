@@ -1,4 +1,4 @@
-"""Per-host bus keys without processes (broker/buskeys.py, broker/bridge.py
+"""Per-host bus keys without processes (supervisor/fleet/buskeys.py, supervisor/fleet/bridge.py
 `verify`): a frame is accepted only when the host it claims to come from
 signed it with its own key, as pinned by the receiver; a host holding the
 fleet key (so a valid fleet MAC) cannot speak for another host."""
@@ -10,8 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from broker import buskeys
-from broker.bridge import H_MAC, H_NONCE, H_SIG, H_TS, BusRefusedError, _mac, bus_key, sign, verify
+from supervisor.fleet import buskeys
+from supervisor.fleet.bridge import (
+    H_MAC,
+    H_NONCE,
+    H_SIG,
+    H_TS,
+    BusRefusedError,
+    _mac,
+    bus_key,
+    sign,
+    verify,
+)
 
 FLEET = bus_key(b"the-fleet-key")
 

@@ -159,12 +159,13 @@ def test_the_first_checkpoint_is_due_at_once_however_recently_the_machine_booted
     writer.recover()
     try:
         taken: list[bool] = []
-        monkeypatch.setattr(writer, "_checkpoint", lambda wait=True: taken.append(wait))
+        checkpoints = writer.checkpoints
+        monkeypatch.setattr(checkpoints, "run", lambda wait=True: taken.append(wait))
         monkeypatch.setattr(time, "monotonic", lambda: 5.0)  # (the writer's clock)
-        writer._maybe_checkpoint()
+        checkpoints.maybe()
         assert taken == []  # nothing behind: nothing to take
-        writer.head = writer._checkpoint_head + 1
-        writer._maybe_checkpoint()
+        writer.head = checkpoints.head_seq + 1
+        checkpoints.maybe()
         assert taken == [False]
     finally:
         monkeypatch.undo()

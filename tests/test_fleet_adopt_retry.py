@@ -1,5 +1,5 @@
 """An adopter reading a dead host's bundles while the cluster is failing
-(supervisor/fleetadopt.py): a listing that times out is not "no objects"
+(supervisor/fleet/adopt.py): a listing that times out is not "no objects"
 (an adopter once recorded a dead host adopted with none of its agents, which
 nobody then adopted: the fleet soak in CI, the dead host's NATS node killed
 with it), a transient read is retried, and a missing object is not."""
@@ -16,7 +16,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from broker.statedir import StateDir
-from supervisor import fleetadopt
+from supervisor.fleet import adopt
 
 
 class Bucket:
@@ -42,9 +42,9 @@ class Bucket:
 
 def test_a_listing_that_times_out_is_raised_and_an_empty_bucket_is_empty() -> None:
     with pytest.raises(NatsTimeoutError):
-        asyncio.run(fleetadopt._names(Bucket(list_errors=[NatsTimeoutError()])))
-    assert asyncio.run(fleetadopt._names(Bucket(list_errors=[NotFoundError()]))) == []
-    assert asyncio.run(fleetadopt._names(Bucket())) == ["h1/a1/spec"]
+        asyncio.run(adopt._names(Bucket(list_errors=[NatsTimeoutError()])))
+    assert asyncio.run(adopt._names(Bucket(list_errors=[NotFoundError()]))) == []
+    assert asyncio.run(adopt._names(Bucket())) == ["h1/a1/spec"]
 
 
 def test_an_adoption_whose_listing_fails_fails_and_records_nothing(
@@ -56,10 +56,10 @@ def test_an_adoption_whose_listing_fails_fails_and_records_nothing(
     async def objects_bucket(js: Any, replicas: int) -> Bucket:
         return bucket
 
-    monkeypatch.setattr(fleetadopt, "objects_bucket", objects_bucket)
+    monkeypatch.setattr(adopt, "objects_bucket", objects_bucket)
     state = StateDir(tmp_path / ".corral").ensure()
     with pytest.raises(NatsTimeoutError):
-        asyncio.run(fleetadopt.adopt_host(None, "h1", state, 3))
+        asyncio.run(adopt.adopt_host(None, "h1", state, 3))
 
 
 def _stub_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,16 +69,16 @@ def _stub_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
     async def gens(bucket: Any, names: list[str], dead: str, agent: str) -> list[Any]:
         return []
 
-    monkeypatch.setattr(fleetadopt, "download_pack", pack)
-    monkeypatch.setattr(fleetadopt, "download_extras", gens)
-    monkeypatch.setattr(fleetadopt.fleetgens, "download", gens)
+    monkeypatch.setattr(adopt, "download_pack", pack)
+    monkeypatch.setattr(adopt, "download_extras", gens)
+    monkeypatch.setattr(adopt.generations, "download", gens)
 
 
 def test_a_bundle_read_failing_while_the_cluster_elects_is_retried(
         monkeypatch: pytest.MonkeyPatch) -> None:
     _stub_downloads(monkeypatch)
     bucket = Bucket(get_errors=[NoRespondersError(), NatsTimeoutError()])
-    spec, pack, _, _ = asyncio.run(fleetadopt._fetch_bundle(bucket, [], "h1", "a1"))
+    spec, pack, _, _ = asyncio.run(adopt._fetch_bundle(bucket, [], "h1", "a1"))
     assert spec == {"task": "t.yaml"} and pack == b"pack" and bucket.gets == 3
 
 
@@ -87,10 +87,10 @@ def test_a_missing_object_is_not_retried_and_a_failing_cluster_gives_up(
     _stub_downloads(monkeypatch)
     missing = Bucket(get_errors=[ObjectNotFoundError()])
     with pytest.raises(ObjectNotFoundError):
-        asyncio.run(fleetadopt._fetch_bundle(missing, [], "h1", "a1"))
+        asyncio.run(adopt._fetch_bundle(missing, [], "h1", "a1"))
     assert missing.gets == 1
-    monkeypatch.setattr(fleetadopt, "FETCH_RETRY_S", 0.3)
+    monkeypatch.setattr(adopt, "FETCH_RETRY_S", 0.3)
     down = Bucket(get_errors=[NatsTimeoutError()] * 10)
     with pytest.raises(NatsTimeoutError):
-        asyncio.run(fleetadopt._fetch_bundle(down, [], "h1", "a1"))
+        asyncio.run(adopt._fetch_bundle(down, [], "h1", "a1"))
     assert 1 < down.gets < 10

@@ -25,7 +25,7 @@ from actors.trees import branch
 from actors.trees.store import packs_dir
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
-from supervisor.fleetadopt import stream_records, uploaded_pack_size
+from supervisor.fleet.adopt import stream_records, uploaded_pack_size
 from tests.agentkit import tree, write_task
 from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts
 from tests.processes import ProcessTracker, wait_for

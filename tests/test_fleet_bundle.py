@@ -1,5 +1,5 @@
 """An agent's bundle is self-sufficient (docs/fleet.md, "Adoption";
-supervisor/fleetbundle.py): a host's tree store keeps an object once, in the
+supervisor/fleet/bundle.py): a host's tree store keeps an object once, in the
 pack of the agent that stored it first, so an agent whose files share
 contents with another's lacks them in its own pack; the uploader adds them to
 its bundle as extras, and an adopter restores the agent's newest tree from
@@ -23,7 +23,7 @@ from actors.trees.recorder import capturer_for
 from actors.trees.restore import restore
 from actors.trees.store import packs_dir
 from broker.statedir import StateDir
-from supervisor.fleetadopt import (
+from supervisor.fleet.adopt import (
     OBJECTS,
     Uploader,
     _names,
@@ -175,7 +175,7 @@ def test_the_extras_are_bounded_per_round_and_a_rewind_names_its_tree(
     last `workspace_tree` or `rewind` (a rewind to before any tree: its `from_tree`),
     read from the WAL incrementally."""
     from actors.trees.store import ObjectStore
-    from supervisor.fleetbundle import NewestTrees, missing
+    from supervisor.fleet.bundle import NewestTrees, missing
 
     workspace = tmp_path / "ws"
     fill(workspace, {f"f{i}.txt": f"{i}".ljust(1000, "y") for i in range(10)})

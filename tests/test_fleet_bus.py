@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 import zmq
 
-from broker import buskeys, protocol
-from broker.bridge import bus_key, bus_subject, sign
+from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
+from supervisor.fleet import buskeys
+from supervisor.fleet.bridge import bus_key, bus_subject, sign
 from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts, register_bus_key
 from tests.processes import ProcessTracker, wait_for
 from tests.test_fleet_hosts import fleet_view, host_config, other_state_dir

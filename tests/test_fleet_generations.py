@@ -23,8 +23,8 @@ from actors.agent import generations
 from actors.agent.settings import AgentSpec, write_spec
 from actors.agent.state import AgentState, fold
 from broker.statedir import StateDir
-from supervisor import fleetgens
-from supervisor.fleetadopt import OBJECTS, Uploader, _names
+from supervisor.fleet import generations as fleet_generations
+from supervisor.fleet.adopt import OBJECTS, Uploader, _names
 from tests.fleetkit import Cluster, forget_hosts
 from tests.test_agent_state import event
 
@@ -61,42 +61,42 @@ def test_only_a_vouched_generation_at_or_below_the_cut_is_chosen(tmp_path: Path)
     raw, digest = _generation(tmp_path, BASE)
     records = _records([*BASE, _saved(14, 12, digest),
                         (20, "turn", {"turn": 2, "actions": [], "usage": {}})])
-    gen, refused = fleetgens.choose([(12, raw)], records, "a1", through_seq=20)
+    gen, refused = fleet_generations.choose([(12, raw)], records, "a1", through_seq=20)
     assert gen is not None and gen.state.last_seq == 12 and refused == []
     # the cut before it: the generation holds records that are not adopted
-    assert fleetgens.choose([(12, raw)], records, "a1", through_seq=9) == (
+    assert fleet_generations.choose([(12, raw)], records, "a1", through_seq=9) == (
         None, [(12, "after the cut")])
     # a byte changed (a corrupted or forged object): its digest is not the fact's
     bad = raw.replace(b'"turn":1', b'"turn":7')
     assert bad != raw
-    assert fleetgens.choose([(12, bad)], records, "a1", through_seq=20)[0] is None
+    assert fleet_generations.choose([(12, bad)], records, "a1", through_seq=20)[0] is None
     # no fact vouches for it (the agent died between the file and the fact)
     unvouched = [r for r in records if r["event"] != generations.SAVED_EVENT]
-    assert fleetgens.choose([(12, raw)], unvouched, "a1", 20)[1] == [
+    assert fleet_generations.choose([(12, raw)], unvouched, "a1", 20)[1] == [
         (12, "no generation_saved fact with its digest")]
     # the fact is another agent's: it vouches for nothing of a1
     other = [dict(r, stream="agent/a2") if r["event"] == generations.SAVED_EVENT else r
              for r in records]
-    assert fleetgens.choose([(12, raw)], other, "a1", 20)[0] is None
+    assert fleet_generations.choose([(12, raw)], other, "a1", 20)[0] is None
     # named under another seq than its own
-    assert fleetgens.choose([(9, raw)], records, "a1", 20)[0] is None
+    assert fleet_generations.choose([(9, raw)], records, "a1", 20)[0] is None
     # garbage vouched for (a digest of bytes that are no generation)
     junk = b"\xff" * 40
     vouch_junk = [*records, _records([_saved(21, 9, hashlib.sha256(junk).hexdigest())])[0]]
-    assert fleetgens.choose([(9, junk)], vouch_junk, "a1", 20)[1] == [
+    assert fleet_generations.choose([(9, junk)], vouch_junk, "a1", 20)[1] == [
         (9, "not a generation of that seq")]
     # the stream's record at its seq has another key: another history
     rekeyed = [dict(r, key="other") if r["seq"] == 12 else r for r in records]
-    assert fleetgens.choose([(12, raw)], rekeyed, "a1", 20)[1] == [
+    assert fleet_generations.choose([(12, raw)], rekeyed, "a1", 20)[1] == [
         (12, "the stream's record at its seq is another")]
     # a rewind among the adopted records: its branch fields are renumbered, so the
-    # generation is used (supervisor/fleetseqs.py)
+    # generation is used (supervisor/fleet/renumber.py)
     rewound = [*records[:-1], _records([(18, "rewind", {"to_seq": 9})])[0], records[-1]]
-    assert fleetgens.choose([(12, raw)], rewound, "a1", 20)[1] == []
+    assert fleet_generations.choose([(12, raw)], rewound, "a1", 20)[1] == []
     # the newest usable one wins; newer bad ones are reported
     older, older_digest = _generation(tmp_path, BASE[:3])
     both = [*records, _records([_saved(22, 9, older_digest)])[0]]
-    gen, refused = fleetgens.choose([(9, older), (12, bad)], both, "a1", 20)
+    gen, refused = fleet_generations.choose([(9, older), (12, bad)], both, "a1", 20)
     assert gen is not None and gen.state.last_seq == 9
     assert refused == [(12, "no generation_saved fact with its digest")]
 
@@ -114,7 +114,7 @@ def test_a_renumbered_generation_plus_its_tail_is_the_full_fold_on_the_adopter(
     old = [(s, name, p) for s, (name, p) in zip(old_seqs, evs, strict=True)]
     new = [(s, name, p) for s, (name, p) in zip(new_seqs, evs, strict=True)]
     generation = AgentState.model_validate_json(fold(AgentState(), old[:cut]).model_dump_json())
-    mapped = fleetgens.renumbered(generation, dict(zip(old_seqs, new_seqs, strict=True)))
+    mapped = fleet_generations.renumbered(generation, dict(zip(old_seqs, new_seqs, strict=True)))
     assert mapped is not None
     assert fold(mapped, new[cut:]) == fold(AgentState(), new)
 
@@ -139,7 +139,7 @@ def test_generations_go_up_incrementally_once_and_bounded(
     async def stored(js: Any) -> list[int]:
         bucket = await js.object_store(OBJECTS)
         return sorted(s for n in await _names(bucket)
-                      if (s := fleetgens.parse_gen(n, host, "a1")) is not None)
+                      if (s := fleet_generations.parse_gen(n, host, "a1")) is not None)
 
     async def go() -> dict[str, Any]:
         nc: Any = await nats.connect(fleet_cluster.urls, connect_timeout=2)
@@ -168,7 +168,8 @@ def test_generations_go_up_incrementally_once_and_bounded(
             seen["after_restart"] = (await stored(js), restarted.generations.uploads
                                      if restarted.generations else -1)
             bucket = await js.object_store(OBJECTS)
-            seen["download"] = await fleetgens.download(bucket, await _names(bucket), host, "a1")
+            seen["download"] = await fleet_generations.download(
+                bucket, await _names(bucket), host, "a1")
             seen["newest"] = newest
             return seen
         finally:
@@ -189,13 +190,13 @@ def test_generations_go_up_incrementally_once_and_bounded(
 
 
 def test_what_goes_up_is_new_and_bounded(state_dir: StateDir) -> None:
-    assert fleetgens._new([1, 2, 3], [2]) == [1, 3]
-    assert fleetgens._new([1, 5], [2, 3, 4]) == [5]  # older than every one kept: not
-    uploader = fleetgens.GenerationUploader("h", state_dir)
+    assert fleet_generations._new([1, 2, 3], [2]) == [1, 3]
+    assert fleet_generations._new([1, 5], [2, 3, 4]) == [5]  # older than every one kept: not
+    uploader = fleet_generations.GenerationUploader("h", state_dir)
     gens = generations.generations_dir(state_dir.agent_dir("a1"))
     gens.mkdir(parents=True)
     with (gens / f"gen-{7:020d}.json").open("wb") as f:
-        f.truncate(fleetgens.MAX_BYTES + 1)  # sparse: over the bound, not written
+        f.truncate(fleet_generations.MAX_BYTES + 1)  # sparse: over the bound, not written
     assert uploader._local("a1") == [7]
     assert uploader._read("a1", 7) is None  # never uploaded
     assert uploader._read("a1", 8) is None  # pruned meanwhile

@@ -24,12 +24,11 @@ import yaml
 import zmq
 
 from actors.writer.client import WriterClient
-from broker import operatorsig
 from broker.statedir import StateDir
-from supervisor import fleetctl
 from supervisor.console import views as console_views
-from supervisor.fleethost import control_subject
-from supervisor.fleetplace import PLACE_HOST, PLACE_SUBJECT, place_subject
+from supervisor.fleet import ctl, operatorsig
+from supervisor.fleet.host import control_subject
+from supervisor.fleet.place import PLACE_HOST, PLACE_SUBJECT, place_subject
 from tests.agentkit import write_task
 from tests.fleetkit import (
     Cluster,
@@ -100,11 +99,11 @@ def fleet_view(_processes: ProcessTracker, state_dir: StateDir,
     (nats-py's timeout is a TimeoutError: raised as it is, it read as the
     deadline of the caller's `wait_for` and was reported as hosts that never
     came up, lost in CI on a loaded machine.)"""
-    config = fleetctl.fleet_config(state_dir, None)
+    config = ctl.fleet_config(state_dir, None)
     deadline = time.monotonic() + patience_s
     while True:
         try:
-            return {h["host"]: h for h in fleetctl.fleet_status(config)}
+            return {h["host"]: h for h in ctl.fleet_status(config)}
         except Exception as exc:
             if time.monotonic() >= deadline:
                 raise ClusterSilentError(f"the cluster did not answer a status read for "
@@ -186,11 +185,11 @@ def test_fleet_status_and_control_across_hosts(
         # a request not signed with the operator's key is refused by host B
         other = operatorsig.load_private(make_keys(state_dir.root.parent / "other").operator)
         forged = asyncio.run(_request(fleet_cluster.urls, control_subject(hb),
-                                      fleetctl.sign(other, "stop", hb, "agent-1")))
+                                      ctl.sign(other, "stop", hb, "agent-1")))
         assert forged["ok"] is False and forged["error"] == "forbidden"
         # a replayed (validly signed) request is refused too
         operator = operatorsig.load_private(keys.operator)
-        signed = fleetctl.sign(operator, "kill", hb, "nobody")
+        signed = ctl.sign(operator, "kill", hb, "nobody")
         first = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
         assert first["ok"] is False and first["error"] != "forbidden"  # no such child
         again = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), signed))
@@ -212,7 +211,7 @@ def test_fleet_status_and_control_across_hosts(
         # the hosts' queue group (A declines it if NATS hands it to A first, naming B)
         task = write_task(state_dir.root.parent / "placed.yaml",
                           [{"op": "finish", "summary": "done"}])
-        declined = asyncio.run(_request(fleet_cluster.urls, place_subject(ha), fleetctl.sign(
+        declined = asyncio.run(_request(fleet_cluster.urls, place_subject(ha), ctl.sign(
             operator, "spawn", PLACE_HOST, "x", task=task.read_text())))
         assert (declined["ok"], declined["error"], declined["host"]) == (False, "declined", ha)
         # B, unless the view could not read B's entry (under load): declined all the same
@@ -224,13 +223,13 @@ def test_fleet_status_and_control_across_hosts(
         placed = json.loads(done.stdout)
         assert placed["host"] == hb and placed.get("placed") is True, placed
         # the queue group takes only a spawn signed for `auto` with the operator key
-        for forged in (fleetctl.sign(other, "spawn", PLACE_HOST, "x", task="steps: []"),
-                       fleetctl.sign(operator, "spawn", hb, "x", task="steps: []"),
-                       fleetctl.sign(operator, "kill", PLACE_HOST, "agent-1")):
+        for forged in (ctl.sign(other, "spawn", PLACE_HOST, "x", task="steps: []"),
+                       ctl.sign(operator, "spawn", hb, "x", task="steps: []"),
+                       ctl.sign(operator, "kill", PLACE_HOST, "agent-1")):
             refused = asyncio.run(_request(fleet_cluster.urls, PLACE_SUBJECT, forged))
             assert refused["ok"] is False and refused["error"] == "forbidden", refused
         # ... and a host's own subject never takes one signed for `auto`
-        refused = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), fleetctl.sign(
+        refused = asyncio.run(_request(fleet_cluster.urls, control_subject(hb), ctl.sign(
             operator, "spawn", PLACE_HOST, "x", task="steps: []")))
         assert refused["ok"] is False and refused["error"] == "forbidden", refused
         wait_for(lambda: "placed" in {c["name"] for c in fleet_view(processes, state_dir)[hb][

@@ -1,5 +1,5 @@
-"""The fleet operator's signature (broker/operatorsig.py, supervisor/fleetctl.py
-`verify`, broker/buskeys.py `check_forget`): only the operator's private key
+"""The fleet operator's signature (supervisor/fleet/operatorsig.py, supervisor/fleet/ctl.py
+`verify`, supervisor/fleet/buskeys.py `check_forget`): only the operator's private key
 makes a request a host accepts; nothing a host holds does (the old shared
 key, the hosts' bus secret, its own bus key); tampered, stale and replayed
 requests are refused, a replay across a verifier's restart too; a
@@ -20,10 +20,9 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from broker import buskeys, operatorsig
 from broker.errors import ConfigError
-from supervisor import fleetctl
 from supervisor.config import parse
+from supervisor.fleet import buskeys, ctl, operatorsig
 from supervisor.fleetconfig import FleetConfig
 
 HOST = "hb"
@@ -44,12 +43,12 @@ def _resign(key: Ed25519PrivateKey, request: dict[str, Any]) -> bytes:
 def test_the_operators_request_is_accepted_once(operator: tuple[Ed25519PrivateKey, str]) -> None:
     key, public = operator
     seen: dict[str, float] = {}
-    data = fleetctl.sign(key, "stop", HOST, "agent-1")
-    request = fleetctl.verify(data, HOST, public, seen)
+    data = ctl.sign(key, "stop", HOST, "agent-1")
+    request = ctl.verify(data, HOST, public, seen)
     assert (request["verb"], request["host"], request["agent"]) == ("stop", HOST, "agent-1")
-    with pytest.raises(fleetctl.FleetControlError, match="replayed"):
-        fleetctl.verify(data, HOST, public, seen)
-    spawn = fleetctl.verify(fleetctl.sign(key, "spawn", HOST, "x", task="steps: []", model=None),
+    with pytest.raises(ctl.FleetControlError, match="replayed"):
+        ctl.verify(data, HOST, public, seen)
+    spawn = ctl.verify(ctl.sign(key, "spawn", HOST, "x", task="steps: []", model=None),
                             HOST, public, seen)
     assert spawn["task"] == "steps: []"
 
@@ -60,16 +59,16 @@ def test_a_request_taken_before_a_restart_is_not_taken_again_after_it(
     (a restarted host supervisor or broker) refuses it, within the window
     too, and takes one the operator signs afresh."""
     key, public = operator
-    data = fleetctl.sign(key, "stop", HOST, "agent-1")
+    data = ctl.sign(key, "stop", HOST, "agent-1")
     signed_at = json.loads(data)["ts"]
     before_restart = operatorsig.Nonces(since=signed_at - 1)
-    fleetctl.verify(data, HOST, public, before_restart)  # taken once
+    ctl.verify(data, HOST, public, before_restart)  # taken once
     restarted = operatorsig.Nonces(since=signed_at + 0.5)  # its memory of nonces gone
-    with pytest.raises(fleetctl.FleetControlError, match="signed before this verifier started"):
-        fleetctl.verify(data, HOST, public, restarted)
+    with pytest.raises(ctl.FleetControlError, match="signed before this verifier started"):
+        ctl.verify(data, HOST, public, restarted)
     fresh = operatorsig.sign(key, {"verb": "stop", "host": HOST, "agent": "agent-1",
                                    "signal": 15}, now=signed_at + 1)  # signed after it
-    assert fleetctl.verify(fresh, HOST, public, restarted)["agent"] == "agent-1"
+    assert ctl.verify(fresh, HOST, public, restarted)["agent"] == "agent-1"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -78,10 +77,10 @@ def test_a_request_taken_before_a_restart_is_not_taken_again_after_it(
 def test_a_tampered_field_breaks_the_signature(
         operator: tuple[Ed25519PrivateKey, str], field: str, value: object) -> None:
     key, public = operator
-    request = json.loads(fleetctl.sign(key, "stop", HOST, "agent-1", task="steps: []"))
+    request = json.loads(ctl.sign(key, "stop", HOST, "agent-1", task="steps: []"))
     request[field] = value
-    with pytest.raises(fleetctl.FleetControlError, match="bad signature"):
-        fleetctl.verify(json.dumps(request).encode(), HOST, public, {})
+    with pytest.raises(ctl.FleetControlError, match="bad signature"):
+        ctl.verify(json.dumps(request).encode(), HOST, public, {})
 
 
 def test_nothing_a_host_holds_signs_a_request_another_host_accepts(
@@ -103,17 +102,17 @@ def test_nothing_a_host_holds_signs_a_request_another_host_accepts(
 
     forged = [
         old_format(shared), old_format(bus_secret),
-        fleetctl.sign(host_bus_key, "stop", HOST, "agent-1"),  # the host's own Ed25519 key
+        ctl.sign(host_bus_key, "stop", HOST, "agent-1"),  # the host's own Ed25519 key
         # the public key is not a key that signs: its bytes as a seed make another key
-        fleetctl.sign(Ed25519PrivateKey.from_private_bytes(bytes.fromhex(public)),
+        ctl.sign(Ed25519PrivateKey.from_private_bytes(bytes.fromhex(public)),
                       "stop", HOST, "agent-1"),
         json.dumps({**body, "sig": "00" * 64}).encode(),
         json.dumps({**body, "sig": 5}).encode(),
         json.dumps(body).encode(),
     ]
     for data in forged:
-        with pytest.raises(fleetctl.FleetControlError, match="bad signature"):
-            fleetctl.verify(data, HOST, public, {})
+        with pytest.raises(ctl.FleetControlError, match="bad signature"):
+            ctl.verify(data, HOST, public, {})
 
 
 def test_stale_misaddressed_and_malformed_requests_are_refused(
@@ -126,14 +125,14 @@ def test_stale_misaddressed_and_malformed_requests_are_refused(
     future = operatorsig.sign(key, {"verb": "stop", "host": HOST, "agent": "a", "signal": 15},
                               now=time.time() + 90)
     for data in (stale, future):
-        with pytest.raises(fleetctl.FleetControlError, match="timestamp"):
-            fleetctl.verify(data, HOST, public, {})
+        with pytest.raises(ctl.FleetControlError, match="timestamp"):
+            ctl.verify(data, HOST, public, {})
     cases = [
-        (fleetctl.sign(key, "stop", "hc", "agent-1"), "addressed to"),
-        (fleetctl.sign(key, "reboot", HOST, "agent-1"), "unknown verb"),
-        (fleetctl.sign(key, "stop", HOST, "../etc"), "not an actor name"),
-        (fleetctl.sign(key, "kill", HOST, "agent-1", sig=99), "bad signal"),
-        (fleetctl.sign(key, "spawn", HOST, "agent-1"), "task"),
+        (ctl.sign(key, "stop", "hc", "agent-1"), "addressed to"),
+        (ctl.sign(key, "reboot", HOST, "agent-1"), "unknown verb"),
+        (ctl.sign(key, "stop", HOST, "../etc"), "not an actor name"),
+        (ctl.sign(key, "kill", HOST, "agent-1", sig=99), "bad signal"),
+        (ctl.sign(key, "spawn", HOST, "agent-1"), "task"),
         (operatorsig.sign(key, {"verb": "stop", "host": HOST, "agent": "a", "signal": 15,
                                 "extra": "x"}), "malformed"),
         (buskeys.forget_request(key, HOST), "malformed"),  # not a control request
@@ -141,10 +140,10 @@ def test_stale_misaddressed_and_malformed_requests_are_refused(
         (b" " * (operatorsig.MAX_REQUEST_BYTES + 1), "too large"),
     ]
     for data, reason in cases:
-        with pytest.raises(fleetctl.FleetControlError, match=reason):
-            fleetctl.verify(data, HOST, public, {})
-    with pytest.raises(fleetctl.FleetControlError, match="control is off"):
-        fleetctl.verify(fleetctl.sign(key, "stop", HOST, "a"), HOST, None, {})
+        with pytest.raises(ctl.FleetControlError, match=reason):
+            ctl.verify(data, HOST, public, {})
+    with pytest.raises(ctl.FleetControlError, match="control is off"):
+        ctl.verify(ctl.sign(key, "stop", HOST, "a"), HOST, None, {})
 
 
 def test_a_resigned_request_is_the_operators_only(
@@ -152,11 +151,11 @@ def test_a_resigned_request_is_the_operators_only(
     """The signature covers the canonical body: re-signing a changed body
     with any other key is refused; with the operator's, it is a new request."""
     key, public = operator
-    request = json.loads(fleetctl.sign(key, "stop", HOST, "agent-1"))
+    request = json.loads(ctl.sign(key, "stop", HOST, "agent-1"))
     request["verb"] = "kill"
-    with pytest.raises(fleetctl.FleetControlError, match="bad signature"):
-        fleetctl.verify(_resign(Ed25519PrivateKey.generate(), request), HOST, public, {})
-    assert fleetctl.verify(_resign(key, request), HOST, public, {})["verb"] == "kill"
+    with pytest.raises(ctl.FleetControlError, match="bad signature"):
+        ctl.verify(_resign(Ed25519PrivateKey.generate(), request), HOST, public, {})
+    assert ctl.verify(_resign(key, request), HOST, public, {})["verb"] == "kill"
 
 
 def test_forget_bus_key_is_the_operators_and_once(
@@ -171,7 +170,7 @@ def test_forget_bus_key_is_the_operators_and_once(
     refused = [
         (buskeys.forget_request(host_key, "ha"), "bad signature"),  # a host's own key
         (buskeys.forget_request(key, "ha", now=time.time() - 60), "timestamp"),
-        (fleetctl.sign(key, "kill", "ha", "agent-1"), "not a forget-bus-key"),
+        (ctl.sign(key, "kill", "ha", "agent-1"), "not a forget-bus-key"),
         (operatorsig.sign(key, {"verb": "forget-bus-key", "host": "no/such"}), "host name"),
         (buskeys.forget_request(key, "ha"), "control is off"),
     ]
@@ -226,14 +225,14 @@ def test_a_config_with_the_shared_operator_key_is_refused() -> None:
 
 def test_the_cli_needs_the_operators_private_key(monkeypatch: pytest.MonkeyPatch,
                                                  tmp_path: Path) -> None:
-    monkeypatch.delenv(fleetctl.OPERATOR_KEY_ENV, raising=False)
+    monkeypatch.delenv(ctl.OPERATOR_KEY_ENV, raising=False)
     with pytest.raises(ConfigError, match="CORRAL_OPERATOR_KEY is not set"):
-        fleetctl.operator_key()
+        ctl.operator_key()
     _, public = operatorsig.make_keys(tmp_path)
-    monkeypatch.setenv(fleetctl.OPERATOR_KEY_ENV, str(public))  # valid hex, but a public key:
-    key = fleetctl.operator_key()  # loads as some other private key, which verifies nothing
-    with pytest.raises(fleetctl.FleetControlError, match="bad signature"):
-        fleetctl.verify(fleetctl.sign(key, "stop", HOST, "a"), HOST,
+    monkeypatch.setenv(ctl.OPERATOR_KEY_ENV, str(public))  # valid hex, but a public key:
+    key = ctl.operator_key()  # loads as some other private key, which verifies nothing
+    with pytest.raises(ctl.FleetControlError, match="bad signature"):
+        ctl.verify(ctl.sign(key, "stop", HOST, "a"), HOST,
                         operatorsig.load_public(public), {})
 
 
@@ -244,18 +243,18 @@ def test_fleet_commands_on_a_cluster_that_is_away_answer_4(tmp_path: Path) -> No
     import subprocess
     import sys
 
-    from supervisor.fleetcluster import free_ports
+    from supervisor.fleet.cluster import free_ports
 
     url = f"nats://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
     state = tmp_path / ".corral"
     (state / "run").mkdir(parents=True)
     (state / "run" / "fleet.json").write_text(json.dumps({"host": "h1", "urls": [url]}))
     private, _ = operatorsig.make_keys(tmp_path / "op")
-    env = {**os.environ, fleetctl.OPERATOR_KEY_ENV: str(private)}
+    env = {**os.environ, ctl.OPERATOR_KEY_ENV: str(private)}
     for args in (["status", "--fleet"], ["kill", "h1:agent-1"],
                  ["fleet", "forget-bus-key", "h1"]):
         done = subprocess.run([sys.executable, "-m", "supervisor.cli", *args, "--state-dir",
                                str(state)], env=env, capture_output=True, text=True,
                               timeout=20, check=False)
-        assert done.returncode == fleetctl.EXIT_NO_ANSWER, (args, done.stderr)
+        assert done.returncode == ctl.EXIT_NO_ANSWER, (args, done.stderr)
         assert "did not answer" in done.stderr

@@ -29,12 +29,12 @@ import pytest
 import yaml
 import zmq
 
-from broker import buskeys, protocol
+from broker import protocol
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
-from supervisor import fleetctl
-from supervisor.fleethost import control_subject
-from supervisor.fleetplace import PLACE_HOST, PLACE_SUBJECT
+from supervisor.fleet import buskeys, ctl
+from supervisor.fleet.host import control_subject
+from supervisor.fleet.place import PLACE_HOST, PLACE_SUBJECT
 from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts
 from tests.processes import ProcessTracker, wait_for
 from tests.test_fleet_bus import bridge_values, pong_or_none
@@ -146,9 +146,9 @@ def test_only_the_operator_controls_hosts_and_clears_a_wiped_hosts_bus_key(
             (control_subject(hb), old_format(shared.read_bytes().strip(), "stop", hb, "agent-1")),
             (control_subject(hb), old_format(keys.bus_secret.read_bytes().strip(), "stop", hb,
                                              "agent-1")),
-            (control_subject(hb), fleetctl.sign(new_key, "stop", hb, "agent-1")),
-            (control_subject(hb), fleetctl.sign(new_key, "spawn", hb, "x", task="steps: []")),
-            (PLACE_SUBJECT, fleetctl.sign(new_key, "spawn", PLACE_HOST, "x", task="steps: []")),
+            (control_subject(hb), ctl.sign(new_key, "stop", hb, "agent-1")),
+            (control_subject(hb), ctl.sign(new_key, "spawn", hb, "x", task="steps: []")),
+            (PLACE_SUBJECT, ctl.sign(new_key, "spawn", PLACE_HOST, "x", task="steps: []")),
             (PLACE_SUBJECT, old_format(shared.read_bytes().strip(), "spawn", PLACE_HOST, "x",
                                        task="steps: []")),
         ]
@@ -189,7 +189,7 @@ async def _purge(urls: list[str], host: str) -> None:
 async def _entry(urls: list[str], host: str) -> bytes | None:
     import nats
 
-    from broker.fleetnats import kv_entries
+    from supervisor.fleet.natsclient import kv_entries
 
     nc: Any = await nats.connect(urls, connect_timeout=2)
     try:

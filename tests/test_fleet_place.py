@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from supervisor.fleetplace import agents_of, decide
+from supervisor.fleet.place import agents_of, decide
 
 
 def _host(name: str, agents: int, *, stale: bool = False, dead: bool = False,

@@ -1,5 +1,5 @@
 """The import of an adopted agent's records renumbers the seqs they name
-(supervisor/fleetseqs.py): a stream with rewinds (nested, with turns between
+(supervisor/fleet/renumber.py): a stream with rewinds (nested, with turns between
 them and generation facts), imported under another host's seqs, folds to the
 state the dead host's fold gives with every seq mapped; and a reference
 outside the imported range is refused before anything is appended."""
@@ -20,7 +20,7 @@ from actors.trees import branch
 from actors.trees.capture import Capturer
 from actors.trees.statcache import StatCache
 from actors.trees.store import ObjectStore
-from supervisor import fleetadopt, fleetgens, fleetseqs
+from supervisor.fleet import adopt, generations, renumber
 
 SESSION = "01JA0000000000000000000000"
 
@@ -70,7 +70,7 @@ def imported(records: list[dict[str, Any]], base: int, gap: int, chunk: int = 64
     out: list[dict[str, Any]] = []
     next_seq = base
 
-    def append(origin: str, items: list[fleetseqs.Item]) -> int:
+    def append(origin: str, items: list[renumber.Item]) -> int:
         nonlocal next_seq
         first = next_seq
         for event, body, key, _ in items:
@@ -80,7 +80,7 @@ def imported(records: list[dict[str, Any]], base: int, gap: int, chunk: int = 64
         next_seq += gap
         return first
 
-    seqs = fleetseqs.import_records(records, "a1", chunk, append)
+    seqs = renumber.import_records(records, "a1", chunk, append)
     return out, {r["seq"]: new for r, new in zip(records, seqs, strict=True)}
 
 
@@ -147,7 +147,7 @@ def test_a_generation_of_a_rewound_stream_is_renumbered() -> None:
     state = folded(records)
     new, seqs = imported(records, 77, 3)
     rewinds = {r["seq"] for r in records if r["event"] == "rewind"}
-    assert fleetgens.renumbered(state, seqs, rewinds) == folded(new)
+    assert generations.renumbered(state, seqs, rewinds) == folded(new)
 
 
 def bad(records: list[dict[str, Any]], index: int, **payload: Any) -> list[dict[str, Any]]:
@@ -174,13 +174,13 @@ def test_a_seq_outside_the_imported_range_is_refused_before_any_append() -> None
     ]
     appended: list[Any] = []
 
-    def append(origin: str, items: list[fleetseqs.Item]) -> int:
+    def append(origin: str, items: list[renumber.Item]) -> int:
         appended.append(items)
         return 1
 
     for records_ in hostile:
-        with pytest.raises(fleetseqs.SeqReferenceError):
-            fleetseqs.import_records(records_, "a1", 64, append)
+        with pytest.raises(renumber.SeqReferenceError):
+            renumber.import_records(records_, "a1", 64, append)
     assert appended == []
 
 
@@ -215,12 +215,12 @@ def test_the_cut_is_at_a_rewind_whose_workspace_the_adopter_holds(tmp_path: Path
                rec(2, "workspace_tree", {"turn": 1, "tree": one}),
                rec(3, "workspace_tree", {"turn": 2, "tree": two}),
                rec(4, "rewind", {"to_seq": 2, "from_seq": 3, "tree": one, "from_tree": two})]
-    chosen = fleetadopt.cut(records, "a1", store)
+    chosen = adopt.cut(records, "a1", store)
     assert (chosen.tree, len(chosen.records), chosen.dropped) == (one, 4, 0)
     to_nothing = [*records[:3], rec(4, "rewind", {"to_seq": 1, "from_seq": 3, "tree": None,
                                                   "from_tree": two})]
-    assert fleetadopt.cut(to_nothing, "a1", store).tree == two
+    assert adopt.cut(to_nothing, "a1", store).tree == two
     absent = [*records[:3], rec(4, "rewind", {"to_seq": 2, "from_seq": 3, "tree": "0" * 64,
                                               "from_tree": two})]
-    chosen = fleetadopt.cut(absent, "a1", store)  # its tree not held: an older cut
+    chosen = adopt.cut(absent, "a1", store)  # its tree not held: an older cut
     assert (chosen.tree, len(chosen.records), chosen.dropped) == (two, 3, 1)

@@ -35,13 +35,14 @@ from actors.subagents import remotepack as rp
 from actors.subagents.remote import remote_id
 from actors.subagents.transfers import chunks
 from actors.writer.client import WriterClient
-from broker import buskeys, protocol
-from broker.bridge import bus_key, bus_subject, sign
+from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
-from broker.fleetnats import HOSTS_BUCKET
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
 from broker.statedir import StateDir
+from supervisor.fleet import buskeys
+from supervisor.fleet.bridge import bus_key, bus_subject, sign
+from supervisor.fleet.natsclient import HOSTS_BUCKET
 from tests.agentkit import tree, write_task
 from tests.fleetkit import (
     Cluster,

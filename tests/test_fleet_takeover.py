@@ -1,5 +1,5 @@
 """Who adopts a dead host whose fencer died before it adopted (supervisor/
-fleetwatch.py `Watch.check`): the live end of the chain of fencers, once every
+fleet_watch.py `Watch.check`): the live end of the chain of fencers, once every
 dead fencer on the way has adopted its own agents. Found by the fleet soak
 (ops/soak.py --hosts 3 --fencer-kill-chance 1): host A killed, host B fences
 it and is killed before it adopts, host C fences B and adopts B's agents, and
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from supervisor import fleetwatch
-from supervisor.fleetwatch import Watch
+from supervisor.fleet import watch as fleet_watch
+from supervisor.fleet.watch import Watch
 
 
 @dataclass
@@ -55,7 +55,7 @@ def _round(monkeypatch: pytest.MonkeyPatch, watch: _Watch, live: set[str]) -> li
     async def keys_of(kv: Any) -> set[str]:
         return set(watch.members.entries) if kv is watch.members else live
 
-    monkeypatch.setattr(fleetwatch, "keys_of", keys_of)
+    monkeypatch.setattr(fleet_watch, "keys_of", keys_of)
     asyncio.run(watch.check(None, object(), []))
     return watch.adopted
 

@@ -18,7 +18,7 @@ import pytest
 from actors.agent.settings import AgentSpec, write_spec
 from actors.trees.store import packs_dir
 from broker.statedir import StateDir
-from supervisor.fleetadopt import OBJECTS, Uploader, _names, download_pack, parse_chunk
+from supervisor.fleet.adopt import OBJECTS, Uploader, _names, download_pack, parse_chunk
 from tests.fleetkit import Cluster, forget_hosts
 
 pytestmark = [pytest.mark.fleet]
@@ -102,14 +102,14 @@ async def put_once_ready(kv: Any, key: str, value: bytes, timeout_s: float = 20)
 
 
 def test_kv_entries_lists_live_keys_only(fleet_cluster: Cluster) -> None:
-    """The fleet view's reader (broker/fleetnats.kv_entries): purged keys are left
+    """The fleet view's reader (broker/natsclient.kv_entries): purged keys are left
     out, and a bucket holding only purge markers has no entries (the watcher of
     nats-py's keys() is not used: under load it answered "no keys" for live ones)."""
     import nats
     from nats.js.api import KeyValueConfig
 
-    from broker.fleetnats import kv_entries
-    from supervisor.fleetwatch import keys_of
+    from supervisor.fleet.natsclient import kv_entries
+    from supervisor.fleet.watch import keys_of
 
     fleet_cluster.wait_ready()
     bucket = f"corral_test_{uuid.uuid4().hex[:6]}"

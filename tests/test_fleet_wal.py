@@ -20,10 +20,11 @@ import pytest
 import zmq
 
 from actors.writer.client import WriterClient
-from actors.writer.replicate import EXIT_FENCED
 from actors.writer.wal import iter_segment, list_segments
 from broker.errors import RequestTimeoutError
 from broker.statedir import StateDir
+from supervisor.fleet.replicate import EXIT_FENCED
+from supervisor.fleetconfig import WRITER_HOOK
 from tests.fleetkit import Cluster, stream_leader, stream_records
 from tests.processes import ProcessTracker, wait_for
 
@@ -37,6 +38,9 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     context.destroy(linger=0)
 
 
+FLEET_HOOK = ["--hook", WRITER_HOOK]  # the supervisor passes it in fleet mode
+
+
 def host_name() -> str:
     return f"h{uuid.uuid4().hex[:10]}"
 
@@ -46,7 +50,8 @@ def start_fleet_writer(processes: ProcessTracker, state_dir: StateDir,
                        name: str = "writer") -> subprocess.Popen[bytes]:
     url_args = [a for u in urls for a in ("--fleet-url", u)]
     proc = processes.spawn(["-m", "actors.writer", "--state-dir", str(state_dir.root),
-                            "--fleet-host", host, "--fleet-publish-timeout-s", "1", *url_args],
+                            *FLEET_HOOK, "--fleet-host", host, "--fleet-publish-timeout-s", "1",
+                            *url_args],
                            name=name)
     probe = WriterClient(ctx, state_dir, "probe")
     try:
@@ -223,7 +228,8 @@ def test_a_fenced_host_acknowledges_nothing_more_and_stops(
     assert "fenced" in processes.output("writer")
     # restarted, it stops again before acknowledging anything
     again = processes.spawn(["-m", "actors.writer", "--state-dir", str(state_dir.root),
-                             "--fleet-host", host, *fleet_cluster.url_args()], name="writer2")
+                             *FLEET_HOOK, "--fleet-host", host, *fleet_cluster.url_args()],
+                            name="writer2")
     assert again.wait(30) == EXIT_FENCED
     assert sorted(stream_records(fleet_cluster.urls, host)) == [1]
     client.close()

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors import zygote
-from actors.writer.groupcommit import Batch
 from actors.writer.process import Writer, WriterOptions
 from broker import protocol
 from broker.heartbeat import HeartbeatRule
@@ -60,12 +59,10 @@ def writer(state_dir: StateDir, ctx: Context) -> Iterator[Writer]:
     w.lock()
     w.recover()
     w.bind(ctx)
-    w.inflight = None
-    w.staged = Batch()
     try:
         yield w
     finally:
-        w.sock.close(linger=0)
+        w.transport.sock.close(linger=0)
         w.close()
 
 

@@ -6,7 +6,7 @@ the status TTL: the adopter stays in the fleet all along); started again under
 its name (fenced: it runs nothing) and replaced under a new name. Every
 invariant holds, at least one agent was really adopted, and the planted faults
 of `--tamper` are each reported by the same checks (so they can fail). On the
-code before supervisor/fleetbeat.py the adopter's status entry expired during
+code before supervisor/fleet/beat.py the adopter's status entry expired during
 the adoption (`live_hosts_expired`)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.fleet, pytest.mark.process, pytest.mark.soak]
 
 @pytest.mark.timeout(300)  # ~35 s on a quiet machine: start-up, one host loss, the checks
 def test_a_host_killed_with_its_node_is_adopted_fenced_and_loses_nothing() -> None:
-    from supervisor import fleetcluster
+    from supervisor.fleet import cluster
 
     # short: the hosts' ipc:// socket paths live under it (pytest-xdist's tmp_path is long)
     tmp_path = Path(tempfile.mkdtemp(prefix="corral-sh-", dir="/tmp"))
@@ -38,12 +38,12 @@ def test_a_host_killed_with_its_node_is_adopted_fenced_and_loses_nothing() -> No
              "--task-repeat", "20",
              "--node-kill-chance", "1", "--seed", "5", "--tamper", "--json",
              # the adoption made slower than the status TTL (5 s): the adopter must
-             # stay in the fleet (supervisor/fleetbeat.py)
+             # stay in the fleet (supervisor/fleet/beat.py)
              "--adopt-delay-s", "7",
              "--root", str(tmp_path / "soak"), "--finish-timeout", "90"],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=280, check=False)
     finally:  # a soak killed by the timeout leaves its NATS nodes (their own sessions)
-        fleetcluster.down(tmp_path / "soak" / "cluster")
+        cluster.down(tmp_path / "soak" / "cluster")
         shutil.rmtree(tmp_path, ignore_errors=True)
     assert result.stdout, result.stderr[-3000:]
     figures = json.loads(result.stdout)

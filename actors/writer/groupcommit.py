@@ -59,12 +59,13 @@ class SyncWorker:
     """One thread that makes batches durable; wakes the loop through a pipe."""
 
     def __init__(self, segment: ActiveSegment, ledgers: Ledgers,
-                 replicate: Callable[[int, list[bytes]], None] | None = None) -> None:
+                 after_durable: Callable[[int, list[bytes]], None] | None = None) -> None:
         self.segment = segment
         self.ledgers = ledgers
-        # fleet mode (actors/writer/replicate.py): after the local fdatasync, before
-        # the ack; it blocks while the cluster is away, so never in the loop's thread
-        self.replicate = replicate
+        # the writer's hooks (actors/writer/hooks.py): after the local fdatasync,
+        # before the ack; one may block (the fleet's, while its cluster is away),
+        # so never in the loop's thread
+        self.after_durable = after_durable
         self._wake_r, self._wake_w = os.pipe()
         self._cond = threading.Condition()
         self._todo: Batch | None = None
@@ -136,8 +137,8 @@ class SyncWorker:
             if meta[4] is not None:
                 self.ledgers.add(meta[4], line)
         self.ledgers.commit()
-        if self.replicate is not None:
-            self.replicate(batch.first_seq, batch.lines)
+        if self.after_durable is not None:
+            self.after_durable(batch.first_seq, batch.lines)
 
     def close(self) -> None:
         with self._cond:

@@ -248,14 +248,14 @@ def fleet_hosts(state_dir: StateDir, config_path: str | None) -> dict[str, Any] 
     reads them (storage_usage asks only when the fleet is configured, so nothing
     of the fleet is imported otherwise)."""
     from broker.errors import ConfigError  # noqa: PLC0415
-    from supervisor import fleetctl  # noqa: PLC0415 - the fleet only when it is on
+    from supervisor.fleet import ctl  # noqa: PLC0415 - the fleet only when it is on
 
     try:
-        config = fleetctl.fleet_config(state_dir, config_path)
+        config = ctl.fleet_config(state_dir, config_path)
     except ConfigError:
         return None  # a config file without a fleet
     try:
-        hosts = fleetctl.fleet_status(config)
+        hosts = ctl.fleet_status(config)
     except Exception as exc:  # noqa: BLE001 - the cluster away: the page says so
         return {"hosts": [], "error": f"the fleet's cluster did not answer ({type(exc).__name__})"}
     return {"hosts": [

@@ -14,12 +14,10 @@ import sys
 import time
 from typing import Any
 
-from broker import buskeys
 from broker.errors import ConfigError
-from broker.fleetnats import HOST_NAME
 from broker.statedir import StateDir
-from supervisor.fleetconfig import FleetConfig
-from supervisor.fleetctl import (
+from supervisor.fleet import buskeys
+from supervisor.fleet.ctl import (
     EXIT_FAILED,
     EXIT_NO_ANSWER,
     EXIT_OK,
@@ -29,6 +27,8 @@ from supervisor.fleetctl import (
     operator_key,
     read_hosts,
 )
+from supervisor.fleet.natsclient import HOST_NAME
+from supervisor.fleetconfig import FleetConfig
 
 PROG = "supervisor fleet forget-bus-key"
 

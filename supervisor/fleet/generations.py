@@ -17,7 +17,7 @@ import structlog
 
 from actors.agent import generations
 from broker.statedir import StateDir
-from supervisor import fleetseqs
+from supervisor.fleet import renumber
 
 log = structlog.get_logger("supervisor.fleet")
 
@@ -175,9 +175,9 @@ def renumbered(state: Any, seqs: dict[int, int], rewinds: set[int] | None = None
     """`state` (an AgentState) with its seq-valued fields mapped from the dead
     host's seqs to this host's (`seqs`: old -> new, every adopted record;
     `rewinds`: the old seqs of the adopted rewinds, whose branch fields are
-    mapped too: supervisor/fleetseqs.py); None when one of them is not an
+    mapped too: supervisor/fleet/renumber.py); None when one of them is not an
     adopted record's."""
-    out = fleetseqs.renumber_branch(state.model_copy(deep=True), seqs, rewinds or set())
+    out = renumber.renumber_branch(state.model_copy(deep=True), seqs, rewinds or set())
     if out is None:
         return None
     if state.last_seq not in seqs:
@@ -215,7 +215,7 @@ def _restore(state_dir: StateDir, dead: str, agent: str,  # noqa: PLR0917
     if gen is None:
         return 0
     seqs = {int(r["seq"]): new for r, new in zip(adopted, new_seqs, strict=True)}
-    rewinds = {int(r["seq"]) for r in adopted if r.get("event") == fleetseqs.REWIND}
+    rewinds = {int(r["seq"]) for r in adopted if r.get("event") == renumber.REWIND}
     state = renumbered(gen.state, seqs, rewinds)
     if state is None:
         log.warning("fleet_generation_refused", host=dead, agent=agent,
@@ -252,7 +252,7 @@ def uploaded_generations(urls: list[str], host: str, agent: str) -> list[int]:
 
     import nats  # noqa: PLC0415
 
-    from supervisor.fleetadopt import OBJECTS  # noqa: PLC0415 - it imports this module
+    from supervisor.fleet.adopt import OBJECTS  # noqa: PLC0415 - it imports this module
 
     async def go() -> list[int]:
         nc: Any = await nats.connect(urls, connect_timeout=2)

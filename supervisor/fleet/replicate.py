@@ -17,18 +17,24 @@ from typing import Any
 
 import structlog
 
+from actors.writer.hooks import EXIT_HALTED, HaltedError
 from actors.writer.wal import WalRecord, iter_segment, list_segments
 from broker.errors import DurabilityError
-from broker.fleetnats import FleetSettings, connect_options, settings_from_args
-from broker.fleetnats import add_fleet_arguments as add_fleet_arguments  # noqa: PLC0414 - re-exported
+from broker.statedir import StateDir
+from supervisor.fleet.natsclient import (
+    FleetSettings,
+    add_fleet_arguments,
+    connect_options,
+    settings_from_args,
+)
 
 WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for a failed Nats-Expected-Last-Sequence
 STREAM_IN_USE = 10058  # a stream of that name exists (with another configuration)
 DUPLICATE_WINDOW_S = 120.0
-EXIT_FENCED = 77
+EXIT_FENCED = EXIT_HALTED
 
 
-class FencedError(DurabilityError):
+class FencedError(HaltedError):
     """The host's stream carries a fence: another host adopted this host's agents."""
 
 
@@ -107,7 +113,7 @@ class Replicator:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self, grace_s: float = 0.0) -> None:
+    def stopping(self, grace_s: float = 0.0) -> None:
         """Stop retrying after `grace_s` (a waiting batch then fails unacknowledged)."""
         def stop() -> None:
             self._closing = True
@@ -116,7 +122,7 @@ class Replicator:
         else:
             self._closing = True
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         self._closing = True
         if self._thread.is_alive():
             with contextlib.suppress(Exception):
@@ -136,7 +142,7 @@ class Replicator:
         }
 
     # --- the hook (the sync worker's thread) ---------------------------------
-    def replicate(self, first: int, lines: list[bytes]) -> None:
+    def after_durable(self, first: int, lines: list[bytes]) -> None:
         """Block until records first..first+len(lines)-1 (and every one before
         them) are in the stream. Raises FencedError, ReplicationStoppedError."""
         self.waiting_since = time.monotonic()
@@ -306,3 +312,13 @@ class Replicator:
             self.confirmed_seq = self.replicated_seq
             self.published_total += 1
             start = end
+
+
+# --- the writer's hook (actors/writer/hooks.py): `--hook supervisor.fleet.replicate` --
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_fleet_arguments(parser)
+
+
+def writer_hook(args: argparse.Namespace, state_dir: StateDir) -> Replicator | None:
+    """The replicator with `--fleet-host`, else None. Raises ConfigError."""
+    return Replicator.from_args(args, state_dir.wal_dir)

@@ -55,7 +55,7 @@ class Beat:
 
 
 def start(host: Any, kv: Any) -> Beat:
-    """The beat of a `FleetHost` (supervisor/fleethost.py), started on its loop."""
+    """The beat of a `FleetHost` (supervisor/fleet/host.py), started on its loop."""
     def counted() -> None:
         host.published_total += 1
 

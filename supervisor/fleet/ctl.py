@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from broker import operatorsig
 from broker.durable import write_atomic
 from broker.errors import ConfigError
-from broker.fleetnats import connect_options
 from broker.statedir import StateDir
+from supervisor.fleet import operatorsig
+from supervisor.fleet.natsclient import connect_options
 from supervisor.fleetconfig import OPERATOR_KEY_ENV, FleetConfig
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def carry_out(state_dir: StateDir, request: dict[str, Any]) -> dict[str, Any]:
     if request["verb"] == "spawn":
         try:
             message = _spawn_message(state_dir, agent, request["task"], request.get("model"))
-            if isinstance(request.get("session"), str):  # an adoption (fleetadopt.py) only
+            if isinstance(request.get("session"), str):  # an adoption (adopt.py) only
                 message = message.model_copy(update={"session": request["session"]})
         except (CorralError, ValueError) as exc:
             return {"ok": False, "error": "task", "detail": str(exc).splitlines()[0]}
@@ -159,7 +159,7 @@ def remote_spawn(state_dir: StateDir, config_path: str | None, name: str, task_f
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from supervisor.fleethost import control_subject  # noqa: PLC0415
+    from supervisor.fleet.host import control_subject  # noqa: PLC0415
 
     placed = _place(config, key, name, task, model) if host == "auto" else None
     candidates = [] if placed is not None else \
@@ -197,9 +197,9 @@ def remote_spawn(state_dir: StateDir, config_path: str | None, name: str, task_f
 
 def _place(config: FleetConfig, key: Ed25519PrivateKey, name: str, task: str,
            model: str | None) -> dict[str, Any] | None:
-    """Through the hosts' queue group (supervisor/fleetplace.py): its answer,
+    """Through the hosts' queue group (supervisor/fleet/place.py): its answer,
     or None to fall back to the fleet view's order."""
-    from supervisor.fleetplace import PLACE_HOST, place  # noqa: PLC0415
+    from supervisor.fleet.place import PLACE_HOST, place  # noqa: PLC0415
 
     async def go() -> dict[str, Any] | None:
         nc = await _connect(config)
@@ -236,7 +236,7 @@ def fleet_config(state_dir: StateDir, config_path: str | None) -> FleetConfig:
 async def _connect(config: FleetConfig) -> Any:
     import nats  # noqa: PLC0415
 
-    from supervisor.fleethost import settings_of  # noqa: PLC0415
+    from supervisor.fleet.host import settings_of  # noqa: PLC0415
 
     cfg = config if config.host else config.model_copy(update={"host": "operator"})
     options = connect_options(settings_of(cfg), "corral-operator")
@@ -251,8 +251,8 @@ async def read_hosts(js: Any, ttl_s: float) -> list[dict[str, Any]]:
     has expired: declared dead (`dead`, `fenced_by`) or not yet (`expired`)."""
     from nats.js.errors import BucketNotFoundError, KeyNotFoundError  # noqa: PLC0415
 
-    from supervisor.fleethost import BUCKET  # noqa: PLC0415
-    from supervisor.fleetwatch import MEMBERS, keys_of  # noqa: PLC0415
+    from supervisor.fleet.host import BUCKET  # noqa: PLC0415
+    from supervisor.fleet.watch import MEMBERS, keys_of  # noqa: PLC0415
 
     hosts: list[dict[str, Any]] = []
     try:
@@ -349,7 +349,7 @@ def remote_control(state_dir: StateDir, config_path: str | None, verb: str, targ
     except (ConfigError, OSError) as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from supervisor.fleethost import control_subject  # noqa: PLC0415
+    from supervisor.fleet.host import control_subject  # noqa: PLC0415
 
     async def go() -> dict[str, Any]:
         nc = await _connect(config)

@@ -98,7 +98,7 @@ def sign(key: Ed25519PrivateKey, body: dict[str, Any], now: float | None = None)
 
 def verified(public: str, sig: str, data: bytes) -> bool:
     """Whether `sig` (hex) is `public`'s (hex) Ed25519 signature of `data`;
-    False for anything malformed (also the bus keys': broker/buskeys.py)."""
+    False for anything malformed (also the bus keys': supervisor/fleet/buskeys.py)."""
     from cryptography.exceptions import InvalidSignature  # noqa: PLC0415
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (  # noqa: PLC0415
         Ed25519PublicKey,

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from broker import operatorsig
 from broker.durable import write_atomic
+from supervisor.fleet import operatorsig
 
 if TYPE_CHECKING:  # the fleet extra: imported where used, so a plain broker needs none
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-log = structlog.get_logger("broker.bridge")
+log = structlog.get_logger("supervisor.fleet.bridge")
 
 BUCKET = "corral_bus_keys"
 FORGET_SUBJECT = "corral.buskeys.forget"  # the operator's forget-bus-key, to every bridge
@@ -133,7 +133,7 @@ def forget_request(operator: Any, host: str, now: float | None = None) -> bytes:
 def check_forget(data: bytes, operator_public: str | None, seen: dict[str, float]) -> str:
     """The host whose pin to drop, or ForgetRefusedError: not signed by the
     operator, stale, replayed, another verb, a malformed host name."""
-    from broker.fleetnats import HOST_NAME  # noqa: PLC0415
+    from supervisor.fleet.natsclient import HOST_NAME  # noqa: PLC0415
 
     try:
         request = operatorsig.verify(data, operator_public, seen)

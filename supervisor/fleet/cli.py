@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from actors.writer.replicate import fence_subject, stream_name
 from broker.errors import ConfigError
-from broker.fleetnats import FleetSettings, connect_options
 from broker.statedir import StateDir
+from supervisor.fleet.natsclient import FleetSettings, connect_options
+from supervisor.fleet.replicate import fence_subject, stream_name
 
 PROG = "supervisor fleet"
 
@@ -56,15 +56,15 @@ def main(argv: list[str]) -> int:
         if args.verb == "up":
             return _up(args)
         if args.verb == "down":
-            from supervisor import fleetcluster  # noqa: PLC0415
+            from supervisor.fleet import cluster  # noqa: PLC0415
 
-            count = fleetcluster.down(StateDir.resolve(args.state_dir).root)
+            count = cluster.down(StateDir.resolve(args.state_dir).root)
             print(f"{PROG}: stopped {count} node(s)")
             return 0
         if args.verb == "forget-bus-key":
-            from supervisor import fleetforget  # noqa: PLC0415
+            from supervisor.fleet import forget  # noqa: PLC0415
 
-            return fleetforget.main(args)
+            return forget.main(args)
         return _fence(args)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
@@ -72,13 +72,12 @@ def main(argv: list[str]) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from broker import buskeys, operatorsig  # noqa: PLC0415
-    from supervisor import fleetcluster  # noqa: PLC0415
+    from supervisor.fleet import buskeys, cluster, operatorsig  # noqa: PLC0415
 
     root = StateDir.resolve(args.state_dir).ensure().root
-    nodes = fleetcluster.up(root, args.nodes)
+    nodes = cluster.up(root, args.nodes)
     urls = [n.url for n in nodes]
-    directory = fleetcluster.fleet_dir(root)
+    directory = cluster.fleet_dir(root)
     private, public = operatorsig.make_keys(directory)
     secret = buskeys.make_bus_secret(directory / "bus.secret")
     if args.json:

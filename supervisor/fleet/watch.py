@@ -11,9 +11,9 @@ from typing import Any
 
 import structlog
 
-from actors.writer.replicate import fence_subject, stream_name
-from broker.fleetnats import MEMBERS_BUCKET, kv_entries
 from broker.statedir import StateDir
+from supervisor.fleet.natsclient import MEMBERS_BUCKET, kv_entries
+from supervisor.fleet.replicate import fence_subject, stream_name
 
 log = structlog.get_logger("supervisor.fleet")
 
@@ -34,7 +34,7 @@ async def members_bucket(js: Any, replicas: int) -> Any:
 
 async def keys_of(kv: Any) -> set[str]:
     """The bucket's live keys, from its stream's per-subject state and a direct
-    get of each (broker/fleetnats.kv_entries), never from nats-py's `keys()`:
+    get of each (broker/natsclient.kv_entries), never from nats-py's `keys()`:
     that runs a watcher, an ephemeral consumer made and deleted per call, and
     the view is read every status round by every host, each second by every
     bridge and by every `status --fleet`; on a loaded cluster that churn ended
@@ -104,7 +104,7 @@ class Watch:
 
     async def check(self, js: Any, hosts_kv: Any, hosts: list[dict[str, Any]]) -> None:
         """Declare dead (and fence) the members silent for longer than the grace."""
-        from supervisor.fleetctl import least_loaded  # noqa: PLC0415
+        from supervisor.fleet.ctl import least_loaded  # noqa: PLC0415
 
         if not self.registered:
             return
@@ -161,7 +161,7 @@ class Watch:
         """Adopt the fenced member's agents here, then mark it `adopted`."""
         if self.state_dir is None:
             return
-        from supervisor.fleetadopt import adopt_host  # noqa: PLC0415
+        from supervisor.fleet.adopt import adopt_host  # noqa: PLC0415
 
         adopted = await adopt_host(js, member, self.state_dir, self.replicas)
         await self.members.put(member, json.dumps(

@@ -19,24 +19,33 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import zmq
 
-from broker import auth, buskeys, operatorsig, protocol, ratelimit
+from broker import auth, protocol, ratelimit
 from broker.errors import ProtocolError
-from broker.fleetnats import (
+from broker.hooks import FORWARDED, Forwarded, Local, Refusal
+from broker.statedir import NAME_PATTERN
+from supervisor.fleet import buskeys, operatorsig
+from supervisor.fleet.natsclient import (
     HOST_NAME,
     HOSTS_BUCKET,
     MEMBERS_BUCKET,
     FleetSettings,
+    add_fleet_arguments,
     connect_options,
     kv_entries,
+    settings_from_args,
 )
-from broker.statedir import NAME_PATTERN
 
-log = structlog.get_logger("broker.bridge")
+if TYPE_CHECKING:
+    import argparse
+
+    from broker.statedir import StateDir
+
+log = structlog.get_logger("supervisor.fleet.bridge")
 
 BUS_DOMAIN = b"corral-bus-v1"
 MAX_SKEW_S = 30.0
@@ -48,7 +57,7 @@ HEADER_MAX = 256  # one header value
 LAST_HOSTS_MAX = 100_000  # names remembered with the host they were last seen on
 H_FROM, H_TO, H_TS, H_NONCE, H_MAC = ("Corral-From", "Corral-To", "Corral-Ts", "Corral-Nonce",
                                       "Corral-Mac")
-H_SIG = "Corral-Sig"  # the sending host's own signature (broker/buskeys.py)
+H_SIG = "Corral-Sig"  # the sending host's own signature (supervisor/fleet/buskeys.py)
 _INPROC = itertools.count()
 
 
@@ -148,12 +157,6 @@ def verify(key: bytes, host: str, headers: dict[str, str], body: bytes,  # noqa:
 class Target:
     host: str
     name: str
-
-
-@dataclass(frozen=True)
-class Refusal:
-    code: protocol.ErrorCode
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,24 @@ class Bridge:
             return self._host_refusal(last, view)
         return None
 
+    def route(self, sender: bytes, to: bytes, body: bytes) -> Local | Refusal | Forwarded | None:
+        """The broker's route hook (broker/hooks.py): `resolve`, then `publish`."""
+        target = self.resolve(to)
+        if target is None or isinstance(target, Refusal):
+            return target
+        if target.host == self.host:
+            return Local(target.name.encode())  # HOST:NAME naming this host
+        return self.publish(target, sender, body) or FORWARDED
+
+    def undeliverable(self, to: bytes, sender: bytes, body: bytes,
+                      code: protocol.ErrorCode) -> None:
+        """The broker could not deliver a frame from another host: `bounce` it."""
+        name = to.decode("ascii", "replace")
+        self.bounce(to, sender, body, code,
+                    f"no peer named {name!r} is connected on host {self.host}"
+                    if code is protocol.ErrorCode.UNKNOWN_RECIPIENT else
+                    f"the queue to {name!r} is full")
+
     def _host_refusal(self, host: str, view: View | None) -> Refusal | None:
         if view is not None and host in view.live:
             return None
@@ -381,7 +402,7 @@ class Bridge:
                 self.view = read_view(await _entries(js, HOSTS_BUCKET),
                                       await _entries(js, MEMBERS_BUCKET),
                                       self.view or View())
-            except Exception as exc:  # noqa: BLE001 - keep the last view until the next round
+            except Exception as exc:  # noqa: BLE001 - the cluster is away: try again
                 if self._limiter.allow():
                     log.warning("bridge_view_failed", error=type(exc).__name__)
             if sender.done():  # never: the sender task ends only when cancelled
@@ -415,7 +436,7 @@ class Bridge:
             return
 
     async def _on_forget(self, msg: Any) -> None:
-        """The operator's `forget-bus-key HOST` (broker/buskeys.py): drop the pin
+        """The operator's `forget-bus-key HOST` (supervisor/fleet/buskeys.py): drop the pin
         for HOST; the next key read for it is pinned."""
         assert self.pins is not None
         try:
@@ -443,7 +464,7 @@ class Bridge:
                                        headers=sign(self._key, sender, to, body,
                                                     host_key=self._host_key))
                 self.sent_total += 1
-            except Exception as exc:  # noqa: BLE001 - the cluster is away: the frame is lost
+            except Exception as exc:  # noqa: BLE001 - the cluster is away: try again
                 self.dropped_total += 1
                 if self._limiter.allow():
                     log.warning("bridge_publish_failed", host=host, error=type(exc).__name__)
@@ -526,8 +547,6 @@ def from_args(ctx: zmq.Context[zmq.Socket[bytes]], settings: FleetSettings | Non
         return None
     operator_public = None
     if operator_public_path:
-        from broker import operatorsig  # noqa: PLC0415
-
         try:
             operator_public = operatorsig.load_public(Path(operator_public_path))
         except (OSError, ValueError) as exc:
@@ -542,3 +561,22 @@ def from_args(ctx: zmq.Context[zmq.Socket[bytes]], settings: FleetSettings | Non
     bridge = Bridge(ctx, settings, key, max_body, view_interval_s, host_key, operator_public)
     bridge.start()
     return bridge
+
+
+# --- the broker's hook (broker/hooks.py): `--hook supervisor.fleet.bridge` ----------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The broker's fleet options (the supervisor passes them from `fleet:`)."""
+    add_fleet_arguments(parser)
+    parser.add_argument("--fleet-bus-secret", default=None,
+                        help="the hosts' bus secret file (frames between hosts are MACed)")
+    parser.add_argument("--fleet-operator-public-key", default=None,
+                        help="the operator's public key file (forget-bus-key is verified)")
+    parser.add_argument("--fleet-view-interval-s", type=float, default=1.0)
+
+
+def route_hook(ctx: zmq.Context[zmq.Socket[bytes]], args: argparse.Namespace, state: StateDir,
+               limits: protocol.Limits) -> Bridge | None:
+    """The broker's route hook: the started bridge, or None (`from_args`)."""
+    return from_args(ctx, settings_from_args(args), args.fleet_bus_secret,
+                     limits.max_frame_bytes, args.fleet_view_interval_s,
+                     buskeys.key_path(state.root), args.fleet_operator_public_key)

@@ -21,7 +21,7 @@ BUNDLE_SUFFIX = "+bundle"  # the adopter's pack of an agent's extras: `<agent>+b
 
 
 def tree_named(event: str, payload: object) -> str | None:
-    """The workspace a `workspace_tree` or `rewind` record leaves (fleetadopt.cut)."""
+    """The workspace a `workspace_tree` or `rewind` record leaves (adopt.cut)."""
     if event not in TREE_EVENTS or not isinstance(payload, dict):
         return None
     digest = payload.get("tree")

@@ -14,15 +14,13 @@ from typing import Any
 
 import structlog
 
-from broker import operatorsig
 from broker.durable import write_atomic
-from broker.fleetnats import HOSTS_BUCKET, FleetSettings, connect_options
 from broker.statedir import StateDir
-from supervisor import fleetbeat
-from supervisor.fleetadopt import Uploader
-from supervisor.fleetconfig import FleetConfig
-from supervisor.fleetctl import read_hosts
-from supervisor.fleetplace import (
+from supervisor.fleet import beat, operatorsig
+from supervisor.fleet.adopt import Uploader
+from supervisor.fleet.ctl import read_hosts
+from supervisor.fleet.natsclient import HOSTS_BUCKET, FleetSettings, connect_options
+from supervisor.fleet.place import (
     PLACE_HOST,
     PLACE_QUEUE,
     PLACE_SUBJECT,
@@ -30,7 +28,8 @@ from supervisor.fleetplace import (
     decide,
     place_subject,
 )
-from supervisor.fleetwatch import Watch
+from supervisor.fleet.watch import Watch
+from supervisor.fleetconfig import FleetConfig
 
 log = structlog.get_logger("supervisor.fleet")
 
@@ -132,7 +131,7 @@ class FleetHost:
         try:
             js = nc.jetstream(timeout=5)
             kv = None
-            beat: fleetbeat.Beat | None = None
+            beater: beat.Beat | None = None
             await nc.subscribe(control_subject(self.host), cb=self._on_control)
             self._js = js
             if self._operator_key() is not None:  # without it control is off: a
@@ -156,45 +155,45 @@ class FleetHost:
                         kv = await ensure_bucket(js, self.config)
                     if not watch.registered and not await watch.register(js):
                         return  # declared dead: this host reports nothing more
-                    if beat is None:  # the status entry, kept alive apart (fleetbeat.py)
-                        beat = fleetbeat.start(self, kv)
-                    await beat.put_now()
-                    await uploader.sync(js)  # the agents' bundles (fleetadopt.py)
+                    if beater is None:  # the status entry, kept alive apart (beat.py)
+                        beater = beat.start(self, kv)
+                    await beater.put_now()
+                    await uploader.sync(js)  # the agents' bundles (adopt.py)
                     await watch.check(js, kv, await read_hosts(js, self.config.host_ttl_s))
                 except Exception as exc:  # noqa: BLE001 - stale until the cluster is back
                     log.warning("fleet_status_put_failed", error=type(exc).__name__)
         finally:
-            if beat is not None:
-                await beat.stop()
+            if beater is not None:
+                await beater.stop()
             with contextlib.suppress(Exception):
                 await nc.close()
 
     async def _on_control(self, msg: Any) -> None:
-        from supervisor import fleetctl  # noqa: PLC0415
+        from supervisor.fleet import ctl  # noqa: PLC0415
 
         try:
-            request = fleetctl.verify(msg.data, self.host, self._operator_key(), self._seen)
-        except fleetctl.FleetControlError as exc:
+            request = ctl.verify(msg.data, self.host, self._operator_key(), self._seen)
+        except ctl.FleetControlError as exc:
             log.warning("fleet_control_refused", reason=str(exc)[:200])
             await msg.respond(json.dumps({"ok": False, "error": "forbidden",
                                           "detail": str(exc)}).encode())
             return
         log.info("fleet_control", verb=request["verb"], agent=request["agent"])
         reply = await asyncio.get_running_loop().run_in_executor(
-            None, fleetctl.carry_out, self.state_dir, request)
+            None, ctl.carry_out, self.state_dir, request)
         await msg.respond(json.dumps(reply).encode())
 
     async def _on_place(self, msg: Any) -> None:
-        """A placement from the queue group (supervisor/fleetplace.py): accepted
+        """A placement from the queue group (supervisor/fleet/place.py): accepted
         and spawned here only when this host is a least-loaded live host."""
-        from supervisor import fleetctl  # noqa: PLC0415
+        from supervisor.fleet import ctl  # noqa: PLC0415
 
         def answer(reply: dict[str, Any]) -> Any:
             return msg.respond(json.dumps({**reply, "host": self.host}).encode())
 
         try:
-            request = fleetctl.verify(msg.data, PLACE_HOST, self._operator_key(), self._seen)
-        except fleetctl.FleetControlError as exc:
+            request = ctl.verify(msg.data, PLACE_HOST, self._operator_key(), self._seen)
+        except ctl.FleetControlError as exc:
             request = {"refused": str(exc)}
         if request.get("verb") != "spawn":
             why = request.get("refused") or "only spawn is placed"
@@ -205,7 +204,7 @@ class FleetHost:
             await self._place(request, answer)
 
     async def _place(self, request: dict[str, Any], answer: Any) -> None:
-        from supervisor import fleetctl  # noqa: PLC0415
+        from supervisor.fleet import ctl  # noqa: PLC0415
 
         if self._status is None or self.watch is None or not self.watch.registered:
             await answer({"ok": False, "error": "declined", "detail": "not in the fleet yet"})
@@ -226,7 +225,7 @@ class FleetHost:
             return
         log.info("fleet_placed", agent=request["agent"], why=why)
         reply = await asyncio.get_running_loop().run_in_executor(
-            None, fleetctl.carry_out, self.state_dir, request)
+            None, ctl.carry_out, self.state_dir, request)
         if reply.get("ok"):
             self._placed.add(request["agent"])
         await answer({**reply, "placed": True})

@@ -31,10 +31,10 @@ from actors.trees.store import (
     packs_dir,
 )
 from actors.trees.store import lease as store_lease
-from actors.writer.replicate import parse_seq_range, stream_name
 from broker.durable import write_atomic
 from broker.statedir import StateDir
-from supervisor import fleetbundle, fleetgens, fleetseqs
+from supervisor.fleet import bundle, generations, renumber
+from supervisor.fleet.replicate import parse_seq_range, stream_name
 
 log = structlog.get_logger("supervisor.fleet")
 # tests only: seconds each agent's adoption sleeps first (in the executor), as a
@@ -94,7 +94,7 @@ class _Sent:
     gen: str  # the chunks' generation
     chunks: int
     spec: bytes
-    # the extras (supervisor/fleetbundle.py), per generation:
+    # the extras (supervisor/fleet/bundle.py), per generation:
     parsed: int = 0  # the pack's bytes whose objects are in `present`
     present: set[str] = field(default_factory=set)  # objects in the bundle: pack and extras
     closed: set[str] = field(default_factory=set)  # trees whose closure the bundle holds
@@ -116,17 +116,17 @@ class Uploader:
     sent: dict[str, _Sent] = field(default_factory=dict)
     uploads: int = 0
     uploaded_bytes: int = 0
-    generations: fleetgens.GenerationUploader | None = None
+    generations: generations.GenerationUploader | None = None
     extra_bytes: int = 0  # of `uploaded_bytes`, the extras'
-    trees: fleetbundle.NewestTrees | None = None
+    trees: bundle.NewestTrees | None = None
     store: ObjectStore | None = None  # this host's, read for the extras
 
     async def sync(self, js: Any) -> int:
         """Upload what changed since the last round; how many agents' bundles
-        (their generations too: supervisor/fleetgens.py)."""
+        (their generations too: supervisor/fleet/generations.py)."""
         done = await self._sync_packs(js)
         if self.generations is None:
-            self.generations = fleetgens.GenerationUploader(self.host, self.state_dir)
+            self.generations = generations.GenerationUploader(self.host, self.state_dir)
         await self.generations.sync(lambda: objects_bucket(js, self.replicas),
                                     [a for a in agent_names(self.state_dir) if a in self.sent],
                                     _names)
@@ -136,7 +136,7 @@ class Uploader:
         bucket = None
         done = 0
         if self.trees is None:
-            self.trees = fleetbundle.NewestTrees(self.state_dir.wal_dir)
+            self.trees = bundle.NewestTrees(self.state_dir.wal_dir)
         # before the packs: a tree read has its objects there (durable before its fact)
         newest = await asyncio.get_running_loop().run_in_executor(None, self.trees.read)
         for agent in agent_names(self.state_dir):
@@ -180,7 +180,7 @@ class Uploader:
     async def _sync_extras(self, bucket: Any, agent: str, pack: Path, known: _Sent,
                            tree: str) -> None:
         """The objects of the agent's newest tree its bundle lacks, as one chunk
-        `extra.<gen>@<offset>` (supervisor/fleetbundle.py)."""
+        `extra.<gen>@<offset>` (supervisor/fleet/bundle.py)."""
         try:
             with pack.open("rb") as f:
                 if (os.fstat(f.fileno()).st_dev, os.fstat(f.fileno()).st_ino) != known.ident:
@@ -196,7 +196,7 @@ class Uploader:
             self.store = ObjectStore(packs_dir(self.state_dir.root), "fleet-uploader")
         store = self.store
         found = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: fleetbundle.missing(store.get, tree, known.present, known.closed))
+            None, lambda: bundle.missing(store.get, tree, known.present, known.closed))
         if found.objects:
             data = (MAGIC if known.extra == 0 else b"") + encode_objects(found.objects)
             await bucket.put(chunk_object(self.host, agent, known.gen, known.extra, "extra"), data)
@@ -261,7 +261,7 @@ async def _fetch_bundle(bucket: Any, names: list[str], dead: str, agent: str
             spec = json.loads((await bucket.get(spec_object(dead, agent))).data or b"{}")
             pack = await download_pack(bucket, names, dead, agent)
             extras = await download_extras(bucket, names, dead, agent)
-            gens = await fleetgens.download(bucket, names, dead, agent)
+            gens = await generations.download(bucket, names, dead, agent)
         except NotFoundError:
             raise
         except (NatsError, TimeoutError, ConnectionError) as exc:
@@ -281,7 +281,7 @@ def chunk_object(host: str, agent: str, gen: str, offset: int, kind: str = "pack
 
 def parse_chunk(name: str, host: str, agent: str, kind: str = "pack") -> tuple[str, int] | None:
     """(generation, offset) of one of `host`'s chunks of `agent`'s pack (or, `kind`
-    "extra", of its extras: supervisor/fleetbundle.py), else None."""
+    "extra", of its extras: supervisor/fleet/bundle.py), else None."""
     prefix = f"{host}/{agent}/{kind}."
     if not name.startswith(prefix):
         return None
@@ -321,7 +321,7 @@ async def _join(bucket: Any, chunks: dict[int, str]) -> bytes:
 
 
 async def download_extras(bucket: Any, names: list[str], host: str, agent: str) -> bytes:
-    """The agent's extras (supervisor/fleetbundle.py) of the pack generation
+    """The agent's extras (supervisor/fleet/bundle.py) of the pack generation
     `download_pack` takes, joined as it joins the pack: a pack of their own."""
     gens: dict[str, dict[int, str]] = {}
     for name in names:
@@ -346,7 +346,7 @@ def take_bundle(packs: Path, agent: str, pack: bytes, extras: bytes) -> ObjectSt
     if pack:
         write_atomic(packs / f"{agent}.pack", pack)
     if extras:
-        write_atomic(packs / f"{agent}{fleetbundle.BUNDLE_SUFFIX}.pack", extras)
+        write_atomic(packs / f"{agent}{bundle.BUNDLE_SUFFIX}.pack", extras)
     store = ObjectStore(packs, agent)
     store.validate()
     return store
@@ -469,7 +469,7 @@ def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any]
                 gens: list[tuple[int, bytes]] | None = None, extras: bytes = b"") -> Adopted:
     """Blocking: one agent of the dead host made to run here (see the module doc);
     `gens`: its generations from the object store (hostile: checked before use);
-    `extras`: the objects of its newest tree its pack lacks (fleetbundle.py)."""
+    `extras`: the objects of its newest tree its pack lacks (bundle.py)."""
     from actors.agent import workspace as agent_workspace  # noqa: PLC0415
     from actors.trees.restore import restore  # noqa: PLC0415
 
@@ -483,13 +483,13 @@ def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any]
     with store_lease(packs):
         store = take_bundle(packs, agent, pack, extras)
         chosen = cut(records, agent, store)
-        fleetseqs.check(chosen.records)  # refused before the workspace is touched
+        renumber.check(chosen.records)  # refused before the workspace is touched
         workspace = state_dir.agent_dir(agent) / "workspace"
         workspace.mkdir(parents=True, exist_ok=True)
         if chosen.tree is not None:
             restore(workspace, store, None, chosen.tree, agent_workspace.guard_for(state_dir))
         seqs = _import(state_dir, agent, chosen.records)
-        generation = fleetgens.restore(
+        generation = generations.restore(
             state_dir, dead, agent, candidates=gens or [], records=records,
             adopted=chosen.records, new_seqs=seqs) if seqs else 0
         lost = running_procs(records, agent, _last_seq(chosen.records))
@@ -577,7 +577,7 @@ def _import(state_dir: StateDir, agent: str, records: list[dict[str, Any]]) -> l
     try:
         with WriterClient(ctx, state_dir, agent,
                           credential=auth.operator_credential(state_dir)) as writer:
-            return fleetseqs.import_records(
+            return renumber.import_records(
                 records, agent, IMPORT_CHUNK,
                 lambda origin, group: writer.append_many(f"agent/{agent}", group,
                                                          origin=origin).seq)
@@ -596,7 +596,7 @@ def _session_of(records: list[dict[str, Any]]) -> str | None:
 
 def _spawn(state_dir: StateDir, agent: str, spec: dict[str, Any],
            session: str | None) -> tuple[bool, str]:
-    from supervisor import fleetctl  # noqa: PLC0415
+    from supervisor.fleet import ctl  # noqa: PLC0415
 
     model = spec.get("model")
     backend = spec.get("backend")
@@ -612,7 +612,7 @@ def _spawn(state_dir: StateDir, agent: str, spec: dict[str, Any],
                                "task": str(spec.get("task", "")), "model": model}
     if session is not None:
         request["session"] = session
-    reply = fleetctl.carry_out(state_dir, request)
+    reply = ctl.carry_out(state_dir, request)
     return bool(reply.get("ok")), str(reply.get("detail", ""))
 
 
