@@ -5,7 +5,9 @@ directory equals the copy's, byte for byte, and real git applies it; a file
 the parent changed after the spawn makes the set stale, at build or at
 apply; `.git` and `.corral` are hidden from the child; the mount survives an
 unmount and a remount (a host's restart); where no overlay can be mounted
-the probe says why and the host copies instead."""
+the probe says why and the host copies instead. An overlaid child's first
+capture reads none of the files its parent's stat cache vouches for."""
+
 
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ from actors.changesets.build import build, build_from
 from actors.changesets.manifest import Manifest
 from actors.changesets.snapshot import snapshot
 from actors.subagents.host import SubagentsHost
+from actors.trees import recorder
 from broker.errors import ChangeSetRefusedError
 from broker.statedir import StateDir
 from tests.test_changesets import BASE_FILES, edit_child, git, read_tree, write_tree
+from tests.test_trees_seed import _past_the_tick
 
 
 def _overlay_refused() -> str | None:
@@ -203,3 +207,26 @@ def test_without_an_overlay_the_probe_says_why_and_the_host_copies(
     assert not (directory / overlay.UPPER).exists()  # the overlay's beginnings removed
     assert (directory / "work" / "a.txt").read_bytes() == b"a\n"  # a copy
     assert not overlay.is_overlay(directory / "base")
+
+
+@needs_overlay
+def test_an_overlaid_childs_first_capture_trusts_its_parents_stat_cache(
+        tmp_path: Path, mounts: list[Path]) -> None:
+    state = StateDir(tmp_path / ".corral").ensure()
+    parent = tmp_path / "parent"
+    write_tree(parent, {f"pkg{i // 10}/mod{i}.py": b"# %d\n" % i * 20 for i in range(40)})
+    (parent / "pkg0" / "mod0.py").write_bytes(b"newest\n")
+    newest = os.lstat(parent / "pkg0" / "mod0.py").st_ctime_ns
+    _past_the_tick(state.cache_dir / "trees", newest)
+    reference = recorder.capturer_for(state, "p", parent).capture()
+    assert reference.hashed == 40
+    directory = tmp_path / "cow"
+    mounts.append(directory)
+    overlay.prepare(parent, directory)
+    (directory / "work" / "pkg1" / "mod10.py").write_bytes(b"the child's\n")
+    host = SimpleNamespace(state=state)
+    SubagentsHost._seed_from_parent(host, "p.s-1", "p")  # type: ignore[arg-type]
+    child = recorder.capturer_for(state, "p.s-1", directory / "work").capture()
+    assert child.hashed == 1  # only what the child wrote
+    unseeded = recorder.capturer_for(state, "q", directory / "work").capture()
+    assert unseeded.hashed == 40 and unseeded.digest == child.digest != reference.digest

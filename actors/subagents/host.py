@@ -49,6 +49,7 @@ from actors.subagents.remote import RemoteLink
 from actors.subagents.remotepack import PackLimits
 from actors.subagents.starter import ChildStarter
 from actors.trees import recorder
+from actors.trees.statcache import StatCache
 from actors.writer.client import WriterClient
 from broker import lifeline, protocol
 from broker.control import CallWatch
@@ -204,6 +205,8 @@ class SubagentsHost:
                                len(index.entries))
         if isinstance(index, BaseIndex):
             self._seed_child_cache(name, index)
+        else:
+            self._seed_from_parent(name, message.parent)
         write_spec(self.state, name, AgentSpec(
             task=task, backend=backend, workspace=str(directory / "work"),
             parent_agent=message.parent,
@@ -249,6 +252,21 @@ class SubagentsHost:
         files = {rel: (ident, index.entries[rel].sha256) for rel, ident in index.copies.items()}
         try:
             recorder.seed_stat_cache(self.state, name, files)
+        except OSError as exc:
+            log.warning("subagent_cache_not_seeded", child=name,
+                        error=exc.strerror or type(exc).__name__)
+
+    def _seed_from_parent(self, name: str, parent: str) -> None:
+        """An overlaid child sees its parent's files with their lstat
+        identities (same inode, size and times): its first capture trusts the
+        digests its parent's stat cache trusts for them, and reads the rest."""
+        try:
+            cache = StatCache.load(recorder.stat_cache_path(self.state, parent))
+            files = {f"{directory}{leaf}": (ident, digest)
+                     for directory, entry in cache.dirs.items()
+                     for leaf, (ident, digest) in entry.files.items() if cache.trusted(ident)}
+            if files:
+                recorder.seed_stat_cache(self.state, name, files)
         except OSError as exc:
             log.warning("subagent_cache_not_seeded", child=name,
                         error=exc.strerror or type(exc).__name__)
