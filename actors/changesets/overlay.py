@@ -174,6 +174,8 @@ def _remove(path: Path) -> None:
 
 # --- the base ------------------------------------------------------------------------------
 def _hidden_name(rel_parts: list[str], name: str) -> bool:
+    if name.isascii() and "git" not in name.lower():  # most names: no `.git` spelling
+        return not rel_parts and name.lower() == ".corral"
     return is_git_name(name) or (not rel_parts and name.lower() == ".corral")
 
 
@@ -235,9 +237,10 @@ def _list_dir(dir_fd: int, parts: list[str], guard: confined.Guard, listing: _Li
     dirs, entries, hidden = listing
     with os.scandir(dir_fd) as it:
         items = list(it)
+    prefix = "/".join(parts) + "/" if parts else ""
     for item in items:
         name = item.name
-        rel = "/".join([*parts, name])
+        rel = prefix + name
         try:
             if _hidden_name(parts, name):
                 hidden.append(rel)

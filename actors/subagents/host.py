@@ -144,6 +144,8 @@ class SubagentsHost:
                 self._start(child)  # the agent resumes from its stream
             elif child.state == "exited":
                 self._build(child)
+            elif child.state != "running" and overlay.is_overlay(directory / "base"):
+                self._unmount(child)  # built before a crash that left it mounted
             if (directory / mf.INTENT).exists():
                 seal = self.seal(child)
                 if seal is None:
@@ -362,11 +364,7 @@ class SubagentsHost:
             child.state = "ended"
             self.counts["ended"] += 1
         if overlay.is_overlay(directory / "base"):
-            try:
-                overlay.unmount(directory)  # the set holds what the child wrote
-            except OSError as exc:
-                log.warning("subagent_cow_unmount_failed", subagent_id=child.subagent_id,
-                            error=exc.strerror or str(exc))
+            self._unmount(child)  # the set holds what the child wrote
         if manifest is None and (directory / mf.MANIFEST).exists():
             data = (directory / mf.MANIFEST).read_bytes()  # built before a host restart
             manifest = mf.Manifest.model_validate_json(data)
@@ -382,6 +380,13 @@ class SubagentsHost:
         log.info("subagent_ended", subagent_id=child.subagent_id, exit_code=child.exit_code,
                  status=manifest.status if manifest else None)
         self.remote.ended(child)  # another host's child: its change set goes back
+
+    def _unmount(self, child: ChildRecord) -> None:
+        try:
+            overlay.unmount(Path(child.directory))
+        except OSError as exc:
+            log.warning("subagent_cow_unmount_failed", subagent_id=child.subagent_id,
+                        error=exc.strerror or str(exc))
 
     def _build_set(self, child: ChildRecord) -> mf.Manifest:
         directory = Path(child.directory)
