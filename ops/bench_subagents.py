@@ -55,7 +55,7 @@ from pathlib import Path
 
 import zmq
 
-from actors.changesets import overlay
+from actors.changesets import overlay, overlaydiff
 from actors.changesets.build import build, build_from
 from actors.changesets.snapshot import snapshot
 from broker import protocol
@@ -157,7 +157,7 @@ def _core_cow_once(root: Path, ws: Path, n: int) -> float:
     try:
         _edit(d / "work")
         manifest = build_from(f"cow{n}", base.digest(),
-                              lambda: overlay.diff(base, d / overlay.UPPER, d / "work"), d)
+                              lambda: overlaydiff.diff(base, d / overlay.UPPER, d / "work"), d)
     finally:
         overlay.unmount(d)
     elapsed = (time.perf_counter() - started) * 1000

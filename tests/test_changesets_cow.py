@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from actors.changesets import manifest as mf
-from actors.changesets import overlay
+from actors.changesets import overlay, overlaydiff
 from actors.changesets.apply import apply
 from actors.changesets.build import build, build_from
 from actors.changesets.manifest import Manifest
@@ -65,7 +65,7 @@ def _cow_set(tmp: Path, parent: Path, edit: object) -> tuple[Path, Manifest]:
     base = overlay.prepare(parent, directory)
     edit(directory / "work")  # type: ignore[operator]
     out = tmp / "cow-set"
-    return directory, build_from("cs-1", base.digest(), lambda: overlay.diff(
+    return directory, build_from("cs-1", base.digest(), lambda: overlaydiff.diff(
         base, directory / overlay.UPPER, directory / "work"), out)
 
 
@@ -124,7 +124,7 @@ def test_a_file_the_parent_changed_after_the_spawn_makes_the_set_stale(
     (parent / "README.md").write_bytes(b"the parent's\n")  # both changed it: a conflict
 
     def built(name: str) -> Manifest:
-        return build_from(name, base.digest(), lambda: overlay.diff(
+        return build_from(name, base.digest(), lambda: overlaydiff.diff(
             base, directory / overlay.UPPER, work), tmp_path / name)
 
     stale = built("first")
@@ -156,12 +156,12 @@ def test_git_and_corral_are_hidden_and_a_git_the_child_makes_is_refused(
     assert sorted(os.listdir(work)) == ["a.txt", "sub"]
     assert sorted(os.listdir(work / "sub")) == ["b.txt"]
     assert base.hidden == {".git", ".corral", "sub/.git"}
-    ready = build_from("ok", base.digest(), lambda: overlay.diff(
+    ready = build_from("ok", base.digest(), lambda: overlaydiff.diff(
         base, directory / overlay.UPPER, work), tmp_path / "ok")
     assert (ready.status, ready.files) == ("ready", [])  # the whiteouts are no change
     (work / ".git").mkdir()
     (work / ".git/config").write_bytes(b"[core]\n\thooksPath = /tmp\n")
-    refused = build_from("git", base.digest(), lambda: overlay.diff(
+    refused = build_from("git", base.digest(), lambda: overlaydiff.diff(
         base, directory / overlay.UPPER, work), tmp_path / "git")
     assert refused.refusal is not None and refused.refusal.bound == "unsafe_path"
     assert (parent / ".git/config").read_bytes() == b"[core]\n"
@@ -184,7 +184,7 @@ def test_what_the_child_wrote_survives_an_unmount_and_a_remount(
     assert (directory / "work" / "a.txt").read_bytes() == b"the child's\n"
     loaded = overlay.OverlayBase.load(directory / "base")
     assert loaded.digest() == base.digest()
-    manifest = build_from("m", loaded.digest(), lambda: overlay.diff(
+    manifest = build_from("m", loaded.digest(), lambda: overlaydiff.diff(
         loaded, directory / overlay.UPPER, directory / "work"), tmp_path / "m")
     assert {(c.path, c.op) for c in manifest.files} == {("a.txt", "modify"), ("b.txt", "delete")}
 

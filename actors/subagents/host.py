@@ -36,7 +36,7 @@ from actors.agent.settings import AgentSettings, AgentSpec, Budget, read_spec, w
 from actors.agent.state import BudgetUse
 from actors.agent.workspace import guard_for
 from actors.changesets import manifest as mf
-from actors.changesets import overlay
+from actors.changesets import overlay, overlaydiff
 from actors.changesets.apply import apply, recover
 from actors.changesets.build import build, build_from
 from actors.changesets.manifest import Limits
@@ -398,7 +398,7 @@ class SubagentsHost:
         base = overlay.OverlayBase.load(directory / "base")
         overlay.ensure_mounted(directory)
         return build_from(changeset_id, base.digest(),
-                          lambda: overlay.diff(base, directory / overlay.UPPER,
+                          lambda: overlaydiff.diff(base, directory / overlay.UPPER,
                                                directory / "work"),
                           directory, limits=self.limits, task_sha256=task_sha256)
 
