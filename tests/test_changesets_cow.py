@@ -15,6 +15,7 @@ import errno
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +27,7 @@ from actors.changesets.apply import apply
 from actors.changesets.build import build, build_from
 from actors.changesets.manifest import Manifest
 from actors.changesets.snapshot import snapshot
+from actors.subagents.children import ChildRecord, Children
 from actors.subagents.host import SubagentsHost
 from actors.trees import recorder
 from broker.errors import ChangeSetRefusedError
@@ -45,10 +47,10 @@ needs_overlay = pytest.mark.skipif(REFUSED is not None,
 
 
 @pytest.fixture
-def mounts(tmp_path: Path) -> list[Path]:
+def mounts(tmp_path: Path) -> Iterator[list[Path]]:
     """Child directories whose overlay is unmounted at teardown."""
     made: list[Path] = []
-    yield made  # type: ignore[misc]
+    yield made
     for directory in made:
         overlay.unmount(directory)
 
@@ -230,3 +232,28 @@ def test_an_overlaid_childs_first_capture_trusts_its_parents_stat_cache(
     assert child.hashed == 1  # only what the child wrote
     unseeded = recorder.capturer_for(state, "q", directory / "work").capture()
     assert unseeded.hashed == 40 and unseeded.digest == child.digest != reference.digest
+
+
+def test_a_child_whose_overlay_cannot_be_mounted_again_is_failed_not_resumed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host restarted where it may no longer mount (its running child's
+    overlay gone with a reboot) fails that child instead of starting it on
+    an empty directory or dying at every start."""
+    directory = tmp_path / "child"
+    (directory / "base").mkdir(parents=True)
+    (directory / "work").mkdir()
+    overlay.OverlayBase(directory / "base", str(tmp_path), 0, {"": 1}, {}, []).save()
+
+    def refused(lower: str, directory: Path) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted", str(directory))
+
+    monkeypatch.setattr(overlay, "mount", refused)
+    children = Children(tmp_path / "registry.json")
+    children.records["s-1"] = ChildRecord(subagent_id="s-1", parent="p", name="p.s-1",
+                                          directory=str(directory), workspace=str(tmp_path),
+                                          task="t", state="running")
+    host = SimpleNamespace(children=children, counts={"failed": 0})
+    host._start = lambda child: SubagentsHost._start(host, child)  # type: ignore[arg-type]
+    SubagentsHost._recover(host)  # type: ignore[arg-type]
+    assert children.records["s-1"].state == "failed" and host.counts == {"failed": 1}
+    assert Children.load(tmp_path / "registry.json").records["s-1"].state == "failed"

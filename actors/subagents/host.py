@@ -141,7 +141,16 @@ class SubagentsHost:
         for child in self.children.records.values():
             directory = Path(child.directory)
             if child.state == "running" and child.host is None:  # (remote: B runs it)
-                self._start(child)  # the agent resumes from its stream
+                try:
+                    self._start(child)  # the agent resumes from its stream
+                except OSError as exc:
+                    if not overlay.is_overlay(directory / "base"):
+                        raise
+                    # its overlay cannot be mounted again (this host may no longer mount)
+                    log.error("subagent_not_resumed", subagent_id=child.subagent_id,
+                              error=exc.strerror or str(exc))
+                    child.state = "failed"
+                    self.counts["failed"] += 1
             elif child.state == "exited":
                 self._build(child)
             elif child.state != "running" and overlay.is_overlay(directory / "base"):
