@@ -12,7 +12,9 @@ Figures:
                             the WAL), the change set built and returned
     changeset_core_ms_p50   the same work as the baseline, in-process: snapshot,
                             the 10 edits, build of the change set (manifest, blobs,
-                            patch); no child process
+                            patch); no child process; on a copy of the workspace
+    changeset_core_cow_ms_p50  the same on an overlay (listing, mount, edits, build,
+                            unmount), where this process can mount one
     git_worktree_diff_ms_p50  baseline: `git worktree add --detach`, the 10 edits,
                             `git diff --binary`
     ratio_end_to_end / ratio_core   ours / baseline (target: within 2x)
@@ -24,9 +26,11 @@ Where `changeset_ms` goes, same runs (medians, from the host's and the child's
 log lines):
     phase_snapshot_ms_p50   the request to `subagent_snapshotted` (the host's
                             copy of the 1,000 files, and the parent's record)
-    phase_snapshot_copy_ms_p50  of it, the copy alone (`snapshot()`: the files
-                            copied and packed, the base index saved), as the
-                            host logs it (`elapsed_ms`)
+    phase_snapshot_copy_ms_p50  of it, the snapshot alone, as the host logs it
+                            (`elapsed_ms`): on an overlay the parent's listing and
+                            the mount (`overlay.prepare()`), else the copy
+                            (`snapshot()`: the files copied and packed, the base
+                            index saved)
     phase_child_start_ms_p50  `subagent_snapshotted` to the child's first log
                             line (its fork from the host's zygote, its start)
     phase_child_steps_ms_p50  the child's `session_started` to `session_exited`:
@@ -51,7 +55,8 @@ from pathlib import Path
 
 import zmq
 
-from actors.changesets.build import build
+from actors.changesets import overlay, overlaydiff
+from actors.changesets.build import build, build_from
 from actors.changesets.snapshot import snapshot
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
@@ -138,6 +143,23 @@ def _core_once(root: Path, ws: Path, n: int) -> float:
     index = snapshot(ws, d / "base", d / "work")
     _edit(d / "work")
     manifest = build(f"core{n}", index, d / "work", d)
+    elapsed = (time.perf_counter() - started) * 1000
+    assert manifest.status == "ready"
+    assert len(manifest.files) == N_EDITS
+    shutil.rmtree(d)
+    return elapsed
+
+
+def _core_cow_once(root: Path, ws: Path, n: int) -> float:
+    d = root / f"cow{n}"
+    started = time.perf_counter()
+    base = overlay.prepare(ws, d)
+    try:
+        _edit(d / "work")
+        manifest = build_from(f"cow{n}", base.digest(),
+                              lambda: overlaydiff.diff(base, d / overlay.UPPER, d / "work"), d)
+    finally:
+        overlay.unmount(d)
     elapsed = (time.perf_counter() - started) * 1000
     assert manifest.status == "ready"
     assert len(manifest.files) == N_EDITS
@@ -254,10 +276,14 @@ def run(quick: bool = False) -> dict[str, object]:
         repo = _repo(root, ws)
         baseline: list[float] = []
         core: list[float] = []
+        core_cow: list[float] = []
+        cow = overlay.probe(root / "cow-probe") is None
 
         def peers(n: int) -> None:
             baseline.append(_baseline_once(root, repo, n))
             core.append(_core_once(root, ws, n))
+            if cow:
+                core_cow.append(_core_cow_once(root, ws, n))
 
         # interleaved, a run of each in turn: all three see the same disk
         # weather (here a file's create grows slower as a run creates and
@@ -275,6 +301,7 @@ def run(quick: bool = False) -> dict[str, object]:
         "runs": runs,
         "changeset_ms_p50": round(percentile(e2e, 50), 1),
         "changeset_core_ms_p50": round(percentile(core, 50), 1),
+        **({"changeset_core_cow_ms_p50": round(percentile(core_cow, 50), 1)} if core_cow else {}),
         "git_worktree_diff_ms_p50": round(base_p50, 1),
         "ratio_end_to_end": round(percentile(e2e, 50) / base_p50, 2),
         "ratio_core": round(percentile(core, 50) / base_p50, 2),

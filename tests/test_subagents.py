@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from actors.agent.rebuild import rebuild
 from actors.agent.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
 from actors.agent.state import BudgetUse
 from actors.changesets import manifest as mf
+from actors.changesets import overlay
 from actors.procs.launch import GATE_CLOSED_EXIT
 from actors.subagents import starter as starter_mod
 from actors.subagents.host import remaining
@@ -67,6 +69,14 @@ steps:
 """
 
 
+def _overlay_refused() -> str | None:
+    with tempfile.TemporaryDirectory(prefix="corral-cow-probe-") as scratch:
+        return overlay.probe(Path(scratch) / "p")
+
+
+OVERLAY_REFUSED = _overlay_refused()  # None: the host mounts children's workspaces
+
+
 def _gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -92,19 +102,23 @@ def _ping(peer: BrokerPeer, to: str) -> bool:
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("faults", ["", "before_tool_start@2.0,after_tool_start@2.0"],
-                         ids=["uninterrupted", "parent-killed-around-its-spawn"])
+@pytest.mark.parametrize(("faults", "host_args"), [
+    ("", []), ("before_tool_start@2.0,after_tool_start@2.0", []), ("", ["--no-cow"])],
+    ids=["uninterrupted", "parent-killed-around-its-spawn", "copied-workspace"])
 def test_parent_spawns_child_reads_and_applies_its_change_set_once(
-    processes: ProcessTracker, state_dir: StateDir, faults: str,
+    processes: ProcessTracker, state_dir: StateDir, faults: str, host_args: list[str],
 ) -> None:
     """Killed after its spawn call came back with nothing recorded, and again
     after `tool_start`, the parent runs the call again (`replay_safe`) and
-    gets the same child: one spawn, one change set, applied once."""
+    gets the same child: one spawn, one change set, applied once. The child's
+    workspace is an overlay of the parent's where the host can mount one
+    (its `bash` through procs writes into it), a copy with --no-cow."""
     root = str(state_dir.root)
     processes.spawn(["-m", "actors.writer", "--state-dir", root], name="writer")
     processes.spawn(["-m", "broker.server", "--state-dir", root], name="broker")
     processes.spawn(["-m", "actors.procs", "--state-dir", root], name="procs")
-    host = processes.spawn(["-m", "actors.subagents", "--state-dir", root], name="subagents")
+    host = processes.spawn(["-m", "actors.subagents", "--state-dir", root, *host_args],
+                           name="subagents")
     tmp = state_dir.root.parent
     ws = tmp / "ws"
     (ws / "src").mkdir(parents=True)
@@ -157,6 +171,10 @@ def test_parent_spawns_child_reads_and_applies_its_change_set_once(
         directory = state_dir.agent_dir("agent-1") / "subagents" / sid
         receipt = json.loads((directory / mf.RECEIPT).read_text())
         assert receipt["changeset_id"] == sid
+        cow = not host_args and OVERLAY_REFUSED is None
+        assert overlay.is_overlay(directory / "base") == cow
+        assert not os.path.ismount(directory / "work")  # unmounted once the set was built
+        assert (directory / overlay.UPPER / "made_by_bash.txt").exists() == cow
         check = subprocess.run(["git", "apply", "--check", str(directory / mf.PATCH)],
                                cwd=original, capture_output=True, check=False)
         assert check.returncode == 0, check.stderr

@@ -4,10 +4,12 @@ host"): a pack round trips; every hostile pack (digest mismatch, over its
 bounds, `..`, absolute, `.git`, symlink mode, a file that is also a
 directory, bytes that do not match an entry) is refused with a typed bound
 before anything is written; a change set built on "another host" verifies
-against the base that was sent, and every forgery of it is refused."""
+against the base that was sent, and every forgery of it is refused. The
+remote end and the host do not import each other."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -282,3 +284,23 @@ def test_the_subagents_actor_gets_remote_children_only_when_the_config_says() ->
     assert FleetConfig(host="h1", urls=urls).subagents_args() == ["--fleet-host", "h1"]
     assert FleetConfig(host="h1", urls=urls, remote_subagents=True).subagents_args() == [
         "--fleet-host", "h1", "--remote-subagents"]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, in any statement (functions and
+    TYPE_CHECKING blocks included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_host_and_its_remote_end_do_not_import_each_other() -> None:
+    package = Path(__file__).resolve().parent.parent / "actors" / "subagents"
+    assert "actors.subagents.remote" in _imports(package / "host.py")  # (the check sees)
+    assert not {m for m in _imports(package / "remote.py") if m.startswith(
+        "actors.subagents.host")}

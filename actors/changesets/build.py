@@ -10,6 +10,7 @@ import hashlib
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from actors.changesets import confined, gitpatch
@@ -32,7 +33,7 @@ from broker.errors import ChangeSetRefusedError
 _Current = tuple[int, bytes, os.stat_result]  # (git mode, content or link target, stat)
 
 
-def _scan(work: Path) -> dict[str, os.stat_result]:
+def scan(work: Path) -> dict[str, os.stat_result]:
     """Every non-directory under `work` by relative path, walked through
     directory fds without following a link (a directory swapped for a
     symlink during the walk is refused with bound `symlink`)."""
@@ -96,10 +97,19 @@ def _read_leaf(dir_fd: int, leaf: str, rel: str, st: os.stat_result) -> bytes:
         os.close(fd)
 
 
+def check_after(dir_fd: int, rel: str, st: os.stat_result) -> bytes:
+    """The child's bytes of `rel` (a link's target), whose lstat is `st`, in
+    the directory `dir_fd`; a special file is refused."""
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        check_path(rel)
+        raise ChangeSetRefusedError("special_file", f"{rel!r} is not a regular file", rel)
+    return _read_leaf(dir_fd, rel.rsplit("/", 1)[-1], rel, st)
+
+
 def diff_trees(index: BaseIndex, work: Path) -> list[gitpatch.FileDiff]:
     """What changed from the base to `work`; raises ChangeSetRefusedError for
     a change the set cannot carry (a link, a special file, an unsafe path)."""
-    current = _scan(work)
+    current = scan(work)
     diffs: list[gitpatch.FileDiff] = []
     for rel in sorted(set(index.entries) | set(current)):
         base = index.entries.get(rel)
@@ -144,12 +154,22 @@ def build(
     limits: Limits | None = None, task_sha256: str | None = None,
 ) -> Manifest:
     """Write the change set of `work` against `index` into `out`; return it."""
+    return build_from(changeset_id, index.digest(), lambda: diff_trees(index, work), out,
+                      limits=limits, task_sha256=task_sha256)
+
+
+def build_from(
+    changeset_id: str, base_sha256: str, diff: Callable[[], list[gitpatch.FileDiff]],
+    out: Path, *, limits: Limits | None = None, task_sha256: str | None = None,
+) -> Manifest:
+    """Write the change set `diff()` gives against the base `base_sha256`
+    into `out` (the copy's diff_trees, or actors/changesets/overlay.py's)."""
     limits = limits or Limits()
     out.mkdir(parents=True, exist_ok=True)
     common = {"changeset_id": changeset_id, "created_at": time.time(),
-              "task_sha256": task_sha256, "base_sha256": index.digest(), "limits": limits}
+              "task_sha256": task_sha256, "base_sha256": base_sha256, "limits": limits}
     try:
-        diffs = diff_trees(index, work)
+        diffs = diff()
     except ChangeSetRefusedError as exc:
         return _refused(out, common, Refusal(bound=exc.bound, detail=exc.detail, path=exc.path))
     changes = [_change(d) for d in diffs]

@@ -133,7 +133,8 @@ class _Wakeup:
 
 def serve(state: StateDir, limits: Limits, *, use_zygote: bool = True,
           log_args: list[str] | None = None, fleet_host: str | None = None,
-          remote: bool = False, pack_limits: PackLimits | None = None) -> int:
+          remote: bool = False, pack_limits: PackLimits | None = None,
+          cow: bool = True) -> int:
     log = structlog.get_logger(ACTOR_NAME)
     wake = _Wakeup()
     if use_zygote:
@@ -150,12 +151,12 @@ def serve(state: StateDir, limits: Limits, *, use_zygote: bool = True,
     try:
         host = SubagentsHost(state, peer, writer, limits, use_zygote=use_zygote,
                              log_args=log_args, fleet_host=fleet_host, remote=remote,
-                             pack_limits=pack_limits)
+                             pack_limits=pack_limits, cow=cow)
         host.watch = reporter
         if reporter is not None:
             reporter.ready()
         log.info("subagents_started", children=len(host.children.records),
-                 zygote=host.starter.use_zygote)
+                 zygote=host.starter.use_zygote, cow=host.cow)
         poller = zmq.Poller()
         poller.register(wake.read_fd, zmq.POLLIN)
         watched: zmq.Socket[bytes] | None = None
@@ -199,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-patch-bytes", type=int, default=512 * 1024)
     parser.add_argument("--no-zygote", action="store_true",
                         help="start every child as a fresh interpreter (slow; for baselines)")
+    parser.add_argument("--no-cow", action="store_true",
+                        help="copy the parent's workspace for each child instead of "
+                        "mounting an overlay of it (docs/changesets.md)")
     # fleet mode (docs/fleet.md, "Subagents on another host")
     parser.add_argument("--fleet-host", default=None, help="this host's name in the fleet")
     parser.add_argument("--remote-subagents", action="store_true",
@@ -221,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     return serve(state, limits, use_zygote=not args.no_zygote, log_args=log_args,
                  fleet_host=args.fleet_host, remote=args.remote_subagents,
                  pack_limits=PackLimits(max_files=args.remote_max_files,
-                                        max_bytes=args.remote_max_bytes))
+                                        max_bytes=args.remote_max_bytes),
+                 cow=not args.no_cow)
 
 
 if __name__ == "__main__":

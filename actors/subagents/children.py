@@ -9,9 +9,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from broker.durable import write_atomic
+
+if TYPE_CHECKING:
+    from actors.changesets.manifest import Limits
+    from broker.peer import BrokerPeer
+    from broker.statedir import StateDir
 
 VERSION = 1
 ChildState = Literal["running", "exited", "ended", "failed", "applied"]
@@ -67,3 +72,18 @@ class Children:
         body = json.dumps({"version": VERSION,
                            "children": [asdict(r) for r in self.records.values()]}).encode()
         write_atomic(self.path, body)
+
+
+class ChildHost(Protocol):
+    """What the remote end (actors/subagents/remote.py) uses of the host that
+    owns it (actors/subagents/host.py), so that neither imports the other."""
+
+    state: StateDir
+    peer: BrokerPeer
+    limits: Limits
+    children: Children
+    counts: dict[str, int]
+
+    def record(self, parent: str, event: str, payload: dict[str, Any], key: str) -> None: ...
+
+    def start_child(self, child: ChildRecord) -> None: ...

@@ -25,8 +25,9 @@ from actors.agent.settings import AgentSettings, AgentSpec, Budget, read_spec, w
 from actors.agent.state import BudgetUse
 from actors.agent.workspace import guard_for
 from actors.changesets import manifest as mf
+from actors.changesets import overlay, overlaydiff
 from actors.changesets.apply import apply, recover
-from actors.changesets.build import build
+from actors.changesets.build import build, build_from
 from actors.changesets.manifest import Limits
 from actors.changesets.snapshot import BaseIndex, snapshot
 from actors.procs import launch
@@ -37,6 +38,7 @@ from actors.subagents.remote import RemoteLink
 from actors.subagents.remotepack import PackLimits
 from actors.subagents.starter import ChildStarter
 from actors.trees import recorder
+from actors.trees.statcache import StatCache
 from actors.writer.client import WriterClient
 from broker import lifeline, protocol
 from broker.control import CallWatch
@@ -90,7 +92,8 @@ class SubagentsHost:
     def __init__(self, state: StateDir, peer: BrokerPeer, writer: WriterClient,
                  limits: Limits, *, use_zygote: bool = True,
                  log_args: list[str] | None = None, fleet_host: str | None = None,
-                 remote: bool = False, pack_limits: PackLimits | None = None) -> None:
+                 remote: bool = False, pack_limits: PackLimits | None = None,
+                 cow: bool = True) -> None:
         self.state = state
         self.peer = peer
         self.writer = writer
@@ -102,8 +105,19 @@ class SubagentsHost:
         self.counts = {"spawned": 0, "ended": 0, "failed": 0, "applied": 0, "refused": 0}
         self.watch: CallWatch | None = None  # the heartbeat, told about blocking appends
         self.remote = RemoteLink(self, fleet_host, remote, pack_limits or PackLimits())
+        self.cow = cow and self._cow_probe()  # children's workspaces as overlays
         self.starter.start_zygote()  # it preloads while the host recovers and waits
         self._recover()
+
+    def _cow_probe(self) -> bool:
+        """Whether this process can mount a child's workspace as an overlay
+        (actors/changesets/overlay.py); else children get a copy."""
+        scratch = self.state.root / "subagents" / f"cow-probe-{os.getpid()}"
+        scratch.parent.mkdir(parents=True, exist_ok=True)
+        reason = overlay.probe(scratch)
+        if reason is not None:
+            log.info("subagent_cow_unavailable", reason=reason, fallback="copy")
+        return reason is None
 
     # --- facts ----------------------------------------------------------------------
     def record(self, parent: str, event: str, payload: dict[str, Any], key: str) -> None:
@@ -116,9 +130,20 @@ class SubagentsHost:
         for child in self.children.records.values():
             directory = Path(child.directory)
             if child.state == "running" and child.host is None:  # (remote: B runs it)
-                self._start(child)  # the agent resumes from its stream
+                try:
+                    self._start(child)  # the agent resumes from its stream
+                except OSError as exc:
+                    if not overlay.is_overlay(directory / "base"):
+                        raise
+                    # its overlay cannot be mounted again (this host may no longer mount)
+                    log.error("subagent_not_resumed", subagent_id=child.subagent_id,
+                              error=exc.strerror or str(exc))
+                    child.state = "failed"
+                    self.counts["failed"] += 1
             elif child.state == "exited":
                 self._build(child)
+            elif child.state != "running" and overlay.is_overlay(directory / "base"):
+                self._unmount(child)  # built before a crash that left it mounted
             if (directory / mf.INTENT).exists():
                 seal = self.seal(child)
                 if seal is None:
@@ -165,19 +190,23 @@ class SubagentsHost:
             # a spawn the host died in the middle of (it never recorded the child):
             # its half-made snapshot is redone from the parent's workspace
             log.warning("subagent_snapshot_redone", subagent_id=subagent_id)
+            overlay.unmount(directory)
             shutil.rmtree(directory)
         started = time.monotonic()
-        index = snapshot(workspace, directory / "base", directory / "work",
-                         guard_for(self.state))
-        log.info("subagent_snapshotted", subagent_id=subagent_id, files=len(index.entries),
-                 elapsed_ms=round((time.monotonic() - started) * 1000, 1))
         name = f"{message.parent}.{subagent_id}"
+        index = self._snapshot(workspace, directory, copy=placed is not None)
+        log.info("subagent_snapshotted", subagent_id=subagent_id, files=len(index.entries),
+                 cow=isinstance(index, overlay.OverlayBase),
+                 elapsed_ms=round((time.monotonic() - started) * 1000, 1))
         backend = parent_spec.backend if parent_spec is not None else "scripted"
         if placed is not None:
             return self._place(message, placed, directory, task,
                                settings.model_copy(update={"budget": budget}), backend,
                                len(index.entries))
-        self._seed_child_cache(name, index)
+        if isinstance(index, BaseIndex):
+            self._seed_child_cache(name, index)
+        else:
+            self._seed_from_parent(name, message.parent)
         write_spec(self.state, name, AgentSpec(
             task=task, backend=backend, workspace=str(directory / "work"),
             parent_agent=message.parent,
@@ -198,6 +227,22 @@ class SubagentsHost:
         self.counts["spawned"] += 1
         return child
 
+    def _snapshot(self, workspace: Path, directory: Path, *,
+                  copy: bool) -> BaseIndex | overlay.OverlayBase:
+        """The child's workspace `directory/work`: an overlay of the parent's
+        `workspace` where this host can mount one, else a copy (always for a
+        child on another host: its snapshot travels as a pack)."""
+        if self.cow and not copy:
+            try:
+                return overlay.prepare(workspace, directory, guard_for(self.state))
+            except OSError as exc:
+                log.warning("subagent_cow_refused", error=exc.strerror or str(exc),
+                            path=exc.filename, fallback="copy")
+                overlay.unmount(directory)
+                shutil.rmtree(directory)
+        return snapshot(workspace, directory / "base", directory / "work",
+                        guard_for(self.state))
+
     def _seed_child_cache(self, name: str, index: BaseIndex) -> None:
         """The child's first capture of its workspace trusts what the snapshot
         hashed as it wrote each copy (a copy whose lstat identity is still the
@@ -207,6 +252,21 @@ class SubagentsHost:
         files = {rel: (ident, index.entries[rel].sha256) for rel, ident in index.copies.items()}
         try:
             recorder.seed_stat_cache(self.state, name, files)
+        except OSError as exc:
+            log.warning("subagent_cache_not_seeded", child=name,
+                        error=exc.strerror or type(exc).__name__)
+
+    def _seed_from_parent(self, name: str, parent: str) -> None:
+        """An overlaid child sees its parent's files with their lstat
+        identities (same inode, size and times): its first capture trusts the
+        digests its parent's stat cache trusts for them, and reads the rest."""
+        try:
+            cache = StatCache.load(recorder.stat_cache_path(self.state, parent))
+            files = {f"{directory}{leaf}": (ident, digest)
+                     for directory, entry in cache.dirs.items()
+                     for leaf, (ident, digest) in entry.files.items() if cache.trusted(ident)}
+            if files:
+                recorder.seed_stat_cache(self.state, name, files)
         except OSError as exc:
             log.warning("subagent_cache_not_seeded", child=name,
                         error=exc.strerror or type(exc).__name__)
@@ -243,6 +303,8 @@ class SubagentsHost:
 
     def _start(self, child: ChildRecord) -> None:
         begun = time.monotonic()
+        if overlay.is_overlay(Path(child.directory) / "base"):
+            overlay.ensure_mounted(Path(child.directory))  # (after a host's restart or a reboot)
         started = self.starter.start(child.name, Path(child.directory))
         child.pid, child.state = started.pid, "running"
         child.starts += 1
@@ -295,13 +357,12 @@ class SubagentsHost:
         else:
             if not (directory / mf.MANIFEST).exists():
                 # sealed from what was built in memory, not from the files
-                manifest = build(child.remote_id or child.subagent_id,  # (the parent host's id)
-                                 BaseIndex.load(directory / "base"),
-                                 directory / "work", directory, limits=self.limits,
-                                 task_sha256=hashlib.sha256(child.task.encode()).hexdigest())
+                manifest = self._build_set(child)
                 seal = mf.Seal.of(manifest)
             child.state = "ended"
             self.counts["ended"] += 1
+        if overlay.is_overlay(directory / "base"):
+            self._unmount(child)  # the set holds what the child wrote
         if manifest is None and (directory / mf.MANIFEST).exists():
             data = (directory / mf.MANIFEST).read_bytes()  # built before a host restart
             manifest = mf.Manifest.model_validate_json(data)
@@ -317,6 +378,27 @@ class SubagentsHost:
         log.info("subagent_ended", subagent_id=child.subagent_id, exit_code=child.exit_code,
                  status=manifest.status if manifest else None)
         self.remote.ended(child)  # another host's child: its change set goes back
+
+    def _unmount(self, child: ChildRecord) -> None:
+        try:
+            overlay.unmount(Path(child.directory))
+        except OSError as exc:
+            log.warning("subagent_cow_unmount_failed", subagent_id=child.subagent_id,
+                        error=exc.strerror or str(exc))
+
+    def _build_set(self, child: ChildRecord) -> mf.Manifest:
+        directory = Path(child.directory)
+        changeset_id = child.remote_id or child.subagent_id  # (the parent host's id)
+        task_sha256 = hashlib.sha256(child.task.encode()).hexdigest()
+        if not overlay.is_overlay(directory / "base"):
+            return build(changeset_id, BaseIndex.load(directory / "base"), directory / "work",
+                         directory, limits=self.limits, task_sha256=task_sha256)
+        base = overlay.OverlayBase.load(directory / "base")
+        overlay.ensure_mounted(directory)
+        return build_from(changeset_id, base.digest(),
+                          lambda: overlaydiff.diff(base, directory / overlay.UPPER,
+                                               directory / "work"),
+                          directory, limits=self.limits, task_sha256=task_sha256)
 
     def settle(self) -> None:
         now = time.monotonic()

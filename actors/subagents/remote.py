@@ -10,7 +10,6 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -18,13 +17,10 @@ from actors.agent.settings import AgentSettings, AgentSpec, write_spec
 from actors.changesets import manifest as mf
 from actors.changesets.snapshot import BaseIndex, snapshot
 from actors.subagents import remotepack
-from actors.subagents.children import ChildRecord
+from actors.subagents.children import ChildHost, ChildRecord
 from actors.subagents.transfers import Transfers, chunks, materialise, read_task
 from broker import protocol, ratelimit
 from broker.errors import ChangeSetRefusedError
-
-if TYPE_CHECKING:
-    from actors.subagents.host import SubagentsHost
 
 log = structlog.get_logger("actors.subagents.remote")
 _limiter = ratelimit.LogLimiter(log.warning)
@@ -58,7 +54,7 @@ class RemoteLink:
     docstring). `host` None: not in fleet mode; `accept` False: this host
     neither places children elsewhere nor takes other hosts' children."""
 
-    def __init__(self, owner: SubagentsHost, host: str | None, accept: bool,
+    def __init__(self, owner: ChildHost, host: str | None, accept: bool,
                  pack_limits: remotepack.PackLimits) -> None:
         self.owner = owner
         self.host = host
