@@ -660,7 +660,7 @@ class Automation:
 def service(rt: Runtime, now: float) -> None:
     """Once per supervisor loop turn: hand the thread the agents' names, and
     spawn what the schedules fired (the supervisor's own spawn path)."""
-    from actors.agent.settings import Budget  # noqa: PLC0415
+    from actors.kernel.settings import Budget  # noqa: PLC0415
     from supervisor import requests  # noqa: PLC0415
 
     auto = rt.automation

@@ -5,7 +5,7 @@ A schedule records its owner (`operator`, or the agent whose `schedule_add`
 wrote it: actors/registries/ops.py). A run of an operator's schedule is an
 agent the operator created. A run of an agent's schedule is spawned with that
 agent as its spec's `creator`, so it holds that agent's grants and no other
-(actors/agent/grants.py: procs matches `sandbox.network` against the creator,
+(actors/procs/grants.py: procs matches `sandbox.network` against the creator,
 never against the run's name, which the agent picked), and with what is left
 of that agent's budget when it fires; nothing left, and the slot is recorded
 as not started (`reason: budget ...`). When the run's session ends its model
@@ -52,8 +52,8 @@ def grant_for(writer: WriterClient, state_dir: StateDir, owner: str | None) -> G
     """The grant of a run of a schedule owned by `owner` (raises
     GrantRefusedError: no owner recorded, an owner without a spec, or nothing
     left of its budget)."""
-    from actors.agent.rebuild import rebuild  # noqa: PLC0415
-    from actors.agent.settings import read_spec  # noqa: PLC0415
+    from actors.kernel.settings import read_spec  # noqa: PLC0415
+    from actors.sessions.rebuild import rebuild  # noqa: PLC0415
     from actors.subagents.host import remaining  # noqa: PLC0415
 
     if owner == auth.OPERATOR:
@@ -91,7 +91,7 @@ class Charges:
 
     def tick(self, writer: WriterClient) -> None:
         """Charge each due run whose session has ended."""
-        from actors.agent.rebuild import rebuild  # noqa: PLC0415
+        from actors.sessions.rebuild import rebuild  # noqa: PLC0415
 
         for run, (owner, schedule) in list(self.due.items()):
             if not self._ended(writer, run):

@@ -4,7 +4,7 @@ an adopted agent rebuilt from one (docs/fleet.md, "Generations").
 - **Upload.** At every status round the host's fleet thread (through
   `Uploader` in supervisor/fleetadopt.py) copies each of its agents' new
   generation files (`.corral/agents/<name>/state/generations/gen-<seq>.json`,
-  written by the agent, actors/agent/generations.py) to the object store
+  written by the agent, actors/kernel/generations.py) to the object store
   `corral_trees` as `<host>/<agent>/gen.<seq, 20 digits>`, byte for byte.
   Incremental and deduplicated: a generation already there (uploaded in an
   earlier round, or by this host before a restart: the first round lists the
@@ -30,7 +30,7 @@ an adopted agent rebuilt from one (docs/fleet.md, "Generations").
   references the same way). The adopter writes it as a
   local generation and appends the `generation_saved` fact that vouches for
   it (key `g<seq>:adopted`, as the operator), so the agent's own rebuild
-  (actors/agent/rebuild.py) takes it, checks it as it checks any generation,
+  (actors/sessions/rebuild.py) takes it, checks it as it checks any generation,
   and folds only the tail.
 """
 
@@ -45,7 +45,7 @@ from typing import Any
 
 import structlog
 
-from actors.agent import generations
+from actors.kernel import generations
 from broker.statedir import StateDir
 from supervisor import fleetseqs
 

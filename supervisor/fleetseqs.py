@@ -9,7 +9,7 @@ branch at some unrelated record). What names a seq of the agent's stream:
 
 - `rewind {to_seq, from_seq}` (actors/trees/rewind.py) and its key
   `rewind:<agent>:<from_seq>`;
-- the branch tag `r<seq>:` (the rewind's own seq, actors/agent/branch_events.py)
+- the branch tag `r<seq>:` (the rewind's own seq, actors/kernel/branch_events.py)
   that prefixes the key of every record after a rewind (actors/agent/loop.py);
 - `generation_saved {seq}` and its key `g<seq>:saved` / `g<seq>:adopted`.
 
@@ -26,7 +26,7 @@ the *parent's* stream (another agent, not imported): the fold copies them as
 opaque labels, so the adopted state carries the same values as the dead
 host's; a key whose `r<digits>:` prefix is not an adopted rewind (a fork's
 branch tag inherited from its parent) likewise. Compaction records name no
-seq (their boundary is a turn: actors/agent/compaction.py).
+seq (their boundary is a turn: actors/kernel/compaction.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from actors.writer.client import encode_payload
 from broker.errors import CorralError
 
 REWIND = "rewind"
-SAVED = "generation_saved"  # actors/agent/generations.py SAVED_EVENT
+SAVED = "generation_saved"  # actors/kernel/generations.py SAVED_EVENT
 _BRANCH = re.compile(r"^r(\d{1,19}):")
 _GEN_KEY = re.compile(r"^g(\d{1,19}):(saved|adopted)$")
 

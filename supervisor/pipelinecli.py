@@ -208,7 +208,7 @@ def _with_operator(state_dir: StateDir, action: Any) -> int:
 
 def registry_apply(state_dir: StateDir, op_name: str, args_json: str) -> int:
     from actors.agent import catalog
-    from actors.agent.ops import Rejected
+    from actors.kernel.ops import Rejected
     from actors.registries import ops
 
     if op_name not in ops.REGISTRY_OF:

@@ -14,10 +14,10 @@ reason), approvals asked and answered, starts with their effect, results
 (bounded to `RESULT_CHARS`), schema rejects, aborted turns and what recovery
 found, subagent usage and change sets, budget resumes, todos, operator answers
 and corrections (identity, size, hash in the WAL; their exact text read from the
-agent's input file, actors/agent/operator_input.py) and their deliveries. Strings are
+agent's input file, actors/kernel/operator_input.py) and their deliveries. Strings are
 clipped to `ARG_CHARS`. The records of a purged session are never shown
 (actors/sessions/purged.py). Secrets stay sealed: the WAL holds terminal input only
-as `{sha256, bytes}` (actors/agent/vault.py), printed as `<sealed N bytes
+as `{sha256, bytes}` (actors/kernel/vault.py), printed as `<sealed N bytes
 sha256:...>`. `--json` prints each record as one JSON object (seq, ts, event,
 origin, payload as stored: the same sealed values).
 
@@ -305,7 +305,7 @@ def _input_text(record: WalRecord, payload: Any, agent_dir: Path | None) -> str 
     """An operator input's exact text, from the agent's input file (never the WAL)."""
     if agent_dir is None or record.event not in INPUT_EVENTS or not isinstance(payload, dict):
         return None
-    from actors.agent.operator_input import read_text  # noqa: PLC0415
+    from actors.kernel.operator_input import read_text  # noqa: PLC0415
 
     return read_text(agent_dir, str(payload.get("file")), str(payload.get("sha256")))
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.vault import SealedInputMissingError, Vault
+from actors.kernel.vault import SealedInputMissingError, Vault
 from broker.statedir import StateDir
 from tests.agentkit import FakeWriter, spec, write_task
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.settings import AgentSettings, AgentSpec, Permissions, Rule
+from actors.kernel.settings import AgentSettings, AgentSpec, Permissions, Rule
 from actors.pipelines import dsl, runfile
 from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval

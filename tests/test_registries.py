@@ -13,8 +13,8 @@ from pathlib import Path
 import yaml
 
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.ops import OpContext
-from actors.agent.settings import Rule
+from actors.kernel.ops import OpContext
+from actors.kernel.settings import Rule
 from actors.registries import entries, ops, schemas, store
 from broker.statedir import StateDir
 from tests.agentkit import FakeWriter, spec, write_task

@@ -28,13 +28,13 @@ import pytest
 import zmq
 
 from actors import zygote
-from actors.agent import operator_input
-from actors.agent.ops import OpContext
-from actors.agent.rebuild import rebuild
-from actors.agent.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
-from actors.agent.state import BudgetUse
 from actors.changesets import manifest as mf
+from actors.kernel import operator_input
+from actors.kernel.ops import OpContext
+from actors.kernel.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
+from actors.kernel.state import BudgetUse
 from actors.procs.launch import GATE_CLOSED_EXIT
+from actors.sessions.rebuild import rebuild
 from actors.subagents import starter as starter_mod
 from actors.subagents.host import remaining
 from actors.subagents.ops import SpawnSubagentOp, spawn_subagent, task_path

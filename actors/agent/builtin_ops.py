@@ -1,9 +1,9 @@
 """The ops of the agent issue: files, search, memory, todos, ask and finish.
-Each is one model and one handler, registered at import (actors/agent/ops.py
+Each is one model and one handler, registered at import (actors/kernel/ops.py
 explains the contract). Handlers read; writes are returned as `Write` and
 applied by the loop after it has recorded them.
 
-Every path goes through actors/agent/workspace.py (normalised, then reached
+Every path goes through actors/kernel/workspace.py (normalised, then reached
 from a directory fd of the workspace without following links; the state
 directory is never entered). `search` and `list_dir` leave out what the
 permission rules would not let the op show (`OpContext.path_visible`)."""
@@ -16,9 +16,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.agent import workspace
-from actors.agent.ops import Done, OpBase, OpContext, Outcome, Write, register
 from actors.changesets import confined
+from actors.kernel import workspace
+from actors.kernel.ops import Done, OpBase, OpContext, Outcome, Write, register
 
 MemoryKey = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 MAX_LIST_ENTRIES = 1000
@@ -314,7 +314,7 @@ class Ask(OpBase):
 def ask(op: Ask, ctx: OpContext) -> Outcome:
     answer = ctx.answer or {}
     # the exact answer is not a tool result: it reaches the model once, as user
-    # input with the next model request (actors/agent/operator_input.py)
+    # input with the next model request (actors/kernel/operator_input.py)
     return Done({"answered": answer.get("decision") == "answered",
                  "request": answer.get("request"),
                  "delivery": "the operator's answer follows as user input"})

@@ -1,7 +1,7 @@
 """The op catalogue: importing this module registers every op the agent knows.
 
 To add ops (background commands, terminals, subagents), write a module that
-calls `actors.agent.ops.register(Model, handler)` for each, and import it
+calls `actors.kernel.ops.register(Model, handler)` for each, and import it
 below. Nothing else changes: the union, the gate, the tool schemas for
 language models and the loop all read the registry.
 """
@@ -12,7 +12,7 @@ from actors.agent import (
     builtin_ops,  # noqa: F401 - registers the file, memory, ask, finish ops
     mcp_ops,  # noqa: F401 - mcp_tools, mcp_call (MCP servers via procs)
 )
-from actors.agent.ops import (
+from actors.kernel.ops import (
     handler_for,
     model_for,
     op_names,

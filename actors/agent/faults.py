@@ -13,7 +13,7 @@ keyed by turn (`t<turn>`, the model turn about to be asked):
 recorded), `after_input_consumed` (consumption facts durable, no model
 request yet), `after_model_reply` (the model answered, its `turn` not
 recorded), `after_compaction_recorded` (a compaction's record is durable, its
-boundary is not; actors/agent/compaction.py).
+boundary is not; actors/kernel/compaction.py).
 A fault ends the process with SIGKILL; `<point>@<call_id>:term` sends it
 SIGTERM instead (an operator's stop at that point: the loop ends its step
 and stops as it would on `supervisor stop`). A fault fires once per agent:

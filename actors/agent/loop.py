@@ -40,7 +40,7 @@ settles a call whose result was lost by the abort rule above.
 Idempotency keys are derived from the state ("c3.0:result", "t4:turn"), so a
 redone append is written once. Secret arguments (a terminal's input) are
 sealed into the agent's vault before the turn is recorded: the WAL keeps
-their hash and size (actors/agent/vault.py).
+their hash and size (actors/kernel/vault.py).
 """
 
 from __future__ import annotations
@@ -54,31 +54,25 @@ from typing import Any
 
 import structlog
 
-from actors.agent import (
-    catalog,
+from actors.agent import catalog, faults
+from actors.agent.backends import make_backend
+from actors.agent.recordable import recordable_actions, recordable_text
+from actors.kernel import (
     compaction,
     effects,
-    faults,
     gate,
     generations,
     operator_input,
-    rebuild,
+    pipeline_track,
     workspace,
 )
-from actors.agent.backends import Backend, make_backend
-from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, is_local, model_for
-from actors.agent.recordable import recordable_actions, recordable_text
-from actors.agent.settings import AgentSpec, Task, load_task, workspace_for
-from actors.agent.state import (
-    RECENT_MAX,
-    SESSION_STARTED,
-    AgentState,
-    Call,
-    Event,
-    fold_into,
-)
-from actors.agent.vault import SealedInputMissingError, Vault
-from actors.pipelines import track
+from actors.kernel.fold import RECENT_MAX, SESSION_STARTED, fold_into
+from actors.kernel.ops import Done, OpBase, OpContext, Rejected, Write, is_local, model_for
+from actors.kernel.reply import Backend
+from actors.kernel.settings import AgentSpec, Task, load_task, workspace_for
+from actors.kernel.state import AgentState, Call, Event
+from actors.kernel.vault import SealedInputMissingError, Vault
+from actors.sessions import rebuild
 from actors.sessions.ids import is_session_id
 from actors.sessions.lifecycle import session_to_start
 from actors.sessions.purged import purged_of
@@ -495,7 +489,7 @@ class AgentLoop:
                 continue
             parsed = self._parsed(turn, index, action)
             if call is None:
-                if track.halted_before(s.pipeline, index):  # a pipeline step failed
+                if pipeline_track.halted_before(s.pipeline, index):  # a pipeline step failed
                     self._append("turn_aborted", {"turn": turn, "reason": "halted", "calls": []},
                                  key=f"t{turn}:aborted")
                     return Step.PROGRESS
@@ -667,10 +661,10 @@ class AgentLoop:
         call is found started without a result and the abort rule settles it
         from the file digests, as it did for a crash between the effect and
         the result's own flush. A pipeline step's: only when no later step of
-        its batch reads it (actors/pipelines/track.py: result_may_wait)."""
+        its batch reads it (actors/kernel/pipeline_track.py: result_may_wait)."""
         if self.state.pipeline is None:
             return True
-        return track.result_may_wait(self.state.pipeline, call.index)
+        return pipeline_track.result_may_wait(self.state.pipeline, call.index)
 
     def _plan_write(self, call: Call, write: Write) -> tuple[dict[str, Any] | None, Write | Done]:
         """The effect to record; `Done` when the effect journal shows this very write

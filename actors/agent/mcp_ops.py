@@ -26,7 +26,7 @@ import jsonschema
 from pydantic import Field
 
 from actors.agent import mcp_functions
-from actors.agent.ops import Done, OpBase, OpContext, register
+from actors.kernel.ops import Done, OpBase, OpContext, register
 from broker import protocol
 from broker.errors import CorralError
 from broker.statedir import StateDir

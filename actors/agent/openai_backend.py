@@ -4,10 +4,10 @@ server, hosted APIs: any `base_url`), with tool calling, on the official
 
 The context is built from the state alone: a system message (the task's
 prompt and the rules of the game), the summary of a compaction in effect
-(actors/agent/compaction.py), then the exchanges the fold keeps (each action
+(actors/kernel/compaction.py), then the exchanges the fold keeps (each action
 as an assistant tool call, each result as a tool message, each operator input
 already delivered as a user message), and last the operator inputs consumed
-for this very request (actors/agent/operator_input.py), so a restarted agent
+for this very request (actors/kernel/operator_input.py), so a restarted agent
 sends the same context. Without compaction the exchanges are the newest
 `agent.context_window`; with it, every exchange since the last boundary.
 Every registered op is offered as a function (its pydantic schema), and each
@@ -47,11 +47,11 @@ from urllib.parse import urlsplit
 import openai
 
 from actors.agent import catalog, mcp_functions
-from actors.agent.backends import Reply, Usage
-from actors.agent.compaction import Summary, SummaryCache
-from actors.agent.operator_input import Delivered, read_text
-from actors.agent.settings import CompactionSettings, OpenAISettings, Task
-from actors.agent.state import AgentState
+from actors.kernel.compaction import Summary, SummaryCache
+from actors.kernel.operator_input import Delivered, read_text
+from actors.kernel.reply import Reply, Usage
+from actors.kernel.settings import CompactionSettings, OpenAISettings, Task
+from actors.kernel.state import AgentState
 from broker.errors import ModelError
 
 # the HTTP package under the library (httpx, or httpx2 in later versions): its errors

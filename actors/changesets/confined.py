@@ -1,7 +1,7 @@
 """Confined file access: the one implementation of reaching a file below a
 root directory without following a link, used by change-set apply
 (actors/changesets/paths.py) and by every agent file op
-(actors/agent/workspace.py).
+(actors/kernel/workspace.py).
 
 A path is a list of plain components (the callers normalise and check the
 text first). From an fd of the root, each directory on the way is opened

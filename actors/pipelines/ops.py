@@ -33,8 +33,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
-from actors.agent.settings import AgentSettings, AgentSpec, read_spec
+from actors.kernel.ops import Done, OpBase, OpContext, Outcome, register
+from actors.kernel.settings import AgentSettings, AgentSpec, read_spec
 from actors.pipelines import report, runfile
 from actors.registries import schemas, store
 from broker.errors import ConfigError, StateDirError

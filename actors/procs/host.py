@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 import structlog
 from pydantic import BaseModel, ConfigDict
 
-from actors.agent import grants
-from actors.agent.settings import read_spec, workspace_for
-from actors.procs import cgroup, launch, ownership, sandbox
+from actors.kernel.settings import read_spec, workspace_for
+from actors.procs import cgroup, grants, launch, ownership, sandbox
 from actors.procs.command import Command, read_exit_file, wrapper_argv
 from actors.procs.facts import Facts, sha256
 from actors.procs.job import GROUP_KEY, SANDBOX_KEY, Job
@@ -335,7 +334,7 @@ class ProcsHost:
     def _network(self, session: str) -> bool:
         """Whether the session's commands get the network: the operator's
         `sandbox.network` matched against the operator-created agent whose
-        grants the session holds (actors/agent/grants.py), never against a
+        grants the session holds (actors/procs/grants.py), never against a
         name an agent picked (a schedule's run holds its owner's grants)."""
         holder = grants.holder(self.state, session)
         return holder is not None and self.options.sandbox.network_for(holder)

@@ -11,7 +11,7 @@ msg_id derived from the call id, and procs names a job from (session,
 msg_id) and takes a terminal's input once per msg_id; so an agent that
 crashed with a call started and no result runs the call again and gets the
 job it started, never a second one. A terminal's input text is a secret
-field: the WAL keeps its hash and size (actors/agent/vault.py).
+field: the WAL keeps its hash and size (actors/kernel/vault.py).
 
 Output enters the model's context only through these results (decoded as
 UTF-8 with replacement, clipped to the agent's max_result_chars), each
@@ -24,8 +24,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from actors.agent import workspace
-from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
+from actors.kernel import workspace
+from actors.kernel.ops import Done, OpBase, OpContext, Outcome, register
 from actors.procs.client import KILL_REPLY_MARGIN_S, ProcsClient
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError

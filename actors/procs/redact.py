@@ -1,7 +1,7 @@
 """Redacting what was typed into a terminal from what the terminal shows.
 
 The model's terminal input may be a password; the agent keeps its text out
-of the WAL (actors/agent/vault.py), but a terminal echoes it (the tty's echo,
+of the WAL (actors/kernel/vault.py), but a terminal echoes it (the tty's echo,
 or a program such as `cat` printing it back). So procs removes it from the
 PTY output *before* the output is written to the terminal's log, the only
 place a `terminal_read` (the WAL's result, the model's context) or an

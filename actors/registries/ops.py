@@ -26,9 +26,9 @@ import hashlib
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from actors.agent import workspace
-from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
 from actors.changesets import confined
+from actors.kernel import workspace
+from actors.kernel.ops import Done, OpBase, OpContext, Outcome, register
 from actors.pipelines import dsl
 from actors.registries import entries, schemas, store
 from broker.errors import ConfigError, CorralError

@@ -12,7 +12,7 @@ Two kinds of tables (docs/sessions.md):
 Who updates the derived part: every reader, lazily. `open_index()` reads the
 WAL segments directly (read-only, no writer needed, whole group-commit
 batches only) from the seq after `meta.last_seq` and folds what it finds
-with the agents' own fold (actors/agent/state.py) in one transaction. If the
+with the agents' own fold (actors/kernel/state.py) in one transaction. If the
 record at `meta.last_seq` is no longer the one it read (the WAL lost its
 tail), the derived tables are rebuilt from the first record. This needs no
 process of its own, works with the supervisor down, and cannot fall behind
@@ -38,8 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.agent.branch_events import BranchSwitchedError
-from actors.agent.state import SESSION_STARTED, AgentState, fold, fold_into
+from actors.kernel.branch_events import BranchSwitchedError
+from actors.kernel.fold import SESSION_STARTED, fold, fold_into
+from actors.kernel.state import AgentState
 from actors.sessions.ids import index_path, is_session_id
 from actors.trees import branch
 from actors.writer.wal import TornTail, WalRecord, iter_segment, list_segments

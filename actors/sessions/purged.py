@@ -2,7 +2,7 @@
 
 A purged session's records stay in the WAL until compaction removes them
 (docs/wal.md); until then every reader skips them: the agents' rebuild
-(actors/agent/rebuild.py), `supervisor trace`, the session index. The ranges
+(actors/sessions/rebuild.py), `supervisor trace`, the session index. The ranges
 come from the index's `purge_journal` (any state: a purge under way already
 hides its session), read-only; no index means nothing was ever purged.
 """

@@ -10,7 +10,7 @@ backends the request is the position they answer from and the response is
 the reply itself. Secrets are sealed as in the WAL: every text the input
 vault sealed in this reply (a terminal's input) is replaced, wherever it
 occurs in the line, by `<sealed sha256:... N bytes>` before the line is
-written (actors/agent/vault.py). A line that cannot be written (a full disk)
+written (actors/kernel/vault.py). A line that cannot be written (a full disk)
 is logged (`transcript_write_failed`) and the session goes on.
 
 Durability: a line that records a request sent to a model server (the
@@ -34,9 +34,9 @@ from typing import Any
 
 import structlog
 
-from actors.agent.backends import Backend, Reply
-from actors.agent.state import AgentState
-from actors.agent.vault import is_refused, is_sealed, strings_in
+from actors.kernel.reply import Backend, Reply
+from actors.kernel.state import AgentState
+from actors.kernel.vault import is_refused, is_sealed, strings_in
 from actors.sessions.ids import session_dir
 from broker.durable import fsync_dir
 

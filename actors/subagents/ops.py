@@ -25,9 +25,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from actors.agent import workspace
-from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
 from actors.changesets.confined import NO_GUARD
+from actors.kernel import workspace
+from actors.kernel.ops import Done, OpBase, OpContext, Outcome, register
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.requester import new_msg_id

@@ -6,7 +6,7 @@ The new agent's stream `agent/<NEW>` begins with a `session_fork` record
 (origin `operator`): the parent's name (and session id, once sessions have
 them), the cut (seq and turn, as for rewind: actors/trees/branch.py), the
 sha256 of the parent's folded state at the cut (`source_digest`), the tree,
-and that state, which the fold takes as its own (actors/agent/branch_events.py).
+and that state, which the fold takes as its own (actors/kernel/branch_events.py).
 Its workspace, `.corral/agents/<NEW>/workspace/`, is a copy of the tree at
 the cut written from the object store: new files, no hard links, nothing
 shared with the parent. Its spec is the parent's with the default workspace.
@@ -15,7 +15,7 @@ The parent's memory (`.corral/memory/<SOURCE>/`, persist tier, never
 reverted, so as it is now, not as it was at the cut) is copied to the fork's,
 and so are the lines of the parent's compaction file that the state at the
 cut names (its summary in effect, a pending one): the fork's context needs
-them (actors/agent/compaction.py).
+them (actors/kernel/compaction.py).
 
 Steps: (1) intent `.corral/trees/forks/<NEW>.json`; (2) the agent directory
 built under a staging name and the workspace written into it; (3) the
@@ -38,8 +38,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.agent import compaction
-from actors.agent.settings import read_spec, spec_path, write_spec
+from actors.kernel import compaction
+from actors.kernel.settings import read_spec, spec_path, write_spec
 from actors.sessions.ids import new_session_id
 from actors.trees import branch, restore, tree
 from actors.trees.recorder import fault, store_for

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.agent import catalog, commands, gate
-from actors.agent.ops import OpBase
-from actors.agent.settings import AgentSettings, Permissions, Rule
+from actors.agent import catalog
+from actors.kernel import commands, gate
+from actors.kernel.ops import OpBase
+from actors.kernel.settings import AgentSettings, Permissions, Rule
 from broker.statedir import StateDir
 from tests.security.kit import decisions, results, run_agent
 

@@ -22,7 +22,7 @@ Class variables tell the gate and the loop what an op touches:
                     rather than aborted (procs keys its starts by call id)
     secret_fields   string arguments the WAL must never hold (a terminal's
                     input): the loop seals them into the agent's input vault
-                    before the turn is recorded (actors/agent/vault.py)
+                    before the turn is recorded (actors/kernel/vault.py)
     call_deadline_s how long the handler may block (waiting on procs or
                     subagents); 0 for ops that return at once. `deadline_s()`
                     may refine it from the arguments (`bash`: its timeout). The
@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from broker.statedir import StateDir
 
 if TYPE_CHECKING:
-    from actors.agent.workspace import Place
+    from actors.kernel.workspace import Place
 
 
 class OpBase(BaseModel):

@@ -9,7 +9,7 @@ The exact text never enters the WAL. It lives in the agent's directory
 written durably (temp file, fsync, rename, fsync of the directory) *before*
 the operator fact that names it (`operator_answer`, `operator_correction`:
 identity, sha256, character count, file name). The agent folds the fact into
-`AgentState.inputs` (actors/agent/state.py); at its next model request it
+`AgentState.inputs` (actors/kernel/state.py); at its next model request it
 appends one consumption fact per pending input (`clarification_consumed`,
 `correction_consumed`: identity, hash, the turn it feeds), durable before the
 request is sent, then reads the texts and gives them to the backend. The turn

@@ -1,7 +1,7 @@
 """The gate every op passes, whatever model backend chose it: pure decisions.
 
 Order: exclude (ops disabled by `agent.exclude`) -> confinement (the op's path
-is normalised to its workspace-relative form, actors/agent/workspace.py; a
+is normalised to its workspace-relative form, actors/kernel/workspace.py; a
 path that escapes the workspace, holds a control or format character, runs
 through a symlink, names a file with several links, or enters the state
 directory is refused here, before any rule) -> permission (rules, first
@@ -11,7 +11,7 @@ and this pattern; ops that need the operator (`ask`) always wait for an
 answer.
 
 Path rules match the normalised path. Command rules match the simple
-commands of the line (actors/agent/commands.py: quoting, wrappers such as
+commands of the line (actors/kernel/commands.py: quoting, wrappers such as
 `env`, path prefixes and separators undone): a deny or ask rule when any of
 them starts with the rule's words, an allow rule only when all of them do;
 an opaque line (`$(...)`, `$X` as a command) matches every deny and ask rule
@@ -34,9 +34,9 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Literal
 
-from actors.agent import commands, workspace
-from actors.agent.ops import OpBase
-from actors.agent.settings import AgentSettings, Rule
+from actors.kernel import commands, workspace
+from actors.kernel.ops import OpBase
+from actors.kernel.settings import AgentSettings, Rule
 from broker.errors import PathRefusedError
 from broker.statedir import StateDir
 
