@@ -356,7 +356,7 @@ class ProcsHost:
         group = self._new_group(proc_id)
         filter_fd = sandbox.seccomp_fd(self.options.sandbox)
         try:
-            prefix = self._prefix(confinement, cwd, sandbox.clean_env(os.environ), proc_id,
+            prefix = self.argv_prefix(confinement, cwd, sandbox.clean_env(os.environ), proc_id,
                                   filter_fd)
             spawned = launch.spawn(wrapper_argv(command, log_path, cap_bytes, exit_path, prefix),
                                    launch.job_env(os.environ, proc_id), cwd,
@@ -388,7 +388,7 @@ class ProcsHost:
         log_path, _ = self._files(message.session, "terminal", proc_id)
         filter_fd = sandbox.seccomp_fd(self.options.sandbox)
         try:
-            prefix = self._prefix(confinement, message.cwd,
+            prefix = self.argv_prefix(confinement, message.cwd,
                                   sandbox.clean_env(os.environ, term=TERMINAL_TERM), proc_id,
                                   filter_fd)
         except BaseException:
@@ -429,7 +429,7 @@ class ProcsHost:
                           lifetime_s=lifetime)
         return job
 
-    def _prefix(self, confinement: sandbox.Confinement, cwd: str, env: dict[str, str],
+    def argv_prefix(self, confinement: sandbox.Confinement, cwd: str, env: dict[str, str],
                 proc_id: str, filter_fd: int | None = None) -> list[str]:
         """The program's argv prefix. Sandboxed, its environment is exactly the
         clean one (the sandbox is found by its hostname); unconfined, it keeps
