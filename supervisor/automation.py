@@ -172,8 +172,11 @@ def prepare_pipeline_run(state_dir: StateDir, entry: registries.ScheduleEntry,
     writes it: the pipeline (an installed one by name, or an absolute file
     path), checked with its inputs. Written once: a tick retried after the
     fact's reply was lost keeps the file the fact was recorded with."""
+    from actors.agent import catalog  # noqa: PLC0415
     from actors.pipelines import runfile  # noqa: PLC0415
     from supervisor.pipelinecli import resolve  # noqa: PLC0415
+
+    catalog.install()  # the ops a pipeline's steps may name
 
     path = runfile.path_for(state_dir, runner)
     if path.exists():

@@ -225,8 +225,10 @@ def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float, *,
     try:
         settings = rt.config.agent
         if msg.backend == "pipeline":  # a pipeline runner: its task is the run file
+            from actors.agent import catalog  # noqa: PLC0415
             from actors.pipelines import runfile  # noqa: PLC0415
 
+            catalog.install()  # the ops a pipeline's steps may name
             runfile.read(msg.task).parsed()
             settings = runfile.runner_settings(settings)
         else:

@@ -223,7 +223,7 @@ def _follow(proc: subprocess.Popen[bytes], config: config_mod.Config, state_dir:
 
     from actors.writer.client import WriterClient
 
-    catalog.warm()
+    catalog.install()
     deadline = time.monotonic() + timeout_s
     start_deadline = time.monotonic() + START_WAIT_S
     children: dict[str, Any] | None = None

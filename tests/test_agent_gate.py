@@ -18,6 +18,8 @@ from actors.kernel.settings import AgentSettings, Permissions, Rule
 from broker.errors import PathRefusedError
 from broker.statedir import StateDir
 
+catalog.install()  # the ops these tests parse and run (a process does it at start)
+
 
 def op(action: dict[str, object]) -> OpBase:
     parsed = catalog.parse_action(action)

@@ -20,6 +20,8 @@ from actors.kernel.settings import OpenAISettings, Task
 from actors.kernel.state import AgentState
 from broker.errors import ModelError
 
+catalog.install()  # the ops these tests parse and run (a process does it at start)
+
 
 class Server:
     def __init__(self) -> None:

@@ -27,6 +27,8 @@ from broker.statedir import StateDir
 from tests.agentkit import FakeWriter
 from tests.test_openai_backend import Server, call, completion
 
+catalog.install()  # the ops these tests parse and run (a process does it at start)
+
 READ = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 
 

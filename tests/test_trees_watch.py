@@ -269,6 +269,7 @@ def test_only_local_ops_are_taken_as_writing_through_the_runtime() -> None:
     from actors.agent import catalog
     from actors.kernel.ops import is_local
 
+    catalog.install()
     local = {op for op in catalog.op_names() if is_local(op)}
     assert local >= {"write_file", "edit_file"}
     for op in ("bash", "bash_start", "terminal_input", "mcp_call", "apply_subagent",

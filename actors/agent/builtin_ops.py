@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from actors.changesets import confined
 from actors.kernel import workspace
-from actors.kernel.ops import Done, OpBase, OpContext, Outcome, Write, register
+from actors.kernel.ops import Done, OpBase, OpContext, OpSpec, Outcome, Write
 
 MemoryKey = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 MAX_LIST_ENTRIES = 1000
@@ -332,9 +332,9 @@ def finish(op: Finish, ctx: OpContext) -> Outcome:
     return Done({"finished": True})
 
 
-for _model, _handler in (
+# local: they read, or return a Write the loop applies
+OPS = tuple(OpSpec(model, handler, local=True) for model, handler in (
     (ReadFile, read_file), (WriteFile, write_file), (EditFile, edit_file),
     (ListDir, list_dir), (Search, search), (MemoryWrite, memory_write),
     (MemoryRead, memory_read), (Todos, todos), (Ask, ask), (Finish, finish),
-):
-    register(_model, _handler, local=True)  # they read, or return a Write the loop applies
+))

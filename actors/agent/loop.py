@@ -103,6 +103,7 @@ class AgentLoop:
         *, fault_spec: str | None = None, peer: Any = None, watch: CallWatch | None = None,
     ) -> None:
         self.name = name
+        catalog.install()  # the ops this loop runs (done already in a zygote-forked agent)
         self.state_dir = state_dir
         self.spec = spec
         self.settings = spec.settings
@@ -594,7 +595,26 @@ class AgentLoop:
                          call_id=self._op_call_id(
                              self.state.branch + call_id if call_id else call_id),
                          max_command_timeout_s=self.settings.max_command_timeout_s,
-                         writer=self.writer)
+                         writer=self.writer, nested=self._run_nested)
+
+    def _run_nested(self, name: str, spec: AgentSpec, writer: Any, wait_s: float
+                    ) -> AgentState | None:
+        """A nested runner in this process (`pipeline_run`: the op reaches it
+        through its context, actors/kernel/ops.py `NestedRun`): stepped until
+        its session ends (its state), or None once it has waited for the
+        operator past `wait_s`."""
+        loop = AgentLoop(name, self.state_dir, spec, writer, peer=self.peer)
+        loop.rebuild()
+        deadline = time.monotonic() + wait_s
+        while True:
+            step = loop.step()
+            if step is Step.DONE:
+                return loop.state
+            if step is Step.WAIT:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(spec.settings.approval_poll_ms / 1000)  # an operator's answer
+                loop.sync()
 
     def _op_call_id(self, call_id: str | None) -> str | None:
         """The call id ops key their requests by (procs' msg ids, subagents): the

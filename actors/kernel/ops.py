@@ -1,12 +1,11 @@
 """Typed ops: the registry that makes them one pydantic discriminated union.
 
 An op is a frozen, strict pydantic model with a literal `op` field, plus one
-handler; `register(Model, handler)` adds both, and the union used to validate
-a model's action (`parse_action`) is rebuilt from the registry. This is the
-ONE place new ops join: the ops of this issue register in
-actors/agent/builtin_ops.py, and actors/agent/catalog.py imports every module
-that registers ops (add yours there, e.g. background commands, terminals,
-subagents).
+handler: an `OpSpec`. A module of ops lists its specs in `OPS` and registers
+nothing when imported; the process that runs ops installs them where it
+starts (`install`, from the list of op modules in actors/agent/catalog.py),
+and the union used to validate a model's action (`parse_action`) is rebuilt
+from the registry. A new module of ops joins that list; nothing else changes.
 
 Class variables tell the gate and the loop what an op touches:
     path_field      the argument holding a workspace path (confinement, path rules)
@@ -36,16 +35,18 @@ recording it. Handlers never write themselves.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from broker.statedir import StateDir
 
 if TYPE_CHECKING:
+    from actors.kernel.settings import AgentSpec
+    from actors.kernel.state import AgentState
     from actors.kernel.workspace import Place
 
 
@@ -86,6 +87,19 @@ class OpBase(BaseModel):
         return False
 
 
+class NestedRun(Protocol):
+    """How an op runs a nested runner in its agent's own process (a pipeline
+    run, actors/pipelines/ops.py): the loop passes one in the op's context, so
+    an op never imports the loop that calls it (actors/agent/loop.py)."""
+
+    def __call__(self, name: str, spec: AgentSpec, writer: Any, wait_s: float
+                 ) -> AgentState | None:
+        """Run the runner `name` under `spec`, appending with `writer`, until
+        its session ends (its state), or None once it has waited for the
+        operator past `wait_s` (it stays where it is)."""
+        ...
+
+
 @dataclass(frozen=True)
 class OpContext:
     """What a handler may use: its agent's workspace and memory, and limits."""
@@ -103,6 +117,7 @@ class OpContext:
     path_visible: Callable[[str], bool] | None = None
     max_command_timeout_s: float = 600.0  # a command's timeout is clipped to this
     writer: Any = None  # the agent's WriterClient: registry ops record their generation
+    nested: NestedRun | None = None  # the loop's nested runner (pipeline_run)
 
 
 @dataclass(frozen=True)
@@ -135,6 +150,15 @@ class Rejected:
     errors: list[str]
 
 
+@dataclass(frozen=True)
+class OpSpec:
+    """One op: its model and handler; `local` as in `register`."""
+
+    model: type[OpBase]
+    handler: Handler
+    local: bool = False
+
+
 _MODELS: dict[str, type[OpBase]] = {}
 _HANDLERS: dict[str, Handler] = {}
 _LOCAL: set[str] = set()
@@ -153,6 +177,8 @@ def register(model: type[OpBase], handler: Handler, *, local: bool = False) -> N
     existing = _MODELS.get(name)
     if existing is not None and existing is not model:
         raise ValueError(f"op {name!r} is already registered by {existing.__name__}")
+    if existing is model and _HANDLERS[name] is handler and (name in _LOCAL) == local:
+        return  # installed already: the union stays built
     _MODELS[name] = model
     _HANDLERS[name] = handler
     if local:
@@ -160,6 +186,12 @@ def register(model: type[OpBase], handler: Handler, *, local: bool = False) -> N
     else:
         _LOCAL.discard(name)
     _adapter = None
+
+
+def install(specs: Iterable[OpSpec]) -> None:
+    """Register every spec (installing the same specs again changes nothing)."""
+    for spec in specs:
+        register(spec.model, spec.handler, local=spec.local)
 
 
 def op_names() -> list[str]:

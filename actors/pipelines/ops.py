@@ -3,7 +3,8 @@
     pipeline_run  name, inputs={}, wait_s=600
 
 The run happens in the agent's own process, as a nested runner: the same
-`AgentLoop` with the pipeline backend, named `<agent>.pl-<call id>`, on its
+`AgentLoop` (reached through the op context's `nested`, never imported here)
+with the pipeline backend, named `<agent>.pl-<call id>`, on its
 own stream `agent/<agent>.pl-<call>` (the writer lets an agent append there
 under that origin: broker/auth.py), working in the agent's workspace under
 the agent's own gate settings (its spec: rules, exclusions, budget). So
@@ -27,13 +28,12 @@ where it is.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from actors.kernel.ops import Done, OpBase, OpContext, Outcome, register
+from actors.kernel.ops import Done, OpBase, OpContext, OpSpec, Outcome
 from actors.kernel.settings import AgentSettings, AgentSpec, read_spec
 from actors.pipelines import report, runfile
 from actors.registries import schemas, store
@@ -83,10 +83,8 @@ def runner_name(agent: str, call_id: str) -> str:
 
 
 def pipeline_run(op: PipelineRun, ctx: OpContext) -> Outcome:
-    from actors.agent.loop import AgentLoop, Step  # noqa: PLC0415 - the loop imports the ops
-
-    if ctx.writer is None or ctx.call_id is None:
-        return Done({"error": "pipeline_run needs the agent's writer"}, ok=False)
+    if ctx.writer is None or ctx.call_id is None or ctx.nested is None:
+        return Done({"error": "pipeline_run needs the agent's writer and loop"}, ok=False)
     try:
         name = runner_name(ctx.agent, ctx.call_id)
         entry = store.newest(ctx.state_dir, "pipelines").get(op.name)
@@ -106,23 +104,13 @@ def pipeline_run(op: PipelineRun, ctx: OpContext) -> Outcome:
     settings = runfile.runner_settings(parent.settings if parent else AgentSettings())
     spec = AgentSpec(task=str(path), backend="pipeline", workspace=str(ctx.workspace),
                      settings=settings)
-    loop = AgentLoop(name, ctx.state_dir, spec, _AsRunner(ctx.writer, name),  # type: ignore[arg-type]
-                     peer=ctx.peer)
-    loop.rebuild()
-    deadline = time.monotonic() + op.wait_s
-    while True:
-        step = loop.step()
-        if step is Step.DONE:
-            break
-        if step is Step.WAIT:
-            if time.monotonic() > deadline:
-                return Done({"runner": name, "error": f"still waiting after {op.wait_s:g}s "
-                             f"(supervisor approve {name} ...)", "timeout": True},
-                            ok=False, status="timeout")
-            time.sleep(settings.approval_poll_ms / 1000)
-            loop.sync()
-    result = report.summarise(run, loop.state)
+    state = ctx.nested(name, spec, _AsRunner(ctx.writer, name), op.wait_s)
+    if state is None:
+        return Done({"runner": name, "error": f"still waiting after {op.wait_s:g}s "
+                     f"(supervisor approve {name} ...)", "timeout": True},
+                    ok=False, status="timeout")
+    result = report.summarise(run, state)
     return Done({"runner": name, **result}, ok=result["status"] == "ok")
 
 
-register(PipelineRun, pipeline_run)
+OPS = (OpSpec(PipelineRun, pipeline_run),)

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 
 from actors.changesets import confined
 from actors.kernel import workspace
-from actors.kernel.ops import Done, OpBase, OpContext, Outcome, register
+from actors.kernel.ops import Done, OpBase, OpContext, OpSpec, Outcome
 from actors.pipelines import dsl
 from actors.registries import entries, schemas, store
 from broker.errors import ConfigError, CorralError
@@ -203,6 +203,6 @@ def handle(op: OpBase, ctx: OpContext) -> Outcome:
     return Done(result)
 
 
-for _model in (PipelineInstall, PipelineRemove, ScheduleAdd, ScheduleRemove, ScheduleEnable,
-               HookAdd, HookRemove, McpInstall, McpRemove):
-    register(_model, handle)
+OPS = tuple(OpSpec(model, handle) for model in (
+    PipelineInstall, PipelineRemove, ScheduleAdd, ScheduleRemove, ScheduleEnable,
+    HookAdd, HookRemove, McpInstall, McpRemove))

@@ -12,7 +12,7 @@ Two kinds of tables (docs/sessions.md):
 Who updates the derived part: every reader, lazily. `open_index()` reads the
 WAL segments directly (read-only, no writer needed, whole group-commit
 batches only) from the seq after `meta.last_seq` and folds what it finds
-with the agents' own fold (actors/kernel/state.py) in one transaction. If the
+with the agents' own fold (actors/kernel/fold.py) in one transaction. If the
 record at `meta.last_seq` is no longer the one it read (the WAL lost its
 tail), the derived tables are rebuilt from the first record. This needs no
 process of its own, works with the supervisor down, and cannot fall behind

@@ -22,6 +22,8 @@ from actors.kernel.settings import AgentSettings, Permissions, Rule
 from broker.statedir import StateDir
 from tests.security.kit import decisions, results, run_agent
 
+catalog.install()  # the ops these tests parse and run (a process does it at start)
+
 FINISH = {"op": "finish", "summary": "done"}
 SECRET = "TOP-SECRET-VALUE"
 
