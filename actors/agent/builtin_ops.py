@@ -1,5 +1,5 @@
 """The ops of the agent issue: files, search, memory, todos, ask and finish.
-Each is one model and one handler, registered at import (actors/kernel/ops.py
+Each is one model and one handler, listed in `OPS` (actors/kernel/ops.py
 explains the contract). Handlers read; writes are returned as `Write` and
 applied by the loop after it has recorded them.
 
