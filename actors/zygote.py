@@ -5,18 +5,7 @@ pool) and by the subagents host (without). See docs/supervisor.md ("The
 zygote") and docs/decisions.md ("Agents fork from a zygote: one clone, a
 pool, paced starts").
 
-It owns the format on socketpair N (SOCK_SEQPACKET, one datagram each):
-    b"ready <zygote pid>"                 once, after preloading
-    b"fork <name>[ <output path>]"        an agent; output opened O_APPEND, 0600
-    b'run <name> <module> {"argv": [...], "drop": [...]}'
-                                          `main(argv)` of a RUNNABLE module,
-                                          the "drop" names removed from environ
-    reply: b"forked <name> <pid>" or b"failed <name> <reason>"
-A request may carry descriptors (SCM_RIGHTS): with a trailing b" c" the
-first is a pipe holding the child's credential; then a start gate (a pipe:
-the child runs only on b"g", exits 125 on EOF). Replies may come in another
-order than the requests. A pool member reads one JSON datagram {"name",
-"output", "credential", "gate"} with those descriptors.
+The format on its socketpair is actors/zygotewire.py's.
 """
 
 # Imports inside functions are deliberate: each path loads only what it needs.
@@ -36,11 +25,11 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import get_args
 
 from actors import sibling
+from actors.zygotewire import RUNNABLE, ForkRequest, parse_request
 from broker import logconfig
 from broker.lifeline import die_with_parent
 from broker.statedir import private_umask
@@ -64,112 +53,15 @@ def _timeout_ms(poll_ms: int | None, wait_s: float | None) -> int | None:
 # Fault injection for tests only: the go-between of the request with this name
 # kills itself (SIGKILL) before it forks or replies
 FAULT_ENV_GO_BETWEEN_DIES = "CORRAL_FAULT_ZYGOTE_GO_BETWEEN_DIES"
-# `python -m <key>` -> the module whose `main(argv)` a `run` request calls (nothing else runs)
-RUNNABLE = {"actors.writer": "actors.writer.process", "broker.server": "broker.server"}
-
-
-@dataclass(frozen=True)
-class Ready:
-    pid: int
-
-
-@dataclass(frozen=True)
-class Forked:
-    name: str
-    pid: int
-
-
-@dataclass(frozen=True)
-class ForkFailed:
-    name: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class ForkRequest:
-    name: str
-    output: bytes | None = None  # a path (bytes: any file name the OS accepts)
-    credential: bool = False  # the first fd is the agent's credential pipe
-    module: str | None = None  # `run`: a key of RUNNABLE; None: an agent
-    argv: tuple[str, ...] = ()  # `run`: the arguments of its main()
-    drop: tuple[str, ...] = ()  # `run`: environment names the child removes (the model key)
-
-
-_CREDENTIAL_MARK = b"\0c"
-
-
-def fork_request(name: str, output: str | os.PathLike[str] | None = None, *,
-                 credential: bool = False) -> bytes:
-    data = f"fork {name}".encode()
-    data = data if output is None else data + b" " + os.fsencode(output)
-    return data + _CREDENTIAL_MARK if credential else data
-
-
-def run_request(name: str, module: str, argv: list[str], *, drop: Sequence[str] = (),
-                credential: bool = False) -> bytes:
-    """Ask for a child running `python -m <module> <argv>`'s main, forked; it
-    removes the environment names `drop` before it runs (the zygote holds the
-    model key, which the writer and broker must not)."""
-    if module not in RUNNABLE:
-        raise ValueError(f"the zygote does not run {module}")
-    data = f"run {name} {module} ".encode() + json.dumps(
-        {"argv": list(argv), "drop": list(drop)}).encode()
-    return data + _CREDENTIAL_MARK if credential else data
-
-
-def parse_request(data: bytes) -> ForkRequest | None:
-    """Parse one request datagram; None when it is not one."""
-    credential = data.endswith(_CREDENTIAL_MARK)
-    if credential:
-        data = data.removesuffix(_CREDENTIAL_MARK)
-    word, _, rest = data.partition(b" ")
-    name, _, output = rest.partition(b" ")
-    if not name or b"\0" in data:
-        return None
-    if word == b"run":
-        return _parse_run(name, output, credential)
-    if word != b"fork":
-        return None
-    return ForkRequest(name.decode("utf-8", "replace"), output or None, credential)
-
-
-def _parse_run(name: bytes, rest: bytes, credential: bool) -> ForkRequest | None:
-    module, _, raw = rest.partition(b" ")
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
-    text = module.decode("utf-8", "replace")
-    if text not in RUNNABLE or not isinstance(body, dict):
-        return None
-    argv, drop = body.get("argv"), body.get("drop", [])
-    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv) \
-            or not isinstance(drop, list) or not all(isinstance(d, str) for d in drop):
-        return None
-    return ForkRequest(name.decode("utf-8", "replace"), None, credential, text,
-                       tuple(argv), tuple(drop))
-
-
-def parse_reply(data: bytes) -> Ready | Forked | ForkFailed:
-    """Parse one datagram from the zygote; ValueError when it is not one."""
-    text = data.decode("utf-8", "replace")
-    if text.startswith("ready "):
-        return Ready(int(text.removeprefix("ready ")))
-    word, name, rest = text.split(" ", 2)
-    if word == "forked":
-        return Forked(name, int(rest))
-    if word == "failed":
-        return ForkFailed(name, rest)
-    raise ValueError(f"unknown zygote reply {word!r}")
-
-
 def _preload() -> None:
     """Import and warm everything an agent (and a restarted writer or broker)
     needs, then freeze it."""
     import zmq  # noqa: F401
 
-    from actors.agent import process  # noqa: F401
+    from actors.agent import catalog, process  # noqa: F401
     from broker import protocol
+
+    catalog.install()  # the ops and their union, built once: every forked agent inherits them
 
     for module in RUNNABLE.values():
         importlib.import_module(module)

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from actors import zygote
+from actors import zygotewire
 from broker.lifeline import spawn_command
 
 
@@ -58,7 +58,7 @@ class ZygoteLink:
         False when the zygote is not there (or its queue is full)."""
         if self.sock is None:
             return False
-        data = zygote.fork_request(name, output, credential=credential_fd is not None)
+        data = zygotewire.fork_request(name, output, credential=credential_fd is not None)
         fds = [fd for fd in (credential_fd, gate_fd) if fd is not None]
         try:
             if not fds:
@@ -72,14 +72,14 @@ class ZygoteLink:
     def run(self, name: str, module: str, argv: list[str], *, drop: Sequence[str] = (),
             credential_fd: int | None = None) -> bool:
         """Ask for a forked child running `python -m <module> <argv>`'s main (the
-        writer, the broker: zygote.RUNNABLE), without the environment names `drop`,
+        writer, the broker: zygotewire.RUNNABLE), without the environment names `drop`,
         its credential on the pipe `credential_fd`; False when the zygote is not
         ready (still preloading, gone, its queue full) or does not run `module`:
         the caller starts a fresh interpreter instead. The reply is a `Forked` or
         `ForkFailed` among `replies()`, like an agent's."""
-        if self.sock is None or not self.ready or module not in zygote.RUNNABLE:
+        if self.sock is None or not self.ready or module not in zygotewire.RUNNABLE:
             return False
-        data = zygote.run_request(name, module, argv, drop=drop,
+        data = zygotewire.run_request(name, module, argv, drop=drop,
                                   credential=credential_fd is not None)
         try:
             if credential_fd is None:
@@ -92,7 +92,7 @@ class ZygoteLink:
 
     def run_wait(self, name: str, module: str, argv: list[str], timeout_s: float, *,
                  drop: Sequence[str] = (), credential_fd: int | None = None,
-                 ) -> zygote.Forked | zygote.ForkFailed | None:
+                 ) -> zygotewire.Forked | zygotewire.ForkFailed | None:
         """`run()` and wait for its reply, as `fork()` does for an agent."""
         if not self.run(name, module, argv, drop=drop, credential_fd=credential_fd):
             return None
@@ -103,9 +103,9 @@ class ZygoteLink:
                     return reply
         return None
 
-    def replies(self) -> list[zygote.Forked | zygote.ForkFailed]:
+    def replies(self) -> list[zygotewire.Forked | zygotewire.ForkFailed]:
         """Every reply available now (a `ready` only sets `self.ready`)."""
-        out: list[zygote.Forked | zygote.ForkFailed] = []
+        out: list[zygotewire.Forked | zygotewire.ForkFailed] = []
         while self.sock is not None:
             try:
                 data = self.sock.recv(4096)
@@ -117,10 +117,10 @@ class ZygoteLink:
                 self.close()
                 break
             try:
-                reply = zygote.parse_reply(data)
+                reply = zygotewire.parse_reply(data)
             except ValueError:
                 continue
-            if isinstance(reply, zygote.Ready):
+            if isinstance(reply, zygotewire.Ready):
                 self.ready = True
             else:
                 out.append(reply)
@@ -138,7 +138,7 @@ class ZygoteLink:
 
     def fork(self, name: str, timeout_s: float, *, output: str | os.PathLike[str] | None = None,
              gate_fd: int | None = None,
-             credential_fd: int | None = None) -> zygote.Forked | zygote.ForkFailed | None:
+             credential_fd: int | None = None) -> zygotewire.Forked | zygotewire.ForkFailed | None:
         """Ask for one agent and wait for its reply; None when the zygote is
         gone or did not answer within `timeout_s` (it may still fork later:
         pass a start gate and close it to make that agent exit unrun)."""

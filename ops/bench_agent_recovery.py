@@ -26,9 +26,10 @@ from typing import Any
 
 import yaml
 
-from actors.agent import generations
-from actors.agent.settings import AgentSettings, AgentSpec, write_spec
-from actors.agent.state import AgentState, fold
+from actors.kernel import generations
+from actors.kernel.fold import fold
+from actors.kernel.settings import AgentSettings, AgentSpec, write_spec
+from actors.kernel.state import AgentState
 from actors.writer.wal import encode_record, segment_name
 from broker.statedir import StateDir
 from ops.benchkit import percentile, start_writer, stop, temp_state_root, wait_writer_ready
@@ -204,7 +205,7 @@ def recovery_rounds(
 def full_replay_ms(state_dir: StateDir, expected: AgentState) -> float:
     import zmq
 
-    from actors.agent.rebuild import rebuild
+    from actors.sessions.rebuild import rebuild
     from actors.writer.client import WriterClient
 
     writer_proc = start_writer(state_dir.root)

@@ -9,7 +9,7 @@ agent is SIGKILLed by fault injection a few turns before its end (the model
 answered, its turn not recorded); then
 
 - `rebuild_ms_p50_<turns>`: the agent's rebuild (newest generation + the tail
-  from the writer + fold: actors/agent/rebuild.py), timed `ROUNDS` times
+  from the writer + fold: actors/sessions/rebuild.py), timed `ROUNDS` times
   after each kill; the best of those rounds counts for the kill (the host is
   shared: load from elsewhere only ever adds), the p50 is over the kills;
   `rebuild_ms_p50_every_round_<turns>` is the p50 of every round;
@@ -34,10 +34,11 @@ from typing import Any
 
 import yaml
 
-from actors.agent import compaction
-from actors.agent import state as state_mod
-from actors.agent.settings import AgentSettings, AgentSpec, CompactionSettings, write_spec
-from actors.agent.state import AgentState, fold
+from actors.kernel import compaction
+from actors.kernel import fold as fold_mod
+from actors.kernel.fold import fold
+from actors.kernel.settings import AgentSettings, AgentSpec, CompactionSettings, write_spec
+from actors.kernel.state import AgentState
 from broker.statedir import StateDir
 from ops.benchkit import (
     child_env,
@@ -76,7 +77,7 @@ def session(turns: int) -> dict[str, Any]:
     """One session of `turns` model turns: figures of its run and its recovery."""
     import zmq
 
-    from actors.agent.rebuild import rebuild
+    from actors.sessions.rebuild import rebuild
     from actors.writer.client import WriterClient
 
     with temp_state_root() as root:
@@ -124,11 +125,11 @@ def session(turns: int) -> dict[str, Any]:
     sizes = [int(p["context_tokens"]) for _, e, p in records
              if e == "turn" and isinstance(p, dict)]
     # the peer: the same history folded with no boundary and no cap on exchanges
-    cap, state_mod.RECENT_MAX = state_mod.RECENT_MAX, 10**9
+    cap, fold_mod.RECENT_MAX = fold_mod.RECENT_MAX, 10**9
     try:
         uncompacted = fold(AgentState(), [r for r in records if r[1] != "compaction_boundary"])
     finally:
-        state_mod.RECENT_MAX = cap
+        fold_mod.RECENT_MAX = cap
     return {
         "turns": len(sizes), "run_s": round(run_s, 1), "events": len(records),
         "kills": kills, "rebuild_ms_p50": round(percentile(rebuilt, 50), 2),

@@ -117,7 +117,7 @@ def _generations_up(state: Path, urls: list[str], host: str, agent: str) -> bool
 def _pending(state: Path, agent: str) -> bool:
     import zmq
 
-    from actors.agent.rebuild import rebuild
+    from actors.sessions.rebuild import rebuild
     from actors.writer.client import WriterClient
     from broker.statedir import StateDir
 
@@ -136,7 +136,7 @@ def _full_fold_ms(state: Path, agent: str) -> tuple[float, float]:
     """(ms, events) of the agent's state rebuilt from its first record on this host."""
     import zmq
 
-    from actors.agent.rebuild import rebuild
+    from actors.sessions.rebuild import rebuild
     from actors.writer.client import WriterClient
     from broker.statedir import StateDir
 

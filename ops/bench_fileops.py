@@ -19,9 +19,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from actors.agent import builtin_ops, gate, workspace
-from actors.agent.ops import OpContext
-from actors.agent.settings import AgentSettings, Permissions, Rule
+from actors.agent import builtin_ops
+from actors.kernel import gate, workspace
+from actors.kernel.ops import OpContext
+from actors.kernel.settings import AgentSettings, Permissions, Rule
 from broker.statedir import StateDir
 
 DEPTH = ("src", "pkg", "mod")

@@ -26,7 +26,7 @@ import structlog
 import yaml
 
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.settings import AgentSettings, AgentSpec
+from actors.kernel.settings import AgentSettings, AgentSpec
 from actors.pipelines import runfile
 from broker.statedir import StateDir
 from ops.benchkit import percentile, start_writer, stop, temp_state_root, wait_writer_ready

@@ -35,7 +35,7 @@ import time
 import psutil
 import zmq
 
-from actors.agent.settings import AgentSpec, write_spec
+from actors.kernel.settings import AgentSpec, write_spec
 from actors.procs import cgroup, launch, sandbox
 from actors.procs.client import ProcsClient
 from broker import protocol

@@ -51,7 +51,7 @@ if __name__ == "__main__":  # run directly: import the repository's packages
 import msgpack
 import yaml
 
-from actors.agent.settings import AgentSettings, AgentSpec, write_spec
+from actors.kernel.settings import AgentSettings, AgentSpec, write_spec
 from broker import protocol
 from broker.errors import ProtocolError
 from broker.statedir import StateDir

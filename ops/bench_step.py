@@ -84,7 +84,7 @@ ROUNDS = 3  # each system's runs, alternating with the others'
 
 def _write(directory: Path, name: str, step: int) -> None:
     """The agent's own file write (temp file, fsync, rename, directory fsync)."""
-    from actors.agent.workspace import apply_write, place
+    from actors.kernel.workspace import apply_write, place
 
     apply_write(place(directory, name), f"step {step}\n".encode())
 
@@ -112,7 +112,7 @@ def corral_worker(state_root: Path, agent: str, steps: int, *,
     import zmq
 
     from actors.agent.loop import AgentLoop, Step
-    from actors.agent.settings import AgentSettings, AgentSpec, write_spec
+    from actors.kernel.settings import AgentSettings, AgentSpec, write_spec
     from actors.writer.client import WriterClient
     from broker import logconfig
     from broker.statedir import StateDir

@@ -105,7 +105,7 @@ def write_task(root: Path) -> Path:
 
 
 def write_specs(state_dir: StateDir, config: Path, agents: int, task: Path) -> None:
-    from actors.agent.settings import AgentSettings, AgentSpec, Budget, write_spec
+    from actors.kernel.settings import AgentSettings, AgentSpec, Budget, write_spec
 
     settings = AgentSettings.model_validate(yaml.safe_load(config.read_text()).get("agent", {}))
     settings = settings.model_copy(update={"max_turns": 10_000_000, "budget": Budget()})

@@ -99,7 +99,7 @@ class ZygoteWriters:
             raise RuntimeError("the zygote did not preload")
 
     def start(self) -> int:
-        from actors.zygote import Forked
+        from actors.zygotewire import Forked
 
         reply = self.link.run_wait("writer", "actors.writer", ["--state-dir", str(self.state_dir)],
                                    timeout_s=30)

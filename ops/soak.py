@@ -133,7 +133,7 @@ def write_specs(state_dir: StateDir, config: Path, agents: int, prefix: str, tas
     (so `release/*` writes ask for an approval), with a turn bound above the
     task's length: the soak checks that agents finish the task, not that they
     hit a bound."""
-    from actors.agent.settings import AgentSettings, AgentSpec, Budget, load_task, write_spec
+    from actors.kernel.settings import AgentSettings, AgentSpec, Budget, load_task, write_spec
 
     settings = AgentSettings.model_validate(yaml.safe_load(config.read_text()).get("agent", {}))
     plan = load_task(task)

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.agent import generations
-from actors.agent.settings import read_spec, workspace_for
-from actors.agent.state import AgentState, fold
+from actors.kernel import generations
+from actors.kernel.fold import fold
+from actors.kernel.settings import read_spec, workspace_for
+from actors.kernel.state import AgentState
 from actors.writer.wal import list_segments, parse_record
 from broker.statedir import StateDir
 

@@ -86,7 +86,7 @@ class Approver:
         self.answered = 0
 
     def tick(self) -> None:
-        from actors.agent.rebuild import rebuild
+        from actors.sessions.rebuild import rebuild
         from broker.errors import CorralError
         from supervisor.agentcli import answer_approval
 

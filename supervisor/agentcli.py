@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from broker.statedir import StateDir
 
 if TYPE_CHECKING:
-    from actors.agent.state import AgentState
+    from actors.kernel.state import AgentState
     from actors.writer.client import WriterClient
 
 EXIT_OK = 0
@@ -49,7 +49,7 @@ def operator_act(state_dir: StateDir, agent: str, action: Any) -> str:
     console (supervisor/console/) both answer through here."""
     import zmq
 
-    from actors.agent.rebuild import rebuild
+    from actors.sessions.rebuild import rebuild
     from broker.errors import CorralError, RequestTimeoutError
     from broker.statedir import check_actor_name
     from supervisor import client
@@ -168,7 +168,7 @@ def answer(state_dir: StateDir, agent: str, request: str, text: str | None,
 
 def answer_action(state_dir: StateDir, agent: str, request: str, body: str) -> Any:
     """`answer` as an action for `operator_act`."""
-    from actors.agent import operator_input
+    from actors.kernel import operator_input
 
     def act(writer: WriterClient, state: AgentState) -> str:
         try:
@@ -192,7 +192,7 @@ def correct(state_dir: StateDir, agent: str, text: str | None, file: str | None)
 
 def correction_action(state_dir: StateDir, agent: str, body: str) -> Any:
     """`correct` as an action for `operator_act`."""
-    from actors.agent import operator_input
+    from actors.kernel import operator_input
 
     def act(writer: WriterClient, state: AgentState) -> str:
         try:
@@ -272,7 +272,7 @@ def spawn(state_dir: StateDir, name: str, task: str, model: str | None, *,
     from *its* configuration's `agent:` settings, and only when it accepts."""
     import json
 
-    from actors.agent.settings import load_task
+    from actors.kernel.settings import load_task
     from broker import protocol
     from broker.errors import CorralError, RemoteError, RequestTimeoutError
     from broker.requester import new_msg_id

@@ -149,8 +149,11 @@ def prepare_pipeline_run(state_dir: StateDir, entry: registries.ScheduleEntry,
     writes it: the pipeline (an installed one by name, or an absolute file
     path), checked with its inputs. Written once: a tick retried after the
     fact's reply was lost keeps the file the fact was recorded with."""
+    from actors.agent import catalog  # noqa: PLC0415
     from actors.pipelines import runfile  # noqa: PLC0415
     from supervisor.pipelinecli import resolve  # noqa: PLC0415
+
+    catalog.install()  # the ops a pipeline's steps may name
 
     path = runfile.path_for(state_dir, runner)
     if path.exists():
@@ -637,7 +640,7 @@ class Automation:
 def service(rt: Runtime, now: float) -> None:
     """Once per supervisor loop turn: hand the thread the agents' names, and
     spawn what the schedules fired (the supervisor's own spawn path)."""
-    from actors.agent.settings import Budget  # noqa: PLC0415
+    from actors.kernel.settings import Budget  # noqa: PLC0415
     from supervisor import requests  # noqa: PLC0415
 
     auto = rt.automation

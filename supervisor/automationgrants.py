@@ -40,8 +40,8 @@ def grant_for(writer: WriterClient, state_dir: StateDir, owner: str | None) -> G
     """The grant of a run of a schedule owned by `owner` (raises
     GrantRefusedError: no owner recorded, an owner without a spec, or nothing
     left of its budget)."""
-    from actors.agent.rebuild import rebuild  # noqa: PLC0415
-    from actors.agent.settings import read_spec  # noqa: PLC0415
+    from actors.kernel.settings import read_spec  # noqa: PLC0415
+    from actors.sessions.rebuild import rebuild  # noqa: PLC0415
     from actors.subagents.host import remaining  # noqa: PLC0415
 
     if owner == auth.OPERATOR:
@@ -79,7 +79,7 @@ class Charges:
 
     def tick(self, writer: WriterClient) -> None:
         """Charge each due run whose session has ended."""
-        from actors.agent.rebuild import rebuild  # noqa: PLC0415
+        from actors.sessions.rebuild import rebuild  # noqa: PLC0415
 
         for run, (owner, schedule) in list(self.due.items()):
             if not self._ended(writer, run):

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from actors.agent.settings import AgentSettings, yaml_problem
+from actors.kernel.settings import AgentSettings, yaml_problem
 from broker.errors import ConfigError
 from supervisor.automationconfig import AutomationConfig
 from supervisor.fleetconfig import FleetConfig

@@ -79,7 +79,10 @@ def resolve(state_dir: StateDir, target: str) -> tuple[str, str]:
 
 
 def check(target: str) -> int:
+    from actors.agent import catalog
     from actors.pipelines import dsl
+
+    catalog.install()  # the ops a pipeline's steps may name
 
     try:
         pipeline = dsl.load(Path(target))
@@ -92,6 +95,7 @@ def check(target: str) -> int:
 
 def run(state_dir: StateDir, target: str, pairs: list[str], *, runner: str | None,
         wait: bool, timeout_s: float, as_json: bool) -> int:
+    from actors.agent import catalog
     from actors.pipelines import runfile
     from broker import protocol
     from broker.errors import CorralError, RemoteError, RequestTimeoutError
@@ -99,6 +103,7 @@ def run(state_dir: StateDir, target: str, pairs: list[str], *, runner: str | Non
     from broker.statedir import check_actor_name
     from supervisor import client
 
+    catalog.install()  # the ops a pipeline's steps may name
     try:
         inputs = parse_inputs(pairs)
         text, source = resolve(state_dir, target)
@@ -193,9 +198,10 @@ def _with_operator(state_dir: StateDir, action: Any) -> int:
 
 def registry_apply(state_dir: StateDir, op_name: str, args_json: str) -> int:
     from actors.agent import catalog
-    from actors.agent.ops import Rejected
+    from actors.kernel.ops import Rejected
     from actors.registries import ops
 
+    catalog.install()  # the registry ops, and the ops an installed pipeline may name
     if op_name not in ops.REGISTRY_OF:
         return _fail(f"{op_name} is not a registry op ({', '.join(ops.REGISTRY_OF)})",
                      EXIT_USAGE)

@@ -17,7 +17,7 @@ from supervisor.config import CORE_KINDS, DEFAULT_CONFIG_PATH, KIND_ORDER
 from supervisor.config import load as load_config
 
 if TYPE_CHECKING:
-    from actors.agent.settings import Budget
+    from actors.kernel.settings import Budget
     from supervisor.runtime import Runtime
 
 log = structlog.get_logger("supervisor")
@@ -89,7 +89,7 @@ def stop(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
 def _adopt(rt: Runtime, target: str) -> None:
     """An agent with a spec on disk but no child (a fork: docs/trees.md; or one
     spawned before this supervisor started) becomes a child, as `spawn` adds one."""
-    from actors.agent.settings import read_spec  # noqa: PLC0415
+    from actors.kernel.settings import read_spec  # noqa: PLC0415
     from broker.errors import CorralError  # noqa: PLC0415
     from broker.statedir import check_actor_name  # noqa: PLC0415
     from supervisor.config import ChildSpec  # noqa: PLC0415
@@ -148,7 +148,7 @@ def _begin(rt: Runtime, child: Child, now: float) -> None:
 
 
 def remove(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
-    from actors.agent.settings import spec_path  # noqa: PLC0415 - only this request needs it
+    from actors.kernel.settings import spec_path  # noqa: PLC0415 - only this request needs it
 
     child = _lookup(rt, msg_id, target, "remove")
     if isinstance(child, protocol.Error):
@@ -167,7 +167,7 @@ def remove(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
 
 def tighter(a: Budget, b: Budget) -> Budget:
     """Each bound the smaller of the two (None is unbounded)."""
-    from actors.agent.settings import Budget  # noqa: PLC0415
+    from actors.kernel.settings import Budget  # noqa: PLC0415
 
     def low(x: float | None, y: float | None) -> float | None:
         return y if x is None else x if y is None else min(x, y)
@@ -181,9 +181,9 @@ def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float, *,
           creator: str | None = None, budget: Budget | None = None) -> Reply:
     """Add an agent child with the agents group's policy, but restart `transient`:
     it runs a session, and a finished one exits 0. `creator`: the agent whose
-    grants and budget bound this one (a schedule's run, actors/agent/grants.py);
+    grants and budget bound this one (a schedule's run, actors/procs/grants.py);
     `budget`: what is left of that agent's, the most the new agent may spend."""
-    from actors.agent.settings import AgentSpec, load_task, write_spec  # noqa: PLC0415
+    from actors.kernel.settings import AgentSpec, load_task, write_spec  # noqa: PLC0415
     from actors.sessions.ids import is_session_id, new_session_id  # noqa: PLC0415
     from supervisor.config import ChildSpec  # noqa: PLC0415
 
@@ -204,8 +204,10 @@ def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float, *,
     try:
         settings = rt.config.agent
         if msg.backend == "pipeline":  # a pipeline runner: its task is the run file
+            from actors.agent import catalog  # noqa: PLC0415
             from actors.pipelines import runfile  # noqa: PLC0415
 
+            catalog.install()  # the ops a pipeline's steps may name
             runfile.read(msg.task).parsed()
             settings = runfile.runner_settings(settings)
         else:

@@ -18,10 +18,10 @@ from typing import Any, TextIO
 import yaml
 
 from actors.agent import catalog
-from actors.agent.rebuild import rebuild, tail
-from actors.agent.settings import AgentSpec, write_spec
-from actors.agent.state import AgentState
+from actors.kernel.settings import AgentSpec, write_spec
+from actors.kernel.state import AgentState
 from actors.sessions.ids import new_session_id
+from actors.sessions.rebuild import rebuild, tail
 from broker.errors import ConfigError, CorralError, StateDirError
 from broker.statedir import StateDir
 from supervisor import client
@@ -99,7 +99,7 @@ class Progress:
 
 def _answers(config: config_mod.Config, writer: Any, name: str, state: AgentState,
              state_dir: StateDir) -> None:
-    from actors.agent import operator_input
+    from actors.kernel import operator_input
     from supervisor.agentcli import answer_approval
 
     for approval in state.pending_approvals():
@@ -210,7 +210,7 @@ def _follow(proc: subprocess.Popen[bytes], config: config_mod.Config, state_dir:
 
     from actors.writer.client import WriterClient
 
-    catalog.warm()
+    catalog.install()
     deadline = time.monotonic() + timeout_s
     start_deadline = time.monotonic() + START_WAIT_S
     children: dict[str, Any] | None = None

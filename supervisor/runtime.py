@@ -21,7 +21,7 @@ import zmq
 
 from actors.procs import launch
 from actors.writer.hooks import EXIT_HALTED
-from actors.zygote import Forked
+from actors.zygotewire import Forked
 from broker import lifeline, protocol
 from broker.control import ENV_HEARTBEAT_TIMEOUT
 from broker.errors import SpawnError

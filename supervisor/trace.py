@@ -282,7 +282,7 @@ def _input_text(record: WalRecord, payload: Any, agent_dir: Path | None) -> str 
     """An operator input's exact text, from the agent's input file (never the WAL)."""
     if agent_dir is None or record.event not in INPUT_EVENTS or not isinstance(payload, dict):
         return None
-    from actors.agent.operator_input import read_text  # noqa: PLC0415
+    from actors.kernel.operator_input import read_text  # noqa: PLC0415
 
     return read_text(agent_dir, str(payload.get("file")), str(payload.get("sha256")))
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from actors.agent.settings import AgentSettings, AgentSpec, Permissions, Rule
+from actors.kernel.settings import AgentSettings, AgentSpec, Permissions, Rule
 from actors.writer.payload import check_payload
 from broker import protocol
 

@@ -11,11 +11,14 @@ from typing import ClassVar, Literal
 
 import pytest
 
-from actors.agent import catalog, gate, workspace
-from actors.agent.ops import OpBase
-from actors.agent.settings import AgentSettings, Permissions, Rule
+from actors.agent import catalog
+from actors.kernel import gate, workspace
+from actors.kernel.ops import OpBase
+from actors.kernel.settings import AgentSettings, Permissions, Rule
 from broker.errors import PathRefusedError
 from broker.statedir import StateDir
+
+catalog.install()  # the ops these tests parse and run (a process does it at start)
 
 
 def op(action: dict[str, object]) -> OpBase:

@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
-from actors.agent import generations
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.operator_input import record_answer
-from actors.agent.rebuild import rebuild
 from actors.agent.recordable import recordable_actions, recordable_text
-from actors.agent.settings import Budget, Rule
-from actors.agent.state import AgentState, fold
+from actors.kernel import generations
+from actors.kernel.fold import fold
+from actors.kernel.operator_input import record_answer
+from actors.kernel.settings import Budget, Rule
+from actors.kernel.state import AgentState
+from actors.sessions.rebuild import rebuild
 from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval
 from tests.agentkit import FakeWriter, spec, tree, write_task

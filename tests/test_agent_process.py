@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import zmq
 
-from actors.agent.rebuild import rebuild
-from actors.agent.settings import Rule, write_spec
+from actors.kernel.settings import Rule, write_spec
+from actors.sessions.rebuild import rebuild
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from actors.agent.settings import AgentSpec, write_spec
+from actors.kernel.settings import AgentSpec, write_spec
 from actors.procs.host import new_proc_id
 from actors.writer.client import WriterClient
 from broker import protocol

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.agent.backends import NO_PROC, ScriptedModel
-from actors.agent.settings import Task
-from actors.agent.state import RECENT_RESULT_CHARS, AgentState, _clip, fold
+from actors.kernel.fold import RECENT_RESULT_CHARS, _clip, fold
+from actors.kernel.settings import Task
+from actors.kernel.state import AgentState
 
 cids = st.sampled_from(["1.0", "1.1", "2.0", "3.0", "4.0"])
 requests = st.sampled_from(["req-1.0", "req-2.0", "req-3.0"])

@@ -12,10 +12,13 @@ from typing import Any
 
 import pytest
 
+from actors.agent import catalog
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.vault import SealedInputMissingError, Vault
+from actors.kernel.vault import SealedInputMissingError, Vault
 from broker.statedir import StateDir
 from tests.agentkit import FakeWriter, spec, write_task
+
+catalog.install()  # the ops these tests parse and run (a process does it at start)
 
 SECRET = "hunter2-not-for-the-wal\n"
 PROC = "t-0123456789abcdef"

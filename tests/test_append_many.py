@@ -186,7 +186,7 @@ def test_a_step_that_writes_a_file_pays_one_durable_append(
     events = [r.event for r in writer.records if r.stream == "agent/a1"]
     assert events[-6:] == ["tool_result", "workspace_tree", "turn", "tool_call", "permission",
                            "tool_start"]
-    assert loop.state.open_turn is None and loop._pending  # (turn 2's result)
+    assert loop.state.open_turn is None and loop.journal.pending  # (turn 2's result)
     _drive(loop)
     assert sorted(tree(loop.workspace)) == [f"f{i}.txt" for i in range(5)]
 

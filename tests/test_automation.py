@@ -321,8 +321,8 @@ def test_a_run_of_an_agents_schedule_gets_what_is_left_and_is_charged_to_it(
     run's budget is what is left of its owner's, none left refuses it; an
     ended run's use is charged to the owner once, and the owner's fold counts
     it. Over the in-memory writer."""
-    from actors.agent.rebuild import rebuild
-    from actors.agent.settings import AgentSettings, AgentSpec, Budget, write_spec
+    from actors.kernel.settings import AgentSettings, AgentSpec, Budget, write_spec
+    from actors.sessions.rebuild import rebuild
     from supervisor.automationgrants import Charges, Grant, GrantRefusedError, grant_for
     from tests.agentkit import FakeWriter
 

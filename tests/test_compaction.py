@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import zmq
 
-from actors.agent import compaction
-from actors.agent.rebuild import rebuild
-from actors.agent.settings import CompactionSettings, write_spec
-from actors.agent.state import AgentState, fold
+from actors.kernel import compaction
+from actors.kernel.fold import fold
+from actors.kernel.settings import CompactionSettings, write_spec
+from actors.kernel.state import AgentState
+from actors.sessions.rebuild import rebuild
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from tests.agentkit import spec, write_task
@@ -124,7 +125,7 @@ def test_the_compaction_file_keeps_only_what_something_readable_names(
     """Once retention has removed the early records of the stream, a generation
     save prunes the lines no record left, no kept generation and not the state
     name; the summary in effect stays readable, so a restart's context is whole."""
-    from actors.agent import generations
+    from actors.kernel import generations
     from tests.agentkit import FakeWriter
     from tests.test_trees_rewind import drive, start
 
@@ -184,7 +185,7 @@ def test_context_tokens_stays_exact_as_one_state_is_folded_in_place() -> None:
     """The sizes are remembered per exchange (the loop folds one state in place
     and asks before every request): exact through appends, the RECENT_MAX cut,
     a compaction's boundary, a new session, and for states asked in turn."""
-    from actors.agent.state import RECENT_MAX, fold_into
+    from actors.kernel.fold import RECENT_MAX, fold_into
 
     state, other = AgentState(), AgentState()
     seq = 0

@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.agent import compaction
+from actors.kernel import compaction
 
 OPS = st.lists(st.one_of(
     st.tuples(st.just("append"), st.text(max_size=40)),

@@ -1,4 +1,4 @@
-"""The effect journal (actors/agent/effects.py): one session's entries in
+"""The effect journal (actors/kernel/effects.py): one session's entries in
 memory and in its journal file, appended through a kept fd; read back by a
 restarted process, whatever a crash tore; pruned by turn and by session; the
 earlier layout (a file per entry) still read; a purge finds the session's
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.agent.effects import (
+from actors.agent.loop import Step
+from actors.kernel.effects import (
     KEEP_TURNS,
     PRUNE_EVERY,
     EffectJournal,
@@ -21,7 +22,6 @@ from actors.agent.effects import (
     journal_name,
     session_of_file,
 )
-from actors.agent.loop import Step
 from broker.statedir import StateDir
 from tests.agentkit import FakeWriter, write_task
 from tests.test_trees_rewind import drive, start

@@ -28,9 +28,9 @@ import pytest
 import yaml
 import zmq
 
-from actors.agent.generations import SAVED_EVENT, list_generations
-from actors.agent.rebuild import rebuild
+from actors.kernel.generations import SAVED_EVENT, list_generations
 from actors.procs import launch
+from actors.sessions.rebuild import rebuild
 from actors.trees.store import packs_dir
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import zmq
 
-from actors.agent.generations import SAVED_EVENT
-from actors.agent.rebuild import rebuild
-from actors.agent.state import AgentState, fold
+from actors.kernel.fold import fold
+from actors.kernel.generations import SAVED_EVENT
+from actors.kernel.state import AgentState
+from actors.sessions.rebuild import rebuild
 from actors.trees import branch
 from actors.trees.store import packs_dir
 from actors.writer.client import WriterClient

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from actors.agent.settings import AgentSpec, write_spec
+from actors.kernel.settings import AgentSpec, write_spec
 from actors.trees.recorder import capturer_for
 from actors.trees.restore import restore
 from actors.trees.store import packs_dir

@@ -19,9 +19,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.agent import generations
-from actors.agent.settings import AgentSpec, write_spec
-from actors.agent.state import AgentState, fold
+from actors.kernel import generations
+from actors.kernel.fold import fold
+from actors.kernel.settings import AgentSpec, write_spec
+from actors.kernel.state import AgentState
 from broker.statedir import StateDir
 from supervisor.fleet import generations as fleet_generations
 from supervisor.fleet.adopt import OBJECTS, Uploader, _names

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.agent.state import AgentState, fold
+from actors.kernel.fold import fold
+from actors.kernel.state import AgentState
 from actors.trees import branch
 from actors.trees.capture import Capturer
 from actors.trees.statcache import StatCache

@@ -30,7 +30,7 @@ import pytest
 import yaml
 import zmq
 
-from actors.agent.settings import read_spec
+from actors.kernel.settings import read_spec
 from actors.subagents import remotepack as rp
 from actors.subagents.remote import remote_id
 from actors.subagents.transfers import chunks

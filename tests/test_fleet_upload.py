@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from actors.agent.settings import AgentSpec, write_spec
+from actors.kernel.settings import AgentSpec, write_spec
 from actors.trees.store import packs_dir
 from broker.statedir import StateDir
 from supervisor.fleet.adopt import OBJECTS, Uploader, _names, download_pack, parse_chunk

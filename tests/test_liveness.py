@@ -26,7 +26,7 @@ import pytest
 import yaml
 import zmq
 
-from actors.agent.settings import AgentSpec, write_spec
+from actors.kernel.settings import AgentSpec, write_spec
 from actors.procs.client import ProcsClient
 from actors.writer.client import WriterClient
 from broker import protocol

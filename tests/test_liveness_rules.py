@@ -17,8 +17,8 @@ import zmq
 import zmq.utils.monitor
 
 from actors.agent.openai_backend import ModelTimeoutError, OpenAIModel
-from actors.agent.settings import OpenAISettings, Task
-from actors.agent.state import AgentState
+from actors.kernel.settings import OpenAISettings, Task
+from actors.kernel.state import AgentState
 from broker import protocol
 from broker.control import Call, ControlReporter, shows_life
 from broker.errors import ConfigError

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from actors.agent.settings import Permissions, Rule
+from actors.kernel.settings import Permissions, Rule
 from actors.registries import ops
 from tests.processes import wait_for
 from tests.security.stack import Runtime, shared  # noqa: F401 - the fixture
@@ -201,7 +201,7 @@ def test_an_agent_killed_in_mcp_calls_never_calls_a_tool_twice(
     served by another actor): the restarted agent runs the call again under the
     same msg_id and procs answers from memory, so the server is called once per
     call, idempotent or not."""
-    from actors.agent.settings import AgentSettings, AgentSpec, write_spec
+    from actors.kernel.settings import AgentSettings, AgentSpec, write_spec
     from tests.agentkit import write_task
 
     rt = shared
@@ -232,9 +232,9 @@ def test_an_agent_killed_in_mcp_calls_never_calls_a_tool_twice(
 
 def test_mcp_rules_hints_and_replay_safety_units(tmp_path: Path) -> None:
     """The gate's names for MCP calls, and replay safety from the noted hints."""
-    from actors.agent import gate
     from actors.agent.mcp_ops import McpCall, _note_hints
-    from actors.agent.settings import AgentSettings
+    from actors.kernel import gate
+    from actors.kernel.settings import AgentSettings
     from broker.statedir import StateDir
 
     settings = AgentSettings(permissions=Permissions(default="ask", rules=[

@@ -15,10 +15,12 @@ import pytest
 
 from actors.agent import catalog
 from actors.agent.openai_backend import OpenAIModel
-from actors.agent.ops import Rejected
-from actors.agent.settings import OpenAISettings, Task
-from actors.agent.state import AgentState
+from actors.kernel.ops import Rejected
+from actors.kernel.settings import OpenAISettings, Task
+from actors.kernel.state import AgentState
 from broker.errors import ModelError
+
+catalog.install()  # the ops these tests parse and run (a process does it at start)
 
 
 class Server:

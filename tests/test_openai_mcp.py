@@ -15,16 +15,19 @@ from typing import Any
 
 import pytest
 
-from actors.agent import catalog, gate, mcp_functions
+from actors.agent import catalog, mcp_functions
 from actors.agent.mcp_ops import McpCall
 from actors.agent.openai_backend import OpenAIModel
-from actors.agent.ops import Rejected
-from actors.agent.settings import AgentSettings, OpenAISettings, Task
-from actors.agent.state import AgentState
+from actors.kernel import gate
+from actors.kernel.ops import Rejected
+from actors.kernel.settings import AgentSettings, OpenAISettings, Task
+from actors.kernel.state import AgentState
 from actors.registries import ops
 from broker.statedir import StateDir
 from tests.agentkit import FakeWriter
 from tests.test_openai_backend import Server, call, completion
+
+catalog.install()  # the ops these tests parse and run (a process does it at start)
 
 READ = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 

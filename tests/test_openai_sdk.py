@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import zmq
 
-from actors.agent import compaction, operator_input
 from actors.agent.openai_backend import OpenAIModel, build_messages
-from actors.agent.settings import CompactionSettings, OpenAISettings, Task
-from actors.agent.state import AgentState
+from actors.kernel import compaction, operator_input
+from actors.kernel.settings import CompactionSettings, OpenAISettings, Task
+from actors.kernel.state import AgentState
 from broker import protocol
 from broker.control import ControlReporter
 from broker.errors import ModelError

@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 import zmq
 
-from actors.agent import operator_input
-from actors.agent.operator_input import InputRefusedError, record_answer, record_correction
-from actors.agent.rebuild import rebuild
-from actors.agent.settings import Rule, write_spec
-from actors.agent.state import AgentState
+from actors.kernel import operator_input
+from actors.kernel.operator_input import InputRefusedError, record_answer, record_correction
+from actors.kernel.settings import Rule, write_spec
+from actors.kernel.state import AgentState
+from actors.sessions.rebuild import rebuild
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval
@@ -162,7 +162,7 @@ def test_fold_keeps_an_input_until_its_turn_and_refuses_crossed_kinds(tmp_path: 
     """Pure parts: an approval does not answer a question in the fold either, an
     answer does not approve a permission, a second pending correction is not
     taken, and a consumed input joins the history with the turn it fed."""
-    from actors.agent.state import fold
+    from actors.kernel.fold import fold
 
     ev: list[tuple[int, str, Any]] = [
         (1, "session_start", {"segment": 1}),
@@ -222,7 +222,7 @@ def test_fold_keeps_an_input_until_its_turn_and_refuses_crossed_kinds(tmp_path: 
 
 
 def operator_input_pending(ref: dict[str, Any]) -> Any:
-    from actors.agent.state import PendingInput
+    from actors.kernel.state import PendingInput
 
     return PendingInput(kind="correction", ident="k3", **ref)
 

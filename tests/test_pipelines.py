@@ -14,12 +14,15 @@ from typing import Any
 import pytest
 import yaml
 
+from actors.agent import catalog
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.settings import AgentSettings, AgentSpec, Permissions, Rule
+from actors.kernel.settings import AgentSettings, AgentSpec, Permissions, Rule
 from actors.pipelines import dsl, runfile
 from broker.statedir import StateDir
 from supervisor.agentcli import answer_approval
 from tests.agentkit import FakeWriter, tree
+
+catalog.install()  # the ops these tests parse and run (a process does it at start)
 
 
 def runner(state_dir: StateDir, writer: FakeWriter, text: str, *, name: str = "pl",

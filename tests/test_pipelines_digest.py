@@ -15,7 +15,7 @@ import pytest
 import yaml
 import zmq
 
-from actors.agent.settings import AgentSettings, AgentSpec, write_spec
+from actors.kernel.settings import AgentSettings, AgentSpec, write_spec
 from actors.pipelines import report, runfile
 from actors.writer.client import WriterClient
 from broker.errors import ConfigError

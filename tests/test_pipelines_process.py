@@ -22,10 +22,10 @@ import pytest
 import yaml
 import zmq
 
-from actors.agent.rebuild import rebuild
-from actors.agent.settings import AgentSettings, AgentSpec, write_spec
+from actors.kernel.settings import AgentSettings, AgentSpec, write_spec
 from actors.pipelines import runfile
 from actors.registries import store
+from actors.sessions.rebuild import rebuild
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from tests.agentkit import tree

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import zmq
 
-from actors.agent.settings import AgentSpec, write_spec
+from actors.kernel.settings import AgentSpec, write_spec
 from actors.procs import launch
 from actors.procs.client import ProcsClient
 from actors.procs.launch import ENV_PROC_ID

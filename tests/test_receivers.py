@@ -15,7 +15,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors import zygote
+from actors import zygotewire
 from actors.writer.process import Writer, WriterOptions
 from broker import protocol
 from broker.heartbeat import HeartbeatRule
@@ -161,10 +161,10 @@ def test_a_broker_peer_reads_any_frame_and_answers_no_reply(ctx: Context,
 @given(st.binary(max_size=200))
 @settings(max_examples=300, deadline=None)
 def test_the_zygote_datagram_parsers_take_any_bytes(data: bytes) -> None:
-    request = zygote.parse_request(data)
-    assert request is None or isinstance(request, zygote.ForkRequest)
+    request = zygotewire.parse_request(data)
+    assert request is None or isinstance(request, zygotewire.ForkRequest)
     try:
-        reply = zygote.parse_reply(data)
+        reply = zygotewire.parse_reply(data)
     except ValueError:
         return
-    assert isinstance(reply, zygote.Ready | zygote.Forked | zygote.ForkFailed)
+    assert isinstance(reply, zygotewire.Ready | zygotewire.Forked | zygotewire.ForkFailed)

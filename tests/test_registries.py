@@ -12,12 +12,15 @@ from pathlib import Path
 
 import yaml
 
+from actors.agent import catalog
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.ops import OpContext
-from actors.agent.settings import Rule
+from actors.kernel.ops import OpContext
+from actors.kernel.settings import Rule
 from actors.registries import entries, ops, schemas, store
 from broker.statedir import StateDir
 from tests.agentkit import FakeWriter, spec, write_task
+
+catalog.install()  # the ops these tests parse and run (a process does it at start)
 
 PIPE = {"name": "hello", "steps": [
     {"id": "w", "op": "write_file", "args": {"path": "hello.txt", "content": "hi"}}]}

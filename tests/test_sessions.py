@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import zmq
 
-from actors.agent.settings import AgentSettings, AgentSpec, Budget, write_spec
+from actors.kernel.settings import AgentSettings, AgentSpec, Budget, write_spec
 from actors.sessions import index, purge
 from actors.sessions.ids import new_session_id
 from actors.sessions.resolve import SessionPurgingError, resolve

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from actors.agent.settings import write_spec
+from actors.kernel.settings import write_spec
 from actors.writer.client import WriterClient
 from actors.writer.wal import list_segments
 from broker.statedir import StateDir

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from actors.agent.settings import AgentSpec, write_spec
+from actors.kernel.settings import AgentSpec, write_spec
 from actors.procs.client import ProcsClient
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError

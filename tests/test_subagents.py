@@ -28,15 +28,15 @@ import psutil
 import pytest
 import zmq
 
-from actors import zygote
-from actors.agent import operator_input
-from actors.agent.ops import OpContext
-from actors.agent.rebuild import rebuild
-from actors.agent.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
-from actors.agent.state import BudgetUse
+from actors import zygotewire
 from actors.changesets import manifest as mf
 from actors.changesets import overlay
+from actors.kernel import operator_input
+from actors.kernel.ops import OpContext
+from actors.kernel.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
+from actors.kernel.state import BudgetUse
 from actors.procs.launch import GATE_CLOSED_EXIT
+from actors.sessions.rebuild import rebuild
 from actors.subagents import starter as starter_mod
 from actors.subagents.host import remaining
 from actors.subagents.ops import SpawnSubagentOp, spawn_subagent, task_path
@@ -458,16 +458,17 @@ def test_a_zygote_that_dies_before_ready_falls_back_to_a_fresh_interpreter(
 
 
 def test_zygote_request_format_keeps_the_old_form_and_carries_an_output_path() -> None:
-    assert zygote.parse_request(zygote.fork_request("agent-1")) == zygote.ForkRequest("agent-1")
-    data = zygote.fork_request("a.s-0123456789ab", "/tmp/with space/child.out")
+    assert (zygotewire.parse_request(zygotewire.fork_request("agent-1"))
+            == zygotewire.ForkRequest("agent-1"))
+    data = zygotewire.fork_request("a.s-0123456789ab", "/tmp/with space/child.out")
     assert data == b"fork a.s-0123456789ab /tmp/with space/child.out"
-    assert zygote.parse_request(data) == zygote.ForkRequest(
+    assert zygotewire.parse_request(data) == zygotewire.ForkRequest(
         "a.s-0123456789ab", b"/tmp/with space/child.out")
-    assert zygote.parse_request(b"spoon agent-1") is None
-    assert zygote.parse_request(b"fork") is None
-    assert zygote.parse_reply(b"ready 42") == zygote.Ready(42)
-    assert zygote.parse_reply(b"forked agent-1 43") == zygote.Forked("agent-1", 43)
-    assert zygote.parse_reply(b"failed agent-1 out of memory") == zygote.ForkFailed(
+    assert zygotewire.parse_request(b"spoon agent-1") is None
+    assert zygotewire.parse_request(b"fork") is None
+    assert zygotewire.parse_reply(b"ready 42") == zygotewire.Ready(42)
+    assert zygotewire.parse_reply(b"forked agent-1 43") == zygotewire.Forked("agent-1", 43)
+    assert zygotewire.parse_reply(b"failed agent-1 out of memory") == zygotewire.ForkFailed(
         "agent-1", "out of memory")
 
 

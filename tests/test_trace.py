@@ -18,7 +18,7 @@ import pytest
 import structlog
 
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.settings import Rule
+from actors.kernel.settings import Rule
 from actors.writer.wal import WalRecord, encode_record, parse_record
 from broker.statedir import StateDir
 from supervisor import trace

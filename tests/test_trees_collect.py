@@ -355,11 +355,11 @@ def test_the_lease_is_held_until_the_flush_makes_the_tree_fact_durable(
     for _ in range(200):
         before = len(writer.records)
         result = loop.step()
-        pending_tree = any(event == "workspace_tree" for event, *_ in loop._pending)
+        pending_tree = any(event == "workspace_tree" for event, *_ in loop.journal.pending)
         if pending_tree:
             seen_pending_tree = True
             assert not _lease_free(state_dir), "a pass could run before the tree is durable"
-        if len(writer.records) > before and not loop._pending:
+        if len(writer.records) > before and not loop.journal.pending:
             assert _lease_free(state_dir)  # flushed: passes run again
         if result is not Step.PROGRESS:
             break

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.agent.state import AgentState
+from actors.kernel.state import AgentState
 from actors.trees import recorder, tree
 from actors.trees.capture import Capturer
 from actors.trees.recorder import TreeRecorder, stat_cache_path

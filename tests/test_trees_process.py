@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import zmq
 
-from actors.agent.rebuild import rebuild
-from actors.agent.settings import write_spec
-from actors.agent.state import AgentState, fold
+from actors.kernel.fold import fold
+from actors.kernel.settings import write_spec
+from actors.kernel.state import AgentState
+from actors.sessions.rebuild import rebuild
 from actors.trees import branch
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir

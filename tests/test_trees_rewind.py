@@ -19,9 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.rebuild import rebuild
-from actors.agent.settings import write_spec
-from actors.agent.state import AgentState, fold
+from actors.kernel.fold import fold
+from actors.kernel.settings import write_spec
+from actors.kernel.state import AgentState
+from actors.sessions.rebuild import rebuild
 from actors.trees import branch
 from actors.trees import fork as forking
 from actors.trees import rewind as rewinding
@@ -50,7 +51,7 @@ def start(state_dir: StateDir, writer: FakeWriter, name: str, task: Path | None 
           **kw: Any) -> AgentLoop:
     if task is not None:
         write_spec(state_dir, name, spec(task, **kw))
-    from actors.agent.settings import read_spec
+    from actors.kernel.settings import read_spec
 
     loaded = read_spec(state_dir, name)
     assert loaded is not None
@@ -246,7 +247,7 @@ def test_a_rewound_questions_answer_never_enters_later_context(
     echoes the sha256 of each input it received)."""
     import hashlib
 
-    from actors.agent.operator_input import record_answer
+    from actors.kernel.operator_input import record_answer
 
     task = write_task(tmp_path / "t.yaml", [
         {"op": "write_file", "path": "a.txt", "content": "one\n"},
@@ -338,8 +339,8 @@ def test_a_fork_of_a_compacted_session_keeps_its_summary(
         state_dir: StateDir, tmp_path: Path) -> None:
     """The state at the cut names a summary in the parent's compaction file; the
     fork's context must have that text, not 'summary unavailable'."""
-    from actors.agent import compaction
-    from actors.agent.settings import CompactionSettings
+    from actors.kernel import compaction
+    from actors.kernel.settings import CompactionSettings
 
     text = "lorem ipsum dolor sit amet " * 12
     task = write_task(tmp_path / "t.yaml", [

@@ -267,8 +267,9 @@ def test_only_local_ops_are_taken_as_writing_through_the_runtime() -> None:
     (`is_local`); a procs, MCP or subagents op runs code the watch may not
     see, and the next capture walks."""
     from actors.agent import catalog
-    from actors.agent.ops import is_local
+    from actors.kernel.ops import is_local
 
+    catalog.install()
     local = {op for op in catalog.op_names() if is_local(op)}
     assert local >= {"write_file", "edit_file"}
     for op in ("bash", "bash_start", "terminal_input", "mcp_call", "apply_subagent",

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from actors.agent import workspace
 from actors.changesets import confined
+from actors.kernel import workspace
 from broker.statedir import StateDir
 
 LEFT = ".log.txt.df7907de86865e14.corral-tmp"

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from actors import sibling, zygote
+from actors import sibling, zygote, zygotewire
 from broker.statedir import StateDir
 from tests.processes import ProcessTracker
 
@@ -18,26 +18,27 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_run_request_round_trips_and_names_only_preloaded_modules() -> None:
-    data = zygote.run_request("writer", "actors.writer", ["--state-dir", "/tmp/a b/.corral"])
-    assert zygote.parse_request(data) == zygote.ForkRequest(
+    data = zygotewire.run_request("writer", "actors.writer", ["--state-dir", "/tmp/a b/.corral"])
+    assert zygotewire.parse_request(data) == zygotewire.ForkRequest(
         "writer", None, False, "actors.writer", ("--state-dir", "/tmp/a b/.corral"))
     # with its credential pipe and the model key's names to drop
-    data = zygote.run_request("broker", "broker.server", [], drop=["OPENAI_API_KEY"],
+    data = zygotewire.run_request("broker", "broker.server", [], drop=["OPENAI_API_KEY"],
                               credential=True)
-    assert zygote.parse_request(data) == zygote.ForkRequest(
+    assert zygotewire.parse_request(data) == zygotewire.ForkRequest(
         "broker", None, True, "broker.server", (), ("OPENAI_API_KEY",))
     with pytest.raises(ValueError, match="does not run"):
-        zygote.run_request("x", "os", [])
-    assert zygote.parse_request(b"run x os " + json.dumps([]).encode()) is None
-    assert zygote.parse_request(b"run x actors.writer not-json") is None
-    assert zygote.parse_request(b"run x actors.writer [1, 2]") is None
-    assert zygote.parse_request(b'run x actors.writer {"a": 1}') is None
-    assert zygote.parse_request(b'run x actors.writer {"argv": [1]}') is None
-    assert zygote.parse_request(b'run x actors.writer {"argv": [], "drop": [2]}') is None
-    assert zygote.parse_request(b'run x actors.writer {"argv": ["a\0b"]}') is None
-    assert zygote.parse_request(b"run") is None
+        zygotewire.run_request("x", "os", [])
+    assert zygotewire.parse_request(b"run x os " + json.dumps([]).encode()) is None
+    assert zygotewire.parse_request(b"run x actors.writer not-json") is None
+    assert zygotewire.parse_request(b"run x actors.writer [1, 2]") is None
+    assert zygotewire.parse_request(b'run x actors.writer {"a": 1}') is None
+    assert zygotewire.parse_request(b'run x actors.writer {"argv": [1]}') is None
+    assert zygotewire.parse_request(b'run x actors.writer {"argv": [], "drop": [2]}') is None
+    assert zygotewire.parse_request(b'run x actors.writer {"argv": ["a\0b"]}') is None
+    assert zygotewire.parse_request(b"run") is None
     # the agent forms are unchanged
-    assert zygote.parse_request(zygote.fork_request("agent-1")) == zygote.ForkRequest("agent-1")
+    assert (zygotewire.parse_request(zygotewire.fork_request("agent-1"))
+            == zygotewire.ForkRequest("agent-1"))
 
 
 def test_scrub_removes_a_variable_from_the_environment_and_proc_environ() -> None:
@@ -222,7 +223,7 @@ def test_a_pool_member_serves_a_request_and_a_dead_one_is_passed_over(
 _SIBLING_PARENT = r'''
 import json, os, socket, struct, sys, time
 import psutil
-from actors import zygote
+from actors import zygotewire
 from actors.zygotelink import ZygoteLink
 from broker import lifeline
 
@@ -243,7 +244,7 @@ link.sock.setblocking(True)
 link.sock.settimeout(30)
 while len(pids) < 6 and time.monotonic() < deadline:
     data, ancillary, _flags, _addr = link.sock.recvmsg(4096, socket.CMSG_SPACE(12))
-    reply = zygote.parse_reply(data)
+    reply = zygotewire.parse_reply(data)
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
             senders.add(struct.unpack("iII", payload[:12])[0])

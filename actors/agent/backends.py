@@ -11,38 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from actors.agent.operator_input import Delivered
-from actors.agent.settings import AgentSpec, Task
-from actors.agent.state import AgentState
-
-
-@dataclass(frozen=True)
-class Usage:
-    tokens_in: int = 0
-    tokens_out: int = 0
-    cost_units: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
-                "cost_units": round(self.cost_units, 6)}
-
-
-@dataclass(frozen=True)
-class Reply:
-    actions: list[Any] = field(default_factory=list)
-    text: str | None = None
-    usage: Usage = Usage()
-    meta: list[Any] | None = None  # a pipeline runner's step of each action (recorded)
-
-
-class Backend(Protocol):
-    name: str
-
-    def next_reply(self, state: AgentState, inputs: Sequence[Delivered] = ()) -> Reply: ...
+from actors.kernel.operator_input import Delivered
+from actors.kernel.reply import Backend, Reply, Usage
+from actors.kernel.settings import AgentSpec, Task
+from actors.kernel.state import AgentState
 
 
 def echo(inputs: Sequence[Delivered]) -> str | None:

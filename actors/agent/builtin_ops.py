@@ -12,9 +12,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.agent import workspace
-from actors.agent.ops import Done, OpBase, OpContext, Outcome, Write, register
 from actors.changesets import confined
+from actors.kernel import workspace
+from actors.kernel.ops import Done, OpBase, OpContext, OpSpec, Outcome, Write
 
 MemoryKey = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 MAX_LIST_ENTRIES = 1000
@@ -310,7 +310,7 @@ class Ask(OpBase):
 def ask(op: Ask, ctx: OpContext) -> Outcome:
     answer = ctx.answer or {}
     # the exact answer is not a tool result: it reaches the model once, as user
-    # input with the next model request (actors/agent/operator_input.py)
+    # input with the next model request (actors/kernel/operator_input.py)
     return Done({"answered": answer.get("decision") == "answered",
                  "request": answer.get("request"),
                  "delivery": "the operator's answer follows as user input"})
@@ -328,9 +328,9 @@ def finish(op: Finish, ctx: OpContext) -> Outcome:
     return Done({"finished": True})
 
 
-for _model, _handler in (
+# local: they read, or return a Write the loop applies
+OPS = tuple(OpSpec(model, handler, local=True) for model, handler in (
     (ReadFile, read_file), (WriteFile, write_file), (EditFile, edit_file),
     (ListDir, list_dir), (Search, search), (MemoryWrite, memory_write),
     (MemoryRead, memory_read), (Todos, todos), (Ask, ask), (Finish, finish),
-):
-    register(_model, _handler, local=True)  # they read, or return a Write the loop applies
+))

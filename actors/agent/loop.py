@@ -18,47 +18,37 @@ from typing import Any
 
 import structlog
 
-from actors.agent import (
-    catalog,
+from actors.agent import catalog, faults
+from actors.agent.backends import make_backend
+from actors.agent.journal import Journal
+from actors.agent.recordable import recordable_actions, recordable_text
+from actors.kernel import (
     compaction,
     effects,
-    faults,
     gate,
-    generations,
     operator_input,
-    rebuild,
+    pipeline_track,
     workspace,
 )
-from actors.agent.backends import Backend, make_backend
-from actors.agent.ops import Done, OpBase, OpContext, Rejected, Write, is_local, model_for
-from actors.agent.recordable import recordable_actions, recordable_text
-from actors.agent.settings import AgentSpec, Task, load_task, workspace_for
-from actors.agent.state import (
-    RECENT_MAX,
-    SESSION_STARTED,
-    AgentState,
-    Call,
-    Event,
-    fold_into,
-)
-from actors.agent.vault import SealedInputMissingError, Vault
-from actors.pipelines import track
+from actors.kernel.fold import RECENT_MAX, SESSION_STARTED
+from actors.kernel.ops import Done, OpBase, OpContext, Rejected, Write, is_local, model_for
+from actors.kernel.reply import Backend
+from actors.kernel.settings import AgentSpec, Task, load_task, workspace_for
+from actors.kernel.state import AgentState, Call
+from actors.kernel.vault import SealedInputMissingError, Vault
+from actors.sessions import rebuild
 from actors.sessions.ids import is_session_id
 from actors.sessions.lifecycle import session_to_start
 from actors.sessions.purged import purged_of
 from actors.sessions.transcript import Transcript
 from actors.trees import recorder
-from actors.writer.client import WriterClient, decode_payload, encode_payload
-from broker import protocol
+from actors.writer.client import WriterClient, encode_payload
 from broker.control import CallWatch
-from broker.errors import PathRefusedError, WalError
+from broker.errors import PathRefusedError
 from broker.statedir import StateDir
 
 PHASE_CODES = {"new": 0, "running": 1, "paused": 2, "finished": 3, "closed": 4}
 LOCAL_BACKENDS = frozenset({"scripted", "replay"})  # no call leaves the process
-GROUP_MAX_RECORDS = 64  # pending facts flushed at once beyond these bounds
-GROUP_MAX_BYTES = 256 * 1024
-Pending = tuple[str, bytes, str, protocol.LedgerName | None]  # event, body, key, ledger
 
 
 class Step(Enum):
@@ -73,18 +63,17 @@ class AgentLoop:
         *, fault_spec: str | None = None, peer: Any = None, watch: CallWatch | None = None,
     ) -> None:
         self.name = name
+        catalog.install()  # the ops this loop runs (done already in a zygote-forked agent)
         self.state_dir = state_dir
         self.spec = spec
         self.settings = spec.settings
         self.writer = writer
-        self.stream = rebuild.stream_of(name)
         # a pipeline runner's task is its run file, read by its backend
         self.task = Task() if spec.backend == "pipeline" else load_task(spec.task)
         self.workspace = workspace_for(state_dir, name, spec)
         self.workspace.mkdir(parents=True, exist_ok=True)
         self.memory_dir = state_dir.memory_dir / name
         self.agent_dir = state_dir.agent_dir(name)
-        self.state = AgentState()
         self.faults = faults.Faults(self.agent_dir, fault_spec)
         self.effects = effects.EffectJournal(self.agent_dir)
         self.vault = Vault(self.agent_dir)
@@ -94,19 +83,17 @@ class AgentLoop:
         self._first_rebuild = True
         self._purged: set[str] = set()  # ids of purged sessions: never begun again
         self.log = structlog.get_logger("agent").bind(agent=name)
-        self._since_generation = 0
-        self._prune_compactions_over = compaction.PRUNE_OVER_BYTES
         self._backend: Backend | None = None
         self.rebuild_ms = 0.0
         self.peer = peer  # BrokerPeer | None: for ops served by other actors
         self.watch = watch
-        self._pending: list[Pending] = []  # folded, not yet durable (flush())
-        self._pending_bytes = 0
-        self._pending_base = 0  # state.last_seq before the first pending fact
         self.trees = recorder.TreeRecorder(state_dir, name, self.workspace,
                                            watch=self.settings.watch_workspace)
-        self._facts_appended = 0  # facts this loop appended (folded, maybe not yet flushed)
-        self._tree_recorded_at = -1  # _facts_appended right after the last tree it recorded
+        # the stream: the state, the facts folded and not yet durable, generations
+        self.journal = Journal(name, state_dir, writer, settings=self.settings, trees=self.trees,
+                               log=self.log, busy=self._busy, refold=self.rebuild)
+        self.stream = self.journal.stream
+        self._tree_recorded_at = -1  # facts_appended right after the last tree it recorded
         # `_parsed`: the turn parsed, and by index the state's action object and its parse
         self._parse_turn = -1
         self._parse_cache: dict[int, tuple[Any, OpBase | Rejected]] = {}
@@ -115,18 +102,26 @@ class AgentLoop:
         """Declare a blocking call (heartbeats go on while it runs)."""
         return self.watch.busy(op, deadline_s) if self.watch is not None else nullcontext()
 
-    def _append_deadline_s(self) -> float:
-        """How long an append may wait: every attempt of the writer client."""
-        timeout = float(getattr(self.writer, "timeout_s", 0.0))
-        return timeout * (int(getattr(self.writer, "retries", 0)) + 1)
-
     # --- state ---------------------------------------------------------------
+    @property
+    def state(self) -> AgentState:
+        """The fold of the stream, pending facts included (the journal's)."""
+        return self.journal.state
+
+    def sync(self) -> None:
+        """Fold whatever the stream holds after our last seq."""
+        self.journal.sync()
+
+    def flush(self) -> None:
+        """Make the pending facts durable (journal.py)."""
+        self.journal.flush()
+
     def rebuild(self) -> rebuild.Rebuilt:
         recorder.finish_pending(self.writer, self.state_dir, self.name)  # a rewind cut short
         done = rebuild.rebuild(self.writer, self.state_dir, self.name)
-        self.state = done.state
+        self.journal.state = done.state
         self.rebuild_ms = done.elapsed_ms
-        self._since_generation = done.tail_events
+        self.journal.since_generation = done.tail_events
         # the process's first rebuild (a later one only refolds): a new run segment
         self._restarted = self._first_rebuild and self.state.phase == "running"
         self._first_rebuild = False
@@ -135,115 +130,6 @@ class AgentLoop:
                       tail_events=done.tail_events, elapsed_ms=done.elapsed_ms,
                       phase=self.state.phase, turn=self.state.turn)
         return done
-
-    def sync(self) -> None:
-        """Fold whatever the stream holds after our last seq."""
-        self.flush()
-        with self._busy("read", self._append_deadline_s()):
-            records = list(self.writer.read_stream(self.stream, self.state.last_seq + 1))
-        if records:
-            self._fold([(r.seq, r.event, r.payload()) for r in records], records[-1].key)
-
-    def _fold(self, events: list[Event], last_key: str) -> None:
-        fold_into(self.state, events)  # the loop owns its state: no copy
-        self._folded(len(events), events[-1][1], last_key)
-
-    def _folded(self, count: int, last_event: str, last_key: str) -> None:
-        """`count` more events are folded (durable, at their seqs): write a
-        generation when due, and append the fact that vouches for it."""
-        self._since_generation += count
-        if (self._since_generation >= self.settings.snapshot_every
-                and last_event != generations.SAVED_EVENT):
-            seq = self.state.last_seq
-            self._since_generation = 0
-            try:
-                digest = generations.write(self.agent_dir, self.name, self.state,
-                                           keep=self.settings.generations_kept, key=last_key)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
-                # derived (a rebuild folds from an older one): skipped on a full disk,
-                # written again `snapshot_every` events later (docs/storage.md)
-                self.log.warning("generation_skipped", seq=seq, error=exc.strerror)
-                return
-            event, payload, key = generations.saved_fact(seq, digest)
-            self._append(event, payload, key)  # the WAL vouches for the file's content
-            self._prune_compactions()
-
-    def _prune_compactions(self) -> None:
-        """Bound the compaction file (docs/storage.md): once it has grown past a
-        mark, keep only the lines something still readable names (a record
-        retention left in this stream, a kept generation, the state now)."""
-        path = compaction.path_of(self.agent_dir)
-        try:
-            size = path.stat().st_size
-        except OSError:
-            return
-        if size < self._prune_compactions_over:
-            return
-        keep = compaction.refs_of(self.state)
-        for kept in generations.list_generations(self.agent_dir):
-            generation = generations.read(kept)
-            if generation is not None:
-                keep |= compaction.refs_of(generation.state)
-        for record in self.writer.read_stream(self.stream, 1):
-            if record.event in ("compaction_recorded", "session_fork"):
-                keep |= compaction.named_by(record.event, record.payload())
-        dropped = compaction.prune(self.agent_dir, keep)
-        try:
-            size = path.stat().st_size
-        except OSError:
-            size = 0
-        self._prune_compactions_over = max(compaction.PRUNE_OVER_BYTES,
-                                           compaction.PRUNE_GROWTH * size)
-        if dropped:
-            self.log.info("compaction_file_pruned", lines=dropped, bytes=size)
-
-    def _append(self, event: str, payload: dict[str, Any], key: str,
-                ledger: protocol.LedgerName | None = None, *, scoped: bool = True) -> None:
-        """Fold a fact now and keep it pending; `flush()` makes it durable."""
-        if scoped:
-            if self.state.session is not None:
-                key = f"{self.state.session}.{key}"  # keys repeat from session to session
-            key = self.state.branch + key  # a rewound branch runs its turns again under new keys
-        body = encode_payload(payload)
-        if not self._pending:
-            self._pending_base = self.state.last_seq
-        self._facts_appended += 1
-        self._pending.append((event, body, key, ledger))
-        self._pending_bytes += len(body)
-        # folded at the seq it gets if nothing of the stream comes between (flush checks)
-        fold_into(self.state, [(self.state.last_seq + 1, event, decode_payload(body))])
-        if len(self._pending) >= GROUP_MAX_RECORDS or self._pending_bytes >= GROUP_MAX_BYTES:
-            self.flush()
-
-    def flush(self) -> None:
-        """Make the pending facts durable: one `append_many`, one fdatasync (and
-        one more when that made a generation due: the fact that vouches for it)."""
-        while self._pending:
-            self._flush_once()
-        self.trees.released()  # a tree the facts name is durable, and they are
-
-    def _flush_once(self) -> None:
-        self.trees.settle()  # the objects of a tree a pending fact names are durable
-        group, self._pending, self._pending_bytes = self._pending, [], 0
-        base = self._pending_base
-        with self._busy("append", self._append_deadline_s()):
-            ok = self.writer.append_many(self.stream, group)
-        if not ok.duplicate and ok.seq <= base:
-            # the WAL head went back under us (records we folded are gone): rebuild
-            raise WalError(f"append {group[0][2]} got seq {ok.seq} <= folded seq {base}: "
-                           "the WAL lost records; restart to rebuild")
-        if not ok.duplicate and ok.prev_seq == base:
-            # nothing of our stream came between the last record we had folded and
-            # the group: the stream holds exactly what we folded, at these seqs
-            self.state.last_seq = ok.seq + ok.count - 1
-            self._folded(len(group), group[-1][0], group[-1][2])
-        else:
-            # others' records of our stream (an operator's answer) came first, or a
-            # retry was answered: fold the stream as it is
-            self.log.info("state_refolded", reason="duplicate" if ok.duplicate else "interleaved")
-            self.rebuild()
 
     @property
     def backend(self) -> Backend:
@@ -329,13 +215,13 @@ class AgentLoop:
             return Step.PROGRESS
         deadline_s = float(getattr(self.backend, "deadline_s", 0.0))
         if compaction.advance(s, self.settings.compaction, summaries=self.summaries,
-                              backend=self.backend, append=self._append, flush=self.flush,
+                              backend=self.backend, append=self.journal.append, flush=self.flush,
                               hit=self.faults.hit, recent_max=RECENT_MAX,
                               busy=lambda: self._busy("model", deadline_s)):
             return Step.PROGRESS  # the context was compacted (docs/operator-input.md)
         turn = s.turn + 1
         # an operator input's consumption is durable before the request it feeds
-        operator_input.consume(s, turn, self._append, self.flush, self.faults.hit)
+        operator_input.consume(s, turn, self.journal.append, self.flush, self.faults.hit)
         if self.spec.backend not in LOCAL_BACKENDS:
             self.flush()  # nothing pending waits on a remote model's answer
         s = self.state  # (a flush that met the operator's records refolds the state)
@@ -352,14 +238,14 @@ class AgentLoop:
             payload["text"] = recordable_text(reply.text)
         if reply.meta is not None:
             payload["pipeline"] = reply.meta
-        self._append("turn", payload, key=f"t{turn}:turn", ledger="budget")
+        self.journal.append("turn", payload, key=f"t{turn}:turn", ledger="budget")
         return Step.PROGRESS
 
     def _session_started(self, session: str) -> None:
         """Begin a new session of this agent's stream (actors/sessions/lifecycle.py).
 
-        Not folded ahead of the WAL as `_append` does: the state keeps this
-        fact's seq (`session_seq`), and seqs are global, so the one `_append`
+        Not folded ahead of the WAL as `journal.append` does: the state keeps
+        this fact's seq (`session_seq`), and seqs are global, so the one it
         would fold it at is not the one it gets. It is made durable first,
         then folded from the stream at its real seq."""
         self.flush()
@@ -367,8 +253,8 @@ class AgentLoop:
             "session": session, "agent": self.name, "number": self.state.session_no + 1,
             "previous": self.state.session, "parent_agent": self.spec.parent_agent,
         })
-        self._facts_appended += 1
-        with self._busy("append", self._append_deadline_s()):
+        self.journal.facts_appended += 1
+        with self._busy("append", self.journal.append_deadline_s()):
             self.writer.append_many(self.stream, [(SESSION_STARTED, body,
                                                    f"session:{session}", None)])
         self.sync()
@@ -377,7 +263,7 @@ class AgentLoop:
     def _session_start(self, *, resumed: bool, reason: str | None = None) -> None:
         segment = self.state.segment + 1
         self.transcript.begin_segment(self.state.session, segment)
-        self._append("session_start", {
+        self.journal.append("session_start", {
             "session": self.state.session,
             "reason": reason or ("budget" if resumed else "start"),
             "segment": segment, "resumed": resumed, "backend": self.spec.backend,
@@ -401,16 +287,16 @@ class AgentLoop:
         durable; the objects' sync runs meanwhile: actors/trees/recorder.py). The step
         right after a recorded tree, with no fact since, does not walk the
         workspace again: nothing of the agent's ran in between."""
-        if self._tree_recorded_at == self._facts_appended:
+        if self._tree_recorded_at == self.journal.facts_appended:
             return False
         self.trees.hold()  # released by the flush that makes the fact durable
         fact = self._tree_fact()
         if fact is None:
-            if not self._pending:
+            if not self.journal.pending:
                 self.trees.released()
             return False
-        self._append(*fact)
-        self._tree_recorded_at = self._facts_appended
+        self.journal.append(*fact)
+        self._tree_recorded_at = self.journal.facts_appended
         return True
 
     def _tree_fact(self) -> tuple[str, dict[str, Any], str] | None:
@@ -445,7 +331,7 @@ class AgentLoop:
 
     def _exit(self, reason: str, summary: str = "") -> None:
         self._record_tree()
-        self._append("session_exit", {
+        self.journal.append("session_exit", {
             "reason": reason, "resumable": reason == "budget", "turn": self.state.turn,
             "summary": summary[:500]}, key=f"s{self.state.segment}:exit")
         self.log.info("session_exited", reason=reason, turn=self.state.turn)
@@ -459,18 +345,19 @@ class AgentLoop:
                 continue
             parsed = self._parsed(turn, index, action)
             if call is None:
-                if track.halted_before(s.pipeline, index):  # a pipeline step failed
-                    self._append("turn_aborted", {"turn": turn, "reason": "halted", "calls": []},
-                                 key=f"t{turn}:aborted")
+                if pipeline_track.halted_before(s.pipeline, index):  # a pipeline step failed
+                    self.journal.append("turn_aborted",
+                                        {"turn": turn, "reason": "halted", "calls": []},
+                                        key=f"t{turn}:aborted")
                     return Step.PROGRESS
                 self.faults.hit("before_tool_call", cid)
-                self._append("tool_call", {
+                self.journal.append("tool_call", {
                     "call_id": cid, "turn": turn, "index": index,
                     "op": parsed.op if isinstance(parsed, OpBase) else None,
                 }, key=f"c{cid}")
                 return Step.PROGRESS
             if isinstance(parsed, Rejected):
-                self._append("schema_reject", {"call_id": cid, "op": parsed.op,
+                self.journal.append("schema_reject", {"call_id": cid, "op": parsed.op,
                                                "errors": parsed.errors}, key=f"c{cid}:reject")
                 self.log.info("action_rejected", call_id=cid, op=parsed.op,
                               reason="; ".join(parsed.errors)[:500])
@@ -508,7 +395,7 @@ class AgentLoop:
                 payload["reason"] = verdict.reason
             if verdict.verdict == "ask":
                 payload["request"] = f"req-{cid}"
-            self._append("permission", payload, key=f"c{cid}:perm")
+            self.journal.append("permission", payload, key=f"c{cid}:perm")
             if verdict.verdict in ("deny", "excluded", "refused"):
                 self.log.info("action_refused", call_id=cid, op=op.op, decision=verdict.verdict,
                               rule=verdict.rule, reason=verdict.reason or verdict.verdict)
@@ -542,7 +429,7 @@ class AgentLoop:
     def _request(self, call: Call, op: OpBase, pattern: str) -> None:
         request = call.request or f"req-{call.call_id}"
         question = getattr(op, "question", None)
-        self._append("approval_requested", {
+        self.journal.append("approval_requested", {
             "request": request, "call_id": call.call_id, "op": op.op, "pattern": pattern,
             "kind": "clarification" if op.needs_operator else "permission",
             "question": question, "agent": self.name,
@@ -564,7 +451,26 @@ class AgentLoop:
                          call_id=self._op_call_id(
                              self.state.branch + call_id if call_id else call_id),
                          max_command_timeout_s=self.settings.max_command_timeout_s,
-                         writer=self.writer)
+                         writer=self.writer, nested=self._run_nested)
+
+    def _run_nested(self, name: str, spec: AgentSpec, writer: Any, wait_s: float
+                    ) -> AgentState | None:
+        """A nested runner in this process (`pipeline_run`: the op reaches it
+        through its context, actors/kernel/ops.py `NestedRun`): stepped until
+        its session ends (its state), or None once it has waited for the
+        operator past `wait_s`."""
+        loop = AgentLoop(name, self.state_dir, spec, writer, peer=self.peer)
+        loop.rebuild()
+        deadline = time.monotonic() + wait_s
+        while True:
+            step = loop.step()
+            if step is Step.DONE:
+                return loop.state
+            if step is Step.WAIT:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(spec.settings.approval_poll_ms / 1000)  # an operator's answer
+                loop.sync()
 
     def _op_call_id(self, call_id: str | None) -> str | None:
         """The call id ops key their requests by (procs' msg ids, subagents): the
@@ -594,7 +500,7 @@ class AgentLoop:
         effect = None
         if isinstance(outcome, Write):
             effect, outcome = self._plan_write(call, outcome)
-        self._append("tool_start", {"call_id": cid, "op": op.op, "effect": effect},
+        self.journal.append("tool_start", {"call_id": cid, "op": op.op, "effect": effect},
                      key=f"c{cid}:start")
         if isinstance(outcome, Write):
             self.flush()  # the intent is durable before the effect
@@ -615,7 +521,7 @@ class AgentLoop:
             self.flush()  # the result of an effect is durable before anything else
         self.faults.hit("after_tool_result", cid)
         for j, (event, payload) in enumerate(outcome.facts):
-            self._append(event, payload, key=f"c{cid}:fact{j}")
+            self.journal.append(event, payload, key=f"c{cid}:fact{j}")
         if outcome.ok and op.ends_session:
             self._exit("finished", str(getattr(op, "summary", "")))
 
@@ -631,10 +537,10 @@ class AgentLoop:
         call is found started without a result and the abort rule settles it
         from the file digests, as it did for a crash between the effect and
         the result's own flush. A pipeline step's: only when no later step of
-        its batch reads it (actors/pipelines/track.py: result_may_wait)."""
+        its batch reads it (actors/kernel/pipeline_track.py: result_may_wait)."""
         if self.state.pipeline is None:
             return True
-        return track.result_may_wait(self.state.pipeline, call.index)
+        return pipeline_track.result_may_wait(self.state.pipeline, call.index)
 
     def _plan_write(self, call: Call, write: Write) -> tuple[dict[str, Any] | None, Write | Done]:
         """The effect to record; `Done` when the effect journal shows this very write
@@ -665,7 +571,7 @@ class AgentLoop:
         return {"path": write.label, "before_sha": now, "after_sha": after}, write
 
     def _result(self, call: Call, op: OpBase, status: str, result: dict[str, Any]) -> None:
-        self._append("tool_result", {"call_id": call.call_id, "op": op.op, "status": status,
+        self.journal.append("tool_result", {"call_id": call.call_id, "op": op.op, "status": status,
                                      "result": result}, key=f"c{call.call_id}:result")
 
     def _effect_target(self, label: str) -> workspace.Place | None:
@@ -692,7 +598,7 @@ class AgentLoop:
                     applied = False
             calls.append({"call_id": call.call_id, "op": call.op, "effect_applied": applied})
         turn = self.state.open_turn
-        self._append("turn_aborted", {"turn": turn, "reason": "recovery", "calls": calls},
+        self.journal.append("turn_aborted", {"turn": turn, "reason": "recovery", "calls": calls},
                      key=f"t{turn}:aborted")
         self.log.warning("turn_aborted", turn=turn, calls=len(calls),
                          ops=[f"{c['call_id']} {c['op']}" for c in calls])

@@ -14,7 +14,7 @@ import jsonschema
 from pydantic import Field
 
 from actors.agent import mcp_functions
-from actors.agent.ops import Done, OpBase, OpContext, register
+from actors.kernel.ops import Done, OpBase, OpContext, OpSpec
 from broker import protocol
 from broker.errors import CorralError
 from broker.statedir import StateDir
@@ -158,5 +158,4 @@ def call_handler(op: McpCall, ctx: OpContext) -> Done:
     return Done(result, ok=not failed)
 
 
-register(McpTools, tools_handler)
-register(McpCall, call_handler)
+OPS = (OpSpec(McpTools, tools_handler), OpSpec(McpCall, call_handler))

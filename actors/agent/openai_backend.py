@@ -20,11 +20,11 @@ from urllib.parse import urlsplit
 import openai
 
 from actors.agent import catalog, mcp_functions
-from actors.agent.backends import Reply, Usage
-from actors.agent.compaction import Summary, SummaryCache
-from actors.agent.operator_input import Delivered, read_text
-from actors.agent.settings import CompactionSettings, OpenAISettings, Task
-from actors.agent.state import AgentState
+from actors.kernel.compaction import Summary, SummaryCache
+from actors.kernel.operator_input import Delivered, read_text
+from actors.kernel.reply import Reply, Usage
+from actors.kernel.settings import CompactionSettings, OpenAISettings, Task
+from actors.kernel.state import AgentState
 from broker.errors import ModelError
 
 # the HTTP package under the library (httpx, or httpx2 in later versions): its errors

@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.settings import read_spec
+from actors.kernel.settings import read_spec
 from actors.procs.client import end_session_quietly
 from actors.writer.client import WriterClient
 from broker import logconfig, protocol

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from actors.agent.backends import Reply, Usage
-from actors.agent.operator_input import Delivered
-from actors.agent.state import AgentState
+from actors.kernel.operator_input import Delivered
+from actors.kernel.pipeline_track import PipelineTrack
+from actors.kernel.reply import Reply, Usage
+from actors.kernel.state import AgentState
 from actors.pipelines import dsl, plan, runfile
-from actors.pipelines.track import PipelineTrack
 
 SUMMARY_CHARS = 3900
 CHANGED = "pipeline_changed"

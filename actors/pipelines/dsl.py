@@ -19,6 +19,7 @@ from pydantic import (
     ValidationError,
 )
 
+from actors.kernel import ops
 from actors.pipelines import yamlmarks
 from broker.errors import ConfigError
 
@@ -204,11 +205,9 @@ class _Checker:
         return total
 
     def _op(self, step: OpStep, here: tuple[Any, ...], names: set[str]) -> None:
-        from actors.agent import catalog  # noqa: PLC0415 - the registry of every op
-
         if step.op in REFUSED_OPS:
             raise self.fail((*here, "op"), f"op {step.op!r} is refused: {REFUSED_OPS[step.op]}")
-        model = catalog.model_for(step.op)
+        model = ops.model_for(step.op)  # the installed ops (actors/agent/catalog.py)
         if model is None:
             raise self.fail((*here, "op"), f"unknown op {step.op!r}")
         args = dict(step.args)

@@ -6,14 +6,13 @@ See docs/pipelines.md ("`pipeline_run` (the agent op)").
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
-from actors.agent.settings import AgentSettings, AgentSpec, read_spec
+from actors.kernel.ops import Done, OpBase, OpContext, OpSpec, Outcome
+from actors.kernel.settings import AgentSettings, AgentSpec, read_spec
 from actors.pipelines import report, runfile
 from actors.registries import schemas, store
 from broker.errors import ConfigError, StateDirError
@@ -62,10 +61,8 @@ def runner_name(agent: str, call_id: str) -> str:
 
 
 def pipeline_run(op: PipelineRun, ctx: OpContext) -> Outcome:
-    from actors.agent.loop import AgentLoop, Step  # noqa: PLC0415 - the loop imports the ops
-
-    if ctx.writer is None or ctx.call_id is None:
-        return Done({"error": "pipeline_run needs the agent's writer"}, ok=False)
+    if ctx.writer is None or ctx.call_id is None or ctx.nested is None:
+        return Done({"error": "pipeline_run needs the agent's writer and loop"}, ok=False)
     try:
         name = runner_name(ctx.agent, ctx.call_id)
         entry = store.newest(ctx.state_dir, "pipelines").get(op.name)
@@ -85,23 +82,13 @@ def pipeline_run(op: PipelineRun, ctx: OpContext) -> Outcome:
     settings = runfile.runner_settings(parent.settings if parent else AgentSettings())
     spec = AgentSpec(task=str(path), backend="pipeline", workspace=str(ctx.workspace),
                      settings=settings)
-    loop = AgentLoop(name, ctx.state_dir, spec, _AsRunner(ctx.writer, name),  # type: ignore[arg-type]
-                     peer=ctx.peer)
-    loop.rebuild()
-    deadline = time.monotonic() + op.wait_s
-    while True:
-        step = loop.step()
-        if step is Step.DONE:
-            break
-        if step is Step.WAIT:
-            if time.monotonic() > deadline:
-                return Done({"runner": name, "error": f"still waiting after {op.wait_s:g}s "
-                             f"(supervisor approve {name} ...)", "timeout": True},
-                            ok=False, status="timeout")
-            time.sleep(settings.approval_poll_ms / 1000)
-            loop.sync()
-    result = report.summarise(run, loop.state)
+    state = ctx.nested(name, spec, _AsRunner(ctx.writer, name), op.wait_s)
+    if state is None:
+        return Done({"runner": name, "error": f"still waiting after {op.wait_s:g}s "
+                     f"(supervisor approve {name} ...)", "timeout": True},
+                    ok=False, status="timeout")
+    result = report.summarise(run, state)
     return Done({"runner": name, **result}, ok=result["status"] == "ok")
 
 
-register(PipelineRun, pipeline_run)
+OPS = (OpSpec(PipelineRun, pipeline_run),)

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.kernel.pipeline_track import PipelineTrack
 from actors.pipelines.dsl import TEMPLATE, ForStep, IfStep, OpStep, Pipeline
-from actors.pipelines.track import PipelineTrack
 
 DEFAULT_BATCH = 16
 

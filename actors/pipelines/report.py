@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.agent.rebuild import rebuild
-from actors.agent.state import AgentState
+from actors.kernel.state import AgentState
 from actors.pipelines import plan, runfile
 from actors.pipelines.backend import CHANGED, changed_since_start
+from actors.sessions.rebuild import rebuild
 from broker.statedir import StateDir
 
 

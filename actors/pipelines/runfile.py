@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from actors.agent.settings import AgentSettings, CompactionSettings
+from actors.kernel.settings import AgentSettings, CompactionSettings
 from actors.pipelines import dsl
 from broker.errors import ConfigError
 from broker.statedir import StateDir

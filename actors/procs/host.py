@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 import structlog
 from pydantic import BaseModel, ConfigDict
 
-from actors.agent import grants
-from actors.agent.settings import read_spec, workspace_for
-from actors.procs import cgroup, launch, ownership, sandbox
+from actors.kernel.settings import read_spec, workspace_for
+from actors.procs import cgroup, grants, launch, ownership, sandbox
 from actors.procs.command import Command, read_exit_file, wrapper_argv
 from actors.procs.facts import Facts, sha256
 from actors.procs.job import GROUP_KEY, SANDBOX_KEY, Job
@@ -324,7 +323,7 @@ class ProcsHost:
     def _network(self, session: str) -> bool:
         """Whether the session's commands get the network: the operator's
         `sandbox.network` matched against the operator-created agent whose
-        grants the session holds (actors/agent/grants.py), never against a
+        grants the session holds (actors/procs/grants.py), never against a
         name an agent picked (a schedule's run holds its owner's grants)."""
         holder = grants.holder(self.state, session)
         return holder is not None and self.options.sandbox.network_for(holder)
@@ -346,7 +345,7 @@ class ProcsHost:
         group = self._new_group(proc_id)
         filter_fd = sandbox.seccomp_fd(self.options.sandbox)
         try:
-            prefix = self._prefix(confinement, cwd, sandbox.clean_env(os.environ), proc_id,
+            prefix = self.argv_prefix(confinement, cwd, sandbox.clean_env(os.environ), proc_id,
                                   filter_fd)
             spawned = launch.spawn(wrapper_argv(command, log_path, cap_bytes, exit_path, prefix),
                                    launch.job_env(os.environ, proc_id), cwd,
@@ -378,7 +377,7 @@ class ProcsHost:
         log_path, _ = self._files(message.session, "terminal", proc_id)
         filter_fd = sandbox.seccomp_fd(self.options.sandbox)
         try:
-            prefix = self._prefix(confinement, message.cwd,
+            prefix = self.argv_prefix(confinement, message.cwd,
                                   sandbox.clean_env(os.environ, term=TERMINAL_TERM), proc_id,
                                   filter_fd)
         except BaseException:
@@ -419,7 +418,7 @@ class ProcsHost:
                           lifetime_s=lifetime)
         return job
 
-    def _prefix(self, confinement: sandbox.Confinement, cwd: str, env: dict[str, str],
+    def argv_prefix(self, confinement: sandbox.Confinement, cwd: str, env: dict[str, str],
                 proc_id: str, filter_fd: int | None = None) -> list[str]:
         """The program's argv prefix. Sandboxed, its environment is exactly the
         clean one (the sandbox is found by its hostname); unconfined, it keeps

@@ -12,7 +12,7 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import structlog
@@ -23,7 +23,9 @@ from actors.registries import store
 from broker import protocol
 
 if TYPE_CHECKING:
-    from actors.procs.host import ProcsHost
+    from collections.abc import Callable
+
+    from broker.statedir import StateDir
 
 log = structlog.get_logger("procs.mcp")
 
@@ -272,10 +274,37 @@ class ServerInstance:
                                                ("close", None, {}, "", Future()))
 
 
+class _Options(Protocol):
+    @property
+    def sandbox(self) -> sandbox.SandboxPolicy: ...
+
+
+class BridgeHost(Protocol):
+    """What the bridge uses of procs' host (actors/procs/host.py `ProcsHost`,
+    which owns the bridge and passes itself)."""
+
+    @property
+    def state(self) -> StateDir: ...
+
+    @property
+    def options(self) -> _Options: ...
+
+    def workspace_of(self, session: str) -> str: ...
+
+    def confinement(self, session: str, cwd: str) -> sandbox.Confinement: ...
+
+    def argv_prefix(self, confinement: sandbox.Confinement, cwd: str, env: dict[str, str],
+                    proc_id: str, filter_fd: int | None = None) -> list[str]: ...
+
+    def defer(self, sender: str, msg_id: str, ready: Callable[[], bool],
+              reply: Callable[[], protocol.Message], *, timeout_s: float,
+              on_due: Callable[[], None] | None = None) -> None: ...
+
+
 class McpBridge:
     """procs' side: the registry, the instances by (sender, server), replies."""
 
-    def __init__(self, host: ProcsHost) -> None:
+    def __init__(self, host: BridgeHost) -> None:
         self.host = host
         self.instances: dict[tuple[str, str], ServerInstance] = {}
         self._seq: int | None = None
@@ -314,7 +343,7 @@ class McpBridge:
         # the same seccomp filter as every command's (docs/security.md): an
         # agent-installed server must not ptrace its way out either
         filter_fd = sandbox.seccomp_fd(self.host.options.sandbox)
-        argv = [*self.host._prefix(confinement, workspace, env,
+        argv = [*self.host.argv_prefix(confinement, workspace, env,
                                    f"mcp-{entry.name}", filter_fd), *entry.command]
         instance = self.instances[key] = ServerInstance(sender, entry, argv, workspace,
                                                         filter_fd)

@@ -10,8 +10,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from actors.agent import workspace
-from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
+from actors.kernel import workspace
+from actors.kernel.ops import Done, OpBase, OpContext, OpSpec, Outcome
 from actors.procs.client import KILL_REPLY_MARGIN_S, ProcsClient
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
@@ -199,11 +199,7 @@ def terminal_end(op: TerminalEndOp, ctx: OpContext) -> Outcome:
     return _call(ctx, lambda c: _status(c.terminal_end(op.proc_id, _msg_id(ctx, "e"))))
 
 
-register(BashOp, bash)
-register(BashStartOp, bash_start)
-register(BashPollOp, bash_poll)
-register(BashKillOp, bash_kill)
-register(TerminalStartOp, terminal_start)
-register(TerminalInputOp, terminal_input)
-register(TerminalReadOp, terminal_read)
-register(TerminalEndOp, terminal_end)
+OPS = (OpSpec(BashOp, bash), OpSpec(BashStartOp, bash_start), OpSpec(BashPollOp, bash_poll),
+       OpSpec(BashKillOp, bash_kill), OpSpec(TerminalStartOp, terminal_start),
+       OpSpec(TerminalInputOp, terminal_input), OpSpec(TerminalReadOp, terminal_read),
+       OpSpec(TerminalEndOp, terminal_end))

@@ -10,9 +10,9 @@ import hashlib
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from actors.agent import workspace
-from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
 from actors.changesets import confined
+from actors.kernel import workspace
+from actors.kernel.ops import Done, OpBase, OpContext, OpSpec, Outcome
 from actors.pipelines import dsl
 from actors.registries import entries, schemas, store
 from broker.errors import ConfigError, CorralError
@@ -187,6 +187,6 @@ def handle(op: OpBase, ctx: OpContext) -> Outcome:
     return Done(result)
 
 
-for _model in (PipelineInstall, PipelineRemove, ScheduleAdd, ScheduleRemove, ScheduleEnable,
-               HookAdd, HookRemove, McpInstall, McpRemove):
-    register(_model, handle)
+OPS = tuple(OpSpec(model, handle) for model in (
+    PipelineInstall, PipelineRemove, ScheduleAdd, ScheduleRemove, ScheduleEnable,
+    HookAdd, HookRemove, McpInstall, McpRemove))

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.agent.branch_events import BranchSwitchedError
-from actors.agent.state import SESSION_STARTED, AgentState, fold, fold_into
+from actors.kernel.branch_events import BranchSwitchedError
+from actors.kernel.fold import SESSION_STARTED, fold, fold_into
+from actors.kernel.state import AgentState
 from actors.sessions.ids import index_path, is_session_id
 from actors.trees import branch
 from actors.writer.wal import TornTail, WalRecord, iter_segment, list_segments

@@ -7,7 +7,7 @@ resumed one").
 
 from __future__ import annotations
 
-from actors.agent.state import AgentState
+from actors.kernel.state import AgentState
 from actors.sessions.ids import is_session_id, new_session_id
 
 

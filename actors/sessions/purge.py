@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.agent import generations
-from actors.agent.effects import session_of_file
+from actors.kernel import generations
+from actors.kernel.effects import session_of_file
 from actors.sessions import index
 from actors.sessions.ids import (
     STAGING_DIR,
@@ -84,7 +84,7 @@ def _generation_files(root: Path, agent: str, session_id: str) -> list[Path]:
 
 
 def _effect_files(root: Path, agent: str, session_id: str) -> list[Path]:
-    """The agent's effect journal entries of this session (actors/agent/effects.py)."""
+    """The agent's effect journal entries of this session (actors/kernel/effects.py)."""
     directory = root / "agents" / agent / "effects"
     try:
         names = sorted(os.listdir(directory))
@@ -98,7 +98,7 @@ Links = dict[tuple[int, int], int]  # (st_dev, st_ino) -> names of it the purge 
 
 def _owned_links(paths: list[Path]) -> Links:
     """How many of `paths` name each file: a generation and `snapshot.json`
-    are two names of one file (actors/agent/generations.py), both owned."""
+    are two names of one file (actors/kernel/generations.py), both owned."""
     counts: Links = {}
     for path in paths:
         with contextlib.suppress(OSError):
@@ -332,7 +332,7 @@ def _stage(root: Path, plan: Plan) -> None:
 
 def _repoint_snapshot(agent_dir: Path) -> None:
     """`snapshot.json` names the newest generation left, or nothing: derived,
-    never read for recovery (actors/agent/generations.py), so a staged purge
+    never read for recovery (actors/kernel/generations.py), so a staged purge
     that took it leaves the agent as sound as one that never had it."""
     snapshot = generations.state_dir_of(agent_dir) / "snapshot.json"
     if os.path.lexists(snapshot):

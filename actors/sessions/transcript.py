@@ -13,9 +13,9 @@ from typing import Any
 
 import structlog
 
-from actors.agent.backends import Backend, Reply
-from actors.agent.state import AgentState
-from actors.agent.vault import is_refused, is_sealed, strings_in
+from actors.kernel.reply import Backend, Reply
+from actors.kernel.state import AgentState
+from actors.kernel.vault import is_refused, is_sealed, strings_in
 from actors.sessions.ids import session_dir
 from broker.durable import fsync_dir
 

@@ -20,18 +20,18 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ConfigDict
 
-from actors.agent.rebuild import rebuild
-from actors.agent.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
-from actors.agent.state import BudgetUse
-from actors.agent.workspace import guard_for
 from actors.changesets import manifest as mf
 from actors.changesets import overlay, overlaydiff
 from actors.changesets.apply import apply, recover
 from actors.changesets.build import build, build_from
 from actors.changesets.manifest import Limits
 from actors.changesets.snapshot import BaseIndex, snapshot
+from actors.kernel.settings import AgentSettings, AgentSpec, Budget, read_spec, write_spec
+from actors.kernel.state import BudgetUse
+from actors.kernel.workspace import guard_for
 from actors.procs import launch
 from actors.procs.client import end_session_quietly
+from actors.sessions.rebuild import rebuild
 from actors.subagents.children import ChildRecord, Children
 from actors.subagents.ops import task_path
 from actors.subagents.remote import RemoteLink

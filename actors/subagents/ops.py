@@ -14,9 +14,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from actors.agent import workspace
-from actors.agent.ops import Done, OpBase, OpContext, Outcome, register
 from actors.changesets.confined import NO_GUARD
+from actors.kernel import workspace
+from actors.kernel.ops import Done, OpBase, OpContext, OpSpec, Outcome
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError
 from broker.requester import new_msg_id
@@ -159,6 +159,5 @@ def apply_subagent(op: ApplySubagentOp, ctx: OpContext) -> Outcome:
     return Done(_summary(ctx, reply), ok=reply.refusal is None and reply.state == "applied")
 
 
-register(SpawnSubagentOp, spawn_subagent)
-register(SubagentChangesOp, subagent_changes)
-register(ApplySubagentOp, apply_subagent)
+OPS = (OpSpec(SpawnSubagentOp, spawn_subagent), OpSpec(SubagentChangesOp, subagent_changes),
+       OpSpec(ApplySubagentOp, apply_subagent))

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import structlog
 
-from actors.agent.settings import AgentSettings, AgentSpec, write_spec
 from actors.changesets import manifest as mf
 from actors.changesets.snapshot import BaseIndex, snapshot
+from actors.kernel.settings import AgentSettings, AgentSpec, write_spec
 from actors.subagents import remotepack
 from actors.subagents.children import ChildHost, ChildRecord
 from actors.subagents.transfers import Transfers, chunks, materialise, read_task

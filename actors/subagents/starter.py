@@ -20,8 +20,8 @@ from typing import Literal
 import structlog
 
 from actors.procs import launch
-from actors.zygote import Forked
 from actors.zygotelink import ZygoteLink
+from actors.zygotewire import Forked
 from broker import auth
 from broker.control import ENV_ACTOR, ENV_CONTROL
 from broker.errors import SpawnError

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.agent import generations
+from actors.kernel import generations
 from actors.trees import branch, tree
 from actors.trees.store import (
     _HEAD,

@@ -14,8 +14,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.agent import compaction
-from actors.agent.settings import read_spec, spec_path, write_spec
+from actors.kernel import compaction
+from actors.kernel.settings import read_spec, spec_path, write_spec
 from actors.sessions.ids import new_session_id
 from actors.trees import branch, restore, tree
 from actors.trees.recorder import fault, store_for

@@ -16,9 +16,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from actors.agent import workspace as agent_workspace
-from actors.agent.state import AgentState
 from actors.changesets import confined
+from actors.kernel import workspace as agent_workspace
+from actors.kernel.state import AgentState
 from actors.trees import statcache
 from actors.trees.capture import Capturer
 from actors.trees.statcache import Ident, StatCache

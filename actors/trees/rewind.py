@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.agent.settings import read_spec, workspace_for
-from actors.agent.state import AgentState, fold
+from actors.kernel.fold import fold
+from actors.kernel.settings import read_spec, workspace_for
+from actors.kernel.state import AgentState
 from actors.registries.store import restore_registries
 from actors.sessions.purged import purged_of, visible
 from actors.trees import branch, restore

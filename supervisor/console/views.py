@@ -56,7 +56,7 @@ class BudgetLimits:
         self._known: dict[str, tuple[int, int | None]] = {}
 
     def tokens(self, name: str) -> int | None:
-        from actors.agent.settings import read_spec, spec_path  # noqa: PLC0415
+        from actors.kernel.settings import read_spec, spec_path  # noqa: PLC0415
         from broker.errors import ConfigError  # noqa: PLC0415
 
         try:
@@ -135,10 +135,10 @@ def _writer(state_dir: StateDir) -> tuple[zmq.Context[zmq.Socket[bytes]], Any]:
 
 def pending(state_dir: StateDir, names: list[str]) -> list[dict[str, Any]]:
     """The pending approvals and questions of the named agents, from each one's
-    rebuilt state (actors/agent/rebuild.py: what `supervisor approve` checks)."""
+    rebuilt state (actors/sessions/rebuild.py: what `supervisor approve` checks)."""
     if not names:
         return []
-    from actors.agent.rebuild import rebuild  # noqa: PLC0415
+    from actors.sessions.rebuild import rebuild  # noqa: PLC0415
     from broker.errors import CorralError  # noqa: PLC0415
 
     ctx, writer = _writer(state_dir)

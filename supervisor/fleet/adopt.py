@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from actors.agent.settings import read_spec, spec_path
+from actors.kernel.settings import read_spec, spec_path
 from actors.trees import tree as trees
 from actors.trees.store import (
     MAGIC,
@@ -470,7 +470,7 @@ def adopt_agent(state_dir: StateDir, dead: str, agent: str, spec: dict[str, Any]
     """Blocking: one agent of the dead host made to run here (see the module doc);
     `gens`: its generations from the object store (hostile: checked before use);
     `extras`: the objects of its newest tree its pack lacks (bundle.py)."""
-    from actors.agent import workspace as agent_workspace  # noqa: PLC0415
+    from actors.kernel import workspace as agent_workspace  # noqa: PLC0415
     from actors.trees.restore import restore  # noqa: PLC0415
 
     if delay := os.environ.get(FAULT_DELAY_ENV):  # tests only: a slow adoption

@@ -123,7 +123,7 @@ def _spawn_message(state_dir: StateDir, agent: str, task: str,
                    model: str | None) -> protocol.SpawnRequest:
     """The task text written under this host's state directory, checked, and the
     SpawnRequest naming it (as `supervisor spawn` on this host would send)."""
-    from actors.agent.settings import load_task  # noqa: PLC0415
+    from actors.kernel.settings import load_task  # noqa: PLC0415
     from broker import protocol  # noqa: PLC0415
     from broker.requester import new_msg_id  # noqa: PLC0415
     from supervisor.agentcli import parse_model  # noqa: PLC0415

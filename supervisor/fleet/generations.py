@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from actors.agent import generations
+from actors.kernel import generations
 from broker.statedir import StateDir
 from supervisor.fleet import renumber
 

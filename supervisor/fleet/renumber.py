@@ -14,7 +14,7 @@ from actors.writer.client import encode_payload
 from broker.errors import CorralError
 
 REWIND = "rewind"
-SAVED = "generation_saved"  # actors/agent/generations.py SAVED_EVENT
+SAVED = "generation_saved"  # actors/kernel/generations.py SAVED_EVENT
 _BRANCH = re.compile(r"^r(\d{1,19}):")
 _GEN_KEY = re.compile(r"^g(\d{1,19}):(saved|adopted)$")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.agent.loop import AgentLoop, Step
-from actors.agent.settings import AgentSettings, AgentSpec, Decision, Permissions, Rule
+from actors.kernel.settings import AgentSettings, AgentSpec, Decision, Permissions, Rule
 from broker.statedir import StateDir
 from tests.agentkit import FakeWriter, write_task
 

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import zmq
 
-from actors.agent.settings import AgentSettings, AgentSpec, write_spec
+from actors.kernel.settings import AgentSettings, AgentSpec, write_spec
 from actors.writer.client import WriterClient
 from broker import protocol
 from broker.errors import RemoteError, RequestTimeoutError

@@ -22,7 +22,7 @@ import yaml
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from actors.agent.rebuild import rebuild
+from actors.sessions.rebuild import rebuild
 from actors.writer.client import WriterClient
 from broker import auth, protocol
 from broker.errors import RemoteError, RequestTimeoutError

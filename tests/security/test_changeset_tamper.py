@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import zmq
 
-from actors.agent import operator_input
-from actors.agent.rebuild import rebuild
-from actors.agent.settings import AgentSpec, write_spec
 from actors.changesets import manifest as mf
 from actors.changesets.apply import apply
 from actors.changesets.build import build
 from actors.changesets.paths import check_path
 from actors.changesets.snapshot import snapshot
+from actors.kernel import operator_input
+from actors.kernel.settings import AgentSpec, write_spec
+from actors.sessions.rebuild import rebuild
 from actors.writer.client import WriterClient
 from broker import protocol
 from broker.errors import ChangeSetRefusedError, RemoteError, RequestTimeoutError

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.agent import generations, workspace
-from actors.agent.rebuild import rebuild
 from actors.changesets import confined
 from actors.changesets.snapshot import snapshot
+from actors.kernel import generations, workspace
+from actors.sessions.rebuild import rebuild
 from broker.errors import PathRefusedError
 from broker.statedir import StateDir
 from tests.processes import wait_for

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from actors.agent.operator_input import record_answer
-from actors.agent.rebuild import rebuild
+from actors.kernel.operator_input import record_answer
+from actors.sessions.rebuild import rebuild
 from actors.writer.client import WriterClient
 from broker import auth, protocol
 from broker.errors import RemoteError

@@ -19,7 +19,7 @@ from typing import get_args
 
 import pytest
 
-from actors.agent.settings import AgentSpec, write_spec
+from actors.kernel.settings import AgentSpec, write_spec
 from actors.procs import requests
 from actors.procs.client import ProcsClient
 from actors.procs.ownership import session_refusal

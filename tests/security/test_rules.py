@@ -15,11 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from actors.agent import catalog, commands, gate
-from actors.agent.ops import OpBase
-from actors.agent.settings import AgentSettings, Permissions, Rule
+from actors.agent import catalog
+from actors.kernel import commands, gate
+from actors.kernel.ops import OpBase
+from actors.kernel.settings import AgentSettings, Permissions, Rule
 from broker.statedir import StateDir
 from tests.security.kit import decisions, results, run_agent
+
+catalog.install()  # the ops these tests parse and run (a process does it at start)
 
 FINISH = {"op": "finish", "summary": "done"}
 SECRET = "TOP-SECRET-VALUE"

@@ -1,5 +1,5 @@
 """Privilege comes from the operator, never from a name an agent picked
-(issue 33 item 4; actors/agent/grants.py, supervisor/automationgrants.py).
+(issue 33 item 4; actors/procs/grants.py, supervisor/automationgrants.py).
 
 The operator opens the network to agents named `net-*`. An agent the operator
 spawned under another name adds a schedule named `net-esc` with its
@@ -123,8 +123,8 @@ def test_an_agents_net_schedule_gets_no_network_and_spends_its_owners_budget(
 
 def test_grants_are_held_by_the_operator_created_agent_at_the_root(
         state_dir: StateDir) -> None:
-    from actors.agent.grants import holder
-    from actors.agent.settings import AgentSpec, write_spec
+    from actors.kernel.settings import AgentSpec, write_spec
+    from actors.procs.grants import holder
 
     for name, creator in (("planner", None), ("net-esc-1", "planner"),
                           ("net-esc-2", "net-esc-1"), ("loop-a", "loop-b"),

@@ -6,7 +6,7 @@ back what the line discipline made of it (`Edit3d-Secret-999`) and the tty's
 echo shows the runs between the erasures; both are redacted
 (actors/procs/redact.py). A `terminal_input` whose `text` is a list is
 refused by the op's schema, and its content is recorded nowhere
-(actors/agent/vault.py)."""
+(actors/kernel/vault.py)."""
 
 from __future__ import annotations
 

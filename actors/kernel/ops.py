@@ -6,17 +6,19 @@ what it touches. See docs/agents.md ("Ops").
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from broker.statedir import StateDir
 
 if TYPE_CHECKING:
-    from actors.agent.workspace import Place
+    from actors.kernel.settings import AgentSpec
+    from actors.kernel.state import AgentState
+    from actors.kernel.workspace import Place
 
 
 class OpBase(BaseModel):
@@ -56,6 +58,19 @@ class OpBase(BaseModel):
         return False
 
 
+class NestedRun(Protocol):
+    """How an op runs a nested runner in its agent's own process (a pipeline
+    run, actors/pipelines/ops.py): the loop passes one in the op's context, so
+    an op never imports the loop that calls it (actors/agent/loop.py)."""
+
+    def __call__(self, name: str, spec: AgentSpec, writer: Any, wait_s: float
+                 ) -> AgentState | None:
+        """Run the runner `name` under `spec`, appending with `writer`, until
+        its session ends (its state), or None once it has waited for the
+        operator past `wait_s` (it stays where it is)."""
+        ...
+
+
 @dataclass(frozen=True)
 class OpContext:
     """What a handler may use: its agent's workspace and memory, and limits."""
@@ -73,6 +88,7 @@ class OpContext:
     path_visible: Callable[[str], bool] | None = None
     max_command_timeout_s: float = 600.0  # a command's timeout is clipped to this
     writer: Any = None  # the agent's WriterClient: registry ops record their generation
+    nested: NestedRun | None = None  # the loop's nested runner (pipeline_run)
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,15 @@ class Rejected:
     errors: list[str]
 
 
+@dataclass(frozen=True)
+class OpSpec:
+    """One op: its model and handler; `local` as in `register`."""
+
+    model: type[OpBase]
+    handler: Handler
+    local: bool = False
+
+
 _MODELS: dict[str, type[OpBase]] = {}
 _HANDLERS: dict[str, Handler] = {}
 _LOCAL: set[str] = set()
@@ -123,6 +148,8 @@ def register(model: type[OpBase], handler: Handler, *, local: bool = False) -> N
     existing = _MODELS.get(name)
     if existing is not None and existing is not model:
         raise ValueError(f"op {name!r} is already registered by {existing.__name__}")
+    if existing is model and _HANDLERS[name] is handler and (name in _LOCAL) == local:
+        return  # installed already: the union stays built
     _MODELS[name] = model
     _HANDLERS[name] = handler
     if local:
@@ -130,6 +157,12 @@ def register(model: type[OpBase], handler: Handler, *, local: bool = False) -> N
     else:
         _LOCAL.discard(name)
     _adapter = None
+
+
+def install(specs: Iterable[OpSpec]) -> None:
+    """Register every spec (installing the same specs again changes nothing)."""
+    for spec in specs:
+        register(spec.model, spec.handler, local=spec.local)
 
 
 def op_names() -> list[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
-from actors.agent.state import AgentState
+from actors.kernel.state import AgentState
 from broker.durable import write_atomic
 
 FORMAT_VERSION = 1

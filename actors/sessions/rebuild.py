@@ -10,8 +10,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from actors.agent import generations
-from actors.agent.state import AgentState, fold
+from actors.kernel import generations
+from actors.kernel.fold import fold
+from actors.kernel.state import AgentState
 from actors.sessions.purged import Purged, purged_of, visible
 from actors.trees import branch
 from actors.writer.client import WriterClient

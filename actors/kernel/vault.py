@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from actors.agent.ops import model_for
+from actors.kernel.ops import model_for
 from broker.durable import fsync_dir, write_atomic
 
 SEALED_KEYS = frozenset({"sha256", "bytes"})

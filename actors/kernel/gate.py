@@ -12,9 +12,9 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Literal
 
-from actors.agent import commands, workspace
-from actors.agent.ops import OpBase
-from actors.agent.settings import AgentSettings, Rule
+from actors.kernel import commands, workspace
+from actors.kernel.ops import OpBase
+from actors.kernel.settings import AgentSettings, Rule
 from broker.errors import PathRefusedError
 from broker.statedir import StateDir
 

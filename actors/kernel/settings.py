@@ -78,7 +78,7 @@ class OpenAISettings(_Strict):
 
 
 class CompactionSettings(_Strict):
-    """Context compaction (actors/agent/compaction.py): off while `window_tokens`
+    """Context compaction (actors/kernel/compaction.py): off while `window_tokens`
     is null. When the model's context passes `trigger_share` of the window, the
     oldest exchanges are replaced by a summary so that those kept fill at most
     `keep_share` of it. `summary_model`: the model that summarizes (openai; null:
@@ -137,7 +137,7 @@ class AgentSpec(_Strict):
     session: str | None = None  # the session to run (actors/sessions/lifecycle.py)
     parent_agent: str | None = None  # a subagent's parent (the session's lineage)
     # the agent whose grants and budget bound this one (a schedule's run: the
-    # schedule's owner; actors/agent/grants.py); None: the operator created it
+    # schedule's owner; actors/procs/grants.py); None: the operator created it
     creator: str | None = None
 
 

@@ -6,12 +6,10 @@ A rewind that cuts below what a state has folded raises
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from actors.kernel.state import AgentState
 from broker.errors import CorralError
-
-if TYPE_CHECKING:
-    from actors.agent.state import AgentState
 
 EVENTS = frozenset({"workspace_tree", "rewind", "session_fork"})
 
@@ -48,8 +46,6 @@ def apply(state: AgentState, seq: int, event: str, p: dict[str, Any]) -> None:
             state.last_rewind = {"seq": seq, "to_seq": to_seq, "to_turn": p.get("to_turn"),
                                  "from_seq": p.get("from_seq")}
         case "session_fork":
-            from actors.agent.state import AgentState  # noqa: PLC0415 - a cycle otherwise
-
             raw = p.get("state")
             if not isinstance(raw, dict) or state.counts.events:
                 return  # only the first record of a stream can make it a fork

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.agent.state import AgentState, Compaction
+from actors.kernel.state import AgentState, Compaction
 
 FILE_NAME = "compactions.jsonl"
 CHARS_PER_TOKEN = 4

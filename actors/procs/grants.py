@@ -8,7 +8,7 @@ from a name").
 
 from __future__ import annotations
 
-from actors.agent.settings import read_spec
+from actors.kernel.settings import read_spec
 from actors.procs.ownership import owner_of
 from broker import auth
 from broker.errors import ConfigError
