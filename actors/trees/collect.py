@@ -3,7 +3,8 @@ docs/storage.md): each pack is rewritten with only the objects something
 still names, and a pack left with none is removed.
 
 **Roots** (a tree digest each; an object is reachable when a root's tree
-reaches it, directories and files alike):
+reaches it, directories and files alike, and the parts of a large
+directory's tree: actors/trees/tree.py):
 
 - the `workspace_tree` and `session_fork` records, and the `tree` of the
   `rewind` records, on the active branch of every `agent/<name>` stream the
@@ -193,7 +194,8 @@ def _json(path: Path) -> Any:
 
 
 def closure(store: ObjectStore, roots: set[str], report: TreesReport) -> set[str]:
-    """Every object the roots reach (trees decoded, blobs named)."""
+    """Every object the roots reach (trees decoded, a split directory's parts
+    and nodes among them, blobs named)."""
     reachable: set[str] = set()
     todo = list(roots)
     while todo:
@@ -202,10 +204,11 @@ def closure(store: ObjectStore, roots: set[str], report: TreesReport) -> set[str
             continue
         reachable.add(digest)
         try:
-            entries = tree.decode(store.get(digest))
+            entries, parts = tree.links(store.get(digest))
         except (CorruptObjectError, tree.TreeFormatError):  # a record is input like any other
             report.missing += 1
             continue
+        todo += parts  # a large directory's parts: tree objects too
         for entry in entries.values():
             if entry.is_dir:
                 todo.append(entry.digest)
