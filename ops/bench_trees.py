@@ -25,12 +25,24 @@ changes 10 files, then times, on that same change:
   restore alone). CPU times (`*_cpu_ms`) and the load average are printed
   too: on a shared machine wall time is mostly waiting for a core.
 
+Then, what the store grows by (issue 34): `growth_turns` (200) turns each
+rewrite one 1 KiB file (random bytes: nothing to compress) of a 1,000-file
+directory, each captured: `pack_bytes_per_turn` is the packs' growth over
+those turns, `changed_bytes_per_turn` the bytes the turns wrote. git makes
+the same 200 commits in the same run: `git count-objects -v` after them
+(`git_bytes_per_commit_loose`: its loose objects, zlib'ed, as disk usage)
+and after `git gc` (`git_bytes_per_commit_packed`: the pack's growth, with
+its deltas), both against the repository as `git gc` left it after the
+first commit.
+
 Targets (issue 13): tree_capture_ms_p50 <= git_tree_ms_p50; rewind_ms_p50 <= 200.
+Issue 34: pack_bytes_per_turn <= 4 x changed_bytes_per_turn.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import resource
 import shutil
 import statistics
@@ -165,5 +177,77 @@ def run(quick: bool = False) -> dict[str, object]:
         d = statistics.median(git_durable_ms)
         figures["git_durable_tree_ms_p50"] = round(d, 2)
         figures["capture_ratio_vs_durable_git"] = round(cap / d, 3)
+    growth = _growth(GROWTH_TURNS, git)
+    figures.update(growth)
+    ratio = growth["pack_bytes_per_turn"] / growth["changed_bytes_per_turn"]
+    figures["pack_ratio_vs_changed"] = round(ratio, 3)
+    targets["pack_bytes_per_turn<=4x_changed_bytes_per_turn"] = ratio <= 4
     figures["targets"] = targets
     return figures
+
+
+GROWTH_FILES = 1000
+GROWTH_TURNS = 200
+GROWTH_FILE_BYTES = 1024
+GIT_ID = ["-c", "user.name=bench", "-c", "user.email=bench@localhost", "-c", "gc.auto=0"]
+
+
+def _git_kib(git: str, env: dict[str, str]) -> tuple[int, int]:
+    """(loose, packed) KiB as `git count-objects -v` says."""
+    out = subprocess.run([git, "count-objects", "-v"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    fields = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    return int(fields["size"]), int(fields["size-pack"])
+
+
+def _pack_bytes(packs: Path) -> int:
+    return sum(p.stat().st_size for p in packs.glob("*.pack"))
+
+
+def _growth(turns: int, git: str | None) -> dict[str, float]:
+    """Each turn rewrites one 1 KiB file of a 1,000-file directory and
+    captures (and commits, with git): the growth of the packs a turn."""
+    rnd = random.Random(34)
+    with tempfile.TemporaryDirectory(prefix="corral-bench-growth-") as tmp:
+        root = Path(tmp)
+        ws = root / "ws"
+        (ws / "big").mkdir(parents=True)
+        (ws / "README").write_text("one large directory\n")
+        paths = [ws / "big" / f"f{i:04d}.txt" for i in range(GROWTH_FILES)]
+        for p in paths:
+            p.write_bytes(rnd.randbytes(GROWTH_FILE_BYTES))
+        packs = root / "state" / "trees" / "packs"
+        capturer = Capturer(ws, ObjectStore(packs, "bench"),
+                            StatCache.load(root / "state" / "cache" / "trees.jsonl"))
+        capturer.capture()
+        env = {**os.environ, "GIT_DIR": str(root / "git"), "GIT_WORK_TREE": str(ws)}
+        if git:
+            subprocess.run([git, "init", "-q"], env=env, check=True)
+            subprocess.run(f"git add -A && git {' '.join(GIT_ID)} commit -q -m start",
+                           shell=True, env=env, check=True)
+            subprocess.run([git, *GIT_ID, "gc", "-q"], env=env, check=True)
+            loose0, packed0 = _git_kib(git, env)
+        before = _pack_bytes(packs)
+        changed = 0
+        for turn in range(turns):
+            data = rnd.randbytes(GROWTH_FILE_BYTES)
+            rnd.choice(paths).write_bytes(data)
+            changed += len(data)
+            capturer.capture()
+            if git:
+                subprocess.run(f"git add -A && git {' '.join(GIT_ID)} commit -q -m t{turn}",
+                               shell=True, env=env, check=True)
+        out: dict[str, float] = {
+            "growth_files": GROWTH_FILES, "growth_turns": turns,
+            "pack_bytes_per_turn": round((_pack_bytes(packs) - before) / turns, 1),
+            "changed_bytes_per_turn": round(changed / turns, 1),
+        }
+        if git:
+            loose1, packed1 = _git_kib(git, env)
+            subprocess.run([git, *GIT_ID, "gc", "-q"], env=env, check=True)
+            loose2, packed2 = _git_kib(git, env)
+            out["git_bytes_per_commit_loose"] = round(
+                ((loose1 - loose0) + (packed1 - packed0)) * 1024 / turns, 1)
+            out["git_bytes_per_commit_packed"] = round(
+                ((loose2 - loose0) + (packed2 - packed0)) * 1024 / turns, 1)
+    return out

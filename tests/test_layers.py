@@ -40,8 +40,6 @@ ACTORS_ORDER: tuple[frozenset[str], ...] = tuple(frozenset(level) for level in (
 # allowed as exactly this set of modules and nothing else. The integrator
 # deletes an entry once the branch that unties it is merged.
 KNOWN_CYCLES: dict[str, frozenset[str]] = {
-    # the trees fan-out branch owns actors/trees
-    "trees recorder <-> rewind": frozenset({"actors.trees.recorder", "actors.trees.rewind"}),
     # the runtime hands itself to its request and automation handlers (their
     # `Runtime` annotations); the supervisor sub-packages work unties it
     "supervisor runtime <-> requests, automation": frozenset({

@@ -25,7 +25,8 @@ import pytest
 from actors.agent.loop import Step
 from actors.trees import branch, collect, restore
 from actors.trees import rewind as rewinding
-from actors.trees.recorder import TreeRecorder, capturer_for, store_for
+from actors.trees.layout import capturer_for, store_for
+from actors.trees.recorder import TreeRecorder
 from actors.trees.store import LEASE_NAME, ObjectStore, digest_of, packs_dir, take_lease
 from actors.writer import retention
 from actors.writer.wal import encode_record, segment_name

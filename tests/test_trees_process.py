@@ -1,7 +1,7 @@
 """Rewind and fork as real processes over a real writer: the agent runs a
 scripted session of file ops and `bash` edits (writer, broker, procs),
 `supervisor rewind` and `supervisor fork` run as CLI
-processes SIGKILLed (CORRAL_TREES_FAULT, actors/trees/recorder.py) at every
+processes SIGKILLed (CORRAL_TREES_FAULT, actors/trees/layout.py) at every
 step; after each kill the state is the old branch or the new one, never a
 mix; a retry (or the agent's own start) completes; the resumed agent runs
 the rewound turns again to the same final workspace."""

@@ -327,8 +327,8 @@ class Capturer:
         encoded again (`_changed_rows`); otherwise (after a load, a
         collection, a failed capture) each file is checked one by one against
         the store (`_all_rows`). The tree is encoded from the rows, sorted by
-        name: the same bytes as `tree.encode`, and not encoded again when
-        the rows did not change. (A watched capture patches the directory
+        name (`tree.store_rows`: one object, or a large directory's parts),
+        and not encoded again when the rows did not change. (A watched capture patches the directory
         instead when its cached state allows: `_patch`.)"""
         touched: set[str] | None = None  # None: journal the directory whole
         sigset = set(signature)
@@ -351,9 +351,7 @@ class Capturer:
             order = (cached.order if cached is not None and cached.order is not None
                      and cached.rows is not None and rows.keys() == cached.rows.keys()
                      else sorted(rows))
-            body = tree.encode_rows(map(rows.__getitem__, order))
-            digest = digest_of(body)
-            self._new.setdefault(digest, body)
+            digest = tree.store_rows(order, rows, self._new)
         racy = None
         if self.watch is not None:  # (what a watched capture of it reads again: _patch)
             now = self._now_ns
@@ -419,9 +417,7 @@ class Capturer:
             self.cache.dirs.pop(rel, None)
             return EMPTY
         if changed or not self.store.has(before):
-            body = tree.encode_rows(map(rows.__getitem__, order))
-            before = digest_of(body)
-            self._new.setdefault(before, body)
+            before = tree.store_rows(order, rows, self._new)
         cached.digest, cached.max_time_ns = before, max_time
         if cached.touched is not None:
             cached.touched |= touched  # (None: the journal's next line gives it whole)

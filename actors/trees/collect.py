@@ -159,7 +159,8 @@ def _json(path: Path) -> Any:
 
 
 def closure(store: ObjectStore, roots: set[str], report: TreesReport) -> set[str]:
-    """Every object the roots reach (trees decoded, blobs named)."""
+    """Every object the roots reach (trees decoded, a split directory's parts
+    and nodes among them, blobs named)."""
     reachable: set[str] = set()
     todo = list(roots)
     while todo:
@@ -168,10 +169,11 @@ def closure(store: ObjectStore, roots: set[str], report: TreesReport) -> set[str
             continue
         reachable.add(digest)
         try:
-            entries = tree.decode(store.get(digest))
+            entries, parts = tree.links(store.get(digest))
         except (CorruptObjectError, tree.TreeFormatError):  # a record is input like any other
             report.missing += 1
             continue
+        todo += parts  # a large directory's parts: tree objects too
         for entry in entries.values():
             if entry.is_dir:
                 todo.append(entry.digest)

@@ -18,7 +18,7 @@ from actors.kernel import compaction
 from actors.kernel.settings import read_spec, spec_path, write_spec
 from actors.sessions.ids import new_session_id
 from actors.trees import branch, restore, tree
-from actors.trees.recorder import fault, store_for
+from actors.trees.layout import fault, store_for
 from actors.trees.rewind import RewindError, read_events, state_at
 from actors.writer.client import WriterClient
 from broker.durable import fsync_dir, write_atomic

@@ -1,4 +1,5 @@
 """The agent's side of workspace trees: a `workspace_tree` fact when it changed.
+Where the store and the stat cache live is actors/trees/layout.py's.
 
 The tree is durable in the store before the fact is appended.
 See docs/trees.md ("Trees").
@@ -9,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import signal
 import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,34 +19,17 @@ from typing import Any
 from actors.changesets import confined
 from actors.kernel import workspace as agent_workspace
 from actors.kernel.state import AgentState
-from actors.trees import statcache
+from actors.trees import rewind, statcache
 from actors.trees.capture import Capturer
-from actors.trees.statcache import Ident, StatCache
-from actors.trees.store import LEASE_NAME, ObjectStore, packs_dir, sync_fds, take_lease
+from actors.trees.layout import capturer_for, stat_cache_path
+from actors.trees.statcache import Ident
+from actors.trees.store import LEASE_NAME, packs_dir, sync_fds, take_lease
 from actors.trees.store import lease as store_lease
-from actors.trees.watch import WorkspaceWatch
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 
-ENV_FAULT = "CORRAL_TREES_FAULT"
 CACHE_LINE_EVERY = 16  # captures a stat cache line may hold back (StatCache.save)
 CACHE_LINE_EVERY_S = 1.0  # and seconds
-
-
-def fault(point: str) -> None:
-    """Tests only: SIGKILL this process at `point` when CORRAL_TREES_FAULT names it."""
-    if point in os.environ.get(ENV_FAULT, "").split(","):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def store_for(state_dir: StateDir, writer: str = "shared") -> ObjectStore:
-    """The object store; objects this process adds go to `writer`'s pack."""
-    return ObjectStore(packs_dir(state_dir.root), writer)
-
-
-def stat_cache_path(state_dir: StateDir, name: str) -> Path:
-    """Agent `name`'s stat cache (the cache tier: derived, never needed)."""
-    return state_dir.cache_dir / "trees" / f"{name}.jsonl"
 
 
 def seed_stat_cache(state_dir: StateDir, name: str,
@@ -55,18 +38,6 @@ def seed_stat_cache(state_dir: StateDir, name: str,
     without reading the files (statcache.seed); how many it names."""
     return statcache.seed(stat_cache_path(state_dir, name), state_dir.cache_dir / "trees",
                           files)
-
-
-def capturer_for(state_dir: StateDir, name: str, workspace: Path,
-                 store: ObjectStore | None = None, *, watch: bool = False) -> Capturer:
-    """`watch`: captures read what inotify reports changed (the agent's own
-    capturer; without an instance from the host, every capture walks)."""
-    store = store if store is not None else store_for(state_dir, name)
-    cache = StatCache.load(stat_cache_path(state_dir, name))
-    return Capturer(workspace, store, cache, agent_workspace.guard_for(state_dir),
-                    state_dir.cache_dir / "trees",
-                    watch=WorkspaceWatch.open(packs_dir(state_dir.root).parent / "watch-slots")
-                    if watch else None)
 
 
 class TreeRecorder:
@@ -183,7 +154,5 @@ class TreeRecorder:
 
 def finish_pending(writer: WriterClient, state_dir: StateDir, name: str) -> None:
     """Finish (or abandon) a rewind a crash cut short, before the agent folds."""
-    from actors.trees import rewind  # noqa: PLC0415 - only when an intent is there
-
     if rewind.intent_path(state_dir, name).exists():
         rewind.recover(writer, state_dir, name)

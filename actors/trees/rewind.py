@@ -18,7 +18,7 @@ from actors.kernel.state import AgentState
 from actors.registries.store import restore_registries
 from actors.sessions.purged import purged_of, visible
 from actors.trees import branch, restore
-from actors.trees.recorder import capturer_for, fault, store_for
+from actors.trees.layout import capturer_for, fault, store_for
 from actors.writer.client import WriterClient
 from broker.durable import write_atomic
 from broker.errors import CorralError

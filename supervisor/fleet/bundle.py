@@ -103,7 +103,7 @@ def missing(load: Callable[[str], bytes], root: str, present: set[str], closed: 
         seen.add(digest)
         try:
             data = load(digest)
-            entries = trees.decode(data)
+            entries, parts = trees.links(data)
         except (CorruptObjectError, trees.TreeFormatError):
             complete = False  # not in this host's store (or damaged): never sent
             continue
@@ -112,6 +112,7 @@ def missing(load: Callable[[str], bytes], root: str, present: set[str], closed: 
             objects.append((digest, data))
             taken.add(digest)
             size += len(data)
+        todo += parts  # a large directory's parts (actors/trees/tree.py)
         for entry in entries.values():
             if entry.is_dir:
                 todo.append(entry.digest)
