@@ -27,7 +27,7 @@ from actors.writer.client import WriterClient
 from broker.statedir import StateDir
 from supervisor.console import views as console_views
 from supervisor.fleet import ctl, operatorsig
-from supervisor.fleet.host import control_subject
+from supervisor.fleet.natsclient import control_subject
 from supervisor.fleet.place import PLACE_HOST, PLACE_SUBJECT, place_subject
 from tests.agentkit import write_task
 from tests.fleetkit import (

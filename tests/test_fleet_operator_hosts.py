@@ -33,7 +33,7 @@ from broker import protocol
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
 from supervisor.fleet import buskeys, ctl
-from supervisor.fleet.host import control_subject
+from supervisor.fleet.natsclient import control_subject
 from supervisor.fleet.place import PLACE_HOST, PLACE_SUBJECT
 from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts
 from tests.processes import ProcessTracker, wait_for

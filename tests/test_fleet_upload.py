@@ -109,7 +109,7 @@ def test_kv_entries_lists_live_keys_only(fleet_cluster: Cluster) -> None:
     from nats.js.api import KeyValueConfig
 
     from supervisor.fleet.natsclient import kv_entries
-    from supervisor.fleet.watch import keys_of
+    from supervisor.fleet.view import keys_of
 
     fleet_cluster.wait_ready()
     bucket = f"corral_test_{uuid.uuid4().hex[:6]}"

@@ -37,7 +37,7 @@ from actors.subagents.ops import task_path
 from actors.subagents.remote import RemoteLink
 from actors.subagents.remotepack import PackLimits
 from actors.subagents.starter import ChildStarter
-from actors.trees import recorder
+from actors.trees import layout, recorder
 from actors.trees.statcache import StatCache
 from actors.writer.client import WriterClient
 from broker import lifeline, protocol
@@ -261,7 +261,7 @@ class SubagentsHost:
         identities (same inode, size and times): its first capture trusts the
         digests its parent's stat cache trusts for them, and reads the rest."""
         try:
-            cache = StatCache.load(recorder.stat_cache_path(self.state, parent))
+            cache = StatCache.load(layout.stat_cache_path(self.state, parent))
             files = {f"{directory}{leaf}": (ident, digest)
                      for directory, entry in cache.dirs.items()
                      for leaf, (ident, digest) in entry.files.items() if cache.trusted(ident)}

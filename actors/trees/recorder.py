@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from actors.changesets import confined
-from actors.kernel import workspace as agent_workspace
 from actors.kernel.state import AgentState
 from actors.trees import rewind, statcache
 from actors.trees.capture import Capturer

@@ -34,6 +34,7 @@ from actors.trees.store import lease as store_lease
 from broker.durable import write_atomic
 from broker.statedir import StateDir
 from supervisor.fleet import bundle, generations, renumber
+from supervisor.fleet.natsclient import OBJECTS_BUCKET
 from supervisor.fleet.replicate import parse_seq_range, stream_name
 
 log = structlog.get_logger("supervisor.fleet")
@@ -41,7 +42,7 @@ log = structlog.get_logger("supervisor.fleet")
 # long stream on a loaded host would take (tests/test_soak_fleet_hosts.py)
 FAULT_DELAY_ENV = "CORRAL_FAULT_ADOPT_DELAY_S"
 
-OBJECTS = "corral_trees"
+OBJECTS = OBJECTS_BUCKET
 MAX_CHUNKS = 64  # chunks of one pack generation before the next is uploaded whole
 PROC_ID = re.compile(r"^[pt]-[0-9a-f]{16}$")  # actors/procs/host.py new_proc_id
 IMPORT_CHUNK = 64

@@ -12,7 +12,6 @@ import os
 import re
 import signal as signals
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +19,8 @@ from broker.durable import write_atomic
 from broker.errors import ConfigError
 from broker.statedir import StateDir
 from supervisor.fleet import operatorsig
-from supervisor.fleet.natsclient import connect_options
+from supervisor.fleet.natsclient import connect_options, control_subject, settings_of
+from supervisor.fleet.view import least_loaded, read_hosts
 from supervisor.fleetconfig import OPERATOR_KEY_ENV, FleetConfig
 
 if TYPE_CHECKING:
@@ -139,15 +139,6 @@ def _spawn_message(state_dir: StateDir, agent: str, task: str,
                                  replay_stream=chosen.get("replay_stream"))
 
 
-def least_loaded(hosts: list[dict[str, Any]]) -> list[str]:
-    """Live hosts, fewest agents not stopped first (ties by name)."""
-    def load(host: dict[str, Any]) -> int:
-        return sum(1 for c in host["children"] if c.get("kind") == "agent"
-                   and c.get("state") not in ("stopped", "exited", "fatal"))
-    live = [h for h in hosts if not h["stale"] and not h.get("dead")]
-    return [h["host"] for h in sorted(live, key=lambda h: (load(h), h["host"]))]
-
-
 def remote_spawn(state_dir: StateDir, config_path: str | None, name: str, task_file: str,
                  model: str | None, *, host: str, as_json: bool) -> int:
     """`supervisor spawn NAME --task FILE --host auto|HOST`: HOST, or the
@@ -159,7 +150,6 @@ def remote_spawn(state_dir: StateDir, config_path: str | None, name: str, task_f
     except (ConfigError, OSError, UnicodeDecodeError) as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from supervisor.fleet.host import control_subject  # noqa: PLC0415
 
     placed = _place(config, key, name, task, model) if host == "auto" else None
     candidates = [] if placed is not None else \
@@ -236,7 +226,6 @@ def fleet_config(state_dir: StateDir, config_path: str | None) -> FleetConfig:
 async def _connect(config: FleetConfig) -> Any:
     import nats  # noqa: PLC0415
 
-    from supervisor.fleet.host import settings_of  # noqa: PLC0415
 
     cfg = config if config.host else config.model_copy(update={"host": "operator"})
     options = connect_options(settings_of(cfg), "corral-operator")
@@ -244,56 +233,6 @@ async def _connect(config: FleetConfig) -> Any:
     # max_reconnect_attempts=0 (a command on a cluster that is away never returned)
     options.update(allow_reconnect=False, max_reconnect_attempts=1, error_cb=_quiet)
     return await nats.connect(**options)
-
-
-async def read_hosts(js: Any, ttl_s: float) -> list[dict[str, Any]]:
-    """Every host's last status entry, with its age; then the members whose entry
-    has expired: declared dead (`dead`, `fenced_by`) or not yet (`expired`)."""
-    from nats.js.errors import BucketNotFoundError, KeyNotFoundError  # noqa: PLC0415
-
-    from supervisor.fleet.host import BUCKET  # noqa: PLC0415
-    from supervisor.fleet.watch import MEMBERS, keys_of  # noqa: PLC0415
-
-    hosts: list[dict[str, Any]] = []
-    try:
-        kv = await js.key_value(BUCKET)
-    except BucketNotFoundError:
-        return hosts
-    for key in sorted(await keys_of(kv)):
-        try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:
-            continue  # expired meanwhile: listed below as a member whose entry expired
-        except Exception as exc:  # noqa: BLE001 - a read that failed (a timeout under load)
-            # not "expired": a host whose entry could not be read is not known silent
-            hosts.append({"host": key, "age_s": None, "stale": True, "dead": False,
-                          "unreadable": type(exc).__name__, "children": []})
-            continue
-        if entry is None:
-            continue
-        data = json.loads(entry.value or b"{}")
-        age = time.time() - float(data.get("at", 0))
-        hosts.append({"host": key, "age_s": round(age, 1), "stale": age > ttl_s / 2,
-                      "dead": False, "children": data.get("children", []),
-                      "supervisor_pid": data.get("supervisor_pid")})
-    try:
-        members = await js.key_value(MEMBERS)
-    except BucketNotFoundError:
-        return hosts
-    seen = {h["host"] for h in hosts}
-    for key in sorted(await keys_of(members) - seen):
-        try:
-            data = json.loads((await members.get(key)).value or b"{}")
-        except Exception:  # noqa: BLE001 - deleted meanwhile
-            data = {}
-        if data.get("dead"):
-            hosts.append({"host": key, "age_s": round(time.time() - data.get("at", 0), 1),
-                          "stale": True, "dead": True, "fenced_by": data.get("fenced_by"),
-                          "children": []})
-        elif data:  # a member whose entry expired, not (yet) declared dead
-            hosts.append({"host": key, "age_s": None, "stale": True, "dead": False,
-                          "expired": True, "children": []})
-    return hosts
 
 
 def fleet_status(config: FleetConfig) -> list[dict[str, Any]]:
@@ -349,7 +288,6 @@ def remote_control(state_dir: StateDir, config_path: str | None, verb: str, targ
     except (ConfigError, OSError) as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from supervisor.fleet.host import control_subject  # noqa: PLC0415
 
     async def go() -> dict[str, Any]:
         nc = await _connect(config)

@@ -25,9 +25,9 @@ from supervisor.fleet.ctl import (
     _connect,
     fleet_config,
     operator_key,
-    read_hosts,
 )
 from supervisor.fleet.natsclient import HOST_NAME
+from supervisor.fleet.view import read_hosts
 from supervisor.fleetconfig import FleetConfig
 
 PROG = "supervisor fleet forget-bus-key"

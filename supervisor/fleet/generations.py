@@ -18,6 +18,7 @@ import structlog
 from actors.kernel import generations
 from broker.statedir import StateDir
 from supervisor.fleet import renumber
+from supervisor.fleet.natsclient import OBJECTS_BUCKET
 
 log = structlog.get_logger("supervisor.fleet")
 
@@ -252,12 +253,11 @@ def uploaded_generations(urls: list[str], host: str, agent: str) -> list[int]:
 
     import nats  # noqa: PLC0415
 
-    from supervisor.fleet.adopt import OBJECTS  # noqa: PLC0415 - it imports this module
 
     async def go() -> list[int]:
         nc: Any = await nats.connect(urls, connect_timeout=2)
         try:
-            bucket = await nc.jetstream(timeout=5).object_store(OBJECTS)
+            bucket = await nc.jetstream(timeout=5).object_store(OBJECTS_BUCKET)
             return sorted(s for i in await bucket.list() if not i.deleted
                           and (s := parse_gen(i.name, host, agent)) is not None)
         except Exception:  # noqa: BLE001 - nothing uploaded yet

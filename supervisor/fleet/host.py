@@ -18,8 +18,12 @@ from broker.durable import write_atomic
 from broker.statedir import StateDir
 from supervisor.fleet import beat, operatorsig
 from supervisor.fleet.adopt import Uploader
-from supervisor.fleet.ctl import read_hosts
-from supervisor.fleet.natsclient import HOSTS_BUCKET, FleetSettings, connect_options
+from supervisor.fleet.natsclient import (
+    HOSTS_BUCKET,
+    connect_options,
+    control_subject,
+    settings_of,
+)
 from supervisor.fleet.place import (
     PLACE_HOST,
     PLACE_QUEUE,
@@ -28,6 +32,7 @@ from supervisor.fleet.place import (
     decide,
     place_subject,
 )
+from supervisor.fleet.view import read_hosts
 from supervisor.fleet.watch import Watch
 from supervisor.fleetconfig import FleetConfig
 
@@ -35,19 +40,6 @@ log = structlog.get_logger("supervisor.fleet")
 
 BUCKET = HOSTS_BUCKET
 CONTROL_VERBS = frozenset({"kill", "stop", "start"})
-
-
-def settings_of(config: FleetConfig) -> FleetSettings:
-    assert config.host is not None
-    return FleetSettings(host=config.host, urls=tuple(config.urls), creds=config.creds,
-                         nkey_seed=config.nkey_seed, tls_ca=config.tls.ca,
-                         tls_cert=config.tls.cert, tls_key=config.tls.key,
-                         replicas=config.replicas,
-                         publish_timeout_s=config.publish_timeout_s)
-
-
-def control_subject(host: str) -> str:
-    return f"corral.ctl.{host}"
 
 
 def write_fleet_file(state_dir: StateDir, config: FleetConfig) -> Path:

@@ -10,13 +10,17 @@ import argparse
 import re
 import ssl
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker.errors import ConfigError
+
+if TYPE_CHECKING:
+    from supervisor.fleetconfig import FleetConfig
 
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 HOSTS_BUCKET = "corral_hosts"  # KV: each live host's status (TTL fleet.host_ttl_s)
 MEMBERS_BUCKET = "corral_members"  # KV: every host that registered; dead ones marked
+OBJECTS_BUCKET = "corral_trees"  # object store: agents' bundles and generations
 
 
 @dataclass(frozen=True)
@@ -111,3 +115,16 @@ async def kv_entries(js: Any, bucket: str) -> dict[str, bytes]:
             continue  # expired or deleted meanwhile
         entries[key] = bytes(entry.value or b"")
     return entries
+
+
+def control_subject(host: str) -> str:
+    return f"corral.ctl.{host}"
+
+
+def settings_of(config: FleetConfig) -> FleetSettings:
+    assert config.host is not None
+    return FleetSettings(host=config.host, urls=tuple(config.urls), creds=config.creds,
+                         nkey_seed=config.nkey_seed, tls_ca=config.tls.ca,
+                         tls_cert=config.tls.cert, tls_key=config.tls.key,
+                         replicas=config.replicas,
+                         publish_timeout_s=config.publish_timeout_s)

@@ -12,8 +12,9 @@ from typing import Any
 import structlog
 
 from broker.statedir import StateDir
-from supervisor.fleet.natsclient import MEMBERS_BUCKET, kv_entries
+from supervisor.fleet.natsclient import MEMBERS_BUCKET
 from supervisor.fleet.replicate import fence_subject, stream_name
+from supervisor.fleet.view import keys_of, least_loaded
 
 log = structlog.get_logger("supervisor.fleet")
 
@@ -30,18 +31,6 @@ async def members_bucket(js: Any, replicas: int) -> Any:
     except BucketNotFoundError:
         return await js.create_key_value(KeyValueConfig(
             bucket=MEMBERS, history=1, replicas=replicas, storage=StorageType.FILE))
-
-
-async def keys_of(kv: Any) -> set[str]:
-    """The bucket's live keys, from its stream's per-subject state and a direct
-    get of each (broker/natsclient.kv_entries), never from nats-py's `keys()`:
-    that runs a watcher, an ephemeral consumer made and deleted per call, and
-    the view is read every status round by every host, each second by every
-    bridge and by every `status --fleet`; on a loaded cluster that churn ended
-    in "maximum consumers limit reached" (a CI run). The watcher could also
-    answer "no keys" for a bucket that has keys, which made every live host
-    look silent (and a silent host gets fenced)."""
-    return set(await kv_entries(kv._js, kv._name))  # the bucket's own context
 
 
 async def fence_host(js: Any, dead: str, by: str) -> bool:
@@ -104,7 +93,6 @@ class Watch:
 
     async def check(self, js: Any, hosts_kv: Any, hosts: list[dict[str, Any]]) -> None:
         """Declare dead (and fence) the members silent for longer than the grace."""
-        from supervisor.fleet.ctl import least_loaded  # noqa: PLC0415
 
         if not self.registered:
             return
