@@ -6,7 +6,9 @@ carrying the request's msg_id and resends the very same frame on timeout (so
 the receiver sees the same msg_id and idempotency key). Heartbeats go both
 ways (broker/heartbeat.py); when the broker has been silent for
 interval x misses the socket is closed and reopened (the ZeroMQ guide's
-Paranoid Pirate). Every wait services heartbeats; a loop that polls
+Paranoid Pirate), unless the broker refused the handshake: then
+AuthRefusedError (docs/protocol.md, Authentication), never a retry loop.
+Every wait services heartbeats; a loop that polls
 `peer.socket` itself must call `peer.tick()` at least once per interval and
 re-read `peer.socket` when `peer.reconnects` changes.
 """
@@ -27,6 +29,7 @@ from broker import auth, protocol, ratelimit
 from broker.curve import CurveClient, apply_client
 from broker.errors import ProtocolError, RemoteError, RequestTimeoutError, StateDirError
 from broker.heartbeat import HeartbeatRule, Liveness
+from broker.requester import HandshakeWatch
 from broker.statedir import StateDir, check_actor_name
 
 BROKER_NAME = "broker"
@@ -93,6 +96,7 @@ class BrokerPeer:
         self._limiter = ratelimit.LogLimiter(log.warning)
         self._beat_frame = protocol.encode(protocol.Heartbeat(actor=name, pid=self._pid))
         self._live = Liveness(self.rule, last_heard=time.monotonic())
+        self._watch: HandshakeWatch | None = None
         self._sock = self._open()
 
     # --- socket -----------------------------------------------------------------
@@ -108,6 +112,7 @@ class BrokerPeer:
             apply_client(sock, self._curve)
         elif self._credential is not None:
             auth.apply_client(sock, self._credential)
+        self._watch = HandshakeWatch(sock, self._watch)
         sock.connect(self.endpoint)
         with contextlib.suppress(zmq.Again):  # register at once: routable from now on
             sock.send_multipart([_BROKER, self._beat_frame], zmq.NOBLOCK)
@@ -120,12 +125,16 @@ class BrokerPeer:
 
     def reconnect(self) -> None:
         """Close and reopen the socket: queued frames in both directions are lost."""
+        if self._watch is not None:
+            self._watch.close()
         self._sock.close(linger=0)
         self._sock = self._open()
         self.reconnects += 1
         self._live.reset(time.monotonic())
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         self._sock.close(linger=0)
 
     # --- heartbeats -------------------------------------------------------------
@@ -135,6 +144,8 @@ class BrokerPeer:
         # frames waiting in our own queue prove the broker was alive: read them first
         if self._live.dead(now) and not self._sock.poll(0, zmq.POLLIN):
             silent_s = now - self._live.last_heard
+            if self._watch is not None:  # refused, not silent: AuthRefusedError
+                self._watch.check(self.endpoint)
             self.reconnect()
             log.warning(
                 "broker_reconnected",
@@ -209,7 +220,8 @@ class BrokerPeer:
         transient refusal by the broker (recipient unknown or busy: it may be
         reconnecting) waits one heartbeat interval and uses up a retry. Raises
         RemoteError for an `error` reply (or when transient refusals outlast
-        the retries), RequestTimeoutError when the last attempt got no reply.
+        the retries), RequestTimeoutError when the last attempt got no reply,
+        AuthRefusedError when the broker refused the handshake.
 
         `resend_s`: within an attempt, the same frame is sent again every
         `resend_s` until the reply comes (for a request whose reply may take
@@ -236,6 +248,8 @@ class BrokerPeer:
                 reply = self._attempt(to, msg_id, frame, timeout_s, resend_s)
                 if reply is None:
                     refusal = None
+                    if self._watch is not None:  # unanswered: refused, or only slow?
+                        self._watch.check(self.endpoint)
                     continue
                 if isinstance(reply, protocol.Error):
                     if reply.code in _TRANSIENT and attempt < retries:
