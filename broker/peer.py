@@ -2,6 +2,7 @@
 
 A loop that polls `peer.socket` itself calls `peer.tick()` at least once per
 interval and re-reads `peer.socket` when `peer.reconnects` changes.
+A refused handshake raises AuthRefusedError, never a retry loop.
 See docs/broker.md ("Reconnecting (Paranoid Pirate)", "Requests, retries,
 timeouts").
 """
@@ -22,6 +23,7 @@ from broker import auth, protocol, ratelimit
 from broker.curve import CurveClient, apply_client
 from broker.errors import ProtocolError, RemoteError, RequestTimeoutError, StateDirError
 from broker.heartbeat import HeartbeatRule, Liveness
+from broker.requester import HandshakeWatch
 from broker.statedir import StateDir, check_actor_name
 
 BROKER_NAME = "broker"
@@ -88,6 +90,7 @@ class BrokerPeer:
         self._limiter = ratelimit.LogLimiter(log.warning)
         self._beat_frame = protocol.encode(protocol.Heartbeat(actor=name, pid=self._pid))
         self._live = Liveness(self.rule, last_heard=time.monotonic())
+        self._watch: HandshakeWatch | None = None
         self._sock = self._open()
 
     # --- socket -----------------------------------------------------------------
@@ -103,6 +106,7 @@ class BrokerPeer:
             apply_client(sock, self._curve)
         elif self._credential is not None:
             auth.apply_client(sock, self._credential)
+        self._watch = HandshakeWatch(sock, self._watch)
         sock.connect(self.endpoint)
         with contextlib.suppress(zmq.Again):  # register at once: routable from now on
             sock.send_multipart([_BROKER, self._beat_frame], zmq.NOBLOCK)
@@ -115,12 +119,16 @@ class BrokerPeer:
 
     def reconnect(self) -> None:
         """Close and reopen the socket: queued frames in both directions are lost."""
+        if self._watch is not None:
+            self._watch.close()
         self._sock.close(linger=0)
         self._sock = self._open()
         self.reconnects += 1
         self._live.reset(time.monotonic())
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         self._sock.close(linger=0)
 
     # --- heartbeats -------------------------------------------------------------
@@ -130,6 +138,8 @@ class BrokerPeer:
         # frames waiting in our own queue prove the broker was alive: read them first
         if self._live.dead(now) and not self._sock.poll(0, zmq.POLLIN):
             silent_s = now - self._live.last_heard
+            if self._watch is not None:  # refused, not silent: AuthRefusedError
+                self._watch.check(self.endpoint)
             self.reconnect()
             log.warning(
                 "broker_reconnected",
@@ -204,7 +214,8 @@ class BrokerPeer:
         transient refusal by the broker (recipient unknown or busy: it may be
         reconnecting) waits one heartbeat interval and uses up a retry. Raises
         RemoteError for an `error` reply (or when transient refusals outlast
-        the retries), RequestTimeoutError when the last attempt got no reply.
+        the retries), RequestTimeoutError when the last attempt got no reply,
+        AuthRefusedError when the broker refused the handshake.
 
         `resend_s`: within an attempt, the same frame is sent again every
         `resend_s` until the reply comes (for a request whose reply may take
@@ -231,6 +242,8 @@ class BrokerPeer:
                 reply = self._attempt(to, msg_id, frame, timeout_s, resend_s)
                 if reply is None:
                     refusal = None
+                    if self._watch is not None:  # unanswered: refused, or only slow?
+                        self._watch.check(self.endpoint)
                     continue
                 if isinstance(reply, protocol.Error):
                     if reply.code in _TRANSIENT and attempt < retries:

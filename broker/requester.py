@@ -30,6 +30,40 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_
 NO_DETAIL_REFUSALS = 3
 
 
+class HandshakeWatch:
+    """A socket's monitor, read only when the caller went unanswered: `check`
+    raises AuthRefusedError on a HANDSHAKE_FAILED_AUTH, or on NO_DETAIL_REFUSALS
+    other handshake failures in a row (counted across the sockets a client
+    opens one after the other: pass the previous watch)."""
+
+    def __init__(self, sock: zmq.Socket[bytes], previous: HandshakeWatch | None = None) -> None:
+        self._sock = sock
+        self._monitor: zmq.Socket[bytes] | None = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self._failed: int = previous._failed if previous is not None else 0
+
+    def check(self, endpoint: str) -> None:
+        monitor = self._monitor
+        if monitor is None:
+            return
+        while monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(monitor, _NOBLOCK)
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failed = 0
+                continue
+            self._failed += 1
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH or self._failed >= NO_DETAIL_REFUSALS:
+                name = (zmq.Event(kind).name or str(kind)).removeprefix("EVENT_")
+                raise AuthRefusedError(endpoint, name, int(event["value"]))
+
+    def close(self) -> None:
+        """Before the socket closes."""
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+
 def _restamp() -> None:
     global _stamp  # noqa: PLW0603
     _stamp = f"{os.getpid():x}.{time.monotonic_ns():x}."
@@ -76,8 +110,7 @@ class Requester:
         self._limits = limits
         self.reconnects = 0
         self._rcvtimeo_ms = -1
-        self._monitor: zmq.Socket[bytes] | None = None
-        self._failed_handshakes = 0
+        self._watch: HandshakeWatch | None = None
         self._sock = self._open()
 
     def _open(self) -> zmq.Socket[bytes]:
@@ -92,16 +125,14 @@ class Requester:
             apply_client(sock, self._curve)
         elif self._credential is not None:
             auth.apply_client(sock, self._credential)
-        self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self._watch = HandshakeWatch(sock, self._watch)
         sock.connect(self.endpoint)
         self._rcvtimeo_ms = -1  # a new socket waits forever until told otherwise
         return sock
 
     def _close_socket(self) -> None:
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
+        if self._watch is not None:
+            self._watch.close()
         self._sock.close(linger=0)
 
     def _reopen(self) -> None:
@@ -111,22 +142,10 @@ class Requester:
 
     def _check_refused(self) -> None:
         """Raise AuthRefusedError when the server refused our handshake since
-        the socket was opened (read from its monitor; called only after an
-        attempt went unanswered, so it costs the hot path nothing)."""
-        monitor = self._monitor
-        if monitor is None:
-            return
-        while monitor.poll(0, zmq.POLLIN):
-            event = recv_monitor_message(monitor, _NOBLOCK)
-            kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._failed_handshakes = 0
-                continue
-            self._failed_handshakes += 1
-            if (kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                    or self._failed_handshakes >= NO_DETAIL_REFUSALS):
-                name = (zmq.Event(kind).name or str(kind)).removeprefix("EVENT_")
-                raise AuthRefusedError(self.endpoint, name, int(event["value"]))
+        the socket was opened (called only after an attempt went unanswered,
+        so it costs the hot path nothing)."""
+        if self._watch is not None:
+            self._watch.check(self.endpoint)
 
     def request(
         self,

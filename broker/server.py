@@ -26,6 +26,7 @@ from broker.durable import write_atomic
 from broker.errors import ConfigError, LockHeldError, ProtocolError, StateDirError
 from broker.fdlimit import raise_fd_limit
 from broker.heartbeat import HeartbeatRule, PeerTable
+from broker.parking import GRACE_S, MIN_INTERVAL_S, Parking
 from broker.pidlock import PidLock
 from broker.statedir import NAME_PATTERN, StateDir, bind_umask
 
@@ -68,6 +69,8 @@ class BrokerStats:
     logs_suppressed_total: int
     unanswered_total: int  # replies/errors not answered or not deliverable (dropped)
     failures_total: int  # unexpected exceptions caught by the loop's last line of defence
+    renewals_total: int  # ROUTER sockets renewed to free parked connections (broker/parking.py)
+    parked_total: int  # parked connections those renewals freed
 
     def values(self) -> dict[str, int | float]:
         return dict(asdict(self))
@@ -87,6 +90,7 @@ class Broker:
         tcp_endpoints: tuple[str, ...] = (),
         zap: auth.ZapHandler | None = None,
         route_hook: hooks.RouteHook | None = None,
+        renew_interval_s: float = MIN_INTERVAL_S,
     ) -> None:
         """With `zap` (broker/auth.py) every connection authenticates and a peer
         may use only its own name; without it, names are not checked. With
@@ -119,28 +123,55 @@ class Broker:
         self._limiter = ratelimit.LogLimiter(
             log.warning, rate_per_s=ERROR_LOGS_PER_S, burst=ERROR_LOGS_BURST
         )
-        self._sock = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        self._sock.setsockopt(zmq.RCVHWM, SNDHWM)
+        self._max_body = limits.max_frame_bytes
+        self._ctx = ctx
+        self._curve_server = curve_server
+        # a peer's libzmq reconnects by itself: its next heartbeat is its first frame
+        self._parking = Parking(time.monotonic(), min_interval_s=renew_interval_s,
+                                grace_s=max(GRACE_S, 2 * rule.interval_s))
+        self._sock, self._monitor = self._open_socket([endpoint, *tcp_endpoints])
+
+    def _open_socket(
+        self, endpoints: list[str], deadline_s: float = 0.0
+    ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """The ROUTER bound to `endpoints` (self.bound then lists what was bound),
+        and its monitor of succeeded handshakes (broker/parking.py). A renewal
+        passes `deadline_s`: the old socket's tcp listener closes asynchronously,
+        so a bind may find its port busy for a moment."""
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, SNDHWM)
         # Frames up to twice the limit arrive and are refused with a typed
         # frame_too_large; beyond that the transport drops the connection.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * limits.max_frame_bytes)
-        self._max_body = limits.max_frame_bytes
-        if curve_server is not None:  # every connection then needs CURVE, ipc included
-            apply_server(self._sock, curve_server)
-        elif zap is not None:
-            auth.apply_server(self._sock)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_body)
+        if self._curve_server is not None:  # every connection then needs CURVE, ipc included
+            apply_server(sock, self._curve_server)
+        elif self._zap is not None:
+            auth.apply_server(sock)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         old = bind_umask()
         try:
-            self._sock.bind(endpoint)
-            self.bound = [endpoint]
-            for extra in tcp_endpoints:
-                self._sock.bind(extra)
-                self.bound.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            bound: list[str] = []
+            for at in endpoints:
+                until = time.monotonic() + deadline_s
+                while True:
+                    try:
+                        sock.bind(at)
+                        break
+                    except zmq.ZMQError as exc:
+                        if exc.errno != zmq.EADDRINUSE or time.monotonic() >= until:
+                            sock.disable_monitor()
+                            monitor.close(linger=0)
+                            sock.close(linger=0)
+                            raise
+                        time.sleep(0.01)  # the old listener's close is asynchronous
+                bound.append(at if not bound else sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            self.bound = bound
         finally:
             os.umask(old)
+        return sock, monitor
 
     # --- counters -------------------------------------------------------------
     def statistics(self) -> BrokerStats:
@@ -156,6 +187,8 @@ class Broker:
             logs_suppressed_total=self._limiter.suppressed_total,
             unanswered_total=self._unanswered,
             failures_total=self._failures,
+            renewals_total=self._parking.renewals_total,
+            parked_total=self._parking.parked_total,
         )
 
     def values(self) -> dict[str, int | float]:
@@ -172,21 +205,26 @@ class Broker:
     # --- the loop -------------------------------------------------------------
     def run(self, reporter: ControlReporter | None = None) -> None:
         """Route until stop(); housekeeping (heartbeats, expiry) between batches."""
-        poll_items = [(self._sock, zmq.POLLIN)]
         zap = self._zap
-        if zap is not None:
-            poll_items.append((zap.socket, zmq.POLLIN))
-        if self._hook is not None:
-            poll_items.append((self._hook.inbox, zmq.POLLIN))
+        sock = None
+        poll_items: list[tuple[zmq.Socket[bytes], int]] = []
         poll = zmq.zmq_poll  # half the cost of Socket.poll, which builds a Poller per call
         next_beat = time.monotonic() + self.rule.interval_s
         next_report = 0.0
         report_every_s = reporter.interval_s / 2 if reporter is not None else 0.0
         while not self._stopping:
+            if sock is not self._sock:  # first turn, or the socket was renewed
+                sock = self._sock
+                poll_items = [(sock, zmq.POLLIN), (self._monitor, zmq.POLLIN)]
+                if zap is not None:
+                    poll_items.append((zap.socket, zmq.POLLIN))
+                if self._hook is not None:
+                    poll_items.append((self._hook.inbox, zmq.POLLIN))
             timeout_ms = min(MAX_POLL_MS, max(0, int((next_beat - time.monotonic()) * 1000) + 1))
             busy = bool(poll(poll_items, timeout_ms))
             self._trimmer.tick(busy)
             if busy:
+                self._handshakes()
                 if zap is not None:
                     zap.handle()
                 try:
@@ -276,6 +314,7 @@ class Broker:
         broker's own choice); the operator's connections, and every connection
         of a broker without authentication, are named by their routing id."""
         rid = frames[0]
+        self._parking.seen(rid)  # a connection's first frame always comes this way
         if len(frames) != 3:
             self._refuse(
                 rid,
@@ -488,6 +527,9 @@ class Broker:
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 self._known.pop(rid, None)  # that connection is gone: never trust its id again
+                self._parking.forget(rid)
+                if self._route.get(peer) == rid:  # the next connection's first frame: slow path
+                    del self._route[peer]
                 if self._peers.forget(peer):
                     log.info("peer_disconnected", peer=peer.decode("ascii", "replace"))
 
@@ -504,6 +546,32 @@ class Broker:
         frame = self._heartbeat_frame()
         for peer in self._peers.names():
             self._send_heartbeat(peer, frame)
+        parked = self._parking.due(now)
+        if parked:
+            self._renew(now, parked)
+
+    # --- parked connections (broker/parking.py) --------------------------------
+    def _handshakes(self) -> None:
+        """Count the handshakes the monitor reported since the last turn."""
+        monitor = self._monitor
+        now = time.monotonic()
+        while monitor.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[arg-type,operator]
+            monitor.recv_multipart(_NOBLOCK)
+            self._parking.handshake(now)
+
+    def _renew(self, now: float, parked: int) -> None:
+        """Close the ROUTER (and every connection, the parked ones with it) and
+        bind a new one: peers reconnect and register again, as after a restart."""
+        counts = self._parking.values()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._route.clear()
+        self._known.clear()
+        self._sock, self._monitor = self._open_socket(list(self.bound), deadline_s=2.0)
+        self._parking.renewed(now, parked)
+        log.warning("socket_renewed", parked=parked, renewals_total=self._parking.renewals_total,
+                    **counts)
 
     # --- the route hook: names with no local route (broker/hooks.py) ----------
     def _to_hook(self, sender: bytes, to: bytes, body: bytes, rid: bytes) -> bool:
@@ -561,6 +629,8 @@ class Broker:
     def close(self) -> None:
         if self._hook is not None:
             self._hook.close()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
 
@@ -572,6 +642,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[ModuleType]
     parser.add_argument(
         "--max-frame-bytes", type=int, default=protocol.DEFAULT_LIMITS.max_frame_bytes
     )
+    parser.add_argument("--renew-interval-s", type=float, default=MIN_INTERVAL_S,
+                        help="renew the socket to free parked connections at most this often")
     curve.add_arguments(parser)
     logconfig.add_arguments(parser)
     hooks.add_argument(parser)
@@ -621,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
                               server.authorized_dir if server is not None else None)
         broker = Broker(
             ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp),
-            zap=zap, route_hook=_route_hook(modules, ctx, args, state, limits),
+            zap=zap, renew_interval_s=args.renew_interval_s,
+            route_hook=_route_hook(modules, ctx, args, state, limits),
         )
     except (ConfigError, auth.AuthError) as exc:
         print(f"broker: {exc}", file=sys.stderr)

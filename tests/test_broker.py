@@ -19,6 +19,7 @@ import zmq
 from broker import auth, protocol
 from broker.errors import RemoteError, RequestTimeoutError, StateDirError
 from broker.heartbeat import HeartbeatRule, Liveness, PeerTable
+from broker.parking import Parking
 from broker.peer import BrokerPeer
 from broker.requester import new_msg_id
 from broker.statedir import StateDir
@@ -186,6 +187,35 @@ def test_liveness_beats_once_per_interval_and_dies_after_misses() -> None:
     live.reset(10.0)
     assert not live.dead(12.0)
     assert live.beat_due(10.0) is True
+
+
+
+def test_parking_counts_handshakes_no_frame_followed_past_the_grace() -> None:
+    """broker/parking.py: a handshake is parked once the grace passed with no
+    new routing id seen; a first frame read before its handshake event still
+    matches it; a renewal is due only past the minimum interval, and resets."""
+    parking = Parking(0.0, grace_s=5.0, min_interval_s=10.0)
+    for at in (1.0, 2.0, 3.0):
+        parking.handshake(at)
+    parking.seen(b"\0aaaa")
+    parking.seen(b"\0aaaa")  # its second frame: no second connection
+    assert parking.parked(6.9) == 0  # the two left are 4.9 and 3.9 s old
+    assert parking.parked(7.0) == 1
+    assert parking.parked(8.0) == 2
+    assert parking.due(8.0) == 0  # the socket is younger than the interval
+    assert parking.due(10.0) == 2
+    parking.seen(b"\0bbbb")  # a first frame before its handshake event
+    parking.handshake(10.5)
+    assert parking.parked(30.0) == 2
+    parking.renewed(30.0, 2)
+    assert (parking.renewals_total, parking.parked_total) == (1, 2)
+    assert parking.parked(60.0) == 0 and parking.due(39.0) == 0
+    parking.handshake(31.0)
+    parking.seen(b"\0aaaa")  # after a renewal an id is new again
+    parking.handshake(32.0)
+    parking.forget(b"\0aaaa")  # gone: the same id claimed again is another connection
+    parking.seen(b"\0aaaa")
+    assert parking.due(45.0) == 0
 
 
 def test_peer_refuses_reserved_and_invalid_names(

@@ -2,10 +2,14 @@
 each, a flood of pages a client never reads and a flood of frames the broker
 can only refuse, the writer's and the broker's RSS return within 20% of
 their start once the load stops (broker/memtrim.py; without the trim they
-stayed 80-90% up)."""
+stayed 80-90% up); after a flood of connections claiming an identity in use
+(which ZeroMQ parks and never frees), the broker's fds and RSS come back
+(broker/parking.py; without the renewal they stayed up for good)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
 from collections.abc import Iterator
 
@@ -119,3 +123,74 @@ def test_writer_and_broker_give_memory_back_after_the_load_stops(
     finally:
         watcher.close()
         client.close()
+
+
+
+def rss_and_fds(pid: int) -> tuple[float, int]:
+    return rss_mb(pid), len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.timeout(150)
+def test_connections_zeromq_parks_are_freed_and_the_broker_memory_comes_back(
+    processes: ProcessTracker, state_dir: StateDir, ctx: Ctx
+) -> None:
+    """A fuzz-like flood at the broker: 60 connections claiming the identity
+    another connection holds, each sending 1,200 frames (more than the
+    broker's RCVHWM: ZeroMQ parks them, stops reading them, keeps their fds),
+    and 1,000 more that send one frame each; all closed. The broker renews its
+    socket, and its open fds and RSS return within 20% of their start; the
+    connection that held the identity reconnects and is served."""
+    broker = start_broker(processes, state_dir, "--renew-interval-s", "2")
+    operator = auth.operator_credential(state_dir)
+
+    def dealer(identity: bytes) -> zmq.Socket[bytes]:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        auth.apply_client(sock, operator)
+        sock.connect(state_dir.endpoint("broker"))
+        return sock
+
+    def counters(sock: zmq.Socket[bytes]) -> dict[str, int | float]:
+        sock.send_multipart([b"broker", protocol.encode(protocol.StatsRequest(msg_id="st"))])
+        while sock.poll(5000, zmq.POLLIN):
+            reply = protocol.decode(sock.recv_multipart()[-1])
+            if isinstance(reply, protocol.Stats):
+                return reply.values
+        return {}
+
+    holder = dealer(b"holder")
+    assert counters(holder).get("renewals_total") == 0
+    start_rss, start_fds = rss_and_fds(broker.pid)
+    frame = protocol.encode(protocol.Ping(msg_id="p" * 60))
+    parked = []
+    for _ in range(60):
+        sock = dealer(b"holder")
+        for _ in range(1200):
+            with contextlib.suppress(zmq.Again):
+                sock.send_multipart([b"nobody", frame], zmq.NOBLOCK)
+        parked.append(sock)
+    for i in range(1000):
+        sock = dealer(b"holder")
+        sock.send_multipart([b"broker", protocol.encode(protocol.Ping(msg_id=f"s{i}"))])
+        parked.append(sock)
+    peak_rss, peak_fds = rss_and_fds(broker.pid)
+    for sock in parked:
+        sock.close(linger=0)
+
+    def back() -> bool:
+        rss, fds = rss_and_fds(broker.pid)
+        return rss <= GROWTH_MAX * start_rss and fds <= start_fds
+
+    wait_for(back, 60, f"the broker back to {start_rss:.1f} MB and {start_fds} fds (peak "
+             f"{peak_rss:.1f} MB, {peak_fds} fds; now {rss_and_fds(broker.pid)})", interval_s=0.5)
+    assert peak_rss > GROWTH_MAX * start_rss, "the flood did not grow the broker: no test"
+    assert peak_fds > start_fds + 50
+    seen: list[dict[str, int | float]] = []
+
+    def served() -> bool:
+        seen.append(counters(holder))
+        return bool(seen[-1]) and seen[-1]["renewals_total"] >= 1
+
+    wait_for(served, 30, "the holder served again after the renewal", interval_s=0.2)
+    assert seen[-1]["parked_total"] >= 1, seen[-1]
+    holder.close(linger=0)

@@ -23,6 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 from actors.writer.lane import HELLO_OK, MAX_PACKET, hello, lane_path
 from broker import auth, protocol
 from broker.errors import AuthRefusedError
+from broker.peer import BrokerPeer
 from broker.requester import Requester
 from broker.statedir import StateDir
 from tests.processes import ProcessTracker, wait_for
@@ -210,3 +211,28 @@ def test_a_client_without_credentials_sees_the_documented_event(runtime: Runtime
         sock.disable_monitor()
         monitor.close(linger=0)
         sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_broker_peer_refused_in_the_handshake_raises_a_typed_error(runtime: Runtime) -> None:
+    """BrokerPeer with a wrong password: the broker never answers; the first
+    unanswered request raises AuthRefusedError (the handshake's refusal read
+    from the socket's monitor), and the peer never reconnected: no silent
+    Paranoid-Pirate loop against a refusal."""
+    wrong = auth.Credential("agent-1", b"0" * 64)
+    peer = BrokerPeer(runtime.ctx, runtime.state_dir, "agent-1", 0.2, 3, credential=wrong)
+    try:
+        with pytest.raises(AuthRefusedError) as refused:
+            peer.request("broker", protocol.Ping(msg_id="who"), timeout_s=1.0, retries=100)
+        assert (refused.value.event, refused.value.value) == ("HANDSHAKE_FAILED_AUTH", 400)
+        assert refused.value.endpoint == runtime.state_dir.endpoint("broker")
+        assert peer.reconnects == 0, "reconnected after a refused handshake"
+    finally:
+        peer.close()
+    right = BrokerPeer(runtime.ctx, runtime.state_dir, "agent-1", 0.2, 3,
+                       credential=auth.ensure_keys(runtime.state_dir).credential("agent-1"))
+    try:  # the same name with its right credential is served as before
+        assert isinstance(right.request("broker", protocol.Ping(msg_id="ok"), timeout_s=5.0),
+                          protocol.Pong)
+    finally:
+        right.close()
