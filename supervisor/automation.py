@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import structlog
@@ -34,10 +34,10 @@ from broker.errors import CorralError
 from broker.statedir import StateDir
 from supervisor import automationgrants as grants
 from supervisor.automationconfig import AutomationConfig
+from supervisor.runtimeface import RuntimeFace
 
 if TYPE_CHECKING:
     from actors.writer.client import WriterClient
-    from supervisor.runtime import Runtime
 
 log = structlog.get_logger("automation")
 
@@ -637,7 +637,13 @@ class Automation:
             ctx.destroy(linger=0)
 
 
-def service(rt: Runtime, now: float) -> None:
+class _Runtime(RuntimeFace, Protocol):
+    """What `service` needs of the running supervisor (supervisor/runtime.py)."""
+
+    automation: Automation
+
+
+def service(rt: _Runtime, now: float) -> None:
     """Once per supervisor loop turn: hand the thread the agents' names, and
     spawn what the schedules fired (the supervisor's own spawn path)."""
     from actors.kernel.settings import Budget  # noqa: PLC0415

@@ -18,7 +18,7 @@ from supervisor.config import load as load_config
 
 if TYPE_CHECKING:
     from actors.kernel.settings import Budget
-    from supervisor.runtime import Runtime
+    from supervisor.runtimeface import RuntimeFace
 
 log = structlog.get_logger("supervisor")
 Reply = protocol.Ack | protocol.Error
@@ -28,7 +28,7 @@ def _error(msg_id: str, code: protocol.ErrorCode, detail: str) -> protocol.Error
     return protocol.Error(msg_id=msg_id, code=code, detail=detail)
 
 
-def _lookup(rt: Runtime, msg_id: str, target: str, verb: str) -> Child | protocol.Error:
+def _lookup(rt: RuntimeFace, msg_id: str, target: str, verb: str) -> Child | protocol.Error:
     if rt.stopping:
         return _error(msg_id, protocol.ErrorCode.SHUTTING_DOWN, "the supervisor is stopping")
     child = rt.children.get(target)
@@ -49,7 +49,7 @@ def _is_down(child: Child) -> bool:
     return child.pid is None and not child.fork_pending
 
 
-def _take_down(rt: Runtime, child: Child, now: float) -> None:
+def _take_down(rt: RuntimeFace, child: Child, now: float) -> None:
     """SIGTERM a held/removed child, or settle it at once when it has no process."""
     child.restart_at = None
     child.restart_requested = False
@@ -69,12 +69,12 @@ def _take_down(rt: Runtime, child: Child, now: float) -> None:
         child.state = "stopped"
 
 
-def forget(rt: Runtime, child: Child) -> None:
+def forget(rt: RuntimeFace, child: Child) -> None:
     rt.children.pop(child.name, None)
     log.info("child_removed", child=child.name)
 
 
-def stop(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
+def stop(rt: RuntimeFace, msg_id: str, target: str, now: float) -> Reply:
     child = _lookup(rt, msg_id, target, "stop")
     if isinstance(child, protocol.Error):
         return child
@@ -86,7 +86,7 @@ def stop(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
     return protocol.Ack(msg_id=msg_id, affected=[target])
 
 
-def _adopt(rt: Runtime, target: str) -> None:
+def _adopt(rt: RuntimeFace, target: str) -> None:
     """An agent with a spec on disk but no child (a fork: docs/trees.md; or one
     spawned before this supervisor started) becomes a child, as `spawn` adds one."""
     from actors.kernel.settings import read_spec  # noqa: PLC0415
@@ -113,7 +113,7 @@ def _adopt(rt: Runtime, target: str) -> None:
     log.info("child_adopted", child=target, reason="start of an agent with a spec")
 
 
-def start(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
+def start(rt: RuntimeFace, msg_id: str, target: str, now: float) -> Reply:
     _adopt(rt, target)
     child = _lookup(rt, msg_id, target, "start")
     if isinstance(child, protocol.Error):
@@ -135,7 +135,7 @@ def start(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
     return protocol.Ack(msg_id=msg_id, affected=[target])
 
 
-def _begin(rt: Runtime, child: Child, now: float) -> None:
+def _begin(rt: RuntimeFace, child: Child, now: float) -> None:
     """Start now, or let the start phase start it with its kind."""
     if child.kind == "agent" and rt.use_zygote and rt.zygote is None \
             and rt.zygote_restart_at is None:
@@ -147,7 +147,7 @@ def _begin(rt: Runtime, child: Child, now: float) -> None:
         child.requested_at = None
 
 
-def remove(rt: Runtime, msg_id: str, target: str, now: float) -> Reply:
+def remove(rt: RuntimeFace, msg_id: str, target: str, now: float) -> Reply:
     from actors.kernel.settings import spec_path  # noqa: PLC0415 - only this request needs it
 
     child = _lookup(rt, msg_id, target, "remove")
@@ -177,7 +177,7 @@ def tighter(a: Budget, b: Budget) -> Budget:
                   cost_units=low(a.cost_units, b.cost_units))
 
 
-def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float, *,
+def spawn(rt: RuntimeFace, msg: protocol.SpawnRequest, now: float, *,
           creator: str | None = None, budget: Budget | None = None) -> Reply:
     """Add an agent child with the agents group's policy, but restart `transient`:
     it runs a session, and a finished one exits 0. `creator`: the agent whose
@@ -237,7 +237,7 @@ def spawn(rt: Runtime, msg: protocol.SpawnRequest, now: float, *,
     return protocol.Ack(msg_id=msg_id, affected=[name])
 
 
-def reload(rt: Runtime, msg_id: str, now: float) -> protocol.ReloadReply | protocol.Error:
+def reload(rt: RuntimeFace, msg_id: str, now: float) -> protocol.ReloadReply | protocol.Error:
     path = rt.config_path or DEFAULT_CONFIG_PATH
     if rt.stopping:
         return _error(msg_id, protocol.ErrorCode.SHUTTING_DOWN, "the supervisor is stopping")

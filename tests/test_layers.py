@@ -36,17 +36,6 @@ ACTORS_ORDER: tuple[frozenset[str], ...] = tuple(frozenset(level) for level in (
     {"actors.zygote", "__main__"},  # the zygote preloads the agent and runs it
 ))
 
-# Import circles that other branches remove while this test lands: each is
-# allowed as exactly this set of modules and nothing else. The integrator
-# deletes an entry once the branch that unties it is merged.
-KNOWN_CYCLES: dict[str, frozenset[str]] = {
-    # the runtime hands itself to its request and automation handlers (their
-    # `Runtime` annotations); the supervisor sub-packages work unties it
-    "supervisor runtime <-> requests, automation": frozenset({
-        "supervisor.automation", "supervisor.requests", "supervisor.runtime"}),
-}
-
-
 def _imported_packages(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     found: set[str] = set()
@@ -240,14 +229,11 @@ def test_the_fleet_check_sees_a_top_level_import(tmp_path: Path) -> None:
     assert _module_level_imports(module) == {"supervisor.fleet.host"}
 def test_no_import_cycles_between_modules() -> None:
     """No module of actors/, broker/ or supervisor/ reaches itself through
-    imports (function-level ones included), but for the named circles other
-    branches are removing, each exactly as listed."""
+    imports, function-level and `TYPE_CHECKING` ones included."""
     graph = _import_graph()
     assert len(graph) > 200  # the modules were found
     assert "actors.kernel.state" in graph["actors.kernel.fold"]  # imports are read
-    cycles = _cycles(graph)
-    unknown = [sorted(c) for c in cycles if c not in KNOWN_CYCLES.values()]
-    assert unknown == []
+    assert [sorted(c) for c in _cycles(graph)] == []
 
 
 def test_actors_packages_import_downward_only() -> None:
