@@ -11,7 +11,7 @@ module, puts it in sys.modules and copies its namespace into the stand-in, so a
 reference taken before the load works after it. (importlib.util.LazyLoader
 cannot do this: on Python 3.11 the import statement itself reads `__spec__`
 and so loads it.) Called by each package's `__init__`, before any corral
-module imports structlog. docs/performance.md.
+module imports structlog. docs/decisions.md.
 """
 
 from __future__ import annotations

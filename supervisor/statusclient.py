@@ -7,8 +7,9 @@ import being a third of the command. It sends the one `status_request` frame
 of docs/protocol.md and checks the reply by hand: a map with `v` 1, the
 request's `msg_id`, kind `status_reply` (or `error`), and the fields the status
 view reads, of the right types. A reply that is not that is treated like no
-reply (the caller falls back to run/status.json, marked stale). broker/protocol.py stays the normative
-definition; tests/test_statusclient.py checks both agree.
+reply (the caller falls back to run/status.json, marked stale).
+broker/protocol.py stays the normative definition; tests/test_statusclient.py
+checks both agree.
 """
 
 from __future__ import annotations
