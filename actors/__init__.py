@@ -2,3 +2,7 @@
 
 May import `broker`; never `supervisor`. See docs/architecture.md ("Layers").
 """
+
+from broker import lazystdlib
+
+lazystdlib.defer()  # before any module imports structlog (broker/lazystdlib.py)

@@ -4,3 +4,7 @@ Imports nothing from `actors` or `supervisor`. See docs/architecture.md
 ("Layers") and docs/decisions.md ("Shared low-level modules live in
 `broker/`").
 """
+
+from broker import lazystdlib
+
+lazystdlib.defer()  # before any module imports structlog (broker/lazystdlib.py)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 import time
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from broker import appendwire, auth, protocol
 from broker.curve import CurveClient, apply_client
@@ -46,15 +46,19 @@ class HandshakeWatch:
         if monitor is None:
             return
         while monitor.poll(0, zmq.POLLIN):
-            event = recv_monitor_message(monitor, _NOBLOCK)
-            kind = event["event"]
+            # zmq.utils.monitor's parse, without its module: that imports zmq.asyncio,
+            # so asyncio, into every process that makes a Requester
+            frames = monitor.recv_multipart(_NOBLOCK)
+            if len(frames) != 2 or len(frames[0]) != 6:
+                continue
+            kind, value = struct.unpack("=hi", frames[0])
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failed = 0
                 continue
             self._failed += 1
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH or self._failed >= NO_DETAIL_REFUSALS:
                 name = (zmq.Event(kind).name or str(kind)).removeprefix("EVENT_")
-                raise AuthRefusedError(endpoint, name, int(event["value"]))
+                raise AuthRefusedError(endpoint, name, value)
 
     def close(self) -> None:
         """Before the socket closes."""

@@ -3,13 +3,15 @@ each run as a whole command (interpreter start, imports, request, printing),
 with the same number of idle children under each, interleaved.
 
 Corral runs N idle agents (`supervisor up`, agents.count N); circus runs N
-`sleep` watchers. circus is installed into a virtual environment of the
-bench's own (cached in ~/.cache/corral-bench/circus-venv, or
-$CORRAL_BENCH_CIRCUS_VENV); when it cannot be installed the circus figure is
-skipped and `circus_skipped` says why.
+`sleep` watchers. circus comes with corral's `bench` extra (`pip install -e
+'.[bench]'`, circusctl beside corral's interpreter); without it, circus is
+installed into a virtual environment of the bench's own (cached in
+~/.cache/corral-bench/circus-venv, or $CORRAL_BENCH_CIRCUS_VENV); when it cannot
+be installed the circus figure is skipped and `circus_skipped` says why.
 
 Figures:
-    children                     N (300; 30 with --quick)
+    children                     N (300; 30 with --quick; --children 8 for
+                                 the issue's "8 agents" target)
     runs                         per command (20; 5 with --quick)
     status_cli_ms_p50            `supervisor status` (the console script)
     status_json_ms_p50           `supervisor status --json`
@@ -35,6 +37,9 @@ from ops.benchkit import temp_state_root
 
 def _circus_venv() -> tuple[Path | None, str | None]:
     """circusd/circusctl's directory, or None and the reason."""
+    here = Path(sys.executable).parent  # the `bench` extra installs circus here
+    if (here / "circusctl").exists() and (here / "circusd").exists():
+        return here, None
     venv = Path(os.environ.get("CORRAL_BENCH_CIRCUS_VENV")
                 or Path.home() / ".cache" / "corral-bench" / "circus-venv")
     bindir = venv / "bin"

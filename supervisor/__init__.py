@@ -3,3 +3,7 @@
 May import `broker` and `actors`. See docs/supervisor.md and
 docs/architecture.md ("Layers").
 """
+
+from broker import lazystdlib
+
+lazystdlib.defer()  # before any module imports structlog (broker/lazystdlib.py)

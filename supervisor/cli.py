@@ -128,7 +128,51 @@ def _seq(text: str) -> int:
     return int(text)
 
 
-def _parser() -> argparse.ArgumentParser:
+class _Unbuilt:
+    """A command's parser left unbuilt: every call on it does nothing."""
+
+    def __getattr__(self, name: str) -> _Unbuilt:
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Unbuilt:
+        return self
+
+
+class _OnlyCommand:
+    """The subparsers of a run whose command is known: only that command's
+    parser is built (building all of them was a third of `supervisor status`'s
+    own time: argparse looks up its translations at each call)."""
+
+    def __init__(self, sub: Any, command: str) -> None:
+        self.sub = sub
+        self.command = command
+        self.built = False
+
+    def add_parser(self, name: str, **kwargs: Any) -> Any:
+        if name != self.command:
+            return _Unbuilt()
+        self.built = True
+        return self.sub.add_parser(name, **kwargs)
+
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line; given `command`, with only that command's parser
+    (parsing its arguments exactly the same), else with all of them (help,
+    completion, an unknown command's error)."""
+    if command is not None:
+        only: list[_OnlyCommand] = []
+
+        def wrap(sub: Any) -> _OnlyCommand:
+            only.append(_OnlyCommand(sub, command))
+            return only[0]
+
+        parser = _parser_with(wrap)
+        if only[0].built:
+            return parser
+    return _parser_with(lambda sub: sub)
+
+
+def _parser_with(wrap: Callable[[Any], Any]) -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--state-dir", default=None,
                         help="state directory (default $CORRAL_STATE_DIR, else ./.corral)")
@@ -137,8 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=USAGE,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action=_Version, nargs=0, help="print corral's version")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                parser_class=_Parser)
+    sub = wrap(parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=_Parser))
     up = sub.add_parser("up", parents=[common], help="start the runtime (foreground)")
     up.add_argument("--config", help="configuration file (default: the packaged default.yaml)")
     up.add_argument("--detach", action="store_true", help="run in the background")
@@ -287,7 +331,8 @@ def _main(argv: list[str]) -> int:
         from supervisor.fleet.cli import main as fleet_main
 
         return fleet_main(argv[1:])
-    args = _parser().parse_args(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    args = _parser(command).parse_args(argv)
     return HANDLERS[args.command](args)
 
 

@@ -1,7 +1,10 @@
 """`supervisor status`'s request on the control socket, without pydantic.
 
-See docs/decisions.md ("`supervisor status` decodes its reply without
-pydantic").
+It loads only msgpack and the standard library's socket: it speaks ZMTP
+itself (supervisor/zmtp.py) and checks the reply by hand; a reply that is not
+a well-formed `status_reply` counts as none (the caller falls back to
+run/status.json, marked stale). See docs/decisions.md ("`supervisor status`
+decodes its reply without pydantic").
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ import time
 from typing import Any
 
 import msgpack
-import zmq
 
 from broker.statedir import StateDir
+from supervisor import zmtp
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+RECONNECT_S = 0.1  # libzmq's default reconnect interval
 
 
 class NoAnswerError(Exception):
@@ -64,34 +68,35 @@ def _valid(reply: dict[str, Any]) -> bool:
     return True
 
 
-def _authenticate(sock: zmq.Socket[bytes], state_dir: StateDir) -> None:
-    """Present the operator's credential when the state directory has one
+def _credential(state_dir: StateDir) -> tuple[bytes, bytes] | None:
+    """The operator's PLAIN credential when the state directory has one
     (`keys/operator.key`, written by the authenticated control socket's keyring:
-    lines magic, name, password, mint), without importing the auth module (it
-    loads zmq.auth and asyncio). No key file: a plain connection, as before."""
+    lines magic, name, password, mint), read without the auth module. No key
+    file: a NULL connection, as before."""
     try:
         lines = (state_dir.root / "keys" / "operator.key").read_bytes().split(b"\n")
     except OSError:
-        return
+        return None
     if len(lines) >= 3 and lines[1] and lines[2]:
-        sock.setsockopt(zmq.PLAIN_USERNAME, lines[1])
-        sock.setsockopt(zmq.PLAIN_PASSWORD, lines[2])
+        return lines[1], lines[2]
+    return None
 
 
-def _send_by(sock: zmq.Socket[bytes], frame: bytes, deadline: float) -> None:
-    """Send `frame` once a connection takes it, by `deadline`, else raise
-    NoAnswerError. A connection can be ready and then refused in its
-    handshake before the send (its pipe gone: zmq.Again); the DEALER
-    reconnects, and a refused credential is refused again until the deadline."""
+def _connect(state_dir: StateDir, deadline: float) -> zmtp.Dealer:
+    """A handshaken connection to the control socket by `deadline`, else
+    NoAnswerError. Like a DEALER's reconnects: a socket not yet bound, a
+    connection dropped or a credential refused in the handshake (under load the
+    ZAP handler may answer late) is tried again every RECONNECT_S."""
+    path = state_dir.endpoint("supervisor").removeprefix("ipc://")
+    plain = _credential(state_dir)
     while True:
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLOUT):
-            raise NoAnswerError("no connection to the control socket")
         try:
-            sock.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            continue  # the connection went before the send: wait for the next one
-        return
+            return zmtp.Dealer(path, deadline, plain=plain, max_frame_bytes=MAX_FRAME_BYTES)
+        except (OSError, zmtp.ZmtpError) as exc:
+            pause = min(RECONNECT_S, deadline - time.monotonic())
+            if pause <= 0:
+                raise NoAnswerError(f"no connection to the control socket: {exc}") from exc
+            time.sleep(pause)
 
 
 def ask_status(state_dir: StateDir, timeout_s: float) -> dict[str, Any]:
@@ -101,32 +106,29 @@ def ask_status(state_dir: StateDir, timeout_s: float) -> dict[str, Any]:
     msg_id = f"st{os.getpid():x}.{time.monotonic_ns():x}"
     frame = msgpack.packb({"kind": "status_request", "msg_id": msg_id, "v": PROTOCOL_VERSION},
                           use_bin_type=True)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        _authenticate(sock, state_dir)
-        sock.connect(state_dir.endpoint("supervisor"))
-        deadline = time.monotonic() + timeout_s
-        _send_by(sock, frame, deadline)
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
-                raise NoAnswerError(f"no status reply within {timeout_s}s")
-            try:
-                reply = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=True,
-                                        max_ext_len=0)
-            except (ValueError, TypeError, msgpack.UnpackException):
-                continue
-            if not isinstance(reply, dict) or reply.get("msg_id") != msg_id \
-                    or reply.pop("v", None) != PROTOCOL_VERSION:
-                continue
-            if reply.get("kind") == "error":
-                raise RefusedError(str(reply.get("code")), str(reply.get("detail")))
-            if reply.get("kind") == "status_reply" and _valid(reply):
-                return reply
-            raise NoAnswerError("the status reply is malformed")
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        dealer = _connect(state_dir, deadline)
+        try:
+            dealer.send(frame)
+            while True:
+                try:
+                    reply = msgpack.unpackb(dealer.recv(), raw=False, strict_map_key=True,
+                                            max_ext_len=0)
+                except (ValueError, TypeError, msgpack.UnpackException):
+                    continue
+                if not isinstance(reply, dict) or reply.get("msg_id") != msg_id \
+                        or reply.pop("v", None) != PROTOCOL_VERSION:
+                    continue
+                if reply.get("kind") == "error":
+                    raise RefusedError(str(reply.get("code")), str(reply.get("detail")))
+                if reply.get("kind") == "status_reply" and _valid(reply):
+                    return reply
+                raise NoAnswerError("the status reply is malformed")
+        except zmtp.ZmtpError as exc:
+            # dropped after the handshake: the request may be lost, so ask again
+            # on a new connection (status is a read: asking twice is harmless)
+            if time.monotonic() >= deadline:
+                raise NoAnswerError(f"no status reply within {timeout_s}s") from exc
+        finally:
+            dealer.close()

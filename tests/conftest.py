@@ -1,8 +1,14 @@
 """Fixtures shared by every test: a short state directory (ipc paths are
-limited to 107 bytes) and the process tracker that fails a test which leaks."""
+limited to 107 bytes) and the process tracker that fails a test which leaks.
+
+At the start of a run corral's sources are byte-compiled once: with
+PYTHONDONTWRITEBYTECODE set (some shells and CI runners set it), every process
+a test starts would otherwise compile every module it imports again (about a
+fifth of a writer's or an agent's start)."""
 
 from __future__ import annotations
 
+import compileall
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -12,7 +18,14 @@ from typing import Any
 import pytest
 
 from broker.statedir import StateDir
-from tests.processes import ProcessTracker
+from tests.processes import REPO_ROOT, ProcessTracker
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller compiled them
+    for package in ("broker", "actors", "supervisor", "tests"):
+        compileall.compile_dir(REPO_ROOT / package, quiet=2, workers=1)
 
 
 @pytest.fixture

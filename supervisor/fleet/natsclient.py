@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +83,8 @@ def connect_options(settings: FleetSettings, name: str) -> dict[str, Any]:
     if settings.nkey_seed:
         options["nkeys_seed"] = settings.nkey_seed
     if settings.tls_ca or settings.tls_cert:
+        import ssl  # noqa: PLC0415 - only a TLS fleet pays for it (every writer imports this)
+
         ctx = ssl.create_default_context(cafile=settings.tls_ca)
         if settings.tls_cert:
             ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
