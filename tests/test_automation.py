@@ -148,7 +148,10 @@ def test_a_schedule_fires_across_a_supervisor_restart_by_its_missed_policy(
 def test_a_pipeline_schedule_starts_its_runner_once_across_a_restart_after_the_fact(
         processes: ProcessTracker, state_dir: StateDir, writer: WriterClient,
         tmp_path: Path) -> None:
+    from actors.agent import catalog
     from actors.pipelines import report
+
+    catalog.install()  # report reads the run's pipeline, whose steps name ops
 
     config = _config(state_dir)
     clock = tmp_path / "clock-offset"
