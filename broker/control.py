@@ -20,7 +20,11 @@ Two modes:
   `stall_s` of grace to end it) has not passed. A main thread stuck outside
   any call, or in a call far past its deadline, stops the beats, and the
   supervisor kills the process as hung after `heartbeat.timeout_s` of
-  silence, as before (docs/supervisor.md, "Liveness").
+  silence, as before (docs/supervisor.md, "Liveness"). A main thread that
+  waits for work (an agent without a task: `with reporter.idle():`) is idle:
+  the pulse sends one beat with `values["idle"] = 1` and then nothing until
+  the main thread leaves the wait, so an idle process costs no message and no
+  wakeup; the supervisor watches it through the process table meanwhile.
 
 Environment a supervised child receives:
     CORRAL_CONTROL              the supervisor's control endpoint (ipc://.../run/supervisor.sock)
@@ -123,6 +127,7 @@ class ControlReporter:
         self._calls: tuple[Call, ...] = ()
         self._last_touch = time.monotonic()
         self._closing = False
+        self._idle = False  # the main thread waits for work: no beats (idle())
         self._readied = False  # pulse mode: the thread sends nothing before ready()
         self._linger_ms = 0
         self._thread: threading.Thread | None = None
@@ -236,6 +241,28 @@ class ControlReporter:
                 self._calls = tuple(c for c in self._calls if c is not call)
             self._last_touch = time.monotonic()
 
+    @contextlib.contextmanager
+    def idle(self) -> Iterator[None]:
+        """Pulse mode: the main thread waits for work (and only answers what
+        comes) inside this block. One beat says so (`values["idle"] = 1`), then
+        the pulse is silent until the block ends: the supervisor holds an idle
+        child alive by its process, not by its beats (docs/supervisor.md,
+        "Liveness"). Leaving the block sends a beat at once and the beats
+        resume. Plain mode: no effect."""
+        if not self.pulse:
+            yield
+            return
+        with self._cond:
+            self._idle = True
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            self._last_touch = time.monotonic()
+            with self._cond:
+                self._idle = False
+                self._cond.notify()
+
     def close(self, linger_ms: int = 0) -> None:
         """Close; `linger_ms` > 0 gives queued messages (a final beat) that long to leave."""
         if self._thread is not None:
@@ -258,22 +285,36 @@ class ControlReporter:
                     self._cond.wait()
             next_beat = time.monotonic() + self.interval_s
             was_alive = True
+            was_idle = False
             while True:
                 with self._cond:
                     while not self._outbox and not self._closing:
+                        if self._idle:
+                            if not was_idle:
+                                break  # say it once, then wait without a timeout
+                            self._cond.wait()
+                            continue
+                        if was_idle:
+                            break  # the wait is over: beat at once
                         wait_s = next_beat - time.monotonic()
                         if wait_s <= 0:
                             break
                         self._cond.wait(wait_s)
                     outbox, self._outbox = self._outbox, []
                     closing = self._closing
-                    values, calls = self._values, self._calls
+                    values, calls, idle = self._values, self._calls, self._idle
                 for message in outbox:
                     _send_nowait(sock, message)
                 if closing:
                     return
                 now = time.monotonic()
-                if now < next_beat:
+                if idle != was_idle:
+                    was_idle = idle
+                    next_beat = now + self.interval_s
+                    beat_values = {**values, "idle": 1} if idle else values
+                    _send_nowait(sock, self._heartbeat(beat_values, now, calls))
+                    continue
+                if idle or now < next_beat:
                     continue
                 next_beat = now + self.interval_s
                 alive = shows_life(now, self._last_touch, calls, self.stall_s)

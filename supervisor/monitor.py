@@ -1,7 +1,8 @@
 """Watching children: exits (waitpid), liveness deadlines and resource samples.
 
 `reap()` collects every exited child of the supervisor (including the agents
-it adopted as a subreaper). `overdue()` is the pure liveness rule; the
+it adopted as a subreaper): the liveness of an idle child, which sends no
+heartbeat while it waits for work. `overdue()` is the pure liveness rule; the
 `GapDetector` notices when the supervisor itself could not listen (stopped,
 suspended), so that silence is not held against the children. Resource
 samples (CPU, RSS, USS): supervisor/sampling.py, off the main loop.
@@ -75,6 +76,8 @@ def overdue(
     if child.state == "starting" and ready_s is not None and now - started > ready_s:
         return "ready"
     beat = child.heartbeat_at
+    if child.idle_at is not None:  # waits for work: held alive by its process (reap())
+        return None
     if (child.state == "running" and beat is not None
             and now - max(beat, listening_since) > heartbeat_timeout_s):
         return "heartbeat"
