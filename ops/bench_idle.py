@@ -23,8 +23,10 @@ Figures:
                                 the process table, not a heartbeat)
 
 The window opens WARMUP_S after the last agent's `ready` (the start's
-leftovers: the sampler's first USS reads, the zygote's pool refill) and no
-request is sent to the supervisor during it.
+leftovers: the sampler's first USS reads, the zygote's pool refill) and
+after the supervisor's WATCHED_S following the bench's last status request
+(while someone looks, it samples every child each status interval:
+supervisor/runtime.py); no request is sent to the supervisor during it.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ from pathlib import Path
 import psutil
 
 from ops.bench_spawn import RampCpu, Run, _busy_jiffies, _memory_mib
+from supervisor.runtime import WATCHED_S
 
 IDLE_WINDOW_S = 30.0
-WARMUP_S = 5.0
+WARMUP_S = max(5.0, WATCHED_S + 2.0)
 
 
 def _switches(pid: int) -> int:

@@ -64,7 +64,7 @@ STATUS_REFRESH_S = 30.0
 # While nobody asked for a status for this long (and no metrics endpoint nor
 # fleet wants samples), a sampling pass reads only SAMPLE_TRICKLE children in
 # turn instead of all of them (supervisor/sampling.py).
-WATCHED_S = 60.0
+WATCHED_S = 10.0
 SAMPLE_TRICKLE = 16
 
 if TYPE_CHECKING:

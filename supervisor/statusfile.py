@@ -1,6 +1,8 @@
 """run/status.json: the last status the supervisor published, rewritten
-atomically (temp file + rename) every status interval. The CLI reads it with
-the standard json module only, when the supervisor does not answer.
+atomically (temp file + rename) when a child's state changes (at most every
+status interval) and otherwise every STATUS_REFRESH_S (supervisor/runtime.py;
+docs/supervisor.md, "Liveness"). The CLI reads it with the standard json
+module only, when the supervisor does not answer.
 
 Format: the `status_reply` message as JSON (without msg_id), plus
 `written_at` (Unix time) and `format` (1).
