@@ -7,7 +7,11 @@ the writer's GIL:
 PURGED_JSON maps a stream to its purged [first, last] seq ranges. The kept
 lines of each segment go to its temp file (fsynced); RESULT receives, per
 segment, where each kept record now lies and what was dropped. Exit 0, or 1 with the error on
-stderr (the writer logs it and leaves the segment as it was)."""
+stderr (the writer logs it and leaves the segment as it was).
+
+It runs at the lowest priority (`yield_to_writer`): nice 19 and, where the
+kernel's I/O scheduler honours it, the idle I/O class, so that the writer's
+appends and their fdatasync come first (docs/storage.md)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,29 @@ from pathlib import Path
 from actors.writer.compaction import rewrite, to_dict
 from actors.writer.wal import WalRecord
 
+# ioprio_set(2) on Linux: IOPRIO_WHO_PROCESS, the idle class (3) in the top bits
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+_IOPRIO_WHO_PROCESS = 1
+_IOPRIO_CLASS_IDLE = 3
+_IOPRIO_CLASS_SHIFT = 13
+
+
+def yield_to_writer() -> None:
+    """Lowest CPU priority, and the idle I/O class where there is one (best
+    effort: a kernel or machine without ioprio_set keeps the default)."""
+    os.nice(19 - os.nice(0))
+    number = _IOPRIO_SET.get(os.uname().machine)
+    if number is None:
+        return
+    try:
+        import ctypes  # noqa: PLC0415 - only in this child
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(number, _IOPRIO_WHO_PROCESS, 0,
+                     _IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT)
+    except (OSError, AttributeError):
+        return
+
 
 def main(argv: list[str]) -> int:
     purged_json, result, *segments = argv
@@ -27,7 +54,7 @@ def main(argv: list[str]) -> int:
     def drop(record: WalRecord) -> bool:
         return any(a <= record.seq <= b for a, b in purged.get(record.stream, ()))
 
-    os.nice(5)  # the appenders' work first
+    yield_to_writer()  # the appenders' work first
     try:
         out = []
         for item in segments:

@@ -21,8 +21,17 @@ A pass runs when the WAL is over `max_wal_bytes`, when the purge journal
 still in a sealed segment, every `interval_s` when either holds, and at once
 on request (`supervisor gc` writes `run/gc.request`; the result goes to
 `run/gc.result.json`). The heavy part (reading and rewriting a segment) runs
-in a thread; the writer's loop only swaps files and updates its index between
-batches, so appends go on during a pass.
+in a thread (the rewriting itself in a child process at the lowest CPU and
+I/O priority: actors/writer/compactor.py); the writer's loop only swaps files
+and updates its index between batches, so appends go on during a pass.
+
+A pass yields to the writer: while appends flow (the head moved since the
+last step), the loop's own steps (a segment swapped in with its index
+updates, a chunk of the streams whose index lost entries below a new floor)
+take at most GC_DUTY of its time: after a step of d seconds the next waits
+d x (1 - GC_DUTY) / GC_DUTY. With no appends it steps at once. So appends
+keep about (1 - GC_DUTY) of their rate while a pass runs (`python ops/bench.py
+storage`: acked_per_s_during_gc against acked_per_s_idle).
 
 Only segments followed by a non-empty segment are touched: the head record is
 never removed or moved, so the next seq is never in doubt. A pass that finds
@@ -63,6 +72,10 @@ ARCHIVE_DIRNAME = "wal-archive"
 PURGE_DB = "sessions.sqlite3"
 PURGED_STATES = ("files_removed", "done")
 REQUEST_POLL_S = 0.5
+# the share of the writer loop's time a pass's steps may take while appends flow
+GC_DUTY = 0.15
+# streams whose index entries below a new floor are dropped per step
+TRIM_STREAMS_PER_STEP = 8
 # ledgers trimmed to the WAL's floor: the budget ledger (recovery-core, a
 # projection of the WAL nothing reads below it); never approvals.jsonl (persist)
 TRIMMED_LEDGERS = ("budget",)
@@ -180,6 +193,9 @@ class Collector:
         self._procs = ProcsFloor()  # unsettled starts of procs' streams
         self._started = 0.0
         self._todo: list[tuple[int, Path]] = []
+        self._trims: list[str] = []  # streams whose index still has entries below the floor
+        self._resume_at = 0.0  # monotonic: the next loop step while appends flow (GC_DUTY)
+        self._head_at_step = -1  # the writer's head after the last step
         self._purged = Purged([])
         self._thread: threading.Thread | None = None
         self._ready: list[compaction.Rewrite] = []  # rewritten, to swap in
@@ -217,10 +233,22 @@ class Collector:
     # --- triggers -------------------------------------------------------------
     def tick(self, w: WriterView) -> None:
         """Called between batches (no batch in flight): start, advance or
-        finish a pass."""
+        finish a pass; a step of a pass waits its turn while appends flow
+        (GC_DUTY)."""
         if self._pass is None:
             self._maybe_start(w)
             return
+        now = time.monotonic()
+        if now < self._resume_at and w.head != self._head_at_step:
+            return  # the writer is serving appends: its share of the time first
+        try:
+            self._tick_pass(w)
+        finally:
+            done = time.monotonic()
+            self._resume_at = done + (done - now) * (1 - GC_DUTY) / GC_DUTY
+            self._head_at_step = w.head
+
+    def _tick_pass(self, w: WriterView) -> None:
         if self._thread is not None:
             if self._thread.is_alive():
                 return
@@ -356,12 +384,9 @@ class Collector:
         compaction.fault_point("removed")
         for name in TRIMMED_LEDGERS:  # the epoch is new: no checkpoint names their old sizes
             trim_ledger(w.ledgers, name, new_floor)
-        w.reader.floor_seq = new_floor
-        for stream in w.index.stream_names():  # entries below the floor point nowhere
-            entries = w.index.entries(stream)
-            if entries and entries[0][0] < new_floor:
-                self._dirty.add(w.index.rewrite(
-                    stream, [e for e in entries if e[0] >= new_floor], fsync=False))
+        w.reader.floor_seq = new_floor  # reads below it are refused from now on
+        # entries below the floor point nowhere: dropped a few streams a step
+        self._trims = w.index.stream_names()
         self.segments_removed_total += len(victims)
         self.log.info("wal_truncated", floor_seq=new_floor, segments=len(victims),
                       archived=self.options.archive)
@@ -396,10 +421,29 @@ class Collector:
     def _compaction_targets(self, w: WriterView) -> list[tuple[int, Path]]:
         return self._targets(w, self._purged)
 
+    def _trim_some(self, w: WriterView) -> None:
+        """Drop the index entries below the floor of a few streams."""
+        floor = self.state.floor_seq
+        chunk, self._trims = (self._trims[:TRIM_STREAMS_PER_STEP],
+                              self._trims[TRIM_STREAMS_PER_STEP:])
+        for stream in chunk:
+            first = w.index.lookup(stream, 1, 1)
+            if first and first[0][0] < floor:
+                entries = w.index.entries(stream)
+                self._dirty.add(w.index.rewrite(
+                    stream, [e for e in entries if e[0] >= floor], fsync=False))
+
     def _next_step(self, w: WriterView) -> None:
-        """One step: swap one rewritten segment in (loop thread, cheap), or
-        start the thread that rewrites every target (in one child process),
-        or the one that fsyncs the index files the swaps changed, or finish."""
+        """One step: drop a few streams' index entries below a new floor, or
+        swap one rewritten segment in (loop thread, cheap), or start the
+        thread that rewrites every target (in one child process), or the one
+        that fsyncs the index files the swaps changed, or finish."""
+        if self._trims:
+            if self._todo:  # the rewriting runs meanwhile, in its child
+                todo, self._todo = self._todo, []
+                self._start_thread(self._rewrite_all, todo)
+            self._trim_some(w)
+            return
         if self._ready:
             self._apply_rewrite(w, self._ready.pop(0))
             return
@@ -477,6 +521,7 @@ class Collector:
         self._pass.error = f"{type(error).__name__}: {error}"[:500]
         self.log.error("storage_gc_failed", error=self._pass.error)
         self._todo = []
+        self._trims = []
         for ready in self._ready:  # rewritten but never swapped in: the old ones stay
             ready.tmp.unlink(missing_ok=True)
         self._ready = []
