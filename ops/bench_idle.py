@@ -27,6 +27,11 @@ leftovers: the sampler's first USS reads, the zygote's pool refill) and
 after the supervisor's WATCHED_S following the bench's last status request
 (while someone looks, it samples every child each status interval:
 supervisor/runtime.py); no request is sent to the supervisor during it.
+
+An A/B of the broker's heartbeats, what an idle agent still pays for (each
+peer and the broker beat each other every `broker.heartbeat_interval_ms`):
+CORRAL_BENCH_BROKER_HEARTBEAT_MS=N runs with that interval instead of the
+default configuration's.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
+from broker.statedir import StateDir
 from ops.bench_spawn import RampCpu, Run, _busy_jiffies, _memory_mib
 from supervisor.runtime import WATCHED_S
 
@@ -78,10 +85,19 @@ def _mtime_changes(path: Path, until: float) -> int:
     return seen
 
 
+def _broker_beats(_state: StateDir, config: dict[str, Any]) -> None:
+    beat_ms = os.environ.get("CORRAL_BENCH_BROKER_HEARTBEAT_MS")
+    if beat_ms:
+        config.setdefault("broker", {})["heartbeat_interval_ms"] = int(beat_ms)
+
+
 def measure(count: int, window_s: float) -> dict[str, object]:
     figures: dict[str, object] = {}
+    beat_ms = os.environ.get("CORRAL_BENCH_BROKER_HEARTBEAT_MS")
+    if beat_ms:
+        figures["broker_heartbeat_interval_ms"] = int(beat_ms)
     with tempfile.TemporaryDirectory(prefix="ci-", dir="/tmp") as tmp:
-        bench = Run(Path(tmp), count)
+        bench = Run(Path(tmp), count, prepare=_broker_beats)
         try:
             t0 = time.time()
             last_ready = bench.wait_agents_ready_logged(timeout_s=120 + count * 0.3)

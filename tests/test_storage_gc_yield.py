@@ -73,3 +73,25 @@ def test_the_compactor_child_runs_at_the_lowest_priority(tmp_path: Path) -> None
                          check=True, timeout=20, cwd=Path(__file__).resolve().parent.parent,
                          env={**os.environ})
     assert out.stdout.strip() == "19"
+
+
+def test_splice_replaces_one_segments_slice_of_a_stream_and_keeps_the_rest(
+        tmp_path: Path) -> None:
+    """A compaction's swap rewrites the stream's slice of its segment only
+    (StreamIndex.splice): entries before and after are copied as they were,
+    pending ones stay pending; a range reaching into memory is refused."""
+    from actors.writer.streamindex import StreamIndex
+
+    index = StreamIndex(tmp_path / "index")
+    for seq in range(1, 11):  # segment 1: seqs 1-5, segment 6: seqs 6-10
+        index.add("s", seq, 1 if seq <= 5 else 6, seq * 100, 50)
+    assert not index.flush()
+    index.add("s", 11, 11, 0, 50)  # pending, not yet in the file
+    path = index.splice("s", 6, 10, [(7, 6, 0, 50), (9, 6, 50, 50)], fsync=False)
+    assert path is not None
+    assert index.entries("s") == [*[(s, 1, s * 100, 50) for s in range(1, 6)],
+                                  (7, 6, 0, 50), (9, 6, 50, 50), (11, 11, 0, 50)]
+    assert index.splice("s", 0, 5, [], fsync=False) is not None  # below a floor: gone
+    assert [e[0] for e in index.entries("s")] == [7, 9, 11]
+    assert index.splice("s", 9, 11, [], fsync=False) is None  # seq 11 is in memory
+    index.close()

@@ -429,9 +429,11 @@ class Collector:
         for stream in chunk:
             first = w.index.lookup(stream, 1, 1)
             if first and first[0][0] < floor:
-                entries = w.index.entries(stream)
-                self._dirty.add(w.index.rewrite(
-                    stream, [e for e in entries if e[0] >= floor], fsync=False))
+                path = w.index.splice(stream, 0, floor - 1, [], fsync=False)
+                if path is None:  # below the floor, still in memory: the whole stream
+                    path = w.index.rewrite(stream, [e for e in w.index.entries(stream)
+                                                    if e[0] >= floor], fsync=False)
+                self._dirty.add(path)
 
     def _next_step(self, w: WriterView) -> None:
         """One step: drop a few streams' index entries below a new floor, or
@@ -496,6 +498,10 @@ class Collector:
             self._dirty.add(path)
             if stream not in done.dropped and w.index.move(stream, kept, fsync=False):
                 continue  # a stream that lost nothing: only its slice of the index moves
+            span = [seq for seq, _, _ in kept] + done.dropped.get(stream, [])
+            if span and w.index.splice(stream, min(span), max(span), fsync=False, entries=[
+                    (seq, done.first_seq, off, length) for seq, off, length in kept]) is not None:
+                continue  # the segment's slice of the stream replaced, the rest copied
             moved = {seq: (off, length) for seq, off, length in kept}
             w.index.rewrite(stream, fsync=False, entries=[
                 (seq, seg, *moved[seq]) if seg == done.first_seq and seq in moved else
