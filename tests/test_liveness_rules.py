@@ -166,6 +166,9 @@ def test_an_idle_child_is_never_overdue_and_status_shows_it_idle() -> None:
     status = child.status(now=31.0)
     assert status.heartbeat_age_s == 0.0
     assert status.values["idle_s"] == 30.0 and status.busy is None
+    text = statusview.render({"children": [status.model_dump(mode="json")],
+                              "started_at": time.time()})
+    assert "idle 30s" in text
     assert not child.beat(40.0, {"idle": 1}, None)  # still idle: no change
     assert child.status(now=41.0).values["idle_s"] == 40.0  # idle since the first
     assert child.beat(50.0, {"pongs_total": 3}, None)  # woke up
