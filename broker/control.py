@@ -1,7 +1,8 @@
 """The child side of supervision: `ready`, then heartbeats with counters.
 
 Plain mode (`tick()` from the actor's loop) or a pulse thread that beats only
-while the main thread shows life. A child gets CORRAL_CONTROL (the endpoint),
+while the main thread shows life; an
+idle actor (`with reporter.idle():`) sends one beat marked idle, then none. A child gets CORRAL_CONTROL (the endpoint),
 CORRAL_ACTOR (its DEALER identity) and CORRAL_HEARTBEAT_TIMEOUT_S (the
 pulse's `stall_s`); without CORRAL_CONTROL it does nothing.
 See docs/supervisor.md ("Liveness") and docs/decisions.md ("Heartbeats come
@@ -103,6 +104,7 @@ class ControlReporter:
         self._calls: tuple[Call, ...] = ()
         self._last_touch = time.monotonic()
         self._closing = False
+        self._idle = False  # the main thread waits for work: no beats (idle())
         self._readied = False  # pulse mode: the thread sends nothing before ready()
         self._linger_ms = 0
         self._thread: threading.Thread | None = None
@@ -216,6 +218,28 @@ class ControlReporter:
                 self._calls = tuple(c for c in self._calls if c is not call)
             self._last_touch = time.monotonic()
 
+    @contextlib.contextmanager
+    def idle(self) -> Iterator[None]:
+        """Pulse mode: the main thread waits for work (and only answers what
+        comes) inside this block. One beat says so (`values["idle"] = 1`), then
+        the pulse is silent until the block ends: the supervisor holds an idle
+        child alive by its process, not by its beats (docs/supervisor.md,
+        "Liveness"). Leaving the block sends a beat at once and the beats
+        resume. Plain mode: no effect."""
+        if not self.pulse:
+            yield
+            return
+        with self._cond:
+            self._idle = True
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            self._last_touch = time.monotonic()
+            with self._cond:
+                self._idle = False
+                self._cond.notify()
+
     def close(self, linger_ms: int = 0) -> None:
         """Close; `linger_ms` > 0 gives queued messages (a final beat) that long to leave."""
         if self._thread is not None:
@@ -238,22 +262,36 @@ class ControlReporter:
                     self._cond.wait()
             next_beat = time.monotonic() + self.interval_s
             was_alive = True
+            was_idle = False
             while True:
                 with self._cond:
                     while not self._outbox and not self._closing:
+                        if self._idle:
+                            if not was_idle:
+                                break  # say it once, then wait without a timeout
+                            self._cond.wait()
+                            continue
+                        if was_idle:
+                            break  # the wait is over: beat at once
                         wait_s = next_beat - time.monotonic()
                         if wait_s <= 0:
                             break
                         self._cond.wait(wait_s)
                     outbox, self._outbox = self._outbox, []
                     closing = self._closing
-                    values, calls = self._values, self._calls
+                    values, calls, idle = self._values, self._calls, self._idle
                 for message in outbox:
                     _send_nowait(sock, message)
                 if closing:
                     return
                 now = time.monotonic()
-                if now < next_beat:
+                if idle != was_idle:
+                    was_idle = idle
+                    next_beat = now + self.interval_s
+                    beat_values = {**values, "idle": 1} if idle else values
+                    _send_nowait(sock, self._heartbeat(beat_values, now, calls))
+                    continue
+                if idle or now < next_beat:
                     continue
                 next_beat = now + self.interval_s
                 alive = shows_life(now, self._last_touch, calls, self.stall_s)

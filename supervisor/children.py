@@ -48,6 +48,7 @@ class Child:
     heartbeat_at: float | None = None
     values: dict[str, int | float] = field(default_factory=dict)
     busy: Busy | None = None  # the call its last heartbeat said it was in
+    idle_at: float | None = None  # monotonic: its last heartbeat said it waits for work
     exited_pid: int | None = None  # the pid of the process that exited last
     cpu_percent: float | None = None
     rss_bytes: int | None = None
@@ -68,6 +69,7 @@ class Child:
         self.fork_pending = False
         self.heartbeat_at = None
         self.busy = None
+        self.idle_at = None
         self.ready_ms = None
         self.cpu_percent = self.rss_bytes = self.uss_bytes = None
         self.state = "starting" if self.spec.ready_timeout_s is not None else "running"
@@ -79,12 +81,45 @@ class Child:
         self.exited_pid = self.pid
         self.pid = None
         self.busy = None
+        self.idle_at = None
         self.started_at = None
         self.stop_deadline = None
         self.cpu_percent = self.rss_bytes = self.uss_bytes = None
         return record
 
+    def beat(self, now: float, values: dict[str, int | float], busy: Busy | None) -> bool:
+        """A heartbeat from the running process; True when it changed what
+        status shows beyond counters (it went idle, woke up, entered or left
+        a call). A beat with `values["idle"]` says the child waits for work:
+        no beat follows until it wakes (docs/supervisor.md, "Liveness")."""
+        idle = bool(values.get("idle"))
+        changed = idle != (self.idle_at is not None) or (busy is None) != (self.busy is None) \
+            or (busy is not None and self.busy is not None and busy.op != self.busy.op)
+        self.heartbeat_at = now
+        self.values = dict(values)
+        self.busy = busy
+        if not idle:
+            self.idle_at = None
+        elif self.idle_at is None:
+            self.idle_at = now
+        return changed
+
+    def heartbeat_age(self, now: float) -> float | None:
+        """Seconds since the last proof of life: the last beat, or, for an idle
+        child, now: it is held alive by its process, whose exit the supervisor
+        reaps the moment it happens."""
+        if self.heartbeat_at is None:
+            return None
+        if self.idle_at is not None and self.pid is not None:
+            return 0.0
+        return round(now - self.heartbeat_at, 3)
+
     def status(self, now: float) -> ChildStatus:
+        values: dict[str, int | float] = dict(self.values)
+        if self.ready_ms is not None:
+            values["ready_ms"] = self.ready_ms
+        if self.idle_at is not None:
+            values["idle_s"] = round(now - self.idle_at, 3)
         return ChildStatus(
             name=self.name,
             kind=self.spec.kind,
@@ -96,13 +131,8 @@ class Child:
             cpu_percent=self.cpu_percent,
             rss_bytes=self.rss_bytes,
             uss_bytes=self.uss_bytes,
-            heartbeat_age_s=(
-                round(now - self.heartbeat_at, 3) if self.heartbeat_at is not None else None
-            ),
-            values=(
-                {**self.values, "ready_ms": self.ready_ms}
-                if self.ready_ms is not None else dict(self.values)
-            ),
+            heartbeat_age_s=self.heartbeat_age(now),
+            values=values,
             busy=self._busy_now(now),
         )
 

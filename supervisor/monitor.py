@@ -1,5 +1,6 @@
 """Watching children: exits (waitpid), liveness deadlines, gaps of the loop.
 
+`reap()` is also the liveness of an idle child, which sends no heartbeat.
 See docs/supervisor.md ("Liveness").
 """
 
@@ -71,6 +72,8 @@ def overdue(
     if child.state == "starting" and ready_s is not None and now - started > ready_s:
         return "ready"
     beat = child.heartbeat_at
+    if child.idle_at is not None:  # waits for work: held alive by its process (reap())
+        return None
     if (child.state == "running" and beat is not None
             and now - max(beat, listening_since) > heartbeat_timeout_s):
         return "heartbeat"

@@ -44,8 +44,22 @@ AGENTS_STARTING = max(2, os.cpu_count() or 2)
 ZYGOTE_POLICY = Policy(max_restarts=5, period_s=60.0, base_s=0.2, cap_s=5.0)
 # The per-child scan (liveness, restarts, stop deadlines) runs this often at
 # most, or at the next deadline, not on every loop turn: with 500 children a
-# turn per heartbeat made the loop O(children) per message
+# turn per heartbeat made the loop O(children) per message.
+# It visits only the watched children (a deadline pending, or beating): an idle
+# child, held alive by its process, costs the scan nothing.
 SCAN_INTERVAL_S = 0.1
+# Every child is looked at again this often (the watched set rebuilt), in case
+# some path gave one a deadline without watching it.
+RESCAN_ALL_S = 5.0
+# run/status.json is rewritten when a child's state changes, at most every
+# status interval; otherwise this often (its counters, samples and ages), so
+# that 1,000 idle children do not cost a rewrite a second.
+STATUS_REFRESH_S = 30.0
+# While nobody asked for a status for this long (and no metrics endpoint nor
+# fleet wants samples), a sampling pass reads only SAMPLE_TRICKLE children in
+# turn instead of all of them (supervisor/sampling.py).
+WATCHED_S = 10.0
+SAMPLE_TRICKLE = 16
 
 if TYPE_CHECKING:
     from supervisor.metrics import MetricsServer
@@ -92,7 +106,12 @@ class Runtime:
         self._signals: deque[int] = deque()
         self._wake_r, self._wake_w = os.pipe()
         self._next_status = 0.0
+        self._status_dirty = True  # a child's state changed since the last status file
+        self._status_written_at = -STATUS_REFRESH_S  # monotonic
+        self._status_asked_at = -WATCHED_S  # monotonic: the last status request
         self._scan_at = 0.0  # monotonic: the next per-child scan (0: on the next turn)
+        self._rescan_at = 0.0  # monotonic: the next scan of every child
+        self._watched: dict[str, Child] = {}  # what the scan visits (see _scan)
         self._phase_due = True  # a start phase may move: _advance_start on the next turn
         self.gaps = monitor.GapDetector()
         self.listening_since = 0.0  # monotonic: silence before this is not counted
@@ -219,17 +238,47 @@ class Runtime:
             automation.service(self, now)
         if now >= self._next_status:
             self._next_status = now + self.config.status_interval_s
-            apply_samples(self.children.values(), self.sampler.take())
-            self.sampler.submit((c.pid for c in self.children.values() if c.pid is not None),
-                                uss=not self._agents_starting())
+            self._status_round(now)
+
+    def _status_round(self, now: float) -> None:
+        """Samples and the status file, every status interval, each at the cost
+        of what changed: a full sampling pass only while someone looks (a
+        status request within WATCHED_S, metrics, the fleet), a rewrite of the
+        status file only when a child's state changed (or STATUS_REFRESH_S
+        passed); otherwise a few children sampled in turn, nothing written."""
+        samples = self.sampler.take()
+        if samples:
+            apply_samples(self.children.values(), samples)
+        watched = (now - self._status_asked_at < WATCHED_S or self.metrics is not None
+                   or self.fleet is not None)
+        self.sampler.submit((c.pid for c in self.children.values() if c.pid is not None),
+                            uss=not self._agents_starting(),
+                            limit=None if watched else SAMPLE_TRICKLE)
+        if (self._status_dirty or self.metrics is not None or self.fleet is not None
+                or now - self._status_written_at >= STATUS_REFRESH_S):
             self._publish_status(now)
+
+    def _watch(self, child: Child) -> None:
+        """The scan looks at `child` from now on (until nothing is pending)."""
+        self._watched[child.name] = child
 
     def _scan(self, now: float) -> None:
         """The per-child deadlines: restarts due, stop deadlines, liveness; the
-        next scan at the earliest deadline left, SCAN_INTERVAL_S at the latest."""
+        next scan at the earliest deadline left, SCAN_INTERVAL_S at the latest.
+        It visits the watched children only, and drops those with nothing
+        pending: down and not due to restart, or idle (no heartbeat expected:
+        their exits come from reap()); every child again each RESCAN_ALL_S."""
         self._scan_at = now + SCAN_INTERVAL_S
         self._phase_due = True  # and the start phases, as often (besides their events)
-        for child in self.children.values():
+        if now >= self._rescan_at:
+            self._rescan_at = now + RESCAN_ALL_S
+            self._watched = dict(self.children)
+        for child in list(self._watched.values()):
+            if self.children.get(child.name) is not child or (
+                    child.restart_at is None and child.stop_deadline is None
+                    and (child.pid is None or child.idle_at is not None)):
+                del self._watched[child.name]
+                continue
             if child.restart_at is not None and now >= child.restart_at and not self.stopping:
                 child.restart_at = None
                 child.restarts += 1
@@ -264,6 +313,7 @@ class Runtime:
             log.info("phase_started", kind=KIND_ORDER[self.phase - 1], children=len(group))
 
     def _start(self, child: Child, now: float) -> None:
+        self._status_dirty = True
         child.requested_at = now
         child.state = "starting"
         child.restart_requested = False
@@ -308,6 +358,8 @@ class Runtime:
 
     def _register(self, child: Child, pid: int, now: float) -> None:
         child.spawned(pid, now)
+        self._watch(child)
+        self._status_dirty = True
         self._phase_due = True  # a child without a ready timeout runs at once
         self.by_pid[pid] = child
         log.info("actor_spawned", child=child.name, kind=child.kind, pid=pid)
@@ -477,6 +529,8 @@ class Runtime:
 
     def _after_exit(self, child: Child, record: Exit, now: float) -> None:
         self._phase_due = True
+        self._status_dirty = True
+        self._watch(child)
         if child.kind == "writer" and record.code == EXIT_HALTED:  # the fleet fenced it
             self.fenced = True
         if child.removing:
@@ -519,6 +573,7 @@ class Runtime:
             return
         self.stopping = True
         self.exit_code = code
+        self._status_dirty = True
         self.stop_phase = len(KIND_ORDER) - 1
         self.automation.close(timeout_s=0)  # no more schedules or hooks; joined at the end
         self.fork_queue.clear()
@@ -549,6 +604,8 @@ class Runtime:
         assert child.pid is not None
         child.state = "stopping"
         child.stop_deadline = now + child.spec.shutdown_timeout_s
+        self._watch(child)
+        self._status_dirty = True
         self._scan_at = min(self._scan_at, child.stop_deadline)
         spawner.signal_group(child.pid, signal.SIGTERM)
 
@@ -558,8 +615,9 @@ class Runtime:
     # --- control -----------------------------------------------------------------
     def _on_message(self, incoming: Incoming, now: float) -> None:
         msg = incoming.message
-        if not isinstance(msg, protocol.Heartbeat):
+        if not isinstance(msg, protocol.Heartbeat | protocol.StatusRequest):
             self._phase_due = True  # a request may start or stop children
+            self._status_dirty = True
         match msg:
             case protocol.Ready(actor=actor, pid=pid):
                 child = self.children.get(actor)
@@ -572,14 +630,16 @@ class Runtime:
                 child = self.children.get(actor)
                 if child is not None and child.pid == pid:
                     self._ready(child, now)  # a heartbeat also proves it serves
-                    child.heartbeat_at = now
-                    child.values = dict(values)
-                    child.busy = msg.busy
+                    if child.beat(now, values, msg.busy):
+                        self._status_dirty = True
+                    if child.idle_at is None:
+                        self._watch(child)  # beating: its silence is watched
                 elif child is not None and child.pid is None and child.exited_pid == pid:
                     # a final beat sent just before a clean exit, read after the reap:
                     # its counters are the last word (an agent's phase `finished`)
                     child.values = dict(values)
             case protocol.StatusRequest(msg_id=msg_id):
+                self._status_asked_at = now  # someone looks: full sampling passes
                 self.control.reply(incoming.identity, self._status(msg_id, now))
             case protocol.Ping(msg_id=msg_id):  # every identity may (docs/protocol.md)
                 self.control.reply(incoming.identity, protocol.Pong(
@@ -619,6 +679,8 @@ class Runtime:
         child.state = "running"
         child.heartbeat_at = now
         self._phase_due = True
+        self._status_dirty = True
+        self._watch(child)
         if child.requested_at is not None:
             child.ready_ms = round((now - child.requested_at) * 1000, 2)
         log.info("actor_ready", child=child.name, pid=child.pid, ready_ms=child.ready_ms)
@@ -677,6 +739,8 @@ class Runtime:
         )
 
     def _publish_status(self, now: float) -> None:
+        self._status_dirty = False
+        self._status_written_at = now
         status = self._status("status-file", now).model_dump(mode="json")
         if self.metrics is not None:
             self.metrics.update(status)

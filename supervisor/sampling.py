@@ -1,6 +1,7 @@
 """Resource samples of the children (CPU %, RSS, USS), read off the main loop.
 
-See docs/supervisor.md ("Status").
+A pass may cover only `limit` children in turn while nobody looks at the
+figures. See docs/supervisor.md ("Status").
 """
 
 from __future__ import annotations
@@ -36,13 +37,20 @@ class Sampler:
         self._uss_per_pass = uss_per_pass
         self._uss_budget_s = uss_budget_s
         self._cursor = 0
+        self._turn = 0  # where the next limited pass starts
 
-    def sample(self, pids: Sequence[int], with_uss: bool = True) -> dict[int, Sample]:
-        """CPU and RSS of each pid; USS of some (none when `with_uss` is False)."""
+    def sample(self, pids: Sequence[int], with_uss: bool = True,
+               limit: int | None = None) -> dict[int, Sample]:
+        """CPU and RSS of each pid (of `limit` of them in turn, when given);
+        USS of some (none when `with_uss` is False)."""
         live = set(pids)
         for pid in [p for p in self._procs if p not in live]:
             del self._procs[pid]
         self._uss_known &= live
+        if limit is not None and limit < len(pids):
+            start = self._turn % len(pids)
+            self._turn = start + limit
+            pids = [*pids[start:start + limit], *pids[:max(0, start + limit - len(pids))]]
         turn = self._uss_turn(pids) if with_uss else []
         spent = 0.0
         out: dict[int, Sample] = {}
@@ -104,17 +112,20 @@ class SamplerThread:
         self._cond = threading.Condition()
         self._want: tuple[int, ...] | None = None
         self._uss = True
+        self._limit: int | None = None
         self._done: dict[int, Sample] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
-    def submit(self, pids: Iterable[int], *, uss: bool = True) -> None:
-        """Sample `pids` next (`uss` False: no USS read in that pass)."""
+    def submit(self, pids: Iterable[int], *, uss: bool = True, limit: int | None = None) -> None:
+        """Sample `pids` next (`uss` False: no USS read in that pass; `limit`:
+        only that many of them, in turn)."""
         if not self._thread.is_alive() and not self._closed:
             self._thread.start()  # on the first pass
         with self._cond:
             self._want = tuple(pids)
             self._uss = uss
+            self._limit = limit
             self._cond.notify()
 
     def take(self) -> dict[int, Sample]:
@@ -136,8 +147,8 @@ class SamplerThread:
                     self._cond.wait()
                 if self._closed:
                     return
-                pids, self._want, uss = self._want, None, self._uss
+                pids, self._want, uss, limit = self._want, None, self._uss, self._limit
             assert pids is not None
-            got = self._sampler.sample(pids, uss)
+            got = self._sampler.sample(pids, uss, limit)
             with self._cond:
                 self._done.update(got)

@@ -1,4 +1,5 @@
 """run/status.json: the last status the supervisor published.
+Rewritten when a child's state changes, else every STATUS_REFRESH_S.
 
 See docs/supervisor.md ("Status").
 """

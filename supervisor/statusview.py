@@ -33,6 +33,9 @@ def _info(child: dict[str, Any]) -> str:
     if isinstance(busy, dict):  # in a call: say which, and for how long
         call = f"busy={busy.get('op')} {_duration(busy.get('since_s'))}"
         return f"{call} {text}".rstrip()
+    idle_s = (child.get("values") or {}).get("idle_s")
+    if idle_s is not None:  # waits for work: held alive by its process (docs/supervisor.md)
+        return f"idle {_duration(idle_s)} {text}".rstrip()
     return text
 
 

@@ -123,6 +123,61 @@ def test_the_pulse_stops_for_a_main_thread_stuck_outside_a_call_and_resumes(
         reporter.close()
 
 
+def test_an_idle_main_thread_is_said_once_then_silent_and_its_wake_beats_at_once(
+    router: Router,
+) -> None:
+    """Idle (docs/supervisor.md, "Liveness"): one beat with `idle`, then no
+    beat at all while the main thread waits for work, however long; leaving
+    the wait beats at once (without `idle`) and the beats resume."""
+    ctx, sock, endpoint = router
+    reporter = ControlReporter(ctx, endpoint, "agent-3", 0.05, pulse=True, stall_s=0.2)
+    try:
+        reporter.ready()
+        got: list[protocol.Message] = []
+        wait_for(lambda: (got.extend(_drain(sock)),
+                          any(isinstance(m, protocol.Ready) for m in got))[1], 10, "ready")
+        with reporter.idle():
+            beats: list[protocol.Heartbeat] = []
+            wait_for(lambda: (beats.extend(m for m in _drain(sock)
+                                           if isinstance(m, protocol.Heartbeat)),
+                              any(b.values.get("idle") == 1 for b in beats))[1],
+                     10, "the idle beat")
+            # many intervals and stall allowances: neither a beat nor a withheld one
+            silent = threading.Event()
+            assert not silent.wait(0.6)  # the fault is time passing: nothing may be sent
+            assert not [m for m in _drain(sock) if isinstance(m, protocol.Heartbeat)]
+            assert reporter.withheld == 0
+        woke: list[protocol.Heartbeat] = []
+        wait_for(lambda: (woke.extend(m for m in _drain(sock)
+                                      if isinstance(m, protocol.Heartbeat)), len(woke) >= 2)[1],
+                 10, "beats again after the wait")
+        assert all("idle" not in b.values for b in woke)
+    finally:
+        reporter.close()
+
+
+def test_an_idle_child_is_never_overdue_and_status_shows_it_idle() -> None:
+    """Its liveness is its process (the supervisor reaps its exit): no beat
+    deadline while idle; status shows a fresh heartbeat and `idle_s`. A beat
+    without `idle` ends it, and the deadline is back."""
+    child = _child()
+    assert child.beat(1.0, {"pongs_total": 2, "idle": 1}, None)  # went idle: a change
+    assert overdue(child, now=1_000.0, heartbeat_timeout_s=10.0) is None
+    status = child.status(now=31.0)
+    assert status.heartbeat_age_s == 0.0
+    assert status.values["idle_s"] == 30.0 and status.busy is None
+    text = statusview.render({"children": [status.model_dump(mode="json")],
+                              "started_at": time.time()})
+    assert "idle 30s" in text
+    assert not child.beat(40.0, {"idle": 1}, None)  # still idle: no change
+    assert child.status(now=41.0).values["idle_s"] == 40.0  # idle since the first
+    assert child.beat(50.0, {"pongs_total": 3}, None)  # woke up
+    assert "idle_s" not in child.status(now=51.0).values
+    assert overdue(child, now=61.0, heartbeat_timeout_s=10.0) == "heartbeat"
+    child.exited(None, 9, now=62.0)
+    assert child.idle_at is None and child.heartbeat_age(62.0) is not None
+
+
 def test_the_pulse_stops_for_a_call_far_past_its_deadline(
     router: Router,
 ) -> None:

@@ -97,3 +97,15 @@ def test_the_thread_passes_on_the_uss_choice_of_each_submit(sleeper: int) -> Non
         assert again[sleeper].uss_bytes is not None
     finally:
         thread.close()
+
+
+def test_a_limited_pass_samples_that_many_pids_in_turn(sleeper: int) -> None:
+    """While nobody looks, a pass reads `limit` children, the next ones each
+    pass (supervisor/runtime.py SAMPLE_TRICKLE): every child comes up in turn."""
+    me = os.getpid()
+    pids = [me, sleeper, me, sleeper, me]  # the order is what a pass walks
+    sampler = Sampler()
+    assert set(sampler.sample(pids[:2], limit=1)) == {me}
+    assert set(sampler.sample(pids[:2], limit=1)) == {sleeper}
+    assert set(sampler.sample(pids[:2], limit=1)) == {me}  # round again
+    assert set(sampler.sample(pids[:2], limit=5)) == {me, sleeper}  # more than there are: all

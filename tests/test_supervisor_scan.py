@@ -76,6 +76,7 @@ def test_a_backoff_restart_wakes_the_loop_at_its_time(runtime: Runtime,
     runtime._advance(100.0)
     child.state, child.restart_at = "backoff", 100.03
     runtime._scan_at = 0.0  # as _after_exit leaves it
+    runtime._watch(child)  # as _after_exit does: the scan visits the watched children
     runtime._advance(100.01)
     assert started == []
     assert runtime._timeout_ms(100.01) <= 21  # woken at 100.03, not at the next scan

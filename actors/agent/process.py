@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from types import FrameType
@@ -88,7 +89,6 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
         )
         if options.join_broker else None
     )
-    pongs = 0
     writer: WriterClient | None = None
     loop: AgentLoop | None = None
     try:
@@ -112,25 +112,8 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
         if loop is not None:
             return _run_loop(loop, stop=stop, peer=peer, reporter=reporter, name=name,
                              options=options, log=log)
-        poller = zmq.Poller()
-        poller.register(stop.read_fd, zmq.POLLIN)
-        watched = None
-        tick_ms = int(min(options.heartbeat_interval_s, options.broker_heartbeat_interval_s) * 1000)
-        while not stop.stopped:
-            if peer is not None and watched is not peer.socket:
-                if watched is not None:
-                    poller.unregister(watched)
-                watched = peer.socket
-                poller.register(watched, zmq.POLLIN)
-            events = dict(poller.poll(max(tick_ms, 10)))
-            if stop.read_fd in events:
-                os.read(stop.read_fd, 512)
-            if peer is not None:
-                while (item := peer.recv(0)) is not None:
-                    pongs += _answer(peer, name, *item)
-                peer.tick()
-            if reporter is not None:
-                reporter.tick(partial(_pong_counters, pongs))
+        with reporter.idle() if reporter is not None else nullcontext():
+            pongs = _serve_idle(stop, peer, reporter, name, options)
         log.info("agent_stopped", pongs_total=pongs)
         return EXIT_OK
     finally:
@@ -145,6 +128,34 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
             reporter.close(linger_ms=200 if over else 0)  # let the final beat leave
         ctx.destroy(linger=0)
         stop.close()
+
+
+def _serve_idle(stop: _StopFlag, peer: BrokerPeer | None, reporter: ControlReporter | None,
+                name: str, options: AgentOptions) -> int:
+    """An agent without a task: answer pings until stopped; the pongs answered.
+    It is idle throughout (`reporter.idle()` around it): no heartbeats to the
+    supervisor, only the broker's (docs/supervisor.md, "Liveness")."""
+    pongs = 0
+    poller = zmq.Poller()
+    poller.register(stop.read_fd, zmq.POLLIN)
+    watched = None
+    wait_ms = -1 if peer is None else max(int(options.broker_heartbeat_interval_s * 1000), 10)
+    while not stop.stopped:
+        if peer is not None and watched is not peer.socket:
+            if watched is not None:
+                poller.unregister(watched)
+            watched = peer.socket
+            poller.register(watched, zmq.POLLIN)
+        events = dict(poller.poll(wait_ms))
+        if stop.read_fd in events:
+            os.read(stop.read_fd, 512)
+        if peer is not None:
+            while (item := peer.recv(0)) is not None:
+                pongs += _answer(peer, name, *item)
+            peer.tick()
+        if reporter is not None:
+            reporter.tick(partial(_pong_counters, pongs))
+    return pongs
 
 
 def _run_loop(

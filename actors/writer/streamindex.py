@@ -360,6 +360,39 @@ class StreamIndex:
         self._file_counts[stream] = len(entries)
         return path
 
+    def splice(self, stream: str, lo_seq: int, hi_seq: int, entries: list[IndexEntry],
+               fsync: bool = True) -> Path | None:
+        """Replace `stream`'s entries with lo_seq <= seq <= hi_seq (all in the
+        file) by `entries` (in seq order, within that range): the rest of the
+        file is copied as bytes, never unpacked, and what is pending stays
+        pending; a compaction's swap costs its segment's share of the stream,
+        not the stream (actors/writer/walgc.py). None when some entry of the
+        range is still in memory (the caller rewrites the stream whole)."""
+        if self._writing:
+            raise RuntimeError("index entries are being written by a checkpoint")
+        pending = self._pending.get(stream)
+        if pending and pending[0][0] <= hi_seq:
+            return None
+        count = self._file_counts.get(stream, 0)
+        lo, hi = self._position(stream, lo_seq), self._position(stream, hi_seq + 1)
+        data = os.pread(self._fd(stream), count * ENTRY.size, 0) if count else b""
+        new = b"".join((data[: lo * ENTRY.size], *(ENTRY.pack(*e) for e in entries),
+                        data[hi * ENTRY.size:]))
+        self._forget_fd(stream)
+        path = self.directory / stream_filename(stream)
+        if not new:
+            path.unlink(missing_ok=True)
+            self._file_counts.pop(stream, None)
+            return path
+        if fsync:
+            durable.write_atomic(path, new)
+        else:  # the caller fsyncs the file and the directory before relying on it
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_bytes(new)
+            os.replace(tmp, path)
+        self._file_counts[stream] = len(new) // ENTRY.size
+        return path
+
     def move(self, stream: str, moved: list[tuple[int, int, int]], fsync: bool = True) -> bool:
         """Give entries of `stream` new offsets in place: `moved` is (seq, new
         offset, length) of consecutive entries of the stream, in seq order (a

@@ -1,5 +1,7 @@
 """Storage collection of the WAL, run by the writer: retention and compaction.
 
+A pass yields to the writer: while appends flow, its steps in the writer's
+loop take at most GC_DUTY of the loop's time.
 See docs/storage.md ("WAL retention", "Compaction", "Triggers").
 """
 
@@ -35,6 +37,10 @@ ARCHIVE_DIRNAME = "wal-archive"
 PURGE_DB = "sessions.sqlite3"
 PURGED_STATES = ("files_removed", "done")
 REQUEST_POLL_S = 0.5
+# the share of the writer loop's time a pass's steps may take while appends flow
+GC_DUTY = 0.15
+# streams whose index entries below a new floor are dropped per step
+TRIM_STREAMS_PER_STEP = 8
 # ledgers trimmed to the WAL's floor: the budget ledger (recovery-core, a
 # projection of the WAL nothing reads below it); never approvals.jsonl (persist)
 TRIMMED_LEDGERS = ("budget",)
@@ -152,6 +158,9 @@ class Collector:
         self._procs = ProcsFloor()  # unsettled starts of procs' streams
         self._started = 0.0
         self._todo: list[tuple[int, Path]] = []
+        self._trims: list[str] = []  # streams whose index still has entries below the floor
+        self._resume_at = 0.0  # monotonic: the next loop step while appends flow (GC_DUTY)
+        self._head_at_step = -1  # the writer's head after the last step
         self._purged = Purged([])
         self._thread: threading.Thread | None = None
         self._ready: list[compaction.Rewrite] = []  # rewritten, to swap in
@@ -189,10 +198,22 @@ class Collector:
     # --- triggers -------------------------------------------------------------
     def tick(self, w: WriterView) -> None:
         """Called between batches (no batch in flight): start, advance or
-        finish a pass."""
+        finish a pass; a step of a pass waits its turn while appends flow
+        (GC_DUTY)."""
         if self._pass is None:
             self._maybe_start(w)
             return
+        now = time.monotonic()
+        if now < self._resume_at and w.head != self._head_at_step:
+            return  # the writer is serving appends: its share of the time first
+        try:
+            self._tick_pass(w)
+        finally:
+            done = time.monotonic()
+            self._resume_at = done + (done - now) * (1 - GC_DUTY) / GC_DUTY
+            self._head_at_step = w.head
+
+    def _tick_pass(self, w: WriterView) -> None:
         if self._thread is not None:
             if self._thread.is_alive():
                 return
@@ -328,12 +349,9 @@ class Collector:
         compaction.fault_point("removed")
         for name in TRIMMED_LEDGERS:  # the epoch is new: no checkpoint names their old sizes
             trim_ledger(w.ledgers, name, new_floor)
-        w.reader.floor_seq = new_floor
-        for stream in w.index.stream_names():  # entries below the floor point nowhere
-            entries = w.index.entries(stream)
-            if entries and entries[0][0] < new_floor:
-                self._dirty.add(w.index.rewrite(
-                    stream, [e for e in entries if e[0] >= new_floor], fsync=False))
+        w.reader.floor_seq = new_floor  # reads below it are refused from now on
+        # entries below the floor point nowhere: dropped a few streams a step
+        self._trims = w.index.stream_names()
         self.segments_removed_total += len(victims)
         self.log.info("wal_truncated", floor_seq=new_floor, segments=len(victims),
                       archived=self.options.archive)
@@ -368,10 +386,31 @@ class Collector:
     def _compaction_targets(self, w: WriterView) -> list[tuple[int, Path]]:
         return self._targets(w, self._purged)
 
+    def _trim_some(self, w: WriterView) -> None:
+        """Drop the index entries below the floor of a few streams."""
+        floor = self.state.floor_seq
+        chunk, self._trims = (self._trims[:TRIM_STREAMS_PER_STEP],
+                              self._trims[TRIM_STREAMS_PER_STEP:])
+        for stream in chunk:
+            first = w.index.lookup(stream, 1, 1)
+            if first and first[0][0] < floor:
+                path = w.index.splice(stream, 0, floor - 1, [], fsync=False)
+                if path is None:  # below the floor, still in memory: the whole stream
+                    path = w.index.rewrite(stream, [e for e in w.index.entries(stream)
+                                                    if e[0] >= floor], fsync=False)
+                self._dirty.add(path)
+
     def _next_step(self, w: WriterView) -> None:
-        """One step: swap one rewritten segment in (loop thread, cheap), or
-        start the thread that rewrites every target (in one child process),
-        or the one that fsyncs the index files the swaps changed, or finish."""
+        """One step: drop a few streams' index entries below a new floor, or
+        swap one rewritten segment in (loop thread, cheap), or start the
+        thread that rewrites every target (in one child process), or the one
+        that fsyncs the index files the swaps changed, or finish."""
+        if self._trims:
+            if self._todo:  # the rewriting runs meanwhile, in its child
+                todo, self._todo = self._todo, []
+                self._start_thread(self._rewrite_all, todo)
+            self._trim_some(w)
+            return
         if self._ready:
             self._apply_rewrite(w, self._ready.pop(0))
             return
@@ -424,6 +463,10 @@ class Collector:
             self._dirty.add(path)
             if stream not in done.dropped and w.index.move(stream, kept, fsync=False):
                 continue  # a stream that lost nothing: only its slice of the index moves
+            span = [seq for seq, _, _ in kept] + done.dropped.get(stream, [])
+            if span and w.index.splice(stream, min(span), max(span), fsync=False, entries=[
+                    (seq, done.first_seq, off, length) for seq, off, length in kept]) is not None:
+                continue  # the segment's slice of the stream replaced, the rest copied
             moved = {seq: (off, length) for seq, off, length in kept}
             w.index.rewrite(stream, fsync=False, entries=[
                 (seq, seg, *moved[seq]) if seg == done.first_seq and seq in moved else
@@ -449,6 +492,7 @@ class Collector:
         self._pass.error = f"{type(error).__name__}: {error}"[:500]
         self.log.error("storage_gc_failed", error=self._pass.error)
         self._todo = []
+        self._trims = []
         for ready in self._ready:  # rewritten but never swapped in: the old ones stay
             ready.tmp.unlink(missing_ok=True)
         self._ready = []
