@@ -1,9 +1,9 @@
 """The child side of supervision: `ready`, then heartbeats with counters.
 
 Plain mode (`tick()` from the actor's loop) or a pulse thread that beats only
-while the main thread shows life; an
-idle actor (`with reporter.idle():`) sends one beat marked idle, then none. A child gets CORRAL_CONTROL (the endpoint),
-CORRAL_ACTOR (its DEALER identity) and CORRAL_HEARTBEAT_TIMEOUT_S (the
+while the main thread shows life; an idle actor (`with reporter.idle():`)
+sends one beat marked idle, then none. A child gets CORRAL_CONTROL (the
+endpoint), CORRAL_ACTOR (its DEALER identity) and CORRAL_HEARTBEAT_TIMEOUT_S (the
 pulse's `stall_s`); without CORRAL_CONTROL it does nothing.
 See docs/supervisor.md ("Liveness") and docs/decisions.md ("Heartbeats come
 from a pulse thread in actors that block").

@@ -250,11 +250,11 @@ class Runtime:
         if samples:
             apply_samples(self.children.values(), samples)
         watched = (now - self._status_asked_at < WATCHED_S or self.metrics is not None
-                   or self.fleet is not None)
+                   or bool(self.status_hooks))
         self.sampler.submit((c.pid for c in self.children.values() if c.pid is not None),
                             uss=not self._agents_starting(),
                             limit=None if watched else SAMPLE_TRICKLE)
-        if (self._status_dirty or self.metrics is not None or self.fleet is not None
+        if (self._status_dirty or self.metrics is not None or self.status_hooks
                 or now - self._status_written_at >= STATUS_REFRESH_S):
             self._publish_status(now)
 
