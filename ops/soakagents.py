@@ -6,6 +6,7 @@ See docs/soak.md ("What it checks (`ops/soakcheck.py`, `ops/soakagents.py`)").
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +192,12 @@ def check(
         if spec is None:
             continue
         workspace = workspace_for(state_dir, name, spec)
+        upper = workspace.parent / "upper"
+        if child and upper.is_dir() and not os.path.ismount(workspace):
+            # a copy-on-write child's view is unmounted once its change set is
+            # built: what it wrote is in the overlay's upper directory
+            # (docs/changesets.md, "Copy-on-write workspaces")
+            workspace = upper
         if _effects_disagree(events, workspace):
             workspace_bad.append(f"{name}: a file differs from its last applied write")
         elif not child and repeat is not None:

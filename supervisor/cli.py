@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -305,6 +306,10 @@ def _agent_parsers(sub: Any, common: argparse.ArgumentParser,
 
 def main(argv: list[str] | None = None) -> int:
     private_umask()  # whatever it writes under the state directory is private
+    # Ctrl-C ends a follower (`status --watch`, `trace -f`, `logs -f`) even when
+    # the command was started with SIGINT ignored (a background job of a shell
+    # without job control passes that on)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _main(argv)
