@@ -329,3 +329,27 @@ def restart(rt: RuntimeFace, msg_id: str, target: str, now: float) -> Reply:
         child.restarts += 1
         rt.start(child, now)
     return protocol.Ack(msg_id=msg_id, affected=[target])
+
+
+def answer(rt: RuntimeFace, msg: protocol.Message, now: float) -> Reply | protocol.ReloadReply:
+    """The reply to an operator's request on one child (start, stop, restart,
+    remove, signal, spawn) or to a reload; an error for what the supervisor
+    does not serve (the runtime answers the rest: docs/protocol.md)."""
+    match msg:
+        case protocol.StopRequest(msg_id=msg_id, target=str() as target):
+            return stop(rt, msg_id, target, now)
+        case protocol.StartRequest(msg_id=msg_id, target=target):
+            return start(rt, msg_id, target, now)
+        case protocol.RemoveRequest(msg_id=msg_id, target=target):
+            return remove(rt, msg_id, target, now)
+        case protocol.ReloadRequest(msg_id=msg_id):
+            return reload(rt, msg_id, now)
+        case protocol.SignalRequest(msg_id=msg_id, target=target, signal=sig):
+            return send_signal(rt, msg_id, target, sig)
+        case protocol.RestartRequest(msg_id=msg_id, target=target):
+            return restart(rt, msg_id, target, now)
+        case protocol.SpawnRequest():
+            return spawn(rt, msg, now)
+    ref: str | None = getattr(msg, "msg_id", None)
+    return protocol.Error(msg_id=ref, code=protocol.ErrorCode.UNEXPECTED_MESSAGE,
+                          detail=f"the supervisor does not serve {msg.kind}")

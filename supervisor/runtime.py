@@ -368,31 +368,13 @@ class Runtime:
                 self.control.reply(incoming.identity, protocol.Stats(
                     msg_id=msg_id, actor="supervisor",
                     values={"children": len(self.children), **self.control.values()}))
-            case protocol.StopRequest(msg_id=msg_id, target=str() as target):
-                self.control.reply(incoming.identity, requests.stop(self, msg_id, target, now))
-            case protocol.StartRequest(msg_id=msg_id, target=target):
-                self.control.reply(incoming.identity, requests.start(self, msg_id, target, now))
-            case protocol.RemoveRequest(msg_id=msg_id, target=target):
-                self.control.reply(incoming.identity, requests.remove(self, msg_id, target, now))
-            case protocol.ReloadRequest(msg_id=msg_id):
-                self.control.reply(incoming.identity, requests.reload(self, msg_id, now))
-            case protocol.StopRequest(msg_id=msg_id):
+            case protocol.StopRequest(msg_id=msg_id, target=None):
                 self.control.reply(incoming.identity, protocol.Ack(
                     msg_id=msg_id, affected=list(self.children)))
                 log.info("stop_requested")
                 self._begin_stop(EXIT_OK)
-            case protocol.SignalRequest(msg_id=msg_id, target=target, signal=sig):
-                self.control.reply(incoming.identity,
-                                   requests.send_signal(self, msg_id, target, sig))
-            case protocol.RestartRequest(msg_id=msg_id, target=target):
-                self.control.reply(incoming.identity, requests.restart(self, msg_id, target, now))
-            case protocol.SpawnRequest():
-                self.control.reply(incoming.identity, requests.spawn(self, msg, now))
-            case _:
-                ref: str | None = getattr(msg, "msg_id", None)
-                self.control.reply(incoming.identity, protocol.Error(
-                    msg_id=ref, code=protocol.ErrorCode.UNEXPECTED_MESSAGE,
-                    detail=f"the supervisor does not serve {msg.kind}"))
+            case _:  # the operator's requests on one child, the reload, the unknown
+                self.control.reply(incoming.identity, requests.answer(self, msg, now))
 
     def _ready(self, child: Child, now: float) -> None:
         if child.state != "starting":
