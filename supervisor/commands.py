@@ -13,7 +13,7 @@ from supervisor.config import ChildSpec, Config
 
 # Agents the zygote keeps forked ahead of requests (actors/zygote.py, "The
 # pool") unless `agents.zygote_pool` says: as many as the supervisor starts at
-# once (runtime.AGENTS_STARTING).
+# once (starter.AGENTS_STARTING).
 ZYGOTE_POOL = max(2, os.cpu_count() or 2)
 
 _MODULES = {

@@ -1,4 +1,5 @@
-"""The operator's per-child requests and the reload, on a running supervisor.
+"""The operator's per-child requests (start, stop, restart, remove, spawn,
+signal) and the reload, on a running supervisor.
 
 See docs/supervisor.md ("Start, stop, restart").
 """
@@ -12,6 +13,7 @@ import structlog
 from broker import protocol
 from broker.errors import ConfigError
 from supervisor import reload as reload_plan
+from supervisor import spawner
 from supervisor.children import Child
 from supervisor.config import CORE_KINDS, DEFAULT_CONFIG_PATH, KIND_ORDER
 from supervisor.config import load as load_config
@@ -55,10 +57,10 @@ def _take_down(rt: RuntimeFace, child: Child, now: float) -> None:
     child.restart_requested = False
     if child.pid is not None:
         if child.state != "stopping":
-            rt._terminate(child, now)
+            rt.terminate(child, now)
         return
-    if child.fork_pending and child in rt.fork_queue:
-        rt.fork_queue.remove(child)  # not asked of the zygote yet
+    if child.fork_pending and child in rt.starter.fork_queue:
+        rt.starter.fork_queue.remove(child)  # not asked of the zygote yet
         child.fork_pending = False
     if child.fork_pending:
         child.state = "stopping"  # forked any moment: the runtime stops it on registration
@@ -137,11 +139,12 @@ def start(rt: RuntimeFace, msg_id: str, target: str, now: float) -> Reply:
 
 def _begin(rt: RuntimeFace, child: Child, now: float) -> None:
     """Start now, or let the start phase start it with its kind."""
-    if child.kind == "agent" and rt.use_zygote and rt.zygote is None \
-            and rt.zygote_restart_at is None:
-        rt._start_zygote(now)  # it preloads meanwhile; agents wait in the fork queue
+    starter = rt.starter
+    if child.kind == "agent" and starter.use_zygote and starter.zygote is None \
+            and starter.zygote_restart_at is None:
+        rt.starter.start_zygote(now)  # it preloads meanwhile; agents wait in the fork queue
     if rt.phase > KIND_ORDER.index(child.spec.kind):
-        rt._start(child, now)
+        rt.start(child, now)
     else:
         child.state = "starting"
         child.requested_at = None
@@ -266,16 +269,87 @@ def reload(rt: RuntimeFace, msg_id: str, now: float) -> protocol.ReloadReply | p
             if child.state != "stopping" or not child.held:
                 child.restart_requested = True
             if child.pid is not None and child.state != "stopping":
-                rt._terminate(child, now)
+                rt.terminate(child, now)
     for spec in plan.start:
         child = rt.children[spec.name] = Child(spec=spec, policy=spec.policy())
         _begin(rt, child, now)
     if plan.zygote_changed:
-        rt.use_zygote = new.agents.zygote
-        rt.zygote_stale = rt.zygote is not None
+        rt.starter.use_zygote = new.agents.zygote
+        rt.starter.zygote_stale = rt.starter.zygote is not None
     log.info("config_reloaded", config=str(path), started=[s.name for s in plan.start],
              stopped=plan.stop, restarted=[s.name for s in plan.restart],
              unchanged=plan.unchanged)
     return protocol.ReloadReply(
         msg_id=msg_id, config=str(path)[:4096], started=[s.name for s in plan.start],
         stopped=plan.stop, restarted=[s.name for s in plan.restart], unchanged=plan.unchanged)
+
+
+def _refusal(rt: RuntimeFace, msg_id: str, target: str) -> protocol.Error | None:
+    if rt.stopping:
+        return _error(msg_id, protocol.ErrorCode.SHUTTING_DOWN, "the supervisor is stopping")
+    if target != "all" and target not in rt.children:
+        return _error(msg_id, protocol.ErrorCode.NOT_FOUND, f"no child named {target!r}")
+    return None
+
+
+def send_signal(rt: RuntimeFace, msg_id: str, target: str, sig: int) -> Reply:
+    """Signal one child's process group, or every child's (`all`)."""
+    refused = _refusal(rt, msg_id, target)
+    if refused is not None:
+        return refused
+    chosen = list(rt.children.values()) if target == "all" else [rt.children[target]]
+    affected = [c.name for c in chosen if c.pid is not None
+                and spawner.signal_group(c.pid, sig)]
+    if target != "all" and not affected:
+        return _error(msg_id, protocol.ErrorCode.NOT_FOUND,
+                      f"{target} has no process (state {rt.children[target].state})")
+    log.info("child_signalled", target=target, signal=sig, affected=len(affected))
+    return protocol.Ack(msg_id=msg_id, affected=affected)
+
+
+def restart(rt: RuntimeFace, msg_id: str, target: str, now: float) -> Reply:
+    """Stop one child and start it again (or start a fatal or exited one)."""
+    refused = _refusal(rt, msg_id, target) or (
+        _error(msg_id, protocol.ErrorCode.NOT_FOUND, "restart takes one child's name")
+        if target == "all" else None)
+    if refused is not None:
+        return refused
+    child = rt.children[target]
+    if child.removing:
+        return _error(msg_id, protocol.ErrorCode.INVALID_MESSAGE, f"{target} is being removed")
+    child.held = False  # a restart also ends an operator's stop
+    log.info("restart_requested", child=target, state=child.state)
+    if child.pid is not None:
+        child.restart_requested = True
+        if child.state != "stopping":
+            rt.terminate(child, now)
+    elif not child.fork_pending:
+        child.history.clear()  # the operator resets a fatal or exited child
+        child.restart_at = None
+        child.restarts += 1
+        rt.start(child, now)
+    return protocol.Ack(msg_id=msg_id, affected=[target])
+
+
+def answer(rt: RuntimeFace, msg: protocol.Message, now: float) -> Reply | protocol.ReloadReply:
+    """The reply to an operator's request on one child (start, stop, restart,
+    remove, signal, spawn) or to a reload; an error for what the supervisor
+    does not serve (the runtime answers the rest: docs/protocol.md)."""
+    match msg:
+        case protocol.StopRequest(msg_id=msg_id, target=str() as target):
+            return stop(rt, msg_id, target, now)
+        case protocol.StartRequest(msg_id=msg_id, target=target):
+            return start(rt, msg_id, target, now)
+        case protocol.RemoveRequest(msg_id=msg_id, target=target):
+            return remove(rt, msg_id, target, now)
+        case protocol.ReloadRequest(msg_id=msg_id):
+            return reload(rt, msg_id, now)
+        case protocol.SignalRequest(msg_id=msg_id, target=target, signal=sig):
+            return send_signal(rt, msg_id, target, sig)
+        case protocol.RestartRequest(msg_id=msg_id, target=target):
+            return restart(rt, msg_id, target, now)
+        case protocol.SpawnRequest():
+            return spawn(rt, msg, now)
+    ref: str | None = getattr(msg, "msg_id", None)
+    return protocol.Error(msg_id=ref, code=protocol.ErrorCode.UNEXPECTED_MESSAGE,
+                          detail=f"the supervisor does not serve {msg.kind}")

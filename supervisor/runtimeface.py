@@ -6,7 +6,6 @@ them. See docs/architecture.md.
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -14,12 +13,12 @@ if TYPE_CHECKING:
     from broker.statedir import StateDir
     from supervisor.children import Child
     from supervisor.config import Config
-    from supervisor.spawner import ZygoteLink
+    from supervisor.starter import Starter
 
 
 class RuntimeFace(Protocol):
-    """The runtime's children, configuration and zygote, and its three moves
-    on a child: start it, start the zygote, terminate it."""
+    """The runtime's children, configuration and starter (the fork queue and
+    the zygote), and its two moves on a child: start it, terminate it."""
 
     config: Config
     config_path: Path | None
@@ -27,14 +26,8 @@ class RuntimeFace(Protocol):
     children: dict[str, Child]
     phase: int
     stopping: bool
-    fork_queue: deque[Child]
-    zygote: ZygoteLink | None
-    zygote_restart_at: float | None
-    use_zygote: bool
-    zygote_stale: bool
+    starter: Starter
 
-    def _start(self, child: Child, now: float) -> None: ...
+    def start(self, child: Child, now: float) -> None: ...
 
-    def _start_zygote(self, now: float) -> None: ...
-
-    def _terminate(self, child: Child, now: float) -> None: ...
+    def terminate(self, child: Child, now: float) -> None: ...

@@ -101,7 +101,7 @@ def test_the_thread_passes_on_the_uss_choice_of_each_submit(sleeper: int) -> Non
 
 def test_a_limited_pass_samples_that_many_pids_in_turn(sleeper: int) -> None:
     """While nobody looks, a pass reads `limit` children, the next ones each
-    pass (supervisor/runtime.py SAMPLE_TRICKLE): every child comes up in turn."""
+    pass (supervisor/publisher.py SAMPLE_TRICKLE): every child comes up in turn."""
     me = os.getpid()
     pids = [me, sleeper, me, sleeper, me]  # the order is what a pass walks
     sampler = Sampler()

@@ -1,4 +1,4 @@
-"""The supervisor's per-child scan (supervisor/runtime.py `_scan`): it runs at
+"""The supervisor's per-child scan (supervisor/scan.py `Scanner`): it runs at
 most every SCAN_INTERVAL_S or at the next deadline, not on every loop turn
 (a turn per heartbeat of 500 agents), and still restarts, kills and starts
 on time; an agent queued again no longer counts among those starting."""
@@ -7,22 +7,25 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from broker import protocol
 from broker.statedir import StateDir
 from supervisor import runtime as runtime_module
+from supervisor import starter as starter_module
 from supervisor.config import load
 from supervisor.control import Incoming
-from supervisor.runtime import SCAN_INTERVAL_S, Runtime
+from supervisor.runtime import Runtime
+from supervisor.scan import SCAN_INTERVAL_S
 
 
 @pytest.fixture
 def runtime(state_dir: StateDir, monkeypatch: pytest.MonkeyPatch) -> Iterator[Runtime]:
     rt = Runtime(load(None), state_dir)
     rt.phase = len(runtime_module.KIND_ORDER)  # started: no start phase moves
-    rt._next_status = float("inf")  # no status file, no sampler
+    rt.publisher.next_at = float("inf")  # no status file, no sampler
     signals: list[tuple[int, int]] = []
     monkeypatch.setattr(runtime_module.spawner, "signal_group",
                         lambda pid, sig: signals.append((pid, sig)) or True)
@@ -36,15 +39,20 @@ def runtime(state_dir: StateDir, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ru
 
 def _started(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     started: list[str] = []
-    monkeypatch.setattr(rt, "_start", lambda child, now: started.append(child.name))
+    monkeypatch.setattr(rt, "start", lambda child, now: started.append(child.name))
     return started
 
 
 def test_a_turn_soon_after_a_scan_does_not_scan_again(runtime: Runtime,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     scans: list[float] = []
-    real = runtime._scan
-    monkeypatch.setattr(runtime, "_scan", lambda now: (scans.append(now), real(now)))
+    real = runtime.scanner.scan
+
+    def counted(now: float, *args: Any, **kwargs: Any) -> None:
+        scans.append(now)
+        real(now, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.scanner, "scan", counted)
     runtime._advance(100.0)
     runtime._advance(100.0 + SCAN_INTERVAL_S / 2)
     assert scans == [100.0]
@@ -62,7 +70,7 @@ def test_an_exit_restarts_on_the_next_turn_though_a_scan_just_ran(
     child.spawned(4242, now=100.0)
     child.state = "running"
     runtime._advance(100.0)  # a scan: the next one is SCAN_INTERVAL_S away
-    runtime._after_exit(child, child.exited(1, None, 100.001), 100.001)
+    runtime.after_exit(child, child.exited(1, None, 100.001), 100.001)
     assert child.state == "backoff" and child.restart_at == pytest.approx(100.001)
     assert runtime._timeout_ms(100.001) <= 1
     runtime._advance(100.002)
@@ -75,8 +83,8 @@ def test_a_backoff_restart_wakes_the_loop_at_its_time(runtime: Runtime,
     child = runtime.children["procs"]
     runtime._advance(100.0)
     child.state, child.restart_at = "backoff", 100.03
-    runtime._scan_at = 0.0  # as _after_exit leaves it
-    runtime._watch(child)  # as _after_exit does: the scan visits the watched children
+    runtime.scanner.at = 0.0  # as after_exit leaves it
+    runtime.scanner.watch(child)  # as after_exit does: the scan visits the watched children
     runtime._advance(100.01)
     assert started == []
     assert runtime._timeout_ms(100.01) <= 21  # woken at 100.03, not at the next scan
@@ -92,7 +100,7 @@ def test_a_stop_deadline_and_a_silent_child_are_killed_by_the_scan(runtime: Runt
     stopping.spawned(4343, now=100.0)
     stopping.state = "running"
     runtime._advance(100.0)
-    runtime._terminate(stopping, 100.0)
+    runtime.terminate(stopping, 100.0)
     deadline = stopping.stop_deadline
     assert deadline is not None
     assert runtime._timeout_ms(deadline - 0.001) <= 2
@@ -111,12 +119,12 @@ def test_a_ready_moves_the_start_phase_without_waiting_for_a_scan(state_dir: Sta
         writer = rt.children["writer"]
         writer.spawned(4242, now=100.0)
         rt.phase = 0
-        rt._next_status = float("inf")
+        rt.publisher.next_at = float("inf")
         rt._advance(100.0)
         assert rt.phase == 0
         rt._on_message(Incoming(b"x", protocol.Ready(actor="writer", pid=4242)), now=100.001)
         started: list[str] = []
-        rt._start = lambda child, now: started.append(child.name)  # type: ignore[method-assign]
+        rt.start = lambda child, now: started.append(child.name)  # type: ignore[method-assign]
         rt._advance(100.002)  # well within SCAN_INTERVAL_S of the last scan
         assert rt.phase == 1 and started == ["broker"]
     finally:
@@ -127,20 +135,20 @@ def test_a_ready_moves_the_start_phase_without_waiting_for_a_scan(state_dir: Sta
 def test_an_agent_queued_again_is_not_counted_as_starting(state_dir: StateDir) -> None:
     rt = Runtime(load(None), state_dir)
     try:
-        rt.use_zygote = True
-        rt.zygote = None
+        rt.starter.use_zygote = True
+        rt.starter.zygote = None
         from supervisor.children import Child
         from supervisor.config import ChildSpec
 
-        names = [f"agent-{i}" for i in range(runtime_module.AGENTS_STARTING)]
+        names = [f"agent-{i}" for i in range(starter_module.AGENTS_STARTING)]
         for name in names:
             spec = ChildSpec(name=name, kind="agent", restart="transient")
             rt.children[name] = Child(spec=spec, policy=spec.policy())
             rt.children[name].fork_pending = True
-            rt.starting.add(name)
-        assert not rt._may_start_agent()
-        rt._start(rt.children[names[0]], 100.0)  # back in the fork queue
-        assert rt._may_start_agent()
+            rt.starter.starting.add(name)
+        assert not rt.starter.may_start_agent()
+        rt.start(rt.children[names[0]], 100.0)  # back in the fork queue
+        assert rt.starter.may_start_agent()
     finally:
         rt.control.close()
         rt.ctx.destroy(linger=0)
