@@ -130,6 +130,17 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
         stop.close()
 
 
+def _watch_peer(poller: zmq.Poller, peer: BrokerPeer | None,
+                watched: zmq.Socket[bytes] | None) -> zmq.Socket[bytes] | None:
+    """Poll the peer's current socket: a reconnect replaces it."""
+    if peer is not None and watched is not peer.socket:
+        if watched is not None:
+            poller.unregister(watched)
+        watched = peer.socket
+        poller.register(watched, zmq.POLLIN)
+    return watched
+
+
 def _serve_idle(stop: _StopFlag, peer: BrokerPeer | None, reporter: ControlReporter | None,
                 name: str, options: AgentOptions) -> int:
     """An agent without a task: answer pings until stopped; the pongs answered.
@@ -141,11 +152,7 @@ def _serve_idle(stop: _StopFlag, peer: BrokerPeer | None, reporter: ControlRepor
     watched = None
     wait_ms = -1 if peer is None else max(int(options.broker_heartbeat_interval_s * 1000), 10)
     while not stop.stopped:
-        if peer is not None and watched is not peer.socket:
-            if watched is not None:
-                poller.unregister(watched)
-            watched = peer.socket
-            poller.register(watched, zmq.POLLIN)
+        watched = _watch_peer(poller, peer, watched)
         events = dict(poller.poll(wait_ms))
         if stop.read_fd in events:
             os.read(stop.read_fd, 512)
@@ -170,11 +177,7 @@ def _run_loop(
     last = Step.PROGRESS
     try:
         while not stop.stopped:
-            if peer is not None and watched is not peer.socket:
-                if watched is not None:
-                    poller.unregister(watched)
-                watched = peer.socket
-                poller.register(watched, zmq.POLLIN)
+            watched = _watch_peer(poller, peer, watched)
             events = dict(poller.poll(0 if last is Step.PROGRESS else wait_ms))
             if stop.read_fd in events:
                 os.read(stop.read_fd, 512)
