@@ -89,7 +89,13 @@ def test_sessions_list_and_show(runtime: tuple[Corral, Result]) -> None:
     assert re.fullmatch(r"[0-9A-HJKMNP-TV-Z]{26}", row["session_id"])
     table = corral.run("sessions", "list").stdout
     assert row["session_id"] in table and "finished" in table
-    shown = corral.run("sessions", "show", row["session_id"][:8]).stdout
+    # a unique start of the id: ids of sessions begun within the same quarter
+    # second share their first 8 characters (48 bits of milliseconds lead)
+    others = [r["session_id"] for r in corral.json("sessions", "list", "--all")
+              if r["session_id"] != row["session_id"]]
+    size = next(n for n in range(8, 27)
+                if not any(o.startswith(row["session_id"][:n]) for o in others))
+    shown = corral.run("sessions", "show", row["session_id"][:size]).stdout
     assert re.search(rf"session_id\s+{row['session_id']}", shown)
     assert re.search(r"status\s+finished", shown)
     only = corral.json("sessions", "list", "--agent", "n1")
