@@ -33,7 +33,7 @@ from actors.trees.store import (
 from actors.trees.store import lease as store_lease
 from broker.durable import write_atomic
 from broker.statedir import StateDir
-from supervisor.fleet import bundle, generations, renumber
+from supervisor.fleet import bundle, generations, purges, renumber
 from supervisor.fleet.natsclient import OBJECTS_BUCKET
 from supervisor.fleet.replicate import parse_seq_range, stream_name
 
@@ -125,22 +125,24 @@ class Uploader:
     async def sync(self, js: Any) -> int:
         """Upload what changed since the last round; how many agents' bundles
         (their generations too: supervisor/fleet/generations.py)."""
-        done = await self._sync_packs(js)
         if self.generations is None:
             self.generations = generations.GenerationUploader(self.host, self.state_dir)
+        agents = agent_names(self.state_dir)
+        done = await self._sync_packs(js, agents, self.generations.purged.read(agents))
         await self.generations.sync(lambda: objects_bucket(js, self.replicas),
                                     [a for a in agent_names(self.state_dir) if a in self.sent],
                                     _names)
         return done
 
-    async def _sync_packs(self, js: Any) -> int:
+    async def _sync_packs(self, js: Any, agents: list[str], ranges: purges.Ranges) -> int:
         bucket = None
         done = 0
         if self.trees is None:
             self.trees = bundle.NewestTrees(self.state_dir.wal_dir)
         # before the packs: a tree read has its objects there (durable before its fact)
-        newest = await asyncio.get_running_loop().run_in_executor(None, self.trees.read)
-        for agent in agent_names(self.state_dir):
+        await asyncio.get_running_loop().run_in_executor(None, self.trees.read)
+        newest = _unpurged(self.trees, ranges)
+        for agent in agents:
             spec = spec_bundle(self.state_dir, agent)
             if spec is None:
                 continue
@@ -224,6 +226,13 @@ class Uploader:
                 with contextlib.suppress(Exception):  # deleted meanwhile: the same
                     await bucket.delete(name)
         return _Sent(ident, len(data), gen, 1, spec)
+
+
+def _unpurged(newest: bundle.NewestTrees, ranges: purges.Ranges) -> dict[str, str]:
+    """Per agent, the tree its newest tree-bearing record names, unless a
+    purge covers that record (no object is sent for a purged tree)."""
+    return {agent: tree for agent, (seq, tree) in newest.newest.items()
+            if not purges.covered(ranges, f"agent/{agent}", seq)}
 
 
 async def _names(bucket: Any) -> list[str]:
@@ -629,7 +638,8 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
     if not agents:
         return []
     started = time.monotonic()
-    records = await stream_records(js, dead)
+    ranges = await purges.read_dead(bucket, names, dead)
+    records = purges.visible_records(await stream_records(js, dead), ranges)
     done: list[Adopted] = []
     from nats.errors import Error as NatsError  # noqa: PLC0415
     from nats.js.errors import NotFoundError  # noqa: PLC0415
@@ -649,6 +659,7 @@ async def adopt_host(js: Any, dead: str, state_dir: StateDir, replicas: int) -> 
             continue
         if not isinstance(spec, dict) or not _valid_name(agent):
             continue
+        gens = purges.unpurged_generations(gens, ranges, dead, agent)
         try:
             adopted = await asyncio.get_running_loop().run_in_executor(
                 None, adopt_agent, state_dir, dead, agent, spec, pack, records, gens, extras)

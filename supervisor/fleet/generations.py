@@ -17,7 +17,7 @@ import structlog
 
 from actors.kernel import generations
 from broker.statedir import StateDir
-from supervisor.fleet import renumber
+from supervisor.fleet import purges, renumber
 from supervisor.fleet.natsclient import OBJECTS_BUCKET
 
 log = structlog.get_logger("supervisor.fleet")
@@ -43,7 +43,10 @@ def parse_gen(name: str, host: str, agent: str) -> int | None:
 # --- upload --------------------------------------------------------------------
 @dataclass
 class GenerationUploader:
-    """Keeps the newest generations of this host's agents in the object store."""
+    """Keeps the newest generations of this host's agents in the object store,
+    none in a purged session's range (supervisor/fleet/purges.py): those are
+    never uploaded, and deleted from the store on the round after the purge;
+    and this host's purge ranges as `<host>/purges` (what an adopter skips)."""
 
     host: str
     state_dir: StateDir
@@ -51,17 +54,37 @@ class GenerationUploader:
     uploads: int = 0
     uploaded_bytes: int = 0
     too_large: set[tuple[str, int]] = field(default_factory=set)
+    purged: purges.PurgeWatch = field(init=False)
+    purges_sent: bytes | None = None  # the purges object as last uploaded
+    deleted_purged: int = 0  # generations deleted from the store for a purge
+
+    def __post_init__(self) -> None:
+        self.purged = purges.PurgeWatch(self.state_dir)
 
     async def sync(self, bucket_of: Callable[[], Awaitable[Any]], agents: Sequence[str],
                    names_of: Callable[[Any], Awaitable[list[str]]]) -> int:
         """Upload the generations made since the last round; how many."""
+        ranges = self.purged.read(agents)
         bucket: Any = None
         names: list[str] | None = None
         done = 0
+        data = purges.encode(ranges)
+        if self.purges_sent is None and not ranges:
+            self.purges_sent = data  # none here: nothing for an adopter to skip
+        elif data != self.purges_sent:
+            bucket = await bucket_of()
+            # before any generation is deleted: an adopter that reads the
+            # stream meanwhile already skips the range
+            await bucket.put(purges.purges_object(self.host), data)
+            self.purges_sent = data
         for agent in agents:
-            local = [s for s in self._local(agent) if (agent, s) not in self.too_large]
+            stream = f"agent/{agent}"
+            local = [s for s in self._local(agent) if (agent, s) not in self.too_large
+                     and not purges.covered(ranges, stream, s)]
             known = self.stored.get(agent)
-            if not local or (known is not None and not _new(local, known)):
+            dead = stream in ranges and (
+                known is None or any(purges.covered(ranges, stream, s) for s in known))
+            if not dead and (not local or (known is not None and not _new(local, known))):
                 continue
             if bucket is None:
                 bucket = await bucket_of()
@@ -71,6 +94,11 @@ class GenerationUploader:
                 known = sorted(s for n in names
                                if (s := parse_gen(n, self.host, agent)) is not None)
                 self.stored[agent] = known
+            for seq in [s for s in known if purges.covered(ranges, stream, s)]:
+                await _delete_once(bucket, gen_object(self.host, agent, seq))
+                known.remove(seq)
+                self.deleted_purged += 1
+                log.info("fleet_generation_purged", agent=agent, seq=seq)
             for seq in _new(local, known):
                 raw = self._read(agent, seq)
                 if raw is None:
@@ -109,6 +137,15 @@ class GenerationUploader:
             return path.read_bytes()
         except FileNotFoundError:
             return None
+
+
+async def _delete_once(bucket: Any, name: str) -> None:
+    """Delete the object (gone already: the same); any other failure is
+    raised, so the round fails and the next one deletes it."""
+    from nats.js.errors import ObjectDeletedError, ObjectNotFoundError  # noqa: PLC0415
+
+    with contextlib.suppress(ObjectNotFoundError, ObjectDeletedError):
+        await bucket.delete(name)
 
 
 def _new(local: list[int], known: list[int]) -> list[int]:
