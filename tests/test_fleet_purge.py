@@ -212,6 +212,31 @@ async def _holding(urls: list[str], host: str, text: bytes) -> list[str]:
         await nc.close()
 
 
+async def _raw_holding(urls: list[str], text: bytes) -> tuple[int, int]:
+    """How many messages of the object store's stream (every chunk and
+    meta message the bucket still holds, deleted objects' included) hold
+    `text`; and how many it holds."""
+    import nats
+    from nats.js.errors import NotFoundError
+
+    nc: Any = await nats.connect(urls, connect_timeout=2)
+    try:
+        js = nc.jetstream(timeout=5)
+        stream = f"OBJ_{OBJECTS}"
+        state = (await js.stream_info(stream)).state
+        found = seen = 0
+        for seq in range(int(state.first_seq), int(state.last_seq) + 1):
+            try:
+                msg = await js.get_msg(stream, seq)
+            except NotFoundError:
+                continue
+            seen += 1
+            found += text in (msg.data or b"")
+        return found, seen
+    finally:
+        await nc.close()
+
+
 async def _sync(urls: list[str], uploader: Uploader) -> None:
     import nats
 
@@ -237,6 +262,7 @@ def test_after_a_purge_and_gc_no_uploaded_object_holds_the_session(
             uploader = Uploader(host, StateDir(corral.state_dir), 3)
             asyncio.run(_sync(urls, uploader))
             before = asyncio.run(_holding(urls, host, MARKER.encode()))
+            raw_before = asyncio.run(_raw_holding(urls, MARKER.encode()))
             first, second = (r["session_id"] for r in corral.sessions("pr"))
 
             purge(corral, second)
@@ -251,19 +277,25 @@ def test_after_a_purge_and_gc_no_uploaded_object_holds_the_session(
             asyncio.run(_sync(urls, uploader))
             after_gc = asyncio.run(_holding(urls, host, MARKER.encode()))
             ranges = asyncio.run(_ranges(urls, host))
+            raw = asyncio.run(_raw_holding(urls, MARKER.encode()))
             third = asyncio.run(_holding(urls, host, b"third-session"))
     finally:
         forget_hosts(urls, [host])
-    # before: the session's text went up in its generations, its pack and its spec
-    assert any("/gen." in n for n in before), before
-    assert any("/pack." in n for n in before), before
-    # the purge: its generations leave the store on the next round
-    assert not any("/gen." in n for n in after_purge), after_purge
+    # before: the session's text went up in its generations, its pack and its
+    # spec (the task text, which the operator's task file holds too)
+    assert {n.split("/")[2].split(".")[0] for n in before} == {"gen", "pack", "spec"}, before
+    assert raw_before[0] > 0, raw_before
+    # the purge: its generations leave the store on the next round; what is
+    # left is the agent's until the collection (its pack) or its next spawn (its spec)
+    assert {n.split("/")[2].split(".")[0] for n in after_purge} == {"pack", "spec"}, after_purge
+    # after the collection and the agent's next session, no object holds it,
+    # and no message of the bucket's stream (deleted objects' chunks are purged)
     assert after_gc == []
-    assert [(p.session_id, p.first_seq <= p.last_seq) for p in ranges["agent/pr"]] == [
-        (second, True)]
-    assert first not in {p.session_id for p in ranges["agent/pr"]}
-    assert third, "the agent's later work still goes up"
+    assert raw[0] == 0 and raw[1] > 0, raw
+    assert [p.session_id for p in ranges["agent/pr"]] == [second]
+    assert ranges["agent/pr"][0].first_seq <= ranges["agent/pr"][0].last_seq
+    assert first != second
+    assert any("/gen." in n for n in third), "the agent's later work still goes up"
 
 
 async def _ranges(urls: list[str], host: str) -> purges.Ranges:
