@@ -4,30 +4,42 @@ range and deletes the ones it had uploaded on its next round; the host's
 purge ranges go up as `<host>/purges` (no text), and an adopter skips the
 records and generations they cover. Through the `supervisor` CLI: after a
 purge and the `supervisor gc` that follows, no object this host uploaded
-holds the purged session's text. On the real 3-node cluster."""
+holds the purged session's text, and a host that adopts the agent of a dead
+host that purged a session holds none of it either (its replicated stream
+still does: the documented limit). On the real 3-node cluster."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from actors.kernel import generations
 from actors.kernel.settings import AgentSpec, write_spec
 from actors.kernel.state import AgentState
 from actors.sessions import index
-from actors.sessions.purged import Purged
+from actors.sessions.purged import Purged, purged_of
+from actors.trees.store import packs_dir
+from actors.writer.wal import list_segments
 from broker.statedir import StateDir
 from supervisor.fleet import adopt, purges
-from supervisor.fleet.adopt import OBJECTS, Uploader, _names
+from supervisor.fleet.adopt import OBJECTS, Uploader, _names, uploaded_pack_size
 from supervisor.fleet.generations import download, parse_gen
 from tests.acceptance.conftest import corral_home
 from tests.acceptance.test_sessions_data import purge, run_to_end, small_generations, task
-from tests.fleetkit import Cluster, forget_hosts
+from tests.agentkit import write_task
+from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts, read_stream
+from tests.processes import ProcessTracker, wait_for
+from tests.test_fleet_hosts import cli, fleet_view, host_config, other_state_dir
+
+__all__ = ["other_state_dir"]  # the fixture, used by name
 
 pytestmark = [pytest.mark.fleet]
 
@@ -93,7 +105,7 @@ def test_an_adopter_skips_the_purged_records_and_its_cut_falls_before_them(
 def test_the_purge_ranges_are_read_again_only_when_the_index_changed(
         state_dir: StateDir, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    real = purges.purged_of
+    real = purged_of
 
     def counting(root: Path, stream: str) -> list[Purged]:
         calls.append(stream)
@@ -307,3 +319,110 @@ async def _ranges(urls: list[str], host: str) -> purges.Ranges:
         return await purges.read_dead(bucket, await _names(bucket), host)
     finally:
         await nc.close()
+
+
+def _steps(name: str, marker: str) -> list[dict[str, Any]]:
+    """Edits whose text holds `marker`; the last takes it out of the workspace
+    (the agent's, not the session's)."""
+    return [{"op": "write_file", "path": "notes.md", "content": f"{marker} 0\n"},
+            *({"op": "edit_file", "path": "notes.md", "old": f"{marker} {i}",
+               "new": f"{marker} {i + 1}"} for i in range(4)),
+            {"op": "edit_file", "path": "notes.md", "old": f"{marker} 4", "new": f"{name} done"},
+            {"op": "finish", "summary": f"{name} done"}]
+
+
+@pytest.mark.process
+@pytest.mark.timeout(360)
+def test_an_adopter_takes_nothing_of_a_purged_session(
+        fleet_cluster: Cluster, processes: ProcessTracker, state_dir: StateDir,
+        other_state_dir: StateDir, tmp_path: Path) -> None:
+    """Host A runs three sessions of one agent and purges the second (then
+    collects, as the operator does); host A dies; host B adopts the agent:
+    no file of host B holds the purged session's text, while A's replicated
+    stream still does (hidden until its retention)."""
+    fleet_cluster.wait_ready()
+    urls = fleet_cluster.urls
+    key, ha, hb = operator_key_and_hosts(state_dir.root)
+    try:
+        configs = {}
+        for directory, host in ((state_dir, ha), (other_state_dir, hb)):
+            path = host_config(directory, host, fleet_cluster, key, agents=0)
+            config = yaml.safe_load(path.read_text())
+            config["agent"] = {"snapshot_every": 4}
+            path.write_text(yaml.safe_dump(config))
+            configs[host] = path
+        up_a = processes.spawn(["-m", "supervisor.cli", "up", "--state-dir", str(state_dir.root),
+                                "--config", str(configs[ha])], name="up-a")
+        processes.spawn(["-m", "supervisor.cli", "up", "--state-dir",
+                         str(other_state_dir.root), "--config", str(configs[hb])], name="up-b")
+
+        def both_running() -> bool:
+            if not (state_dir.run_dir / "fleet.json").exists():
+                return False
+            view = fleet_view(processes, state_dir)
+            return all(view.get(h) and view[h]["children"] and
+                       all(c["state"] == "running" for c in view[h]["children"])
+                       for h in (ha, hb))
+
+        wait_for(both_running, 90, "both hosts running", interval_s=0.3)
+
+        def sessions() -> list[dict[str, Any]]:
+            done = cli(processes, state_dir, "sessions", "list", "--all", "--agent", "pr",
+                       "--json")
+            assert done.returncode == 0, done.stderr
+            rows: list[dict[str, Any]] = json.loads(done.stdout)
+            return rows
+
+        def run(name: str, marker: str, count: int) -> None:
+            work = write_task(tmp_path / f"{name}.yaml", _steps(name, marker))
+            done = cli(processes, state_dir, "spawn", "pr", "--task", str(work), "--json")
+            assert done.returncode == 0, done.stdout + done.stderr
+            wait_for(lambda: [r["status"] for r in sessions()] == ["finished"] * count, 90,
+                     f"pr's session {name} finished", interval_s=0.5)
+
+        def ok(*args: str) -> None:
+            done = cli(processes, state_dir, *args)
+            assert done.returncode == 0, done.stdout + done.stderr
+
+        run("first", "first-session", 1)
+        run("second", MARKER, 2)
+        second = sessions()[1]["session_id"]
+        ok("sessions", "archive", second)
+        ok("sessions", "purge", second, "--confirm", second)
+        # the pass after the purge seals the WAL segment that holds its records;
+        # once the runtime appends again, the next compacts them out and the
+        # collection after it replaces the pack
+        ok("gc")
+        run("third", "third-session", 2)
+        ok("gc")
+        local = (packs_dir(state_dir.root) / "pr.pack").stat().st_size
+        wait_for(lambda: asyncio.run(_ranges(urls, ha)).get("agent/pr")
+                 and uploaded_pack_size(urls, ha, "pr") == local
+                 and not asyncio.run(_holding(urls, ha, MARKER.encode())), 30,
+                 "host A's purge ranges and collected pack uploaded", interval_s=0.3)
+
+        up_a.send_signal(signal.SIGKILL)  # the whole host goes (its children with it)
+        up_a.wait(10)
+        log_b = other_state_dir.root / "logs" / "supervisor.log"
+
+        def adopted() -> list[dict[str, Any]]:
+            if not log_b.exists():
+                return []
+            return [line for raw in log_b.read_bytes().splitlines()
+                    if b"fleet_agent_adopted" in raw and (line := json.loads(raw))["agent"] == "pr"]
+
+        [line] = wait_for(adopted, 90, "host B adopted pr", interval_s=0.3)
+        held = sorted(str(path.relative_to(other_state_dir.root))
+                      for path in other_state_dir.root.rglob("*")
+                      if path.is_file() and not path.is_symlink()
+                      and MARKER.encode() in path.read_bytes())
+        third_held = [path for _first, path in list_segments(other_state_dir.wal_dir)
+                      if b"third-session" in path.read_bytes()]
+        in_stream = [m for m in read_stream(urls, ha)
+                     if any(MARKER.encode() in line for line in m.lines)]
+    finally:
+        forget_hosts(urls, [ha, hb])
+    assert line["records"] > 0, line  # the first and third sessions' records came over
+    assert third_held, "the third session's records on host B"
+    assert held == [], held
+    assert in_stream, "the documented limit: the dead host's stream keeps them, hidden"
