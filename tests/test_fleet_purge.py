@@ -30,7 +30,13 @@ from actors.trees.store import packs_dir
 from actors.writer.wal import list_segments
 from broker.statedir import StateDir
 from supervisor.fleet import adopt, purges
-from supervisor.fleet.adopt import OBJECTS, Uploader, _names, uploaded_pack_size
+from supervisor.fleet.adopt import (
+    OBJECTS,
+    Uploader,
+    _names,
+    parse_chunk,
+    uploaded_pack_size,
+)
 from supervisor.fleet.generations import download, parse_gen
 from tests.acceptance.conftest import corral_home
 from tests.acceptance.test_sessions_data import purge, run_to_end, small_generations, task
@@ -142,6 +148,9 @@ def test_purged_generations_leave_the_object_store_and_never_go_up(
     work.write_text("steps: []\n")
     write_spec(state_dir, "a1", AgentSpec(task=str(work)))
     agent_dir = state_dir.agent_dir("a1")
+    pack = packs_dir(state_dir.root) / "a1.pack"
+    pack.parent.mkdir(parents=True, exist_ok=True)
+    pack.write_bytes(b"p" * 1000)
 
     def make(seq: int) -> None:
         state = AgentState(last_seq=seq)
@@ -151,6 +160,17 @@ def test_purged_generations_leave_the_object_store_and_never_go_up(
         bucket = await js.object_store(OBJECTS)
         return sorted(s for n in await _names(bucket)
                       if (s := parse_gen(n, host, "a1")) is not None)
+
+    async def chunks(js: Any) -> list[tuple[str, int]]:
+        """The pack's chunks, once the listing shows one generation (it may
+        trail a delete for a moment), or at the deadline."""
+        bucket = await js.object_store(OBJECTS)
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:
+            got = sorted(c for n in await _names(bucket) if (c := parse_chunk(n, host, "a1")))
+            if len(got) == 1 or asyncio.get_running_loop().time() > deadline:
+                return got
+            await asyncio.sleep(0.1)
 
     async def settled(js: Any, want: list[int]) -> list[int]:
         # a clustered object store's listing may trail a delete for a moment
@@ -171,11 +191,13 @@ def test_purged_generations_leave_the_object_store_and_never_go_up(
             seen["before"] = await settled(js, [10, 20, 30])
             bucket = await js.object_store(OBJECTS)
             seen["no_purges"] = purges.purges_object(host) in await _names(bucket)
+            seen["chunks"] = await chunks(js)
             # a purge journaled (its generation file not yet staged away): the
             # next round deletes it from the store and names the range
             _journal(state_dir, SESSION, "agent/a1", 15, 25, step="journaled")
             await uploader.sync(js)
             seen["after"] = await settled(js, [10, 30])
+            seen["chunks_after"] = await chunks(js)
             gens = uploader.generations
             seen["deleted"] = gens.deleted_purged if gens else -1
             names = await _names(bucket)
@@ -201,6 +223,10 @@ def test_purged_generations_leave_the_object_store_and_never_go_up(
     assert seen["before"] == [10, 20, 30]
     assert seen["no_purges"] is False  # a host without purges uploads no purges object
     assert seen["after"] == [10, 30]
+    # the purge started a new pack generation (no extras chunk of the older one left)
+    [(gen, offset)] = seen["chunks"]
+    [(gen2, offset2)] = seen["chunks_after"]
+    assert gen2 != gen and offset == offset2 == 0
     assert seen["deleted"] == 1
     assert seen["ranges"] == {"agent/a1": [Purged(SESSION, 15, 25)]}
     assert seen["newer"] == [10, 30, 40]

@@ -100,6 +100,9 @@ class _Sent:
     present: set[str] = field(default_factory=set)  # objects in the bundle: pack and extras
     closed: set[str] = field(default_factory=set)  # trees whose closure the bundle holds
     extra: int = 0  # bytes of extras uploaded (the next extra chunk's offset)
+    # the agent's purged ranges when the generation began: a new purge starts
+    # another, so no extras chunk of a purged tree outlives the round
+    purged: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -108,8 +111,9 @@ class Uploader:
     is append-only until a collection replaces it, so each round uploads only
     what was appended since the last one, as one chunk object
     `<host>/<agent>/pack.<gen>@<offset>`; a replaced or shrunk pack, or one
-    in more than MAX_CHUNKS chunks, starts a new generation uploaded whole,
-    and the older generations' chunks are deleted after it."""
+    in more than MAX_CHUNKS chunks, or a new purge of one of the agent's
+    sessions (supervisor/fleet/purges.py), starts a new generation uploaded
+    whole, and the older generations' chunks are deleted after it."""
 
     host: str
     state_dir: StateDir
@@ -130,8 +134,7 @@ class Uploader:
         agents = agent_names(self.state_dir)
         done = await self._sync_packs(js, agents, self.generations.purged.read(agents))
         await self.generations.sync(lambda: objects_bucket(js, self.replicas),
-                                    [a for a in agent_names(self.state_dir) if a in self.sent],
-                                    _names)
+                                    [a for a in agents if a in self.sent], _names)
         return done
 
     async def _sync_packs(self, js: Any, agents: list[str], ranges: purges.Ranges) -> int:
@@ -154,14 +157,17 @@ class Uploader:
                 ident, size = (0, 0), 0
             known = self.sent.get(agent)
             tree = newest.get(agent)
-            if known is not None and (known.ident, known.size, known.spec) == (ident, size, spec) \
-                    and (tree is None or tree in known.closed):
+            purged = tuple(sorted((p.first_seq, p.last_seq)
+                                  for p in ranges.get(f"agent/{agent}", ())))
+            if known is not None and (known.ident, known.size, known.spec, known.purged) == (
+                    ident, size, spec, purged) and (tree is None or tree in known.closed):
                 continue
             if bucket is None:
                 bucket = await objects_bucket(js, self.replicas)
             if known is None or known.ident != ident or size < known.size \
-                    or known.chunks >= MAX_CHUNKS:
+                    or known.chunks >= MAX_CHUNKS or known.purged != purged:
                 known = await self._start(bucket, agent, pack, ident, spec)
+                known.purged = purged
             elif size > known.size:
                 with pack.open("rb") as f:
                     f.seek(known.size)
