@@ -22,6 +22,8 @@ from actors.writer.wal import SEAL_MAX_BYTES, frame_body, segment_name
 from broker import appendwire, protocol
 from broker.errors import DurabilityError, ProtocolError
 
+OWN_ORIGIN = "writer"  # the origin of the records the writer stages itself (stage_own)
+
 if TYPE_CHECKING:
     from actors.writer.checkpoints import Checkpoints, WalState
     from actors.writer.hooks import WriterHook
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
         hooks: tuple[WriterHook, ...]
 
         def storage_changed(self) -> None: ...
+
+        def seal_active(self) -> int | None: ...
 
 
 class Batcher:
@@ -112,6 +116,21 @@ class Batcher:
         staged.keys[key] = seq
         staged.acks.append((ident, msg.msg_id, seq, False))
         self._stream_last[msg.stream] = seq
+
+    def stage_own(self, stream: str, event: str, payload: bytes) -> bool:
+        """Frame a record of the writer's own (no appender waits on it) into
+        the staged batch; False when storage is full (nothing staged)."""
+        if self.storage_full is not None:
+            return False
+        in_flight = len(self.inflight.bodies) if self.inflight is not None else 0
+        seq = self.w.head + in_flight + len(self.staged.bodies) + 1
+        key = f"{event}-{time.time_ns()}"
+        body = frame_body(seq, time.time(), stream, event, OWN_ORIGIN, key, None, payload)
+        self.staged.bodies.append((body, zlib.crc32(body)))
+        self.staged.meta.append((stream, seq, OWN_ORIGIN, key, None))
+        self.staged.keys[(OWN_ORIGIN, key)] = seq
+        self._stream_last[stream] = seq
+        return True
 
     def _stream_prev(self, stream: str) -> int:
         """The seq of the stream's newest record, staged ones included (0: none)."""

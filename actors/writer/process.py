@@ -33,7 +33,7 @@ from actors.writer.recovery import Recovered, recover
 from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.writer.streamreader import StreamReader
 from actors.writer.transport import Transport
-from actors.writer.walgc import Collector, GcOptions
+from actors.writer.walgc import MARKER_STREAM, Collector, GcOptions
 from broker import appendwire, auth, curve, logconfig, memtrim, protocol, ratelimit
 from broker import hooks as hook_loader
 from broker.control import ControlReporter
@@ -358,6 +358,19 @@ class Writer:
         return None
 
     # --- checkpoints and counters --------------------------------------------
+    def seal_active(self) -> int | None:
+        """Seal the active segment between batches and stage a marker record
+        into the next one (walgc.MARKER_STREAM): the sealed segment then no
+        longer holds the head and a pass may compact it. The next segment's
+        first seq, or None when there was nothing to seal."""
+        if not self.segment.size:
+            return None
+        self.segment.seal_requested = True
+        if not self.segment.rotate_if_full(self.head + 1):
+            return None
+        self.batcher.stage_own(MARKER_STREAM, "segment_sealed", b"{}")
+        return self.segment.first_seq
+
     def storage_changed(self) -> None:
         """Collection changed the segments: checkpoint twice, so neither the
         checkpoint nor the previous one describes the old files."""

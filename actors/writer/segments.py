@@ -28,8 +28,8 @@ class ActiveSegment:
         self.size = 0
         self.rotations = 0
         self.syncs = 0
-        # a pass found a purged session's records here (actors/writer/walgc.py):
-        # the segment is sealed after the next batch, so a later pass compacts it
+        # a pass found a purged session's records here (actors/writer/walgc.py)
+        # and seals the segment at once, between batches, to compact it
         self.seal_requested = False
         self._fail_sync_at = int(os.environ.get(FAULT_ENV_FAIL_SYNC_AT, "0") or 0)
         self._open()

@@ -37,6 +37,10 @@ ARCHIVE_DIRNAME = "wal-archive"
 PURGE_DB = "sessions.sqlite3"
 PURGED_STATES = ("files_removed", "done")
 REQUEST_POLL_S = 0.5
+# the writer's own records: a pass that seals the active segment puts one in
+# the next, so the sealed one no longer holds the head and can be compacted
+MARKER_STREAM = "writer/gc"
+MARKER_WAIT_S = 10.0  # a marker not durable by then (a full disk): the next pass
 # the share of the writer loop's time a pass's steps may take while appends flow
 GC_DUTY = 0.15
 # streams whose index entries below a new floor are dropped per step
@@ -66,6 +70,14 @@ class WriterView(Protocol):
     ledgers: Ledgers
 
     def storage_changed(self) -> None: ...
+
+    @property
+    def head_segment(self) -> int: ...
+
+    def seal_active(self) -> int | None:
+        """Seal the active segment and stage a marker record into the next
+        one; the next segment's first seq, or None (nothing sealed)."""
+        ...
 
 
 class Purged:
@@ -158,6 +170,8 @@ class Collector:
         self._procs = ProcsFloor()  # unsettled starts of procs' streams
         self._started = 0.0
         self._todo: list[tuple[int, Path]] = []
+        self._sealed_at: int | None = None  # a sealed segment's marker awaited (its segment)
+        self._seal_deadline = 0.0
         self._trims: list[str] = []  # streams whose index still has entries below the floor
         self._resume_at = 0.0  # monotonic: the next loop step while appends flow (GC_DUTY)
         self._head_at_step = -1  # the writer's head after the last step
@@ -263,9 +277,9 @@ class Collector:
             floor = self.floor(w)
             self._pass.floor_seq = max(floor, self.state.floor_seq)
             self._truncate(w, floor, dry_run)
-            self._todo = self._compaction_targets(w)
             if not dry_run:
                 self._seal_if_purged(w)
+            self._todo = self._compaction_targets(w)
         except OSError as exc:
             self._fail(exc)
             return
@@ -279,7 +293,8 @@ class Collector:
         floor = max(1, w.head + 1 - self.options.keep_records)
         self._procs.forget(set(w.index.stream_names()))
         for stream in w.index.stream_names():
-            if any(fnmatch.fnmatchcase(stream, p) for p in self.options.disposable):
+            if stream == MARKER_STREAM or any(
+                    fnmatch.fnmatchcase(stream, p) for p in self.options.disposable):
                 continue
             entries = w.index.lookup(stream, self.state.floor_seq, 1)
             if not entries:
@@ -306,7 +321,9 @@ class Collector:
         return floor
 
     def _eligible(self) -> list[tuple[int, Path, int]]:
-        """Sealed segments followed by a non-empty one: (first, path, next first)."""
+        """Segments retention may remove: sealed and followed by a non-empty
+        one, so the head record's segment always stays: (first, path, next
+        first)."""
         segments = list_segments(self.state_dir.wal_dir)
         out = []
         last_nonempty = max(
@@ -357,20 +374,41 @@ class Collector:
                       archived=self.options.archive)
 
     def _seal_if_purged(self, w: WriterView) -> None:
-        """Ask for the active segment to be sealed when it holds a record of
-        a purged session (only a sealed segment is compacted)."""
+        """When the active segment holds a record of a purged session, seal it
+        now and let the writer put a marker in the next segment: once that
+        marker is durable the sealed segment is compacted in this same pass."""
+        if self._active_holds(w, self._purged):
+            self._sealed_at = w.seal_active()
+            self._seal_deadline = time.monotonic() + MARKER_WAIT_S
+            if self._sealed_at is not None:
+                self.log.info("wal_segment_sealed_for_purge", next_segment=self._sealed_at)
+
+    def _marker_waits(self, w: WriterView) -> bool:
+        """True while the marker of a sealed segment is not durable yet; once
+        it is (or the wait timed out), the targets are read again."""
+        if self._sealed_at is None:
+            return False
+        if w.head_segment < self._sealed_at and time.monotonic() < self._seal_deadline:
+            return True
+        if w.head_segment < self._sealed_at:
+            self.log.warning("wal_gc_marker_late", next_segment=self._sealed_at)
+        self._sealed_at = None
+        self._todo = self._compaction_targets(w)
+        return False
+
+    def _active_holds(self, w: WriterView, purged: Purged) -> bool:
         segment = getattr(w, "segment", None)
         if segment is None or not segment.size:
-            return
-        for stream, ranges in self._purged.ranges.items():
+            return False
+        for stream, ranges in purged.ranges.items():
             for a, b in ranges:
                 hit = w.index.lookup(stream, max(a, segment.first_seq), 1)
                 if hit and hit[0][0] <= b:
-                    segment.seal_requested = True
-                    return
+                    return True
+        return False
 
     def _purge_work(self, w: WriterView, purged: Purged) -> bool:
-        return bool(self._targets(w, purged))
+        return bool(self._targets(w, purged)) or self._active_holds(w, purged)
 
     def _targets(self, w: WriterView, purged: Purged) -> list[tuple[int, Path]]:
         out = []
@@ -405,6 +443,10 @@ class Collector:
         swap one rewritten segment in (loop thread, cheap), or start the
         thread that rewrites every target (in one child process), or the one
         that fsyncs the index files the swaps changed, or finish."""
+        if self._marker_waits(w):
+            if self._trims:
+                self._trim_some(w)
+            return
         if self._trims:
             if self._todo:  # the rewriting runs meanwhile, in its child
                 todo, self._todo = self._todo, []
