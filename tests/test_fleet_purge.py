@@ -306,14 +306,15 @@ def test_after_a_purge_and_gc_no_uploaded_object_holds_the_session(
             purge(corral, second)
             asyncio.run(_sync(urls, uploader))
             after_purge = asyncio.run(_holding(urls, host, MARKER.encode()))
-            # the pass after the purge seals the WAL segment that holds its
-            # records; once the runtime appends again, the next compacts them
-            # out and the collection after it replaces the pack
-            corral.run("gc")
-            run_to_end(corral, "pr", task(corral, "third", "third-session"))
+            # the one gc after the purge compacts its records out of the WAL
+            # and collects its trees: the pack is replaced
             corral.run("gc")
             asyncio.run(_sync(urls, uploader))
             after_gc = asyncio.run(_holding(urls, host, MARKER.encode()))
+            # the agent's next spawn replaces its spec
+            run_to_end(corral, "pr", task(corral, "third", "third-session"))
+            asyncio.run(_sync(urls, uploader))
+            after_spawn = asyncio.run(_holding(urls, host, MARKER.encode()))
             ranges = asyncio.run(_ranges(urls, host))
             raw = asyncio.run(_raw_holding(urls, MARKER.encode()))
             third = asyncio.run(_holding(urls, host, b"third-session"))
@@ -326,9 +327,10 @@ def test_after_a_purge_and_gc_no_uploaded_object_holds_the_session(
     # the purge: its generations leave the store on the next round; what is
     # left is the agent's until the collection (its pack) or its next spawn (its spec)
     assert {n.split("/")[2].split(".")[0] for n in after_purge} == {"pack", "spec"}, after_purge
-    # after the collection and the agent's next session, no object holds it,
-    # and no message of the bucket's stream (deleted objects' chunks are purged)
-    assert after_gc == []
+    assert after_gc == [f"{host}/pr/spec"], after_gc
+    # after the agent's next spawn no object holds it, and no message of the
+    # bucket's stream (deleted objects' chunks are purged)
+    assert after_spawn == []
     assert raw[0] == 0 and raw[1] > 0, raw
     assert [p.session_id for p in ranges["agent/pr"]] == [second]
     assert ranges["agent/pr"][0].first_seq <= ranges["agent/pr"][0].last_seq
@@ -415,12 +417,8 @@ def test_an_adopter_takes_nothing_of_a_purged_session(
         second = sessions()[1]["session_id"]
         ok("sessions", "archive", second)
         ok("sessions", "purge", second, "--confirm", second)
-        # the pass after the purge seals the WAL segment that holds its records;
-        # once the runtime appends again, the next compacts them out and the
-        # collection after it replaces the pack
-        ok("gc")
-        run("third", "third-session", 2)
-        ok("gc")
+        ok("gc")  # its records out of the WAL, its trees out of the pack
+        run("third", "third-session", 2)  # the agent's spec no longer the purged task's
         local = (packs_dir(state_dir.root) / "pr.pack").stat().st_size
         wait_for(lambda: asyncio.run(_ranges(urls, ha)).get("agent/pr")
                  and uploaded_pack_size(urls, ha, "pr") == local
