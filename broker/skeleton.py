@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         @property
         def log_backups(self) -> int: ...
 
+
 EXIT_OK = 0
 EXIT_CONFIG = 78  # the options, the configuration or the state directory is unusable
 
