@@ -10,16 +10,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
-from types import FrameType, ModuleType
+from types import ModuleType
 
 import structlog
 import zmq
 
-from broker import auth, curve, hooks, logconfig, memtrim, protocol, ratelimit
+from broker import auth, curve, hooks, memtrim, protocol, ratelimit, skeleton
 from broker.control import ControlReporter
 from broker.curve import CurveServer, apply_server, check_endpoints
 from broker.durable import write_atomic
@@ -636,7 +635,7 @@ class Broker:
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[ModuleType]]:
     parser = argparse.ArgumentParser(prog="python -m broker.server", description=__doc__)
-    parser.add_argument("--state-dir", default=None, help="state directory (default ./.corral)")
+    skeleton.add_arguments(parser, binds=True, hooks=True)
     parser.add_argument("--heartbeat-interval-ms", type=int, default=1000)
     parser.add_argument("--heartbeat-misses", type=int, default=3)
     parser.add_argument(
@@ -644,11 +643,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[ModuleType]
     )
     parser.add_argument("--renew-interval-s", type=float, default=MIN_INTERVAL_S,
                         help="renew the socket to free parked connections at most this often")
-    curve.add_arguments(parser)
-    logconfig.add_arguments(parser)
-    hooks.add_argument(parser)
-    modules = hooks.load(argv, parser)  # with their options
-    return parser.parse_args(argv), modules
+    return skeleton.parse_args(parser, argv, hooks=True)  # with the hooks' options
 
 
 def _route_hook(modules: list[ModuleType], ctx: zmq.Context[zmq.Socket[bytes]],
@@ -662,55 +657,48 @@ def _route_hook(modules: list[ModuleType], ctx: zmq.Context[zmq.Socket[bytes]],
     return made[0] if made else None
 
 
+# How a failure ends the broker: the first entry that matches (LockHeldError
+# is a StateDirError); none is logged (the lock is taken before the log opens).
+EXITS = (
+    skeleton.Exit(LockHeldError, EXIT_LOCKED,
+                  says="{exc}: another broker serves this state directory"),
+    skeleton.Exit((ConfigError, StateDirError, auth.AuthError), EXIT_CONFIG),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args, modules = _parse(argv)
-    except ConfigError as exc:
-        print(f"broker: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    try:
-        state = StateDir.at(args.state_dir).ensure()
-        endpoint = state.endpoint("broker")
-    except StateDirError as exc:
-        print(f"broker: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+    proc = skeleton.Process("broker", EXITS)
+    return proc.run(lambda: _run(proc, argv))
+
+
+def _run(proc: skeleton.Process, argv: list[str] | None) -> int:
+    args, modules = _parse(argv)
+    state = proc.state_dir(args.state_dir)
+    endpoint = state.endpoint("broker")
     lock = PidLock(state.run_dir / "broker.lock")
-    try:
-        lock.acquire()  # one broker per state directory: a second would steal the socket path
-    except LockHeldError as exc:
-        print(f"broker: {exc}: another broker serves this state directory", file=sys.stderr)
-        return EXIT_LOCKED
-    logconfig.configure("broker", state.log_path("broker"), level=args.log_level,
-                        max_bytes=args.log_max_bytes, backups=args.log_backups)
+    lock.acquire()  # one broker per state directory: a second would steal the socket path
+    proc.on_close(lock.release)
+    proc.configure_logging(state, args)
     raise_fd_limit()  # a connection an actor (broker/fdlimit.py)
     rule = HeartbeatRule(args.heartbeat_interval_ms / 1000.0, args.heartbeat_misses)
     limits = protocol.Limits(max_frame_bytes=args.max_frame_bytes)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    zap = None
-    try:
-        server = curve.load_server(curve.keys_dir(state.root)) if args.curve else None
-        zap = auth.ZapHandler(ctx, auth.ensure_keys(state),
-                              server.authorized_dir if server is not None else None)
-        broker = Broker(
-            ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp),
-            zap=zap, renew_interval_s=args.renew_interval_s,
-            route_hook=_route_hook(modules, ctx, args, state, limits),
-        )
-    except (ConfigError, auth.AuthError) as exc:
-        print(f"broker: {exc}", file=sys.stderr)
-        if zap is not None:
-            zap.close()
-        ctx.destroy(linger=0)
-        lock.release()
-        return EXIT_CONFIG
+    ctx = proc.context()
+    server = curve.load_server(curve.keys_dir(state.root)) if args.curve else None
+    zap = auth.ZapHandler(ctx, auth.ensure_keys(state),
+                          server.authorized_dir if server is not None else None)
+    proc.on_close(zap.close)
+    broker = Broker(
+        ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp),
+        zap=zap, renew_interval_s=args.renew_interval_s,
+        route_hook=_route_hook(modules, ctx, args, state, limits),
+    )
+    proc.on_close(lambda: log.info("broker_stopped", **broker.statistics().values()))
+    proc.on_close(broker.close)
     write_atomic(state.run_dir / "broker.endpoints", ("\n".join(broker.bound) + "\n").encode())
-
-    def _on_signal(signum: int, _frame: FrameType | None) -> None:
-        broker.stop()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    proc.stop_on_signals(broker.stop)
     reporter = ControlReporter.from_env(ctx, "broker")
+    if reporter is not None:
+        proc.on_close(reporter.close)
     log.info(
         "broker_started",
         endpoint=endpoint,
@@ -720,19 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if reporter is not None:
         reporter.ready()
-    try:
-        broker.run(reporter)
-    finally:
-        stats = broker.statistics()
-        broker.close()
-        if reporter is not None:
-            reporter.close()
-        if zap is not None:
-            zap.close()
-        ctx.term()
-        log.info("broker_stopped", **stats.values())
-        lock.release()
-    return 0
+    broker.run(reporter)
+    return EXIT_OK
 
 
 if __name__ == "__main__":

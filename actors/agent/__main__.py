@@ -10,25 +10,24 @@ import argparse
 import sys
 
 from actors.agent.process import AgentOptions, serve
-from broker import logconfig
+from broker import skeleton
 from broker.errors import StateDirError
-from broker.statedir import StateDir, check_actor_name
+from broker.statedir import check_actor_name
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m actors.agent", description=__doc__)
     parser.add_argument("--name", required=True)
-    parser.add_argument("--state-dir", default=None)
+    skeleton.add_arguments(parser)
     parser.add_argument("--heartbeat-interval-ms", type=int, default=1000)
-    logconfig.add_arguments(parser)
     parser.add_argument("--no-broker", action="store_true", help="do not join the broker")
     args = parser.parse_args(argv)
+    proc = skeleton.Process("agent")  # until the name is checked: serve() is the agent's
     try:
-        state = StateDir.at(args.state_dir).ensure()
+        state = proc.state_dir(args.state_dir)
         name = check_actor_name(args.name)
     except StateDirError as exc:
-        print(f"agent: {exc}", file=sys.stderr)
-        return 78
+        return proc.refuse(exc)
     options = AgentOptions(
         heartbeat_interval_s=args.heartbeat_interval_ms / 1000.0,
         log_level=args.log_level,

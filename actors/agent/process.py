@@ -8,11 +8,9 @@ docs/supervisor.md ("Exit codes").
 from __future__ import annotations
 
 import os
-import signal
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from types import FrameType
 from typing import Any
 
 import zmq
@@ -21,7 +19,7 @@ from actors.agent.loop import AgentLoop, Step
 from actors.kernel.settings import read_spec
 from actors.procs.client import end_session_quietly
 from actors.writer.client import WriterClient
-from broker import logconfig, protocol
+from broker import logconfig, protocol, skeleton
 from broker.control import ENV_CONTROL, ControlReporter, stall_from_env
 from broker.errors import ConfigError, CorralError
 from broker.peer import BrokerPeer
@@ -45,41 +43,32 @@ class AgentOptions:
     join_broker: bool = True
 
 
-class _StopFlag:
-    """Set by SIGTERM/SIGINT; the wakeup pipe makes the poll return at once."""
-
-    def __init__(self) -> None:
-        self.stopped = False
-        self.read_fd, self.write_fd = os.pipe()
-        os.set_blocking(self.write_fd, False)
-        signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-
-    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        self.stopped = True
-
-    def close(self) -> None:
-        signal.set_wakeup_fd(-1)
-        os.close(self.read_fd)
-        os.close(self.write_fd)
-
-
 def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
-    """Run one agent (its loop, or idle without a spec) until done or SIGTERM."""
-    stop = _StopFlag()
-    log = logconfig.configure(
-        name, state_dir.log_path(name), level=options.log_level,
-        max_bytes=options.log_max_bytes, backups=options.log_backups, console=False,
-    )
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    """Run one agent (its loop, or idle without a spec) until done or SIGTERM.
+    Called in a fresh interpreter (actors/agent/__main__.py) and in a child
+    forked from the zygote: both set their signals and log up here."""
+    proc = skeleton.Process(name, exits=())
+    return proc.run(partial(_serve, proc, state_dir, options))
+
+
+def _serve(proc: skeleton.Process, state_dir: StateDir, options: AgentOptions) -> int:
+    name = proc.name
+    stop = proc.stop_on_signals(wakeup=True)
+    log = proc.configure_logging(state_dir, options, console=False)
+    ctx = proc.context()
     endpoint = os.environ.get(ENV_CONTROL)
     reporter = (  # a pulse: heartbeats go on while the loop waits in a call
         ControlReporter(ctx, endpoint, name, interval_s=options.heartbeat_interval_s,
                         pulse=True, stall_s=stall_from_env())
         if endpoint else None
     )
+    loop: AgentLoop | None = None
     if reporter is not None:
+        def close_reporter() -> None:
+            over = loop is not None and loop.state.phase in ("finished", "closed")
+            reporter.close(linger_ms=200 if over else 0)  # let the final beat leave
+
+        proc.on_close(close_reporter)
         reporter.connect()  # its handshake overlaps the rest of the start; beats after ready
     peer = (
         BrokerPeer(
@@ -89,45 +78,34 @@ def serve(name: str, state_dir: StateDir, options: AgentOptions) -> int:
         )
         if options.join_broker else None
     )
-    writer: WriterClient | None = None
-    loop: AgentLoop | None = None
+    if peer is not None:
+        proc.on_close(peer.close)
     try:
-        try:
-            spec = read_spec(state_dir, name)
-            if spec is not None:
-                writer = WriterClient(ctx, state_dir, name)
-                if reporter is not None:  # a full disk: beats go on while the writer says so
-                    writer.storage_waiting = reporter.touch
-                loop = AgentLoop(name, state_dir, spec, writer, peer=peer, watch=reporter)
-                loop.rebuild()
-        except ConfigError as exc:
-            log.error("agent_spec_invalid", error=str(exc))
-            return EXIT_CONFIG
-        except CorralError as exc:
-            log.error("agent_rebuild_failed", error=str(exc))
-            return EXIT_STOPPED
-        if reporter is not None:
-            reporter.ready()
-        log.info("agent_started", join_broker=peer is not None, has_task=loop is not None)
-        if loop is not None:
-            return _run_loop(loop, stop=stop, peer=peer, reporter=reporter, name=name,
-                             options=options, log=log)
-        with reporter.idle() if reporter is not None else nullcontext():
-            pongs = _serve_idle(stop, peer, reporter, name, options)
-        log.info("agent_stopped", pongs_total=pongs)
-        return EXIT_OK
-    finally:
-        if loop is not None:
-            loop.trees.close()
-        if writer is not None:
-            writer.close()
-        if peer is not None:
-            peer.close()
-        if reporter is not None:
-            over = loop is not None and loop.state.phase in ("finished", "closed")
-            reporter.close(linger_ms=200 if over else 0)  # let the final beat leave
-        ctx.destroy(linger=0)
-        stop.close()
+        spec = read_spec(state_dir, name)
+        if spec is not None:
+            writer = WriterClient(ctx, state_dir, name)
+            proc.on_close(writer.close)
+            if reporter is not None:  # a full disk: beats go on while the writer says so
+                writer.storage_waiting = reporter.touch
+            loop = AgentLoop(name, state_dir, spec, writer, peer=peer, watch=reporter)
+            proc.on_close(loop.trees.close)
+            loop.rebuild()
+    except ConfigError as exc:
+        log.error("agent_spec_invalid", error=str(exc))
+        return EXIT_CONFIG
+    except CorralError as exc:
+        log.error("agent_rebuild_failed", error=str(exc))
+        return EXIT_STOPPED
+    if reporter is not None:
+        reporter.ready()
+    log.info("agent_started", join_broker=peer is not None, has_task=loop is not None)
+    if loop is not None:
+        return _run_loop(loop, stop=stop, peer=peer, reporter=reporter, name=name,
+                         options=options, log=log)
+    with reporter.idle() if reporter is not None else nullcontext():
+        pongs = _serve_idle(stop, peer, reporter, name, options)
+    log.info("agent_stopped", pongs_total=pongs)
+    return EXIT_OK
 
 
 def _watch_peer(poller: zmq.Poller, peer: BrokerPeer | None,
@@ -141,7 +119,7 @@ def _watch_peer(poller: zmq.Poller, peer: BrokerPeer | None,
     return watched
 
 
-def _serve_idle(stop: _StopFlag, peer: BrokerPeer | None, reporter: ControlReporter | None,
+def _serve_idle(stop: skeleton.Stop, peer: BrokerPeer | None, reporter: ControlReporter | None,
                 name: str, options: AgentOptions) -> int:
     """An agent without a task: answer pings until stopped; the pongs answered.
     It is idle throughout (`reporter.idle()` around it): no heartbeats to the
@@ -155,7 +133,7 @@ def _serve_idle(stop: _StopFlag, peer: BrokerPeer | None, reporter: ControlRepor
         watched = _watch_peer(poller, peer, watched)
         events = dict(poller.poll(wait_ms))
         if stop.read_fd in events:
-            os.read(stop.read_fd, 512)
+            stop.drain()
         if peer is not None:
             while (item := peer.recv(0)) is not None:
                 pongs += _answer(peer, name, *item)
@@ -166,8 +144,8 @@ def _serve_idle(stop: _StopFlag, peer: BrokerPeer | None, reporter: ControlRepor
 
 
 def _run_loop(
-    loop: AgentLoop, *, stop: _StopFlag, peer: BrokerPeer | None, reporter: ControlReporter | None,
-    name: str, options: AgentOptions, log: Any,
+    loop: AgentLoop, *, stop: skeleton.Stop, peer: BrokerPeer | None,
+    reporter: ControlReporter | None, name: str, options: AgentOptions, log: Any,
 ) -> int:
     """Step the agent loop; between steps answer pings and send heartbeats."""
     poller = zmq.Poller()
@@ -180,7 +158,7 @@ def _run_loop(
             watched = _watch_peer(poller, peer, watched)
             events = dict(poller.poll(0 if last is Step.PROGRESS else wait_ms))
             if stop.read_fd in events:
-                os.read(stop.read_fd, 512)
+                stop.drain()
                 continue
             if peer is not None:
                 while (item := peer.recv(0)) is not None:

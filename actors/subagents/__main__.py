@@ -8,13 +8,10 @@ their streams), 78 the state directory is unusable. See docs/changesets.md
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
-import signal
 import sys
 import time
-from types import FrameType
 
 import structlog
 import zmq
@@ -23,13 +20,12 @@ from actors.changesets.manifest import Limits
 from actors.subagents.host import ACTOR_NAME, SubagentsHost
 from actors.subagents.remotepack import PackLimits
 from actors.writer.client import WriterClient
-from broker import lifeline, logconfig, protocol, ratelimit
+from broker import lifeline, protocol, ratelimit, skeleton
 from broker.control import ControlReporter
-from broker.errors import ChangeSetRefusedError, CorralError, StateDirError
+from broker.errors import ChangeSetRefusedError, CorralError
 from broker.peer import BrokerPeer
 from broker.statedir import StateDir
 
-EXIT_CONFIG = 78
 # The loop sleeps in one poll of the broker socket and the wakeup pipe; it
 # wakes at least this often to heartbeat the broker and the supervisor.
 TICK_S = 0.25
@@ -98,103 +94,66 @@ def _handle(host: SubagentsHost, sender: str, message: protocol.Message) -> None
         host.peer.send(sender, reply)
 
 
-class _Wakeup:
-    """SIGTERM/SIGINT set `stopped`; those and SIGCHLD (a child exited) write a
-    byte to a pipe that the loop polls with the broker socket, so it wakes at
-    once instead of on its next tick."""
-
-    def __init__(self) -> None:
-        self.stopped = False
-        self.read_fd, self.write_fd = os.pipe()
-        os.set_blocking(self.read_fd, False)
-        os.set_blocking(self.write_fd, False)
-        signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
-        signal.signal(signal.SIGTERM, self._stop)
-        signal.signal(signal.SIGINT, self._stop)
-        signal.signal(signal.SIGCHLD, self._child)
-
-    def _stop(self, _signum: int, _frame: FrameType | None) -> None:
-        self.stopped = True
-
-    def _child(self, _signum: int, _frame: FrameType | None) -> None:
-        pass  # the byte in the pipe is the point: the loop reaps
-
-    def drain(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self.read_fd, 4096):
-                pass
-
-    def close(self) -> None:
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.close(self.read_fd)
-        os.close(self.write_fd)
-
-
-def serve(state: StateDir, limits: Limits, *, use_zygote: bool = True,
+def serve(proc: skeleton.Process, state: StateDir, limits: Limits, *, use_zygote: bool = True,
           log_args: list[str] | None = None, fleet_host: str | None = None,
           remote: bool = False, pack_limits: PackLimits | None = None,
           cow: bool = True) -> int:
     log = structlog.get_logger(ACTOR_NAME)
-    wake = _Wakeup()
+    # SIGCHLD wakes the poll too: an exited child is reaped at once, not on the next tick
+    wake = proc.stop_on_signals(wakeup=True, children=True)
     if use_zygote:
         try:  # the zygote's double-forked children must be adopted by this process
             lifeline.become_subreaper()
         except OSError as exc:
             log.warning("subreaper_refused", error=str(exc), fallback="fresh interpreters")
             use_zygote = False
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctx = proc.context()
     # a pulse: heartbeats go on while the loop waits on the writer or a build
     reporter = ControlReporter.from_env(ctx, ACTOR_NAME, pulse=True)
+    if reporter is not None:
+        proc.on_close(reporter.close)
     peer = BrokerPeer(ctx, state, reporter.actor if reporter else ACTOR_NAME)
+    proc.on_close(peer.close)
     writer = WriterClient(ctx, state, origin=ACTOR_NAME)
-    try:
-        host = SubagentsHost(state, peer, writer, limits, use_zygote=use_zygote,
-                             log_args=log_args, fleet_host=fleet_host, remote=remote,
-                             pack_limits=pack_limits, cow=cow)
-        host.watch = reporter
+    proc.on_close(writer.close)
+    host = SubagentsHost(state, peer, writer, limits, use_zygote=use_zygote,
+                         log_args=log_args, fleet_host=fleet_host, remote=remote,
+                         pack_limits=pack_limits, cow=cow)
+    host.watch = reporter
+    if reporter is not None:
+        reporter.ready()
+    log.info("subagents_started", children=len(host.children.records),
+             zygote=host.starter.use_zygote, cow=host.cow)
+    poller = zmq.Poller()
+    poller.register(wake.read_fd, zmq.POLLIN)
+    watched: zmq.Socket[bytes] | None = None
+    while not wake.stopped:
+        if watched is not peer.socket:  # replaced on reconnect
+            if watched is not None:
+                poller.unregister(watched)
+            watched = peer.socket
+            poller.register(watched, zmq.POLLIN)
+        while (item := peer.recv(0)) is not None:  # also heartbeats the broker
+            handle(host, *item)
+        host.reap()
+        host.settle()
         if reporter is not None:
-            reporter.ready()
-        log.info("subagents_started", children=len(host.children.records),
-                 zygote=host.starter.use_zygote, cow=host.cow)
-        poller = zmq.Poller()
-        poller.register(wake.read_fd, zmq.POLLIN)
-        watched: zmq.Socket[bytes] | None = None
-        while not wake.stopped:
-            if watched is not peer.socket:  # replaced on reconnect
-                if watched is not None:
-                    poller.unregister(watched)
-                watched = peer.socket
-                poller.register(watched, zmq.POLLIN)
-            while (item := peer.recv(0)) is not None:  # also heartbeats the broker
-                handle(host, *item)
-            host.reap()
-            host.settle()
-            if reporter is not None:
-                reporter.tick(lambda: dict(host.statistics().model_dump()))
-            wait_s = TICK_S
-            due = host.next_deadline()
-            if due is not None:
-                wait_s = min(wait_s, max(0.0, due - time.monotonic()))
-            events = dict(poller.poll(math.ceil(wait_s * 1000)))
-            if wake.read_fd in events:
-                wake.drain()
-        host.shutdown(wake.read_fd)
-        log.info("subagents_stopped", **host.statistics().model_dump())
-        return 0
-    finally:
-        writer.close()
-        peer.close()
-        if reporter is not None:
-            reporter.close()
-        ctx.destroy(linger=0)
-        wake.close()
+            reporter.tick(lambda: dict(host.statistics().model_dump()))
+        wait_s = TICK_S
+        due = host.next_deadline()
+        if due is not None:
+            wait_s = min(wait_s, max(0.0, due - time.monotonic()))
+        events = dict(poller.poll(math.ceil(wait_s * 1000)))
+        if wake.read_fd in events:
+            wake.drain()
+    host.shutdown(wake.read_fd)
+    log.info("subagents_stopped", **host.statistics().model_dump())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m actors.subagents", description=__doc__)
-    parser.add_argument("--state-dir", default=None)
-    logconfig.add_arguments(parser)
+    skeleton.add_arguments(parser)
     parser.add_argument("--max-files", type=int, default=64)
     parser.add_argument("--max-input-bytes", type=int, default=256 * 1024)
     parser.add_argument("--max-patch-bytes", type=int, default=512 * 1024)
@@ -209,20 +168,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="place children on other hosts and run theirs here")
     parser.add_argument("--remote-max-files", type=int, default=PackLimits.max_files)
     parser.add_argument("--remote-max-bytes", type=int, default=PackLimits.max_bytes)
-    args = parser.parse_args(argv)
-    try:
-        state = StateDir.at(args.state_dir).ensure()
-    except StateDirError as exc:
-        print(f"subagents: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    logconfig.configure(ACTOR_NAME, state.log_path(ACTOR_NAME), level=args.log_level,
-                        max_bytes=args.log_max_bytes, backups=args.log_backups, console=False)
+    proc = skeleton.Process(ACTOR_NAME)
+    return proc.run(lambda: _run(proc, parser.parse_args(argv)))
+
+
+def _run(proc: skeleton.Process, args: argparse.Namespace) -> int:
+    state = proc.state_dir(args.state_dir)
+    proc.configure_logging(state, args, console=False)
     limits = Limits(max_files=args.max_files, max_input_bytes=args.max_input_bytes,
                     max_patch_bytes=args.max_patch_bytes)
     # child agents log like their host
     log_args = ["--log-level", args.log_level, "--log-max-bytes", str(args.log_max_bytes),
                 "--log-backups", str(args.log_backups)]
-    return serve(state, limits, use_zygote=not args.no_zygote, log_args=log_args,
+    return serve(proc, state, limits, use_zygote=not args.no_zygote, log_args=log_args,
                  fleet_host=args.fleet_host, remote=args.remote_subagents,
                  pack_limits=PackLimits(max_files=args.remote_max_files,
                                         max_bytes=args.remote_max_bytes),

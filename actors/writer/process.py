@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from types import FrameType, ModuleType
+from types import ModuleType
 
 import structlog
 import zmq
@@ -34,7 +33,7 @@ from actors.writer.segments import DEFAULT_SEGMENT_BYTES, ActiveSegment
 from actors.writer.streamreader import StreamReader
 from actors.writer.transport import Transport
 from actors.writer.walgc import MARKER_STREAM, Collector, GcOptions
-from broker import appendwire, auth, curve, logconfig, memtrim, protocol, ratelimit
+from broker import appendwire, auth, memtrim, protocol, ratelimit, skeleton
 from broker import hooks as hook_loader
 from broker.control import ControlReporter
 from broker.errors import (
@@ -198,7 +197,8 @@ class Writer:
         self.endpoint = self.transport.endpoint
 
     # --- the loop -------------------------------------------------------------
-    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+    def request_stop(self) -> None:
+        """Return from serve() after the current turn (signal-safe)."""
         self._stopping = True
 
     def serve(self, reporter: ControlReporter | None) -> None:
@@ -435,7 +435,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[ModuleT
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     d = WriterOptions()
-    parser.add_argument("--state-dir", default=None, help="state directory (default ./.corral)")
+    skeleton.add_arguments(parser, binds=True, hooks=True)
     parser.add_argument("--segment-bytes", type=int, default=d.segment_bytes)
     parser.add_argument("--checkpoint-records", type=int, default=d.checkpoint_records)
     parser.add_argument("--checkpoint-interval-s", type=float, default=d.checkpoint_interval_s)
@@ -452,32 +452,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[ModuleT
     parser.add_argument("--gc-archive", action="store_true", help="archive truncated segments")
     parser.add_argument("--gc-disposable", action="append", default=[], metavar="PATTERN",
                         help="streams (fnmatch) that need nothing below the rewind horizon")
-    curve.add_arguments(parser)
-    logconfig.add_arguments(parser)
-    hook_loader.add_argument(parser)
-    modules = hook_loader.load(argv, parser)
-    return parser.parse_args(argv), modules
+    return skeleton.parse_args(parser, argv, hooks=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args, modules = parse_args(argv)
-    except ConfigError as exc:
-        print(f"writer: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    try:
-        state_dir = StateDir.at(args.state_dir).ensure()
-    except StateDirError as exc:
-        print(f"writer: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    log = logconfig.configure(
-        "writer",
-        state_dir.log_path("writer"),
-        level=args.log_level,
-        max_bytes=args.log_max_bytes,
-        backups=args.log_backups,
-    )
-    options = WriterOptions(
+def _options(args: argparse.Namespace) -> WriterOptions:
+    return WriterOptions(
         segment_bytes=args.segment_bytes,
         checkpoint_records=args.checkpoint_records,
         checkpoint_interval_s=args.checkpoint_interval_s,
@@ -495,77 +474,70 @@ def main(argv: list[str] | None = None) -> int:
             disposable=tuple(args.gc_disposable),
         ),
     )
+
+
+# How each failure ends the writer (docs/wal.md, "Exit codes of the writer"):
+# the first entry that matches (LockHeldError is a StateDirError, a
+# WalCorruptionError a WalError).
+EXITS = (
+    skeleton.Exit(WalCorruptionError, EXIT_CORRUPT, "wal_corrupt",
+                  "{exc}; run `supervisor wal verify` and repair before restarting",
+                  lambda exc: {"file": str(exc.path), "offset": exc.offset,
+                               "reason": exc.reason}),
+    skeleton.Exit(hooks.HaltedError, hooks.EXIT_HALTED, "writer_halted",
+                  "{exc}; nothing more is acknowledged here (docs/fleet.md)"),
+    skeleton.Exit(DurabilityError, EXIT_IO, "wal_write_failed",
+                  "{exc}; nothing of the failed batch was acknowledged"),
+    skeleton.Exit((ConfigError, auth.AuthError), EXIT_CONFIG, "writer_config_refused"),
+    skeleton.Exit(LockHeldError, EXIT_LOCKED, "writer_lock_held",
+                  "{exc}: another writer serves this state directory",
+                  lambda exc: {"lock": str(exc.lock_path), "holder_pid": exc.pid}),
+    skeleton.Exit(StateDirError, EXIT_CONFIG, "writer_state_dir_unusable"),
+    skeleton.Exit(WalError, EXIT_CORRUPT, "wal_unusable"),
+    skeleton.Exit(OSError, EXIT_IO, "writer_io_failed", "I/O error: {exc}",
+                  lambda _exc: {}, traceback=True),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    proc = skeleton.Process("writer", EXITS)
+    return proc.run(lambda: _run(proc, argv))
+
+
+def _run(proc: skeleton.Process, argv: list[str] | None) -> int:
+    """Recover the WAL, then bind and serve until SIGTERM (the order matters:
+    nothing is served before the WAL's head is known)."""
+    args, modules = parse_args(argv)
+    state_dir = proc.state_dir(args.state_dir)
+    log = proc.configure_logging(state_dir, args)
     fd_limit = raise_fd_limit()  # a connection or two an agent (broker/fdlimit.py)
-    writer = Writer(state_dir, options)
-    try:
-        writer.hooks = tuple(hook for make in hook_loader.factories(modules, "writer_hook")
-                             if (hook := make(args, state_dir)) is not None)
-    except ConfigError as exc:
-        print(f"writer: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    signal.signal(signal.SIGTERM, writer.request_stop)
-    signal.signal(signal.SIGINT, writer.request_stop)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    reporter = None
-    try:
-        writer.lock()
-        writer.recover()
-        for hook in writer.hooks:
-            hook.start()
-        writer.bind(ctx)
-        reporter = ControlReporter.from_env(ctx, "writer")
-        if reporter is not None:
-            reporter.ready()
-        log.info("writer_ready", endpoint=writer.endpoint, head_seq=writer.head,
-                 lane=writer.transport.lane is not None, fd_limit=fd_limit)
-        gcpolicy.settle()  # start-up's objects out of every later collection
-        writer.serve(reporter)
-    except WalCorruptionError as exc:
-        log.error("wal_corrupt", file=str(exc.path), offset=exc.offset, reason=exc.reason)
-        print(
-            f"writer: {exc}; run `supervisor wal verify` and repair before restarting",
-            file=sys.stderr,
-        )
-        return EXIT_CORRUPT
-    except hooks.HaltedError as exc:
-        log.error("writer_halted", error=str(exc))
-        print(f"writer: {exc}; nothing more is acknowledged here (docs/fleet.md)",
-              file=sys.stderr)
-        return hooks.EXIT_HALTED
-    except DurabilityError as exc:
-        log.error("wal_write_failed", error=str(exc))
-        print(f"writer: {exc}; nothing of the failed batch was acknowledged", file=sys.stderr)
-        return EXIT_IO
-    except (ConfigError, auth.AuthError) as exc:
-        log.error("writer_config_refused", error=str(exc))
-        print(f"writer: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except LockHeldError as exc:
-        log.error("writer_lock_held", lock=str(exc.lock_path), holder_pid=exc.pid)
-        print(f"writer: {exc}: another writer serves this state directory", file=sys.stderr)
-        return EXIT_LOCKED
-    except StateDirError as exc:
-        log.error("writer_state_dir_unusable", error=str(exc))
-        print(f"writer: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except WalError as exc:
-        log.error("wal_unusable", error=str(exc))
-        print(f"writer: {exc}", file=sys.stderr)
-        return EXIT_CORRUPT
-    except OSError as exc:
-        log.exception("writer_io_failed")
-        print(f"writer: I/O error: {exc}", file=sys.stderr)
-        return EXIT_IO
-    else:
-        writer.close()
-        log.info("writer_stopped", head_seq=writer.head)
-        return EXIT_OK
-    finally:
+    writer = Writer(state_dir, _options(args))
+    writer.hooks = tuple(hook for make in hook_loader.factories(modules, "writer_hook")
+                         if (hook := make(args, state_dir)) is not None)
+    proc.stop_on_signals(writer.request_stop)
+    ctx = proc.context()
+
+    def close_hooks() -> None:
         for hook in writer.hooks:
             hook.close()
-        if reporter is not None:
-            reporter.close()
-        ctx.destroy(linger=0)
+
+    proc.on_close(close_hooks)
+    writer.lock()
+    writer.recover()
+    for hook in writer.hooks:
+        hook.start()
+    writer.bind(ctx)
+    reporter = ControlReporter.from_env(ctx, "writer")
+    if reporter is not None:
+        proc.on_close(reporter.close)
+        reporter.ready()
+    log.info("writer_ready", endpoint=writer.endpoint, head_seq=writer.head,
+             lane=writer.transport.lane is not None, fd_limit=fd_limit)
+    gcpolicy.settle()  # start-up's objects out of every later collection
+    writer.serve(reporter)
+    writer.close()
+    log.info("writer_stopped", head_seq=writer.head)
+    return EXIT_OK
 
 
 if __name__ == "__main__":
