@@ -34,7 +34,7 @@ from broker.errors import CorralError
 from broker.statedir import StateDir
 from supervisor import automationgrants as grants
 from supervisor.automationconfig import AutomationConfig
-from supervisor.runtimeface import RuntimeFace
+from supervisor.runtime.face import RuntimeFace
 
 if TYPE_CHECKING:
     from actors.writer.client import WriterClient
@@ -638,7 +638,7 @@ class Automation:
 
 
 class _Runtime(RuntimeFace, Protocol):
-    """What `service` needs of the running supervisor (supervisor/runtime.py)."""
+    """What `service` needs of the running supervisor (supervisor/runtime/loop.py)."""
 
     automation: Automation
 
@@ -647,7 +647,7 @@ def service(rt: _Runtime, now: float) -> None:
     """Once per supervisor loop turn: hand the thread the agents' names, and
     spawn what the schedules fired (the supervisor's own spawn path)."""
     from actors.kernel.settings import Budget  # noqa: PLC0415
-    from supervisor import requests  # noqa: PLC0415
+    from supervisor.runtime import requests  # noqa: PLC0415
 
     auto = rt.automation
     if len(rt.children) != auto.children_seen or now >= auto.names_due:

@@ -346,7 +346,7 @@ def _pipeline_command(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from supervisor import up
+    from supervisor.runtime import up
 
     if args.detach:
         return up.detach(args.state_dir, args.config)
@@ -407,7 +407,8 @@ def _status(args: argparse.Namespace) -> int:
 
         return ctl.print_fleet_status(StateDir.resolve(args.state_dir),
                                            os.environ.get("CORRAL_FLEET_CONFIG"), args.json)
-    from supervisor import client, statusclient, statusfile, statusview
+    from supervisor import client, statusclient, statusview
+    from supervisor.runtime import statusfile
 
     state_dir = StateDir.resolve(args.state_dir)
     names: list[str] = args.names

@@ -211,7 +211,7 @@ def test_the_fleet_is_reached_only_through_its_hooks() -> None:
     hooks"): `broker` and `actors` never import it (the rule above: they import
     nothing of `supervisor`; their processes load it by name, `--hook`); the rest
     of `supervisor` imports it only inside the functions that run in fleet mode
-    (supervisor/hooks.py, the fleet commands), never at a module's top level."""
+    (supervisor/runtime/hooks.py, the fleet commands), never at a module's top level."""
     wrong = []
     for path in sorted((ROOT / "supervisor").rglob("*.py")):
         if (ROOT / "supervisor" / "fleet") in path.parents:

@@ -1,7 +1,7 @@
 """Per-child control, spawn and reload on a real running supervisor, through the
 real CLI: `status NAME`, `stop NAME`, `start NAME`, `remove NAME`, `spawn` with
-the running configuration, `reload` and SIGHUP (supervisor/requests.py,
-supervisor/reload.py)."""
+the running configuration, `reload` and SIGHUP (supervisor/runtime/requests.py,
+supervisor/runtime/reload.py)."""
 
 from __future__ import annotations
 
