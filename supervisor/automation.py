@@ -151,7 +151,7 @@ def prepare_pipeline_run(state_dir: StateDir, entry: registries.ScheduleEntry,
     fact's reply was lost keeps the file the fact was recorded with."""
     from actors.agent import catalog  # noqa: PLC0415
     from actors.pipelines import runfile  # noqa: PLC0415
-    from supervisor.pipelinecli import resolve  # noqa: PLC0415
+    from supervisor.cli.pipelinework import resolve  # noqa: PLC0415
 
     catalog.install()  # the ops a pipeline's steps may name
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from broker.statedir import StateDir
-from supervisor.cli import main
+from supervisor.cli.main import main
 from tests.processes import REPO_ROOT, ProcessTracker, wait_for
 from tests.test_supervisor_process import FAST, all_running, children, start, write_config
 
@@ -25,7 +25,7 @@ TASK = REPO_ROOT / "config" / "tasks" / "notes.yaml"
 
 
 class Cli:
-    """The real CLI (supervisor/cli.py main), run in this process against the real
+    """The real CLI (supervisor/cli/main.py main), run in this process against the real
     supervisor: no interpreter start per command, so the test stays short."""
 
     def __init__(self, state_dir: StateDir, capsys: pytest.CaptureFixture[str]) -> None:

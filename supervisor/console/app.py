@@ -27,7 +27,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker.statedir import StateDir, check_actor_name
-from supervisor import agentcli, statusclient
+from supervisor import statusclient
+from supervisor.cli import agents as agentcli
 from supervisor.console import views
 from supervisor.console.guard import COOKIE, BodyTooLargeError, Guard, GuardMiddleware
 from supervisor.console.live import Hub

@@ -126,7 +126,7 @@ def _spawn_message(state_dir: StateDir, agent: str, task: str,
     from actors.kernel.settings import load_task  # noqa: PLC0415
     from broker import protocol  # noqa: PLC0415
     from broker.requester import new_msg_id  # noqa: PLC0415
-    from supervisor.agentcli import parse_model  # noqa: PLC0415
+    from supervisor.cli.agents import parse_model  # noqa: PLC0415
 
     chosen = parse_model(model)
     directory = state_dir.root / "fleet-tasks"
