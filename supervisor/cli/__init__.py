@@ -2,5 +2,5 @@
 
 supervisor/cli/main.py parses and dispatches; each command module declares
 its commands in `COMMANDS` (supervisor/cli/command.py). Nothing is imported
-here. See docs/supervisor.md ("The command line").
+here. See docs/supervisor.md ("Code layout").
 """

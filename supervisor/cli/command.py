@@ -3,7 +3,7 @@
 Standard library only, and light (a NamedTuple, not a dataclass: `dataclasses`
 imports `inspect`): every run of `supervisor` loads it. The exit codes and
 the argument types the commands share live here too. See docs/supervisor.md
-("The command line").
+("Code layout").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Each command module of supervisor/cli/ declares its commands in `COMMANDS`
 `--help`'s order, so a run loads and builds only its own command's parser. A
 new command: its `Command` in its module, its name here, its usage line in
 `USAGE` (checked against the README by tests/acceptance/test_docs_match.py).
-See docs/supervisor.md ("The command line").
+See docs/supervisor.md ("Code layout").
 """
 
 from __future__ import annotations
