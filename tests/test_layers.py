@@ -222,6 +222,18 @@ def test_the_fleet_is_reached_only_through_its_hooks() -> None:
     assert wrong == []
 
 
+def test_the_runtime_never_imports_the_cli() -> None:
+    """supervisor/runtime/ (the running supervisor) imports nothing of
+    supervisor/cli/ (the operator's commands, docs/supervisor.md "Code layout");
+    the CLI may use the runtime's parts (`up`, the status file)."""
+    graph = _import_graph()
+    runtime = [m for m in graph if m.startswith("supervisor.runtime.")]
+    assert "supervisor.runtime.loop" in runtime and "supervisor.cli.main" in graph
+    wrong = [f"{m} imports {t}" for m in sorted(runtime) for t in sorted(graph[m])
+             if t == "supervisor.cli" or t.startswith("supervisor.cli.")]
+    assert wrong == []
+
+
 def test_the_fleet_check_sees_a_top_level_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("from supervisor.fleet import host\n\ndef f():\n"
