@@ -15,6 +15,7 @@ import argparse
 import re
 import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -320,7 +321,7 @@ def spawn(state_dir: StateDir, name: str, task: str, model: str | None, *,
                 affected=[name], backend=chosen["backend"], task=str(task_path))
 
 
-def _add_verdict(verb: str) -> Any:
+def _add_verdict(verb: str) -> Callable[[Any, Parents], None]:
     """`approve` and `deny`."""
 
     def add(sub: Any, parents: Parents) -> None:

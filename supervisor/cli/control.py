@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from broker import pidlock
@@ -62,7 +63,7 @@ def _add_kill(sub: Any, parents: Parents) -> None:
                       help="signal name or number (default TERM)")
 
 
-def _add_one(verb: str, text: str) -> Any:
+def _add_one(verb: str, text: str) -> Callable[[Any, Parents], None]:
     """`restart`, `start`, `remove`: one named child."""
 
     def add(sub: Any, parents: Parents) -> None:

@@ -10,6 +10,7 @@ See docs/storage.md ("Tiers: what may be collected").
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from supervisor.storage import StorageConfig
 
 
-def _add(verb: str, text: str) -> Any:
+def _add(verb: str, text: str) -> Callable[[Any, Parents], None]:
     def add(sub: Any, parents: Parents) -> None:
         store = sub.add_parser(verb, parents=[parents.common, parents.as_json], help=text)
         store.add_argument("--config", help="configuration file (its storage: caps)")
