@@ -151,7 +151,6 @@ def prepare_pipeline_run(state_dir: StateDir, entry: registries.ScheduleEntry,
     fact's reply was lost keeps the file the fact was recorded with."""
     from actors.agent import catalog  # noqa: PLC0415
     from actors.pipelines import runfile  # noqa: PLC0415
-    from supervisor.cli.pipelinework import resolve  # noqa: PLC0415
 
     catalog.install()  # the ops a pipeline's steps may name
 
@@ -168,7 +167,7 @@ def prepare_pipeline_run(state_dir: StateDir, entry: registries.ScheduleEntry,
                               f"(installed: {', '.join(gen.names()) or 'none'})")
         text, source = str(installed["text"]), f"registry:{target}@{gen.seq}"
     else:
-        text, source = resolve(state_dir, target)
+        text, source = store.pipeline_source(state_dir, target)
     run = runfile.RunFile(pipeline="", source=source, text=text, inputs=entry.inputs)
     pipeline = run.parsed()
     runfile.check_inputs(pipeline, entry.inputs)

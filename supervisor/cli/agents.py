@@ -258,25 +258,13 @@ def resume_action(agent: str, tokens: int, cost_units: float, request_id: str) -
     return act
 
 
-def parse_model(text: str | None) -> dict[str, Any]:
-    """`--model`: scripted | replay:STREAM | openai | openai:MODEL."""
-    if not text or text == "scripted":
-        return {"backend": "scripted"}
-    kind, _, rest = text.partition(":")
-    if kind == "replay" and rest:
-        return {"backend": "replay", "replay_stream": rest}
-    if kind == "openai":
-        return {"backend": "openai", "model": rest or None}
-    raise ValueError(f"unknown model {text!r}: use scripted, replay:STREAM, openai[:MODEL]")
-
-
 def spawn(state_dir: StateDir, name: str, task: str, model: str | None, *,
           as_json: bool = False) -> int:
     """Ask the running supervisor to add an agent. The supervisor writes the spec
     from *its* configuration's `agent:` settings, and only when it accepts."""
     import json
 
-    from actors.kernel.settings import load_task
+    from actors.kernel.settings import load_task, parse_model
     from broker import protocol
     from broker.errors import CorralError, RemoteError, RequestTimeoutError
     from broker.requester import new_msg_id
