@@ -26,7 +26,7 @@ The window opens WARMUP_S after the last agent's `ready` (the start's
 leftovers: the sampler's first USS reads, the zygote's pool refill) and
 after the supervisor's WATCHED_S following the bench's last status request
 (while someone looks, it samples every child each status interval:
-supervisor/publisher.py); no request is sent to the supervisor during it.
+supervisor/runtime/publisher.py); no request is sent to the supervisor during it.
 
 An A/B of the broker's heartbeats, what an idle agent still pays for (each
 peer and the broker beat each other every `broker.heartbeat_interval_ms`):
@@ -47,7 +47,7 @@ import psutil
 
 from broker.statedir import StateDir
 from ops.bench_spawn import RampCpu, Run, _busy_jiffies, _memory_mib
-from supervisor.publisher import WATCHED_S
+from supervisor.runtime.publisher import WATCHED_S
 
 IDLE_WINDOW_S = 30.0
 WARMUP_S = max(5.0, WATCHED_S + 2.0)

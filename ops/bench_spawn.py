@@ -62,7 +62,7 @@ last one's (`RampCpu`; per agent started in between):
                                 (Little's law)
 
 The supervisor asks the zygote for at most AGENTS_STARTING agents not yet
-ready (supervisor/starter.py), so `spawn_ready_ms` is one agent's start on a
+ready (supervisor/runtime/starter.py), so `spawn_ready_ms` is one agent's start on a
 machine shared with the others starting; the ramp of all of them is
 `n<count>_all_running_s`, from `supervisor up` to the last agent's
 `actor_ready` (docs/decisions.md, "Agents fork from a zygote: one clone, a

@@ -88,7 +88,7 @@ class Approver:
     def tick(self) -> None:
         from actors.sessions.rebuild import rebuild
         from broker.errors import CorralError
-        from supervisor.agentcli import answer_approval
+        from supervisor.cli.agents import answer_approval
 
         path = self.state_dir.approvals_ledger_path
         try:

@@ -1,6 +1,6 @@
-"""The process tree: child specs, restart policy, spawning, status and the CLI.
+"""The process tree (runtime/), the operator's CLI (cli/), the console, the fleet.
 
-May import `broker` and `actors`. See docs/supervisor.md and
+May import `broker` and `actors`. See docs/supervisor.md ("Code layout") and
 docs/architecture.md ("Layers").
 """
 

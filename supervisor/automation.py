@@ -34,7 +34,7 @@ from broker.errors import CorralError
 from broker.statedir import StateDir
 from supervisor import automationgrants as grants
 from supervisor.automationconfig import AutomationConfig
-from supervisor.runtimeface import RuntimeFace
+from supervisor.runtime.face import RuntimeFace
 
 if TYPE_CHECKING:
     from actors.writer.client import WriterClient
@@ -151,7 +151,6 @@ def prepare_pipeline_run(state_dir: StateDir, entry: registries.ScheduleEntry,
     fact's reply was lost keeps the file the fact was recorded with."""
     from actors.agent import catalog  # noqa: PLC0415
     from actors.pipelines import runfile  # noqa: PLC0415
-    from supervisor.pipelinecli import resolve  # noqa: PLC0415
 
     catalog.install()  # the ops a pipeline's steps may name
 
@@ -168,7 +167,7 @@ def prepare_pipeline_run(state_dir: StateDir, entry: registries.ScheduleEntry,
                               f"(installed: {', '.join(gen.names()) or 'none'})")
         text, source = str(installed["text"]), f"registry:{target}@{gen.seq}"
     else:
-        text, source = resolve(state_dir, target)
+        text, source = store.pipeline_source(state_dir, target)
     run = runfile.RunFile(pipeline="", source=source, text=text, inputs=entry.inputs)
     pipeline = run.parsed()
     runfile.check_inputs(pipeline, entry.inputs)
@@ -638,7 +637,7 @@ class Automation:
 
 
 class _Runtime(RuntimeFace, Protocol):
-    """What `service` needs of the running supervisor (supervisor/runtime.py)."""
+    """What `service` needs of the running supervisor (supervisor/runtime/loop.py)."""
 
     automation: Automation
 
@@ -647,7 +646,7 @@ def service(rt: _Runtime, now: float) -> None:
     """Once per supervisor loop turn: hand the thread the agents' names, and
     spawn what the schedules fired (the supervisor's own spawn path)."""
     from actors.kernel.settings import Budget  # noqa: PLC0415
-    from supervisor import requests  # noqa: PLC0415
+    from supervisor.runtime import requests  # noqa: PLC0415
 
     auto = rt.automation
     if len(rt.children) != auto.children_seen or now >= auto.names_due:

@@ -25,8 +25,8 @@ from actors.kernel.settings import AgentSettings, yaml_problem
 from broker.errors import ConfigError
 from supervisor.automationconfig import AutomationConfig
 from supervisor.fleetconfig import FleetConfig
-from supervisor.policy import Policy
 from supervisor.runconfig import RunSettings
+from supervisor.runtime.policy import Policy
 from supervisor.storage import StorageConfig
 
 
@@ -149,13 +149,13 @@ class BrokerOptions(_Strict):
 
 class MetricsConfig(_Strict):
     # host:port of the Prometheus endpoint (loopback only; port 0: any free port,
-    # written to run/metrics.port); null: no endpoint (supervisor/metrics.py)
+    # written to run/metrics.port); null: no endpoint (supervisor/runtime/metrics.py)
     listen: str | None = None
 
     @model_validator(mode="after")
     def _loopback(self) -> MetricsConfig:
         if self.listen is not None:
-            from supervisor.metrics import parse_listen  # noqa: PLC0415 - only when set
+            from supervisor.runtime.metrics import parse_listen  # noqa: PLC0415 - only when set
 
             parse_listen(self.listen)
         return self

@@ -23,7 +23,7 @@ from actors.kernel.settings import Budget, Rule
 from actors.kernel.state import AgentState
 from actors.sessions.rebuild import rebuild
 from broker.statedir import StateDir
-from supervisor.agentcli import answer_approval
+from supervisor.cli.agents import answer_approval
 from tests.agentkit import FakeWriter, spec, tree, write_task
 
 STREAM = "agent/a1"

@@ -21,7 +21,7 @@ from actors.kernel.settings import Rule, write_spec
 from actors.sessions.rebuild import rebuild
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
-from supervisor.agentcli import answer_approval
+from supervisor.cli.agents import answer_approval
 from tests.agentkit import spec, tree, write_task
 from tests.processes import ProcessTracker, wait_for
 from tests.test_writer import start_writer

@@ -224,7 +224,7 @@ def test_only_rows_that_changed_what_the_operator_follows_are_sent() -> None:
 
 def test_up_and_status_never_import_the_console() -> None:
     """The console is an optional part: the paths of `up` and `status` load none of it."""
-    code = ("import sys; import supervisor.cli, supervisor.up, supervisor.runtime, "
+    code = ("import sys; import supervisor.cli, supervisor.runtime.up, supervisor.runtime.loop, "
             "supervisor.statusclient; bad = sorted(m for m in sys.modules if "
             "m.startswith(('supervisor.console', 'starlette', 'uvicorn'))); print(bad)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -34,7 +34,7 @@ from actors.sessions.rebuild import rebuild
 from actors.trees.store import packs_dir
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
-from supervisor.agentcli import answer_approval
+from supervisor.cli.agents import answer_approval
 from supervisor.fleet.adopt import OBJECTS, uploaded_pack_size
 from supervisor.fleet.generations import gen_object, uploaded_generations
 from tests.agentkit import tree, write_task

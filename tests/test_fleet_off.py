@@ -1,6 +1,6 @@
 """With the fleet off (no `fleet.host`) no process imports any fleet code:
 the fleet attaches through named hooks only (broker/hooks.py,
-actors/writer/hooks.py, supervisor/hooks.py; docs/decisions.md, "Optional
+actors/writer/hooks.py, supervisor/runtime/hooks.py; docs/decisions.md, "Optional
 parts plug in through named hooks"). Checked on the real runtime: every
 interpreter it starts carries an import watch (a `sitecustomize` on
 PYTHONPATH) that records each fleet module imported, with its pid."""
@@ -24,7 +24,7 @@ from tests.test_supervisor_process import FAST, all_running, cli, start, write_c
 FLEET_PREFIXES = ("supervisor.fleet", "nats")
 MAINS = ("actors.writer.process", "broker.server", "actors.procs.__main__",
          "actors.subagents.__main__", "actors.agent.__main__", "actors.zygote",
-         "supervisor.cli", "supervisor.runtime", "supervisor.commands")
+         "supervisor.cli", "supervisor.runtime.loop", "supervisor.runtime.commands")
 
 WATCH = '''
 import os, sys

@@ -211,7 +211,7 @@ def test_the_fleet_is_reached_only_through_its_hooks() -> None:
     hooks"): `broker` and `actors` never import it (the rule above: they import
     nothing of `supervisor`; their processes load it by name, `--hook`); the rest
     of `supervisor` imports it only inside the functions that run in fleet mode
-    (supervisor/hooks.py, the fleet commands), never at a module's top level."""
+    (supervisor/runtime/hooks.py, the fleet commands), never at a module's top level."""
     wrong = []
     for path in sorted((ROOT / "supervisor").rglob("*.py")):
         if (ROOT / "supervisor" / "fleet") in path.parents:
@@ -220,6 +220,22 @@ def test_the_fleet_is_reached_only_through_its_hooks() -> None:
             if name == "supervisor.fleet" or name.startswith("supervisor.fleet."):
                 wrong.append(f"{path.relative_to(ROOT)} imports {name} at its top level")
     assert wrong == []
+
+
+def test_the_runtime_never_imports_the_cli() -> None:
+    """supervisor/runtime/ (the running supervisor) reaches nothing of
+    supervisor/cli/ (the operator's commands, docs/supervisor.md "Code layout"),
+    however indirectly; the CLI may use the runtime's parts (`up`, the status file)."""
+    graph = _import_graph()
+    assert "supervisor.runtime.up" in graph["supervisor.cli.up"]  # the other way is fine
+    reached = {m for m in graph if m.startswith("supervisor.runtime.")}
+    todo = list(reached)
+    while todo:
+        for target in graph[todo.pop()] - reached:
+            reached.add(target)
+            todo.append(target)
+    assert "supervisor.automation" in reached  # the walk goes past the runtime
+    assert sorted(m for m in reached if m.split(".")[:2] == ["supervisor", "cli"]) == []
 
 
 def test_the_fleet_check_sees_a_top_level_import(tmp_path: Path) -> None:

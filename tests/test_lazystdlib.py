@@ -11,7 +11,7 @@ import pytest
 
 MAINS = ["actors.writer.__main__", "broker.server", "actors.procs.__main__",
          "actors.subagents.__main__", "actors.agent.__main__", "actors.zygote",
-         "supervisor.cli"]
+         "supervisor.cli.main"]
 
 
 @pytest.mark.parametrize("module", MAINS)

@@ -23,10 +23,10 @@ from broker import protocol
 from broker.control import Call, ControlReporter, shows_life
 from broker.errors import ConfigError
 from supervisor import config as supconfig
-from supervisor import statusview
-from supervisor.children import Child
+from supervisor.cli import statusview
 from supervisor.config import ChildSpec
-from supervisor.monitor import GapDetector, overdue
+from supervisor.runtime.children import Child
+from supervisor.runtime.monitor import GapDetector, overdue
 from tests.processes import wait_for
 
 

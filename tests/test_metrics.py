@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker.errors import ConfigError
 from broker.statedir import StateDir
 from supervisor import config as config_mod
-from supervisor.metrics import ConfigError as ListenError
-from supervisor.metrics import parse_listen
+from supervisor.runtime.metrics import ConfigError as ListenError
+from supervisor.runtime.metrics import parse_listen
 from tests.agentkit import write_task
 from tests.processes import ProcessTracker, wait_for
 from tests.test_supervisor_process import children, cli

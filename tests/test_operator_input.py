@@ -31,7 +31,7 @@ from actors.kernel.state import AgentState
 from actors.sessions.rebuild import rebuild
 from actors.writer.client import WriterClient
 from broker.statedir import StateDir
-from supervisor.agentcli import answer_approval
+from supervisor.cli.agents import answer_approval
 from tests.agentkit import FakeWriter, spec, write_task
 from tests.processes import ProcessTracker, wait_for
 from tests.test_writer import start_writer

@@ -19,7 +19,7 @@ from actors.agent.loop import AgentLoop, Step
 from actors.kernel.settings import AgentSettings, AgentSpec, Permissions, Rule
 from actors.pipelines import dsl, runfile
 from broker.statedir import StateDir
-from supervisor.agentcli import answer_approval
+from supervisor.cli.agents import answer_approval
 from tests.agentkit import FakeWriter, tree
 
 catalog.install()  # the ops these tests parse and run (a process does it at start)

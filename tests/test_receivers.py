@@ -22,7 +22,7 @@ from broker.heartbeat import HeartbeatRule
 from broker.peer import BrokerPeer
 from broker.server import Broker
 from broker.statedir import StateDir
-from supervisor.control import ControlServer
+from supervisor.runtime.control import ControlServer
 
 Context = zmq.Context[zmq.Socket[bytes]]
 FIXTURES = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]

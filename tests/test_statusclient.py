@@ -115,7 +115,7 @@ def test_the_status_path_imports_no_pydantic(state_dir: StateDir,
     no pyzmq (supervisor/zmtp.py speaks the wire)."""
     seen: list[protocol.Message] = []
     thread = _serve(router, lambda req: [protocol.encode(_reply(req.msg_id))], seen)
-    code = ("import sys; from supervisor import cli; rc = cli.main(['status', '--json', "
+    code = ("import sys; from supervisor.cli.main import main; rc = main(['status', '--json', "
             f"'--state-dir', {str(state_dir.root)!r}]); print(rc, sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('pydantic', 'yaml', 'structlog', 'broker', 'zmq')))")
     lock = PidLock(state_dir.lock_path)

@@ -1,7 +1,9 @@
 """The command line's manners, without a running runtime: a closed pipe ends a
 command quietly, every refused argument is one line in the CLI's words,
 unknown names are errors with exit codes, `--version`/`--help` name corral,
-shell completion, and the warning about supervisord beside corral."""
+shell completion, the warning about supervisord beside corral, and the one
+dispatch of supervisor/cli/ (each module declares its commands; a run loads
+only its own)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import pytest
 from broker.pidlock import PidLock
 from broker.statedir import StateDir
 from supervisor import identity
-from supervisor.cli import main
+from supervisor.cli import main as cli_main
+from supervisor.cli.main import main
 from tests.processes import REPO_ROOT, ProcessTracker
 
 SUBCOMMANDS = ("up", "status", "stop", "start", "restart", "remove", "reload", "kill", "logs",
@@ -134,6 +137,33 @@ def test_completion_script_lists_the_subcommands(shell: str,
         assert "complete " in script
     else:
         assert script.startswith("#compdef supervisor")
+
+
+def test_each_command_is_declared_where_main_looks_for_it() -> None:
+    """`MODULES` (supervisor/cli/main.py) names, in order, exactly the commands each
+    module's `COMMANDS` declares, each with one handler; every parser is built."""
+    for module, names in cli_main.MODULES:
+        declared = cli_main.commands_of(module)
+        assert tuple(c.name for c in declared) == names, module
+        assert all((c.run is None) != (c.run_argv is None) for c in declared), module
+    listed = [name for _, names in cli_main.MODULES for name in names]
+    assert len(listed) == len(set(listed)) > 25
+    help_text = cli_main.parser().format_help()
+    assert all(f"    {name} " in help_text or f"    {name}\n" in help_text for name in listed)
+
+
+def test_a_command_loads_only_its_own_module() -> None:
+    """`supervisor status` imports supervisor/cli/status.py and no other command module."""
+    code = ("import sys; from supervisor.cli.main import main; "
+            "rc = main(['status', '--state-dir', sys.argv[1]]); "
+            "print(rc, *sorted(m for m in sys.modules if m.startswith('supervisor.cli.')))")
+    done = subprocess.run([sys.executable, "-c", code, str(REPO_ROOT / "no-such-state-dir")],
+                          capture_output=True, text=True, timeout=60, check=True)
+    rc, *loaded = done.stdout.split()
+    assert rc == "3"  # no supervisor there
+    commands = {module for module, _ in cli_main.MODULES}
+    assert {m.removeprefix("supervisor.cli.") for m in loaded} & commands == {"status"}, loaded
+    assert "supervisor.cli.main" in loaded
 
 
 def _fake_supervisord(root: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Each kind's command line carries the logging settings (supervisor/commands.py),
+"""Each kind's command line carries the logging settings (supervisor/runtime/commands.py),
 and so do the zygote's arguments, from which every forked agent configures its
 log. Real rotation per kind: tests/test_supervisor_control.py."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from broker.statedir import StateDir
-from supervisor import commands, reload
 from supervisor.config import ChildSpec, Config, LoggingConfig
 from supervisor.fleetconfig import OPERATOR_KEY_ENV
+from supervisor.runtime import commands, reload
 
 CORE = [ChildSpec(name="writer", kind="writer"), ChildSpec(name="broker", kind="broker")]
 

@@ -1,7 +1,7 @@
 """Per-child control, spawn and reload on a real running supervisor, through the
 real CLI: `status NAME`, `stop NAME`, `start NAME`, `remove NAME`, `spawn` with
-the running configuration, `reload` and SIGHUP (supervisor/requests.py,
-supervisor/reload.py)."""
+the running configuration, `reload` and SIGHUP (supervisor/runtime/requests.py,
+supervisor/runtime/reload.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from broker.statedir import StateDir
-from supervisor.cli import main
+from supervisor.cli.main import main
 from tests.processes import REPO_ROOT, ProcessTracker, wait_for
 from tests.test_supervisor_process import FAST, all_running, children, start, write_config
 
@@ -25,7 +25,7 @@ TASK = REPO_ROOT / "config" / "tasks" / "notes.yaml"
 
 
 class Cli:
-    """The real CLI (supervisor/cli.py main), run in this process against the real
+    """The real CLI (supervisor/cli/main.py main), run in this process against the real
     supervisor: no interpreter start per command, so the test stays short."""
 
     def __init__(self, state_dir: StateDir, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,9 +10,9 @@ import sys
 from broker import protocol
 from broker.statedir import StateDir
 from supervisor.config import load
-from supervisor.control import Incoming
-from supervisor.monitor import EARLY_EXIT_TTL_S, early_exit_applies, pid_alive
-from supervisor.runtime import Runtime
+from supervisor.runtime.control import Incoming
+from supervisor.runtime.loop import Runtime
+from supervisor.runtime.monitor import EARLY_EXIT_TTL_S, early_exit_applies, pid_alive
 
 
 def test_a_recent_exit_of_a_pid_nobody_holds_belongs_to_the_fork() -> None:

@@ -1,4 +1,4 @@
-"""Restart decisions (supervisor/policy.py) and the configuration model,
+"""Restart decisions (supervisor/runtime/policy.py) and the configuration model,
 tested apart from any process."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from broker.errors import ConfigError
 from supervisor import config as config_mod
-from supervisor.policy import (
+from supervisor.runtime.policy import (
     Exit,
     GiveUp,
     Policy,

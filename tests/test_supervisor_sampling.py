@@ -1,4 +1,4 @@
-"""The supervisor's resource samples (supervisor/sampling.py): USS reads are
+"""The supervisor's resource samples (supervisor/runtime/sampling.py): USS reads are
 bounded per pass (the never-read first, then round robin, within a time
 budget), a gone pid is skipped, and the thread hands back what it sampled."""
 
@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from supervisor.children import Child
 from supervisor.config import ChildSpec
-from supervisor.sampling import Sample, Sampler, SamplerThread, apply_samples
+from supervisor.runtime.children import Child
+from supervisor.runtime.sampling import Sample, Sampler, SamplerThread, apply_samples
 from tests.processes import wait_for
 
 
@@ -102,7 +102,7 @@ def test_the_thread_passes_on_the_uss_choice_of_each_submit(sleeper: int) -> Non
 
 def test_a_limited_pass_samples_that_many_pids_in_turn(sleeper: int) -> None:
     """While nobody looks, a pass reads `limit` children, the next ones each
-    pass (supervisor/publisher.py SAMPLE_TRICKLE): every child comes up in turn."""
+    pass (supervisor/runtime/publisher.py SAMPLE_TRICKLE): every child comes up in turn."""
     me = os.getpid()
     pids = [me, sleeper, me, sleeper, me]  # the order is what a pass walks
     sampler = Sampler()

@@ -1,4 +1,4 @@
-"""The supervisor's per-child scan (supervisor/scan.py `Scanner`): it runs at
+"""The supervisor's per-child scan (supervisor/runtime/scan.py `Scanner`): it runs at
 most every SCAN_INTERVAL_S or at the next deadline, not on every loop turn
 (a turn per heartbeat of 500 agents), and still restarts, kills and starts
 on time; an agent queued again no longer counts among those starting."""
@@ -13,12 +13,12 @@ import pytest
 
 from broker import protocol
 from broker.statedir import StateDir
-from supervisor import runtime as runtime_module
-from supervisor import starter as starter_module
 from supervisor.config import load
-from supervisor.control import Incoming
-from supervisor.runtime import Runtime
-from supervisor.scan import SCAN_INTERVAL_S
+from supervisor.runtime import loop as runtime_module
+from supervisor.runtime import starter as starter_module
+from supervisor.runtime.control import Incoming
+from supervisor.runtime.loop import Runtime
+from supervisor.runtime.scan import SCAN_INTERVAL_S
 
 
 @pytest.fixture
@@ -137,8 +137,8 @@ def test_an_agent_queued_again_is_not_counted_as_starting(state_dir: StateDir) -
     try:
         rt.starter.use_zygote = True
         rt.starter.zygote = None
-        from supervisor.children import Child
         from supervisor.config import ChildSpec
+        from supervisor.runtime.children import Child
 
         names = [f"agent-{i}" for i in range(starter_module.AGENTS_STARTING)]
         for name in names:

@@ -149,6 +149,19 @@ class Task(_Strict):
     steps: list[Any] = Field(default_factory=list)  # raw actions: validated by the loop
 
 
+def parse_model(text: str | None) -> dict[str, Any]:
+    """The model of `supervisor spawn --model`: scripted | replay:STREAM | openai |
+    openai:MODEL, as `AgentSpec` fields."""
+    if not text or text == "scripted":
+        return {"backend": "scripted"}
+    kind, _, rest = text.partition(":")
+    if kind == "replay" and rest:
+        return {"backend": "replay", "replay_stream": rest}
+    if kind == "openai":
+        return {"backend": "openai", "model": rest or None}
+    raise ValueError(f"unknown model {text!r}: use scripted, replay:STREAM, openai[:MODEL]")
+
+
 def spec_path(state_dir: StateDir, name: str) -> Path:
     return state_dir.config_dir / "agents" / f"{name}.json"
 

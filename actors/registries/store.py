@@ -132,6 +132,20 @@ def load_mcp(state_dir: StateDir) -> dict[str, McpServerEntry]:
     return _models(state_dir, "mcp", McpServerEntry)
 
 
+def pipeline_source(state_dir: StateDir, target: str) -> tuple[str, str]:
+    """(text, source) of a pipeline file, or else of the installed pipeline
+    named `target` (raises LookupError naming what is installed)."""
+    path = Path(target)
+    if path.is_file():
+        return path.read_text(encoding="utf-8"), str(path.resolve())
+    gen = newest(state_dir, "pipelines")
+    entry = gen.get(target)
+    if entry is None:
+        raise LookupError(f"no pipeline file or installed pipeline {target!r} "
+                          f"(installed: {', '.join(gen.names()) or 'none'})")
+    return str(entry["text"]), f"registry:{target}@{gen.seq}"
+
+
 def history(state_dir: StateDir, registry: str) -> list[Generation]:
     name = _check(registry)
     return [_read(directory(state_dir, name) / f"{s:020d}.json", name, s)

@@ -27,7 +27,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker.statedir import StateDir, check_actor_name
-from supervisor import agentcli, statusclient
+from supervisor import statusclient
+from supervisor.cli import agents as agent_commands
 from supervisor.console import views
 from supervisor.console.guard import COOKIE, BodyTooLargeError, Guard, GuardMiddleware
 from supervisor.console.live import Hub
@@ -162,10 +163,10 @@ def create_app(state_dir: StateDir, guard: Guard, config_path: str | None = None
 
     async def act(request: Request, action: Any, agent: str) -> Response:
         try:
-            line = await anyio.to_thread.run_sync(agentcli.operator_act, state_dir, agent,
+            line = await anyio.to_thread.run_sync(agent_commands.operator_act, state_dir, agent,
                                                   action)
-        except agentcli.OperatorRefusedError as exc:  # the CLI's line; usage: 400
-            return _refused(400 if exc.code == agentcli.EXIT_USAGE else 409, str(exc))
+        except agent_commands.OperatorRefusedError as exc:  # the CLI's line; usage: 400
+            return _refused(400 if exc.code == agent_commands.EXIT_USAGE else 409, str(exc))
         await live.refresh_queue()
         return JSONResponse({"ok": True, "line": line})
 
@@ -173,18 +174,19 @@ def create_app(state_dir: StateDir, guard: Guard, config_path: str | None = None
         body = ApprovalBody.model_validate(await _json(request))
         if body.always and body.decision == "deny":
             return _refused(400, "--always applies to approve only")
-        return await act(request, agentcli.approval_action(
+        return await act(request, agent_commands.approval_action(
             body.agent, body.request, deny=body.decision == "deny", always=body.always,
             note=body.note), body.agent)
 
     async def answer(request: Request) -> Response:
         body = AnswerBody.model_validate(await _json(request))
-        return await act(request, agentcli.answer_action(state_dir, body.agent, body.request,
-                                                         body.text), body.agent)
+        return await act(request, agent_commands.answer_action(
+            state_dir, body.agent, body.request, body.text), body.agent)
 
     async def correct(request: Request) -> Response:
         body = CorrectionBody.model_validate(await _json(request))
-        return await act(request, agentcli.correction_action(state_dir, body.agent, body.text),
+        return await act(request,
+                         agent_commands.correction_action(state_dir, body.agent, body.text),
                          body.agent)
 
     async def too_large(request: Request, exc: Exception) -> Response:

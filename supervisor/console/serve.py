@@ -62,7 +62,7 @@ def url_host(host: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The command (supervisor/cli.py dispatches `console` here)."""
+    """The command (supervisor/cli/console.py dispatches `console` here)."""
     import uvicorn  # noqa: PLC0415 - only this command needs the server
 
     from supervisor.config import load  # noqa: PLC0415

@@ -123,10 +123,9 @@ def _spawn_message(state_dir: StateDir, agent: str, task: str,
                    model: str | None) -> protocol.SpawnRequest:
     """The task text written under this host's state directory, checked, and the
     SpawnRequest naming it (as `supervisor spawn` on this host would send)."""
-    from actors.kernel.settings import load_task  # noqa: PLC0415
+    from actors.kernel.settings import load_task, parse_model  # noqa: PLC0415
     from broker import protocol  # noqa: PLC0415
     from broker.requester import new_msg_id  # noqa: PLC0415
-    from supervisor.agentcli import parse_model  # noqa: PLC0415
 
     chosen = parse_model(model)
     directory = state_dir.root / "fleet-tasks"

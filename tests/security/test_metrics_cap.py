@@ -1,7 +1,7 @@
 """The metrics endpoint cannot be made to pile up supervisor threads: idle
 connections beyond MAX_CONNECTIONS are closed at once, the ones it serves
 are dropped after CONNECTION_TIMEOUT_S of silence, and a scrape is answered
-again once the flood is gone (supervisor/metrics.py, docs/security.md)."""
+again once the flood is gone (supervisor/runtime/metrics.py, docs/security.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.metrics import MAX_CONNECTIONS, MetricsServer
+from supervisor.runtime.metrics import MAX_CONNECTIONS, MetricsServer
 from tests.processes import wait_for
 
 pytestmark = pytest.mark.timeout(60)

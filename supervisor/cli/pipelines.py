@@ -1,6 +1,7 @@
 """The argument parsers of `supervisor pipeline ...` and `supervisor registry ...`.
 
-Their work is in supervisor/pipelinecli.py, imported only when one runs.
+Their work is in supervisor/cli/pipelinework.py, imported only when one runs.
+See docs/pipelines.md and docs/registries.md.
 """
 
 from __future__ import annotations
@@ -8,17 +9,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from supervisor.cli.command import Command, Parents
+from supervisor.cli.command import seq as _seq
+
 REGISTRIES = ("pipelines", "schedules", "hooks", "mcp")
 
 
-def _seq(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a WAL seq (a whole number >= 1)")
-    return int(text)
-
-
-def add_parsers(sub: Any, common: argparse.ArgumentParser,
-                as_json: argparse.ArgumentParser) -> None:
+def _add_pipeline(sub: Any, parents: Parents) -> None:
+    common, as_json = parents
     pipeline = sub.add_parser("pipeline", help="run or check a pipeline (docs/pipelines.md)")
     verbs = pipeline.add_subparsers(dest="pipeline_command", required=True, metavar="VERB")
     run = verbs.add_parser("run", parents=[common, as_json],
@@ -30,6 +28,10 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser,
     run.add_argument("--timeout-s", type=float, default=600.0, help="with --wait")
     check = verbs.add_parser("check", parents=[common], help="check a pipeline file")
     check.add_argument("file")
+
+
+def _add_registry(sub: Any, parents: Parents) -> None:
+    common = parents.common
     registry = sub.add_parser("registry", help="the config registries (docs/pipelines.md, "
                                                "docs/automation.md)")
     rverbs = registry.add_subparsers(dest="registry_command", required=True, metavar="VERB")
@@ -45,19 +47,30 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser,
     restore.add_argument("seq", type=_seq)
 
 
-def dispatch(args: argparse.Namespace) -> int:
+def _run_pipeline(args: argparse.Namespace) -> int:
     from broker.statedir import StateDir  # noqa: PLC0415
-    from supervisor import pipelinecli as cli  # noqa: PLC0415
+    from supervisor.cli import pipelinework as work  # noqa: PLC0415
 
-    cli.quiet_logs()
+    work.quiet_logs()
+    if args.pipeline_command == "check":
+        return work.check(args.file)
+    return work.run(StateDir.resolve(args.state_dir), args.target, args.input,
+                    runner=args.runner, wait=args.wait, timeout_s=args.timeout_s,
+                    as_json=args.json)
+
+
+def _run_registry(args: argparse.Namespace) -> int:
+    from broker.statedir import StateDir  # noqa: PLC0415
+    from supervisor.cli import pipelinework as work  # noqa: PLC0415
+
+    work.quiet_logs()
     state_dir = StateDir.resolve(args.state_dir)
-    if args.command == "pipeline":
-        if args.pipeline_command == "check":
-            return cli.check(args.file)
-        return cli.run(state_dir, args.target, args.input, runner=args.runner, wait=args.wait,
-                       timeout_s=args.timeout_s, as_json=args.json)
     if args.registry_command == "show":
-        return cli.registry_show(state_dir, args.registry, args.seq)
+        return work.registry_show(state_dir, args.registry, args.seq)
     if args.registry_command == "apply":
-        return cli.registry_apply(state_dir, args.op, args.args)
-    return cli.registry_restore(state_dir, args.seq)
+        return work.registry_apply(state_dir, args.op, args.args)
+    return work.registry_restore(state_dir, args.seq)
+
+
+COMMANDS = (Command("pipeline", _add_pipeline, _run_pipeline),
+            Command("registry", _add_registry, _run_registry))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from supervisor.children import Child
+from supervisor.runtime.children import Child
 
 USS_PER_PASS = 25
 USS_BUDGET_S = 0.05

@@ -1,6 +1,6 @@
 """One child's bookkeeping as the supervisor sees it, and its status line.
 
-Facts only; decisions are supervisor/policy.py's. See docs/supervisor.md
+Facts only; decisions are supervisor/runtime/policy.py's. See docs/supervisor.md
 ("Status").
 """
 
@@ -12,7 +12,7 @@ from typing import Literal
 
 from broker.protocol import Busy, ChildStatus
 from supervisor.config import ChildSpec
-from supervisor.policy import Exit, Policy
+from supervisor.runtime.policy import Exit, Policy
 
 State = Literal["starting", "running", "backoff", "exited", "fatal", "stopping", "stopped"]
 

@@ -1,7 +1,7 @@
 """The per-child scan: restarts due, stop deadlines and liveness, at most
 every SCAN_INTERVAL_S or at the next deadline, over the watched children.
 
-The runtime (supervisor/runtime.py) watches a child when it gives it a
+The runtime (supervisor/runtime/loop.py) watches a child when it gives it a
 deadline or it beats. See docs/supervisor.md ("Liveness").
 """
 
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from supervisor import monitor, spawner
+from supervisor.runtime import monitor, spawner
 
 if TYPE_CHECKING:
-    from supervisor.children import Child
+    from supervisor.runtime.children import Child
 
 # The per-child scan (liveness, restarts, stop deadlines) runs this often at
 # most, or at the next deadline, not on every loop turn: with 500 children a

@@ -21,7 +21,7 @@ from broker.errors import ConfigError, LockHeldError, StateDirError
 from broker.statedir import StateDir
 
 if TYPE_CHECKING:
-    from supervisor.runtime import Runtime
+    from supervisor.runtime.loop import Runtime
 
 EXIT_INTERNAL = 1
 EXIT_LOCKED = 75
@@ -99,7 +99,7 @@ def run(state_arg: str | None, config_arg: str | None, *, quiet: bool = False) -
     from broker.pidlock import PidLock
     from supervisor import config as config_mod
     from supervisor import identity
-    from supervisor.runtime import Runtime
+    from supervisor.runtime.loop import Runtime
 
     foreign = identity.foreign_supervisor()
     if foreign is not None:
@@ -163,7 +163,7 @@ def run(state_arg: str | None, config_arg: str | None, *, quiet: bool = False) -
 def detach(state_arg: str | None, config_arg: str | None) -> int:
     """Start `supervisor up` in the background and return once it is serving."""
     from broker import pidlock
-    from supervisor import statusfile
+    from supervisor.runtime import statusfile
 
     state_dir = StateDir.resolve(state_arg)
     try:

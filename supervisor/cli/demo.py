@@ -100,7 +100,7 @@ class Progress:
 def _answers(config: config_mod.Config, writer: Any, name: str, state: AgentState,
              state_dir: StateDir) -> None:
     from actors.kernel import operator_input
-    from supervisor.agentcli import answer_approval
+    from supervisor.cli.agents import answer_approval
 
     for approval in state.pending_approvals():
         for rule in config.run.answers:

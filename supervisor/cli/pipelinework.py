@@ -63,21 +63,6 @@ def _operator_writer(state_dir: StateDir) -> tuple[zmq.Context[zmq.Socket[bytes]
                              credential=credential)
 
 
-def resolve(state_dir: StateDir, target: str) -> tuple[str, str]:
-    """(text, source) of a pipeline file or an installed pipeline."""
-    from actors.registries import store
-
-    path = Path(target)
-    if path.is_file():
-        return path.read_text(encoding="utf-8"), str(path.resolve())
-    gen = store.newest(state_dir, "pipelines")
-    entry = gen.get(target)
-    if entry is None:
-        raise LookupError(f"no pipeline file or installed pipeline {target!r} "
-                          f"(installed: {', '.join(gen.names()) or 'none'})")
-    return str(entry["text"]), f"registry:{target}@{gen.seq}"
-
-
 def check(target: str) -> int:
     from actors.agent import catalog
     from actors.pipelines import dsl
@@ -97,6 +82,7 @@ def run(state_dir: StateDir, target: str, pairs: list[str], *, runner: str | Non
         wait: bool, timeout_s: float, as_json: bool) -> int:
     from actors.agent import catalog
     from actors.pipelines import runfile
+    from actors.registries import store
     from broker import protocol
     from broker.errors import CorralError, RemoteError, RequestTimeoutError
     from broker.requester import new_msg_id
@@ -106,7 +92,7 @@ def run(state_dir: StateDir, target: str, pairs: list[str], *, runner: str | Non
     catalog.install()  # the ops a pipeline's steps may name
     try:
         inputs = parse_inputs(pairs)
-        text, source = resolve(state_dir, target)
+        text, source = store.pipeline_source(state_dir, target)
         run_file = runfile.build(pipeline="", source=source, text=text, inputs=inputs)
         pipeline = run_file.parsed()
         runfile.check_inputs(pipeline, inputs)

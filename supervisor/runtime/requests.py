@@ -12,15 +12,15 @@ import structlog
 
 from broker import protocol
 from broker.errors import ConfigError
-from supervisor import reload as reload_plan
-from supervisor import spawner
-from supervisor.children import Child
 from supervisor.config import CORE_KINDS, DEFAULT_CONFIG_PATH, KIND_ORDER
 from supervisor.config import load as load_config
+from supervisor.runtime import reload as reload_plan
+from supervisor.runtime import spawner
+from supervisor.runtime.children import Child
 
 if TYPE_CHECKING:
     from actors.kernel.settings import Budget
-    from supervisor.runtimeface import RuntimeFace
+    from supervisor.runtime.face import RuntimeFace
 
 log = structlog.get_logger("supervisor")
 Reply = protocol.Ack | protocol.Error

@@ -7,11 +7,13 @@ See docs/trees.md ("Rewind", "Fork").
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Any
 
 from broker.statedir import StateDir
+from supervisor.cli.command import Command, Parents
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SUPERVISOR, EXIT_NO_ANSWER = 0, 1, 2, 3, 4
 STOPPED = frozenset({"stopped", "exited", "fatal"})
@@ -149,3 +151,36 @@ def fork(state_dir: StateDir, ref: str, new: str, *, at_turn: int | None, as_jso
         return EXIT_OK
 
     return _with_writer(state_dir, agent, act)
+
+
+def _add_rewind(sub: Any, parents: Parents) -> None:
+    back = sub.add_parser("rewind", parents=[parents.common, parents.as_json],
+                          help="rewind a stopped session to a turn (supervisor/cli/trees.py)")
+    back.add_argument("ref", help="an agent's name (its newest session), or that session's id")
+    back.add_argument("--to-turn", type=int, default=None,
+                      help="keep turns 1..N of the newest session")
+    back.add_argument("--to-seq", type=int, default=None,
+                      help="cut at this record of the newest session's active branch")
+
+
+def _run_rewind(args: argparse.Namespace) -> int:
+    return rewind(StateDir.resolve(args.state_dir), args.ref, to_turn=args.to_turn,
+                  to_seq=args.to_seq, as_json=args.json)
+
+
+def _add_fork(sub: Any, parents: Parents) -> None:
+    branch = sub.add_parser("fork", parents=[parents.common, parents.as_json],
+                            help="fork a session into a new agent at a turn")
+    branch.add_argument("ref", help="a session id (or a unique prefix), or an agent's name "
+                                    "(its newest session)")
+    branch.add_argument("--name", required=True, help="the new agent's name")
+    branch.add_argument("--at-turn", type=int, default=None,
+                        help="after this turn of that session (default: its last)")
+
+
+def _run_fork(args: argparse.Namespace) -> int:
+    return fork(StateDir.resolve(args.state_dir), args.ref, args.name, at_turn=args.at_turn,
+                as_json=args.json)
+
+
+COMMANDS = (Command("rewind", _add_rewind, _run_rewind), Command("fork", _add_fork, _run_fork))

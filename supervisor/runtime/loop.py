@@ -25,14 +25,15 @@ from actors.procs import launch
 from actors.writer.hooks import EXIT_HALTED
 from broker import lifeline, protocol
 from broker.statedir import StateDir
-from supervisor import automation, monitor, requests, spawner, storage
-from supervisor.children import Child
+from supervisor import automation, storage
 from supervisor.config import CORE_KINDS, KIND_ORDER, Config
-from supervisor.control import ControlServer, Incoming
-from supervisor.policy import Exit, GiveUp, Restart, decide, trim
-from supervisor.publisher import StatusPublisher
-from supervisor.scan import Scanner
-from supervisor.starter import Starter
+from supervisor.runtime import monitor, requests, spawner
+from supervisor.runtime.children import Child
+from supervisor.runtime.control import ControlServer, Incoming
+from supervisor.runtime.policy import Exit, GiveUp, Restart, decide, trim
+from supervisor.runtime.publisher import StatusPublisher
+from supervisor.runtime.scan import Scanner
+from supervisor.runtime.starter import Starter
 
 EXIT_OK = 0
 EXIT_WAL_CORRUPT = 65  # the writer found the WAL corrupt: the operator must act

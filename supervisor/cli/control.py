@@ -10,24 +10,99 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from broker import pidlock, protocol
+from broker import pidlock
 from broker.errors import RemoteError, RequestTimeoutError
-from broker.requester import new_msg_id
 from broker.statedir import StateDir
 from supervisor import client
+from supervisor.cli.command import (
+    EXIT_FAILED,
+    EXIT_NO_ANSWER,
+    EXIT_NO_SUPERVISOR,
+    EXIT_OK,
+    Command,
+    Parents,
+    positive,
+)
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_NO_SUPERVISOR = 3
-EXIT_NO_ANSWER = 4
+if TYPE_CHECKING:
+    from broker import protocol
+
 REQUEST_TIMEOUT_S = 5.0
 
 
+def signal_number(text: str) -> int:
+    """`--signal`: a name (TERM, SIGTERM, kill) or a number 1..64."""
+    import signal
+
+    if text.isdigit():
+        number = int(text)
+        if 1 <= number <= 64:
+            return number
+        raise argparse.ArgumentTypeError(f"{text} is not a signal number (1..64)")
+    name = text.upper()
+    name = name if name.startswith("SIG") else f"SIG{name}"
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"unknown signal {text!r} (a name like TERM, KILL, HUP or a number 1..64)"
+        ) from None
+
+
+def _add_kill(sub: Any, parents: Parents) -> None:
+    kill = sub.add_parser("kill", parents=[parents.common, parents.as_json],
+                          help="signal a child's process group")
+    kill.add_argument("target", metavar="NAME|all")
+    kill.add_argument("--signal", "-s", default=15, type=signal_number,
+                      help="signal name or number (default TERM)")
+
+
+def _add_one(verb: str, text: str) -> Callable[[Any, Parents], None]:
+    """`restart`, `start`, `remove`: one named child."""
+
+    def add(sub: Any, parents: Parents) -> None:
+        one = sub.add_parser(verb, parents=[parents.common, parents.as_json], help=text)
+        one.add_argument("target", metavar="NAME")
+        if verb == "remove":
+            one.add_argument("--timeout-s", type=positive, default=120.0)
+
+    return add
+
+
+def _add_stop(sub: Any, parents: Parents) -> None:
+    stop = sub.add_parser("stop", parents=[parents.common, parents.as_json],
+                          help="stop one child (it stays stopped) or the whole tree")
+    stop.add_argument("target", nargs="?", default=None, metavar="NAME")
+    stop.add_argument("--timeout-s", type=positive, default=120.0)
+
+
+def _add_reload(sub: Any, parents: Parents) -> None:
+    sub.add_parser("reload", parents=[parents.common, parents.as_json],
+                   help="re-read the configuration; restart only what changed")
+
+
+def _run_fleet_aware(args: argparse.Namespace) -> int:
+    """`kill`, `stop`, `start` of HOST:AGENT go to that host (docs/fleet.md)."""
+    target = getattr(args, "target", None) or ""
+    if ":" in target:
+        from supervisor.fleet import ctl
+
+        return ctl.remote_control(StateDir.resolve(args.state_dir),
+                                  os.environ.get("CORRAL_FLEET_CONFIG"), args.command,
+                                  target, sig=getattr(args, "signal", 15), as_json=args.json)
+    return run(args)
+
+
 def _message(args: argparse.Namespace) -> client.Request:
+    from broker import protocol
+    from broker.requester import new_msg_id
+
     target: str = getattr(args, "target", None) or ""
     match args.command:
         case "kill":
@@ -73,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a field the protocol refuses: say it in our words
         return _emit(args, 2, f"{args.command}: invalid argument ({str(exc).splitlines()[0]})",
                      error="usage")
+    from broker import protocol
+
     holder = pidlock.read_holder(state_dir.lock_path)
     try:
         reply = client.ask(state_dir, message, timeout_s=REQUEST_TIMEOUT_S)
@@ -141,6 +218,9 @@ def _wait_tree_down(args: argparse.Namespace, state_dir: StateDir, holder: int |
 def _wait_child(args: argparse.Namespace, state_dir: StateDir, target: str,
                 affected: list[str]) -> int:
     """`stop NAME` returns when the child is down; `remove NAME` when it is gone."""
+    from broker import protocol
+    from broker.requester import new_msg_id
+
     deadline = time.monotonic() + args.timeout_s
     while True:
         try:
@@ -163,3 +243,15 @@ def _wait_child(args: argparse.Namespace, state_dir: StateDir, target: str,
                          f"{target} still {child.state if child else 'there'} after "
                          f"{args.timeout_s:g}s", error="timeout")
         time.sleep(0.05)
+
+
+COMMANDS = (
+    Command("kill", _add_kill, _run_fleet_aware),
+    Command("restart", _add_one("restart", "restart one child"), run),
+    Command("start", _add_one("start", "start a stopped, exited or fatal child"),
+            _run_fleet_aware),
+    Command("remove", _add_one("remove", "stop an agent and drop its spec (its history stays)"),
+            run),
+    Command("stop", _add_stop, _run_fleet_aware),
+    Command("reload", _add_reload, run),
+)

@@ -3,26 +3,61 @@
 See docs/storage.md ("Tiers: what may be collected").
 """
 
+# Imports inside functions are deliberate: parsing loads neither pydantic nor
+# the collectors.
+# ruff: noqa: PLC0415
+
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from broker.statedir import StateDir
-from supervisor import storage
-from supervisor.config import load
+from supervisor.cli.command import Command, Parents
+
+if TYPE_CHECKING:
+    from broker.statedir import StateDir
+    from supervisor import storage
+    from supervisor.storage import StorageConfig
 
 
-def run(args: argparse.Namespace) -> int:
-    state_dir = StateDir.resolve(args.state_dir)
-    config = load(Path(args.config) if args.config else None).storage
-    if args.command == "du":
-        usage = storage.du(state_dir, config)
-        if args.json:
-            print(storage.as_json(usage))
-        else:
-            _print_usage(usage)
-        return 0
+def _add(verb: str, text: str) -> Callable[[Any, Parents], None]:
+    def add(sub: Any, parents: Parents) -> None:
+        store = sub.add_parser(verb, parents=[parents.common, parents.as_json], help=text)
+        store.add_argument("--config", help="configuration file (its storage: caps)")
+        if verb == "gc":
+            store.add_argument("--dry-run", action="store_true", help="only report")
+            store.add_argument("--timeout-s", type=float, default=120.0,
+                               help="how long to wait for the writer's WAL pass")
+
+    return add
+
+
+def _caps(args: argparse.Namespace) -> tuple[StateDir, StorageConfig]:
+    from broker.statedir import StateDir
+    from supervisor.config import load
+
+    return (StateDir.resolve(args.state_dir),
+            load(Path(args.config) if args.config else None).storage)
+
+
+def _run_du(args: argparse.Namespace) -> int:
+    from supervisor import storage
+
+    state_dir, config = _caps(args)
+    usage = storage.du(state_dir, config)
+    if args.json:
+        print(storage.as_json(usage))
+    else:
+        _print_usage(usage)
+    return 0
+
+
+def _run_gc(args: argparse.Namespace) -> int:
+    from supervisor import storage
+
+    state_dir, config = _caps(args)
     report = storage.gc(state_dir, config, dry_run=args.dry_run, timeout_s=args.timeout_s)
     if args.json:
         print(storage.as_json(report))
@@ -92,3 +127,9 @@ def reclaimable(report: storage.GcReport) -> int:
         total += max(0, _int(report.trees.get("bytes_before"))
                      - _int(report.trees.get("bytes_after")))
     return total
+
+
+COMMANDS = (
+    Command("du", _add("du", "storage usage per tier and per session"), _run_du),
+    Command("gc", _add("gc", "run a storage collection pass now (docs/storage.md)"), _run_gc),
+)

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from broker.statedir import StateDir
-from supervisor import commands
 from supervisor.config import ChildSpec, Config
+from supervisor.runtime import commands
 
 
 @dataclass(frozen=True)

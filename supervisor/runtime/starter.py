@@ -1,7 +1,7 @@
 """Starting children: fresh interpreters or forks of the zygote, the fork
 queue and its pacing, and the zygote's own life (start, restart, retire).
 
-The runtime (supervisor/runtime.py) owns the children; this part starts
+The runtime (supervisor/runtime/loop.py) owns the children; this part starts
 them and hands each pid back to it. See docs/supervisor.md ("Process tree")
 and docs/decisions.md ("Agents fork from a zygote: one clone, a pool, paced
 starts").
@@ -21,9 +21,9 @@ import structlog
 from actors.zygotewire import Forked
 from broker.control import ENV_HEARTBEAT_TIMEOUT
 from broker.errors import SpawnError
-from supervisor import commands, monitor, spawner
-from supervisor.children import Child, describe_exit
-from supervisor.policy import Exit, Policy, Restart, decide, trim
+from supervisor.runtime import commands, monitor, spawner
+from supervisor.runtime.children import Child, describe_exit
+from supervisor.runtime.policy import Exit, Policy, Restart, decide, trim
 
 if TYPE_CHECKING:
     from broker.auth import Keyring

@@ -1,4 +1,5 @@
-"""The operator's agent commands: spawn, approve, deny, answer, correct, resume.
+"""The operator's agent commands: approve, deny, answer, correct, resume, and the
+work of `spawn` (supervisor/cli/spawn.py declares it: it may go to another host).
 
 Each rebuilds the agent's state to check what it answers is pending, then
 appends under a key derived from the request. See docs/agents.md
@@ -10,13 +11,16 @@ appends under a key derived from the request. See docs/agents.md
 
 from __future__ import annotations
 
+import argparse
 import re
 import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from broker.statedir import StateDir
+from supervisor.cli.command import Command, Parents
 
 if TYPE_CHECKING:
     from actors.kernel.state import AgentState
@@ -254,25 +258,13 @@ def resume_action(agent: str, tokens: int, cost_units: float, request_id: str) -
     return act
 
 
-def parse_model(text: str | None) -> dict[str, Any]:
-    """`--model`: scripted | replay:STREAM | openai | openai:MODEL."""
-    if not text or text == "scripted":
-        return {"backend": "scripted"}
-    kind, _, rest = text.partition(":")
-    if kind == "replay" and rest:
-        return {"backend": "replay", "replay_stream": rest}
-    if kind == "openai":
-        return {"backend": "openai", "model": rest or None}
-    raise ValueError(f"unknown model {text!r}: use scripted, replay:STREAM, openai[:MODEL]")
-
-
 def spawn(state_dir: StateDir, name: str, task: str, model: str | None, *,
           as_json: bool = False) -> int:
     """Ask the running supervisor to add an agent. The supervisor writes the spec
     from *its* configuration's `agent:` settings, and only when it accepts."""
     import json
 
-    from actors.kernel.settings import load_task
+    from actors.kernel.settings import load_task, parse_model
     from broker import protocol
     from broker.errors import CorralError, RemoteError, RequestTimeoutError
     from broker.requester import new_msg_id
@@ -315,3 +307,78 @@ def spawn(state_dir: StateDir, name: str, task: str, model: str | None, *,
                     detail=exc.detail)
     return done(EXIT_OK, f"spawned {name} ({chosen['backend']}, task {task_path.name})",
                 affected=[name], backend=chosen["backend"], task=str(task_path))
+
+
+def _add_verdict(verb: str) -> Callable[[Any, Parents], None]:
+    """`approve` and `deny`."""
+
+    def add(sub: Any, parents: Parents) -> None:
+        verdict = sub.add_parser(verb, parents=[parents.common], help=f"{verb} an agent's request")
+        verdict.add_argument("agent")
+        verdict.add_argument("request")
+        verdict.add_argument("--note", default=None)
+        if verb == "approve":
+            verdict.add_argument("--always", action="store_true",
+                                 help="also allow this op on this pattern from now on")
+
+    return add
+
+
+def _run_approve(args: argparse.Namespace) -> int:
+    return approve(StateDir.resolve(args.state_dir), args.agent, args.request, deny=False,
+                   always=args.always, note=args.note)
+
+
+def _run_deny(args: argparse.Namespace) -> int:
+    return approve(StateDir.resolve(args.state_dir), args.agent, args.request, deny=True,
+                   always=False, note=args.note)
+
+
+def _add_answer(sub: Any, parents: Parents) -> None:
+    reply = sub.add_parser("answer", parents=[parents.common], help="answer an agent's question")
+    reply.add_argument("agent")
+    reply.add_argument("request")
+    reply.add_argument("text", nargs="?", default=None)
+    reply.add_argument("--file", default=None, help="read the answer from this file")
+
+
+def _run_answer(args: argparse.Namespace) -> int:
+    return answer(StateDir.resolve(args.state_dir), args.agent, args.request, args.text,
+                  args.file)
+
+
+def _add_correct(sub: Any, parents: Parents) -> None:
+    correction = sub.add_parser("correct", parents=[parents.common],
+                                help="tell an agent something at its next model request")
+    correction.add_argument("agent")
+    correction.add_argument("text", nargs="?", default=None)
+    correction.add_argument("--file", default=None, help="read the correction from this file")
+
+
+def _run_correct(args: argparse.Namespace) -> int:
+    return correct(StateDir.resolve(args.state_dir), args.agent, args.text, args.file)
+
+
+def _add_resume(sub: Any, parents: Parents) -> None:
+    more = sub.add_parser("resume", parents=[parents.common],
+                          help="resume an agent paused on budget")
+    more.add_argument("agent")
+    more.add_argument("--budget", type=int, required=True, help="tokens to add")
+    more.add_argument("--cost-units", type=float, default=0.0, help="cost units to add")
+    more.add_argument("--request-id", default=None, metavar="ID",
+                      help="this request's id (default: a new one); the same id again "
+                           "is written once (docs/operator-input.md)")
+
+
+def _run_resume(args: argparse.Namespace) -> int:
+    return resume(StateDir.resolve(args.state_dir), args.agent, args.budget, args.cost_units,
+                  args.request_id)
+
+
+COMMANDS = (
+    Command("approve", _add_verdict("approve"), _run_approve),
+    Command("deny", _add_verdict("deny"), _run_deny),
+    Command("answer", _add_answer, _run_answer),
+    Command("correct", _add_correct, _run_correct),
+    Command("resume", _add_resume, _run_resume),
+)

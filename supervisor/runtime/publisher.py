@@ -1,7 +1,7 @@
 """Status publishing: the status rounds (samples), run/status.json, the
 Prometheus endpoint and the status hooks, each at the cost of what changed.
 
-The runtime (supervisor/runtime.py) marks a change and calls a round every
+The runtime (supervisor/runtime/loop.py) marks a change and calls a round every
 status interval. See docs/supervisor.md ("Status").
 """
 
@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 import structlog
 
 from broker import protocol
-from supervisor import statusfile
-from supervisor.hooks import StatusHook, status_hooks
-from supervisor.sampling import SamplerThread, apply_samples
+from supervisor.runtime import statusfile
+from supervisor.runtime.hooks import StatusHook, status_hooks
+from supervisor.runtime.sampling import SamplerThread, apply_samples
 
 if TYPE_CHECKING:
     from broker.statedir import StateDir
-    from supervisor.children import Child
     from supervisor.config import Config
-    from supervisor.metrics import MetricsServer
+    from supervisor.runtime.children import Child
+    from supervisor.runtime.metrics import MetricsServer
 
 # run/status.json is rewritten when a child's state changes, at most every
 # status interval; otherwise this often (its counters, samples and ages), so
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 STATUS_REFRESH_S = 30.0
 # While nobody asked for a status for this long (and no metrics endpoint nor
 # fleet wants samples), a sampling pass reads only SAMPLE_TRICKLE children in
-# turn instead of all of them (supervisor/sampling.py).
+# turn instead of all of them (supervisor/runtime/sampling.py).
 WATCHED_S = 10.0
 SAMPLE_TRICKLE = 16
 
@@ -52,7 +52,7 @@ class StatusPublisher:
         self.asked_at = -WATCHED_S  # monotonic: the last status request
         self.error: int | None = None  # errno of the failing status.json write
         self.metrics: MetricsServer | None = None  # started by start_metrics() when configured
-        self.hooks: list[StatusHook] = []  # the fleet's host (supervisor/hooks.py)
+        self.hooks: list[StatusHook] = []  # the fleet's host (supervisor/runtime/hooks.py)
 
     def start_hooks(self, config: Config) -> None:
         """The status hooks that `config` asks for (docs/fleet.md)."""
@@ -131,7 +131,7 @@ class StatusPublisher:
         listen = config.metrics.listen
         if listen is None:
             return
-        from supervisor.metrics import MetricsServer  # noqa: PLC0415 - only when configured
+        from supervisor.runtime.metrics import MetricsServer  # noqa: PLC0415 - only when configured
 
         server = MetricsServer(listen, self.state_dir.run_dir / "metrics.port")
         try:

@@ -1,6 +1,6 @@
 """What the request handlers may touch of a running supervisor: the
-`RuntimeFace` protocol that supervisor/runtime.py's `Runtime` satisfies, so
-the handlers (supervisor/requests.py) need not import the runtime that calls
+`RuntimeFace` protocol that supervisor/runtime/loop.py's `Runtime` satisfies, so
+the handlers (supervisor/runtime/requests.py) need not import the runtime that calls
 them. See docs/architecture.md.
 """
 
@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from broker.statedir import StateDir
-    from supervisor.children import Child
     from supervisor.config import Config
-    from supervisor.starter import Starter
+    from supervisor.runtime.children import Child
+    from supervisor.runtime.starter import Starter
 
 
 class RuntimeFace(Protocol):

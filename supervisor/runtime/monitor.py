@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from broker import lifeline
-from supervisor.children import Child
+from supervisor.runtime.children import Child
 
 
 @dataclass(frozen=True)

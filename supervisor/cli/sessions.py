@@ -14,12 +14,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from supervisor.cli.command import Command, Parents
+
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
 PROG = "supervisor sessions"
 MAX_LABEL = 200
 
 
-def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+def _add(sub: Any, parents: Parents) -> None:
+    common = parents.common
     sessions = sub.add_parser("sessions", help="list, show, label, archive, purge sessions")
     verbs = sessions.add_subparsers(dest="verb", required=True, metavar="VERB",
                                     parser_class=type(sessions))
@@ -180,7 +183,7 @@ def _reindex(root: Path, args: argparse.Namespace) -> int:
 def _purge(root: Path, args: argparse.Namespace) -> int:
     from actors.sessions import purge
     from broker.statedir import StateDir
-    from supervisor.treecli import agent_running
+    from supervisor.cli.trees import agent_running
 
     def live(agent: str) -> str | None:  # the agent's process, when the supervisor runs it
         return agent_running(StateDir(root), agent)
@@ -223,3 +226,6 @@ def _purge(root: Path, args: argparse.Namespace) -> int:
 
 _VERBS = {"list": _list, "show": _show, "label": _label, "archive": _archive,
           "unarchive": _archive, "reindex": _reindex, "purge": _purge}
+
+
+COMMANDS = (Command("sessions", _add, run),)
