@@ -191,7 +191,7 @@ def _end_to_end(root: Path, ws: Path, runs: int, sent: list[float],
                 before_each: Callable[[int], None] = lambda n: None,
                 ) -> tuple[list[float], bytes]:
     state = StateDir(root / ".corral").ensure()
-    task = _child_task(root)
+    task = _child_task(ws)  # in the workspace: a task file outside it is refused
     started_procs: list[subprocess.Popen[bytes]] = []
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     peer: BrokerPeer | None = None

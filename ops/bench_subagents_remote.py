@@ -81,7 +81,7 @@ def run(quick: bool = False) -> dict[str, object]:
                                  "--remote-subagents"], root / f"s-{host}.out"))
         ws = root / "ws"
         size = _workspace(ws, files)
-        task = root / "child.yaml"
+        task = ws / "child.yaml"  # in the workspace: a task file outside it is refused
         task.write_text(yaml.safe_dump({"name": "child", "steps": [
             *({"op": "edit_file", "path": f"d{i % 20}/f{i}.txt", "old": f"line {i}\n",
                "new": f"edited {i}\n"} for i in range(EDITS)),

@@ -66,8 +66,10 @@ CHILD_STEPS: list[dict[str, Any]] = [
 ]
 
 
-def parent_steps(child_task: Path, host: str | None) -> list[dict[str, Any]]:
-    spawn: dict[str, Any] = {"op": "spawn_subagent", "task": str(child_task),
+def parent_steps(host: str | None) -> list[dict[str, Any]]:
+    """The parent writes its child's task into its workspace (a task file
+    outside it is refused), then delegates."""
+    spawn: dict[str, Any] = {"op": "spawn_subagent", "task": "child.yaml",
                              "descriptor": "renamer", "wait_s": 60}
     if host is not None:
         spawn["host"] = host
@@ -75,6 +77,8 @@ def parent_steps(child_task: Path, host: str | None) -> list[dict[str, Any]]:
         {"op": "write_file", "path": "src/app.py",
          "content": "def greet():\n    return 'hi'\n\nprint(greet())\n"},
         {"op": "write_file", "path": "README.md", "content": "readme\n"},
+        {"op": "write_file", "path": "child.yaml",
+         "content": yaml.safe_dump({"name": "child", "steps": CHILD_STEPS})},
         spawn,
         {"op": "subagent_changes", "subagent_id": "latest"},
         {"op": "apply_subagent", "subagent_id": "latest"},
@@ -166,9 +170,8 @@ def test_a_subagent_runs_on_another_host_and_its_change_set_applies_here(
         # answers `forbidden`: only another host's subagents may talk to it)
         wait_for(lambda: _reaches(probe, f"{hb}:subagents"), 30, "B reachable from A",
                  interval_s=0.3)
-        child_task = write_task(tmp_path / "child.yaml", CHILD_STEPS)
         for name, host in (("remote-p", hb), ("local-p", None)):
-            task = write_task(tmp_path / f"{name}.yaml", parent_steps(child_task, host))
+            task = write_task(tmp_path / f"{name}.yaml", parent_steps(host))
             done = cli(processes, state_dir, "spawn", name, "--task", str(task), "--json")
             assert done.returncode == 0, done.stdout + done.stderr
         with WriterClient(ctx, state_dir, "probe-a") as writer_a, \
@@ -183,13 +186,13 @@ def test_a_subagent_runs_on_another_host_and_its_change_set_applies_here(
             assert (remote_ws / "docs/NOTES.md").read_text() == "written by the child\n"
             got = results(writer_a, "remote-p")
             assert [(r["op"], r["status"]) for r in got] == [
-                ("write_file", "ok"), ("write_file", "ok"), ("spawn_subagent", "ok"),
-                ("subagent_changes", "ok"), ("apply_subagent", "ok"),
+                ("write_file", "ok"), ("write_file", "ok"), ("write_file", "ok"),
+                ("spawn_subagent", "ok"), ("subagent_changes", "ok"), ("apply_subagent", "ok"),
                 ("apply_subagent", "error"), ("finish", "ok")], got
-            assert got[2]["result"]["status"] == "ready"
-            assert {f["path"] for f in got[2]["result"]["files"]} == {"src/app.py",
+            assert got[3]["result"]["status"] == "ready"
+            assert {f["path"] for f in got[3]["result"]["files"]} == {"src/app.py",
                                                                        "docs/NOTES.md"}
-            assert "already_applied" in got[5]["result"]["error"]
+            assert "already_applied" in got[6]["result"]["error"]
             # the child ran on B, not on A: A's record names B, B's names A
             mine = next(c for c in registry(state_dir) if c["parent"] == "remote-p")
             assert mine["host"] == hb and mine["state"] == "applied" and mine["pid"] is None
@@ -222,6 +225,7 @@ def test_a_subagent_runs_on_another_host_and_its_change_set_applies_here(
         ws = tmp_path / "ws3"
         (ws / "src").mkdir(parents=True)
         (ws / "src/app.py").write_text("def greet():\n    return 'hi'\n")
+        child_task = write_task(ws / "child.yaml", CHILD_STEPS)  # in the workspace
         first = spawn(probe, ws, child_task, hb, "k-resend")
         again = spawn(probe, ws, child_task, hb, "k-resend", wait_s=30)
         assert again.subagent_id == first.subagent_id and again.state == "ended", again

@@ -57,7 +57,8 @@ steps:
   - {op: terminal_input, proc_id: "{last_terminal}", text: "typed\\n"}
   - {op: terminal_read, proc_id: "{last_terminal}"}
   - {op: terminal_end, proc_id: "{last_terminal}"}
-  - {op: spawn_subagent, task: "%s", descriptor: helper}
+  - {op: write_file, path: child.yaml, content: %s}
+  - {op: spawn_subagent, task: child.yaml, descriptor: helper}
   - {op: subagent_changes, subagent_id: latest}
   - {op: apply_subagent, subagent_id: latest}
   - {op: ask, question: "all good?"}
@@ -108,8 +109,7 @@ def test_every_file_of_a_full_session_is_classified(
         processes: ProcessTracker, state_dir: StateDir) -> None:
     rows = classification()
     tmp = state_dir.root.parent
-    (tmp / "child.yaml").write_text(CHILD)
-    (tmp / "full.yaml").write_text(FULL % (tmp / "child.yaml"))
+    (tmp / "full.yaml").write_text(FULL % json.dumps(CHILD))  # the child's task: in the workspace
     config = fast_config(state_dir, agent={"approval_poll_ms": 20}, timeout_s=120,
                          tasks=[str(tmp / "full.yaml")])
     # twice: `supervisor run` again in the same directory is a new session of
@@ -125,7 +125,7 @@ def test_every_file_of_a_full_session_is_classified(
     assert listed.returncode == 0, listed.stderr
     sessions = json.loads(listed.stdout)
     assert [(s["number"], s["status"], s["turns"]) for s in sessions] == [
-        (1, "finished", 21), (2, "finished", 21)]
+        (1, "finished", 22), (2, "finished", 22)]  # the 22 steps of FULL
     assert sessions[1]["previous"] == sessions[0]["session_id"]
     children = [s for s in sessions if s["parent_agent"]]
     assert children == []  # the subagents' sessions are their own agents'

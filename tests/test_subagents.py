@@ -124,10 +124,10 @@ def test_parent_spawns_child_reads_and_applies_its_change_set_once(
     (ws / "src").mkdir(parents=True)
     (ws / "src/app.py").write_text("def greet():\n    return 'hi'\n\nprint(greet())\n")
     (ws / "README.md").write_text("readme\n")
+    (ws / "child.yaml").write_text(CHILD_TASK)  # the child's task: in the workspace
     original = tmp / "original"
     shutil.copytree(ws, original)
-    (tmp / "child.yaml").write_text(CHILD_TASK)
-    (tmp / "parent.yaml").write_text(PARENT_TASK % (tmp / "child.yaml"))
+    (tmp / "parent.yaml").write_text(PARENT_TASK % (ws / "child.yaml"))
     write_spec(state_dir, "agent-1", AgentSpec(task=str(tmp / "parent.yaml"), workspace=str(ws)))
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     peer = BrokerPeer(ctx, state_dir, "probe")
@@ -211,7 +211,7 @@ def test_host_sigkilled_mid_child_resumes_the_child_and_delivers_its_change_set(
     ws = tmp / "ws"
     ws.mkdir()
     (ws / "keep.txt").write_text("keep\n")
-    (tmp / "child.yaml").write_text(CRASH_CHILD_TASK)
+    (ws / "child.yaml").write_text(CRASH_CHILD_TASK)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     peer = BrokerPeer(ctx, state_dir, "agent-9")
     writer = WriterClient(ctx, state_dir, "test")
@@ -219,7 +219,7 @@ def test_host_sigkilled_mid_child_resumes_the_child_and_delivers_its_change_set(
         wait_for(lambda: _ping(peer, "procs") and _ping(peer, "subagents"), 20, "hosts")
         first = peer.request("subagents", protocol.SpawnSubagent(
             msg_id=new_msg_id("s"), parent="agent-9", workspace=str(ws),
-            task=str(tmp / "child.yaml"), wait_s=0), timeout_s=10)
+            task=str(ws / "child.yaml"), wait_s=0), timeout_s=10)
         assert isinstance(first, protocol.SubagentReply)
         assert first.state == "running"
         child = f"agent-9.{first.subagent_id}"
@@ -332,7 +332,7 @@ def rig(processes: ProcessTracker, state_dir: StateDir) -> Iterator[Rig]:
     ws = state_dir.root.parent / "ws"
     ws.mkdir()
     (ws / "keep.txt").write_text("keep\n")
-    (state_dir.root.parent / "asking.yaml").write_text(ASKING_CHILD_TASK)
+    (ws / "asking.yaml").write_text(ASKING_CHILD_TASK)  # in the workspace
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     peer = BrokerPeer(ctx, state_dir, "agent-7")
     writer = WriterClient(ctx, state_dir, "test")
@@ -364,7 +364,7 @@ def test_child_is_a_fork_of_the_hosts_zygote_or_without_it_a_fresh_interpreter(
     host = rig.start_host("subagents", *([] if use_zygote else ["--no-zygote"]), env=supervised)
     if use_zygote:  # else the first spawn may find it still preloading: a fresh interpreter
         wait_for(lambda: rig.stats()["zygote_ready"] == 1, 20, "the zygote preloaded")
-    first = rig.spawn(str(rig.ws.parent / "asking.yaml"))
+    first = rig.spawn(str(rig.ws / "asking.yaml"))
     assert first.state == "running"
     child = f"agent-7.{first.subagent_id}"
     wait_for(lambda: rig.asking(child), 20, "the child waiting for its answer")
@@ -403,7 +403,7 @@ def test_host_sigkilled_leaves_no_child_or_zygote_and_a_restart_resumes_the_chil
     carries on from its stream (its question still pending)."""
     host = rig.start_host("subagents")
     wait_for(lambda: rig.stats()["zygote_ready"] == 1, 20, "the zygote preloaded")
-    first = rig.spawn(str(rig.ws.parent / "asking.yaml"))
+    first = rig.spawn(str(rig.ws / "asking.yaml"))
     child = f"agent-7.{first.subagent_id}"
     wait_for(lambda: rig.asking(child), 20, "the child waiting for its answer")
     pid = rig.registry()[first.subagent_id]["pid"]
@@ -490,7 +490,7 @@ def test_remaining_budget_is_limit_plus_extra_minus_use_floored_at_zero(
     assert remaining(limit, used) == left
 
 
-def test_a_relative_task_path_resolves_inside_the_workspace_and_cannot_escape(
+def test_a_task_path_resolves_inside_the_workspace_and_cannot_escape(
     tmp_path: Path,
 ) -> None:
     ws = tmp_path / "ws"
@@ -499,7 +499,12 @@ def test_a_relative_task_path_resolves_inside_the_workspace_and_cannot_escape(
     (tmp_path / "outside.yaml").write_text("name: outside\n")
     (ws / "out").symlink_to(tmp_path)
     assert task_path(ws, "tasks/child.yaml") == str((ws / "tasks/child.yaml").resolve())
-    assert task_path(ws, str(tmp_path / "outside.yaml")) == str(tmp_path / "outside.yaml")
+    # an absolute path: inside the workspace as a relative one, else refused
+    assert task_path(ws, str(ws / "tasks/child.yaml")) == str((ws / "tasks/child.yaml").resolve())
+    with pytest.raises(PathRefusedError):
+        task_path(ws, str(tmp_path / "outside.yaml"))
+    with pytest.raises(PathRefusedError):
+        task_path(ws, str(ws / "out/outside.yaml"))  # inside by name, a link out
     for escape in ("../outside.yaml", "out/outside.yaml", "~/x.yaml", "tasks/../../x"):
         with pytest.raises(PathRefusedError):
             task_path(ws, escape)

@@ -18,7 +18,7 @@ from actors.changesets.confined import NO_GUARD
 from actors.kernel import workspace
 from actors.kernel.ops import Done, OpBase, OpContext, OpSpec, Outcome
 from broker import protocol
-from broker.errors import RemoteError, RequestTimeoutError
+from broker.errors import PathRefusedError, RemoteError, RequestTimeoutError
 from broker.requester import new_msg_id
 from broker.statedir import StateDir
 
@@ -105,11 +105,17 @@ class ApplySubagentOp(OpBase):
 
 
 def task_path(ws: Path, task: str, state_dir: StateDir | None = None) -> str:
-    """The task file the child runs: an absolute path as given; a relative one
-    inside the parent's workspace (PathRefusedError when it escapes: `..`, a
+    """The task file the child runs, inside the parent's workspace: the model
+    names it, so it must not reach a file the agent was never given
+    (PathRefusedError when it escapes: `..`, an absolute path elsewhere, a
     symlink, `~`, or the state directory when `state_dir` is given)."""
     if os.path.isabs(task):
-        return str(Path(task).resolve())
+        inside = os.path.normpath(task)
+        roots = [r for r in (os.path.normpath(ws), str(ws.resolve()))
+                 if inside != r and os.path.commonpath([r, inside]) == r]
+        if not roots:
+            raise PathRefusedError(task, "a task file outside the workspace")
+        task = os.path.relpath(inside, roots[0])
     guard = workspace.guard_for(state_dir) if state_dir is not None else None
     return str(workspace.resolve(ws, task, write=False, guard=guard or NO_GUARD))
 

@@ -110,10 +110,10 @@ def test_sets_changed_after_build_are_refused_as_tampered(
     ws = tmp / "ws"
     (ws / "src").mkdir(parents=True)
     (ws / "src" / "app.py").write_text("print('parent')\n")
+    (ws / "child.yaml").write_text(CHILD_TASK)  # the child's task: in the workspace
     original = tree(ws)
     one, two = subagent_id("agent-1", "1.0"), subagent_id("agent-1", "2.0")
-    (tmp / "child.yaml").write_text(CHILD_TASK)
-    (tmp / "parent.yaml").write_text(PARENT_TASK % {"task": tmp / "child.yaml", "one": one,
+    (tmp / "parent.yaml").write_text(PARENT_TASK % {"task": ws / "child.yaml", "one": one,
                                                     "two": two})
     write_spec(state_dir, "agent-1", AgentSpec(task=str(tmp / "parent.yaml"), workspace=str(ws)))
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
