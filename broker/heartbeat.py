@@ -29,25 +29,38 @@ class HeartbeatRule:
 
 @dataclass
 class PeerTable:
-    """The broker's view of its peers: identity -> last time a frame came in."""
+    """The broker's view of its peers: identity -> last time a frame came in.
+    A quiet peer (an idle actor, `BrokerPeer.hush`) is neither sent
+    heartbeats nor expired until it sends anything else."""
 
     rule: HeartbeatRule
     last_seen: dict[bytes, float] = field(default_factory=dict)
+    quiet: set[bytes] = field(default_factory=set)
 
     def touch(self, name: bytes, now: float) -> bool:
         """Record a sign of life; True when `name` was not known before."""
         new = name not in self.last_seen
         self.last_seen[name] = now
+        if self.quiet:
+            self.quiet.discard(name)
         return new
+
+    def hush(self, name: bytes) -> None:
+        """`name` said it is idle: no beats to it, no expiry, until it speaks."""
+        if name in self.last_seen:
+            self.quiet.add(name)
 
     def forget(self, name: bytes) -> bool:
         """Drop a peer (it disconnected); True if it was known."""
+        self.quiet.discard(name)
         return self.last_seen.pop(name, None) is not None
 
     def expire(self, now: float) -> list[tuple[bytes, float]]:
-        """Remove and return the peers silent longer than the expiry, with their silence."""
+        """Remove and return the peers silent longer than the expiry, with
+        their silence (a quiet peer is never expired)."""
         limit = self.rule.expiry_s
-        dead = [(name, now - seen) for name, seen in self.last_seen.items() if now - seen > limit]
+        dead = [(name, now - seen) for name, seen in self.last_seen.items()
+                if now - seen > limit and name not in self.quiet]
         for name, _ in dead:
             del self.last_seen[name]
         return dead
@@ -56,7 +69,10 @@ class PeerTable:
         return len(self.last_seen)
 
     def names(self) -> list[bytes]:
-        return list(self.last_seen)
+        """The peers owed a heartbeat (the quiet ones are not)."""
+        if not self.quiet:
+            return list(self.last_seen)
+        return [name for name in self.last_seen if name not in self.quiet]
 
 
 @dataclass

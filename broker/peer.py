@@ -89,6 +89,9 @@ class BrokerPeer:
         self._retries = 0
         self._limiter = ratelimit.LogLimiter(log.warning)
         self._beat_frame = protocol.encode(protocol.Heartbeat(actor=name, pid=self._pid))
+        self._idle_frame = protocol.encode(
+            protocol.Heartbeat(actor=name, pid=self._pid, values={"idle": 1}))
+        self._quiet = False  # hush(): idle, no heartbeats either way
         self._live = Liveness(self.rule, last_heard=time.monotonic())
         self._watch: HandshakeWatch | None = None
         self._sock = self._open()
@@ -132,8 +135,35 @@ class BrokerPeer:
         self._sock.close(linger=0)
 
     # --- heartbeats -------------------------------------------------------------
+    def hush(self) -> None:
+        """Idle: tell the broker (one heartbeat marked `idle`), which then
+        neither beats to this peer nor expires it; this side sends no beats
+        and judges nothing from the silence. The connection itself carries
+        liveness meanwhile: libzmq reconnects to a restarted broker, and
+        `tick` says `idle` again on the new connection (docs/broker.md,
+        "Idle peers"). Any other frame sent ends the quiet at the broker;
+        call again after it, or `wake()` to beat again."""
+        self._quiet = True
+        with contextlib.suppress(zmq.Again):
+            self._sock.send_multipart([_BROKER, self._idle_frame], zmq.NOBLOCK)
+
+    def wake(self) -> None:
+        """End `hush`: beat at once, a full expiry window from now."""
+        self._quiet = False
+        self._live.reset(time.monotonic())
+        self.tick()
+
+    @property
+    def monitor(self) -> zmq.Socket[bytes] | None:
+        """The socket that reports this peer's handshakes (for an idle poller)."""
+        return self._watch.monitor if self._watch is not None else None
+
     def tick(self) -> None:
         """Send a heartbeat when due; reconnect when the broker went silent."""
+        if self._quiet:
+            if self._watch is not None and self._watch.reconnected(self.endpoint):
+                self.hush()  # a new connection: the broker knows nothing of us
+            return
         now = time.monotonic()
         # frames waiting in our own queue prove the broker was alive: read them first
         if self._live.dead(now) and not self._sock.poll(0, zmq.POLLIN):

@@ -42,23 +42,35 @@ class HandshakeWatch:
         self._failed: int = previous._failed if previous is not None else 0
 
     def check(self, endpoint: str) -> None:
+        self.reconnected(endpoint)
+
+    @property
+    def monitor(self) -> zmq.Socket[bytes] | None:
+        """The monitor socket, for a caller's poller (None once closed)."""
+        return self._monitor
+
+    def reconnected(self, endpoint: str) -> bool:
+        """Read the events waiting: True when a handshake succeeded since the
+        last read (the connection was made again, e.g. to a restarted
+        broker); AuthRefusedError as `check`."""
         monitor = self._monitor
         if monitor is None:
-            return
+            return False
+        succeeded = False
         while monitor.poll(0, zmq.POLLIN):
-            # zmq.utils.monitor's parse, without its module: that imports zmq.asyncio,
-            # so asyncio, into every process that makes a Requester
             frames = monitor.recv_multipart(_NOBLOCK)
             if len(frames) != 2 or len(frames[0]) != 6:
                 continue
             kind, value = struct.unpack("=hi", frames[0])
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failed = 0
+                succeeded = True
                 continue
             self._failed += 1
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH or self._failed >= NO_DETAIL_REFUSALS:
                 name = (zmq.Event(kind).name or str(kind)).removeprefix("EVENT_")
                 raise AuthRefusedError(endpoint, name, value)
+        return succeeded
 
     def close(self) -> None:
         """Before the socket closes."""

@@ -485,8 +485,10 @@ class Broker:
             return
         reply: protocol.Pong | protocol.Stats | None
         match message:
-            case protocol.Heartbeat():
+            case protocol.Heartbeat(values=values):
                 reply = None  # liveness was recorded on arrival
+                if values.get("idle") == 1:  # an idle actor: quiet until it speaks
+                    self._peers.hush(sender)
             case protocol.Ping(msg_id=msg_id):
                 reply = protocol.Pong(msg_id=msg_id, actor="broker", pid=self._pid)
             case protocol.StatsRequest(msg_id=msg_id):

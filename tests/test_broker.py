@@ -3,12 +3,14 @@ sockets and real processes, plus unit tests of the pure heartbeat rule."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import stat
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -490,6 +492,60 @@ def test_silent_peer_expires_and_killed_peer_is_forgotten(
     # a (re-registered by this very request if a stall expired it) is the one left
     assert stats(a)["peers"] == 1
     os.kill(hung.pid, signal.SIGCONT)
+
+
+def test_a_quiet_peer_is_neither_beaten_to_nor_expired_until_it_speaks() -> None:
+    table = PeerTable(HeartbeatRule(1.0, 3))
+    table.touch(b"idle", 0.0)
+    table.touch(b"busy", 0.0)
+    table.hush(b"idle")
+    table.hush(b"never-seen")  # only a known peer goes quiet
+    assert table.names() == [b"busy"] and len(table) == 2
+    assert table.expire(10.0) == [(b"busy", 10.0)]
+    table.touch(b"idle", 11.0)  # it spoke: beats and expiry again
+    assert table.names() == [b"idle"] and table.expire(15.0) == [(b"idle", 4.0)]
+
+
+@pytest.mark.process
+def test_an_idle_peer_costs_no_heartbeat_and_comes_back_after_a_broker_restart(
+    processes: ProcessTracker, state_dir: StateDir, ctx: Ctx
+) -> None:
+    """docs/broker.md, "Idle peers": a hushed peer is not expired however
+    long it is silent and is sent no heartbeat; a restarted broker learns of
+    it from its reconnect, so it is routable again without a beat."""
+    broker = start_broker(processes, state_dir, misses=FAST_MISSES)
+    a = peer(ctx, state_dir, "a", misses=FAST_MISSES)
+    q = peer(ctx, state_dir, "q", misses=FAST_MISSES)
+    ping_until_served(a)
+    ping_until_served(q)  # registered, then idle
+    q.hush()
+    window = FAST_MISSES * HB_S
+    settle = time.monotonic() + 5 * window  # beats sent before the broker read the hush
+    while time.monotonic() < settle:
+        a.recv(0.02)  # a keeps beating
+        q.recv(0)  # q reads what was already on its way
+    quiet = time.monotonic() + 10 * window  # then ten expiry windows unread
+    while time.monotonic() < quiet:
+        a.recv(0.02)
+        q.tick()
+    assert "q" not in {r["peer"] for r in broker_events(state_dir, "peer_expired")}
+    assert q.socket.poll(0, zmq.POLLIN) == 0  # no heartbeat came to it
+    assert stats(a)["peers"] == 2 and q.reconnects == 0
+
+    broker.kill()
+    broker.wait(10)
+    start_broker(processes, state_dir, misses=FAST_MISSES, name="broker2")
+
+    def routable() -> bool:
+        q.tick()  # reads its socket's monitor: a new connection is told "idle"
+        with contextlib.suppress(RequestTimeoutError, RemoteError):
+            a.send("q", protocol.Ping(msg_id=new_msg_id()))
+            got = q.recv(0.2)
+            return got is not None and isinstance(got[1], protocol.Ping)
+        return False
+
+    wait_for(routable, 20, "the idle peer routable through the restarted broker")
+    assert q.reconnects == 0  # libzmq's reconnect, not a Paranoid Pirate one
 
 
 @pytest.mark.process

@@ -122,22 +122,38 @@ def _watch_peer(poller: zmq.Poller, peer: BrokerPeer | None,
 def _serve_idle(stop: skeleton.Stop, peer: BrokerPeer | None, reporter: ControlReporter | None,
                 name: str, options: AgentOptions) -> int:
     """An agent without a task: answer pings until stopped; the pongs answered.
-    It is idle throughout (`reporter.idle()` around it): no heartbeats to the
-    supervisor, only the broker's (docs/supervisor.md, "Liveness")."""
+    It is idle throughout: `reporter.idle()` around it (no heartbeats to the
+    supervisor) and `peer.hush()` (none with the broker either: docs/broker.md,
+    "Idle peers"); it wakes only for a frame, a reconnect or a stop."""
     pongs = 0
     poller = zmq.Poller()
     poller.register(stop.read_fd, zmq.POLLIN)
     watched = None
-    wait_ms = -1 if peer is None else max(int(options.broker_heartbeat_interval_s * 1000), 10)
+    monitor = None
+    if peer is not None:
+        peer.hush()
+        monitor = peer.monitor
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
     while not stop.stopped:
         watched = _watch_peer(poller, peer, watched)
-        events = dict(poller.poll(wait_ms))
+        events = dict(poller.poll(-1))
         if stop.read_fd in events:
             stop.drain()
         if peer is not None:
+            answered = 0
             while (item := peer.recv(0)) is not None:
+                answered += 1
                 pongs += _answer(peer, name, *item)
-            peer.tick()
+            if answered:
+                peer.hush()  # an answer told the broker we speak again: idle once more
+            peer.tick()  # quiet: only a new connection is told that we are idle
+            if peer.monitor is not monitor:  # a reconnect replaced the monitor too
+                if monitor is not None:
+                    poller.unregister(monitor)
+                monitor = peer.monitor
+                if monitor is not None:
+                    poller.register(monitor, zmq.POLLIN)
         if reporter is not None:
             reporter.tick(partial(_pong_counters, pongs))
     return pongs
