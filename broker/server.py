@@ -42,6 +42,9 @@ ERROR_LOGS_BURST = 50
 # a peer that does not read holds at most this many (each <= max_frame_bytes).
 SNDHWM = 1000
 _NAME_CACHE_MAX = 4096
+# quiet (idle) peers get one heartbeat this often: one whose connection is gone
+# bounces and is forgotten (docs/broker.md, "Idle peers")
+QUIET_PROBE_S = 60.0
 _EVENTS = zmq.EVENTS
 _RCVMORE = zmq.RCVMORE
 _POLLIN = zmq.POLLIN
@@ -90,6 +93,7 @@ class Broker:
         zap: auth.ZapHandler | None = None,
         route_hook: hooks.RouteHook | None = None,
         renew_interval_s: float = MIN_INTERVAL_S,
+        quiet_probe_s: float = QUIET_PROBE_S,
     ) -> None:
         """With `zap` (broker/auth.py) every connection authenticates and a peer
         may use only its own name; without it, names are not checked. With
@@ -103,6 +107,8 @@ class Broker:
         self.limits = limits
         self._pid = os.getpid()
         self._peers = PeerTable(rule)
+        self._quiet_probe_s = quiet_probe_s
+        self._quiet_probe_at = time.monotonic() + quiet_probe_s
         self._names: set[bytes] = set()  # validated actor names (cache for the hot path)
         self._route: dict[bytes, bytes] = {}  # actor name -> routing id of its connection
         # routing ids the broker generated (a zero byte, then 4 bytes never reused on
@@ -547,6 +553,10 @@ class Broker:
         frame = self._heartbeat_frame()
         for peer in self._peers.names():
             self._send_heartbeat(peer, frame)
+        if now >= self._quiet_probe_at:
+            self._quiet_probe_at = now + self._quiet_probe_s
+            for peer in list(self._peers.quiet):
+                self._send_heartbeat(peer, frame)
         parked = self._parking.due(now)
         if parked:
             self._renew(now, parked)
@@ -643,6 +653,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[ModuleType]
     parser.add_argument(
         "--max-frame-bytes", type=int, default=protocol.DEFAULT_LIMITS.max_frame_bytes
     )
+    parser.add_argument("--quiet-probe-s", type=float, default=QUIET_PROBE_S,
+                        help="how often a quiet (idle) peer gets a heartbeat (tests)")
     parser.add_argument("--renew-interval-s", type=float, default=MIN_INTERVAL_S,
                         help="renew the socket to free parked connections at most this often")
     return skeleton.parse_args(parser, argv, hooks=True)  # with the hooks' options
@@ -691,7 +703,7 @@ def _run(proc: skeleton.Process, argv: list[str] | None) -> int:
     proc.on_close(zap.close)
     broker = Broker(
         ctx, endpoint, rule, limits, curve_server=server, tcp_endpoints=tuple(args.tcp),
-        zap=zap, renew_interval_s=args.renew_interval_s,
+        zap=zap, renew_interval_s=args.renew_interval_s, quiet_probe_s=args.quiet_probe_s,
         route_hook=_route_hook(modules, ctx, args, state, limits),
     )
     proc.on_close(lambda: log.info("broker_stopped", **broker.statistics().values()))

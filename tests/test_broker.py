@@ -549,6 +549,27 @@ def test_an_idle_peer_costs_no_heartbeat_and_comes_back_after_a_broker_restart(
 
 
 @pytest.mark.process
+def test_a_quiet_peer_that_goes_away_is_forgotten_at_the_next_probe(
+    processes: ProcessTracker, state_dir: StateDir, ctx: Ctx
+) -> None:
+    start_broker(processes, state_dir, "--quiet-probe-s", "0.5", misses=FAST_MISSES)
+    a = peer(ctx, state_dir, "a", misses=FAST_MISSES)
+    gone = BrokerPeer(ctx, state_dir, "gone", HB_S, FAST_MISSES)
+    ping_until_served(a)
+    ping_until_served(gone)
+    gone.hush()
+    gone.close()  # its connection ends without a word
+
+    def forgotten() -> bool:
+        a.recv(0.02)
+        return "gone" in {r["peer"] for r in broker_events(state_dir, "peer_disconnected")}
+
+    wait_for(forgotten, 20, "the quiet peer's probe to bounce")
+    assert "gone" not in {r["peer"] for r in broker_events(state_dir, "peer_expired")}
+    assert stats(a)["peers"] == 1
+
+
+@pytest.mark.process
 def test_peer_reconnects_when_broker_goes_silent(
     processes: ProcessTracker, state_dir: StateDir, ctx: Ctx
 ) -> None:

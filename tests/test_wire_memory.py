@@ -93,7 +93,10 @@ def test_writer_and_broker_give_memory_back_after_the_load_stops(
             to_writer = dealer("writer")
             to_writer.send(protocol.encode(protocol.Ping(msg_id=f"w{i}")))
             to_broker = dealer("broker", f"idle-{i}".encode())
-            to_broker.send_multipart([b"broker", protocol.encode(protocol.Ping(msg_id=f"b{i}"))])
+            # an idle actor's hush (docs/broker.md, "Idle peers"): held, never expired,
+            # however long opening the thousand connections takes on a loaded machine
+            to_broker.send_multipart([b"broker", protocol.encode(protocol.Heartbeat(
+                actor=f"idle-{i}", pid=os.getpid(), values={"idle": 1}))])
             idle += [to_writer, to_broker]
         wait_for(lambda: counters(watcher).get("peers", 0) >= IDLE, 60,
                  "the broker to hold every idle peer", interval_s=0.2)
