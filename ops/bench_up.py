@@ -15,6 +15,9 @@ Figures (medians over the cycles; seconds):
     up_cpu_s_<kind>           the same by process: supervisor, zygote, writer,
                               broker, procs, subagents, agents (each child's
                               own CPU, after its fork or exec)
+    up_uss_mib_<kind>         memory of one process of that kind at that moment
+                              (USS: its private pages; a fork shares the
+                              zygote's until it writes them), agents: the median
     tree_cpu_s                the supervisor's tree over its whole life
     cycle_cpu_s               everything a cycle ran: the tree, and the `up
                               --detach` and `stop` commands
@@ -95,9 +98,13 @@ def _cycle(root: Path, config: Path, index: int) -> dict[str, float]:
     zygote = _zygote_pid(state)
     if zygote is not None:
         by_kind["zygote"] = _cpu_s(psutil.Process(zygote))
+    uss: dict[str, list[float]] = {}
     for row in rows:
         kind = "agents" if str(row["name"]).startswith("agent") else str(row["name"])
-        by_kind[kind] = by_kind.get(kind, 0.0) + _cpu_s(psutil.Process(int(str(row["pid"]))))
+        child = psutil.Process(int(str(row["pid"])))
+        by_kind[kind] = by_kind.get(kind, 0.0) + _cpu_s(child)
+        uss.setdefault(kind, []).append(child.memory_full_info().uss / 2**20)
+    figures.update({f"up_uss_mib_{k}": statistics.median(v) for k, v in uss.items()})
     others = {p.pid for p in sup.children(recursive=True)} - {
         int(str(r["pid"])) for r in rows} - {zygote}
     by_kind["other"] = sum(_cpu_s(psutil.Process(p)) for p in others if psutil.pid_exists(p))
