@@ -54,8 +54,8 @@ def _timeout_ms(poll_ms: int | None, wait_s: float | None) -> int | None:
 # kills itself (SIGKILL) before it forks or replies
 FAULT_ENV_GO_BETWEEN_DIES = "CORRAL_FAULT_ZYGOTE_GO_BETWEEN_DIES"
 def _preload() -> None:
-    """Import and warm everything an agent (and a restarted writer or broker)
-    needs, then freeze it."""
+    """Import and warm everything an agent, the writer, the broker, procs and
+    subagents need (RUNNABLE), then freeze it."""
     import zmq  # noqa: F401
 
     from actors.agent import catalog, process  # noqa: F401
@@ -394,11 +394,11 @@ class Zygote:
                 auth.set_process_credential(auth.read_credential(credential))
 
             os.environ["CORRAL_ACTOR"] = name
-            if request.module is not None:  # the writer or the broker, restarted
+            if request.module is not None:  # a system child: the writer, broker, procs...
                 from actors import envscrub
 
                 envscrub.scrub(request.drop)  # also from /proc/<pid>/environ
-                code = importlib.import_module(RUNNABLE[request.module]).main(list(request.argv))
+                code = _run_main(RUNNABLE[request.module], request.argv)
                 return
             from actors.agent.process import AgentOptions, serve
             from broker.statedir import StateDir
@@ -418,6 +418,21 @@ class Zygote:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+
+
+def _run_main(module: str, argv: tuple[str, ...]) -> int:
+    """`main(argv)` of `module`, ending with the code `python -m` would: its
+    return, sys.exit's (argparse's 2), 1 after an uncaught exception's traceback."""
+    try:
+        return int(importlib.import_module(module).main(list(argv)) or 0)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except Exception:  # noqa: BLE001 - as the interpreter: the traceback, then 1
+        traceback.print_exc()
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

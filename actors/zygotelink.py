@@ -72,11 +72,12 @@ class ZygoteLink:
     def run(self, name: str, module: str, argv: list[str], *, drop: Sequence[str] = (),
             credential_fd: int | None = None) -> bool:
         """Ask for a forked child running `python -m <module> <argv>`'s main (the
-        writer, the broker: zygotewire.RUNNABLE), without the environment names `drop`,
-        its credential on the pipe `credential_fd`; False when the zygote is not
-        ready (still preloading, gone, its queue full) or does not run `module`:
-        the caller starts a fresh interpreter instead. The reply is a `Forked` or
-        `ForkFailed` among `replies()`, like an agent's."""
+        writer, broker, procs, subagents: zygotewire.RUNNABLE), without the
+        environment names `drop`, its credential on the pipe `credential_fd`;
+        False when the zygote is not ready (still preloading, gone, its queue
+        full) or does not run `module`: the caller starts a fresh interpreter
+        instead. The reply is a `Forked` or `ForkFailed` among `replies()`,
+        like an agent's."""
         if self.sock is None or not self.ready or module not in zygotewire.RUNNABLE:
             return False
         data = zygotewire.run_request(name, module, argv, drop=drop,

@@ -12,13 +12,13 @@ socketpair. This module owns the format:
                                         the datagram, spaces included)
         b'run <name> <module> {"argv": [...], "drop": [...]}'
                                         the same fork, but the child runs `main(argv)` of
-                                        one of RUNNABLE's modules (the writer, the broker)
-                                        instead of an agent: a restart of the writer or
-                                        broker pays a fork, not a fresh interpreter's
+                                        one of RUNNABLE's modules (the writer, the broker,
+                                        procs, subagents) instead of an agent: their
+                                        starts pay a fork, not a fresh interpreter's
                                         imports; it first removes the environment names
                                         in "drop" (the model key the zygote holds and the
-                                        writer and broker must not); stdout/stderr are
-                                        the zygote's
+                                        writer, broker and procs must not); stdout/stderr
+                                        are the zygote's
         Any form may carry one file descriptor (SCM_RIGHTS): a *start gate*,
         the read end of a pipe. The agent, once adopted, reads one byte from it
         and runs only on b"g"; on EOF (the requester closed the write end: it
@@ -40,7 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # `python -m <key>` -> the module whose `main(argv)` a `run` request calls (nothing else runs)
-RUNNABLE = {"actors.writer": "actors.writer.process", "broker.server": "broker.server"}
+RUNNABLE = {"actors.writer": "actors.writer.process", "broker.server": "broker.server",
+            "actors.procs": "actors.procs.__main__",
+            "actors.subagents": "actors.subagents.__main__"}
 
 
 @dataclass(frozen=True)

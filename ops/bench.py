@@ -18,6 +18,7 @@ SUITES = {
     "broker": "ops.bench_broker",
     "spawn": "ops.bench_spawn",
     "spawn-busy": "ops.bench_spawn_busy",
+    "up": "ops.bench_up",  # `supervisor up` to every child running, and the tree's life
     "idle": "ops.bench_idle",  # what idle agents cost (docs/supervisor.md, "Liveness")
     "agent-recovery": "ops.bench_agent_recovery",
     "procs": "ops.bench_procs",

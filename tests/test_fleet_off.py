@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from broker import hooks
@@ -89,14 +90,17 @@ def test_the_runtime_with_the_fleet_off_imports_no_fleet_module(
     proc = start(processes, state_dir, config, env=env)
     running = wait_for(lambda: all_running(processes, state_dir), 60, "every child running")
     assert set(running) == {"writer", "broker", "procs", "subagents", "agent-1", "agent-2"}
+    # every child is a fork of the zygote: its hook (sitecustomize) watches them too
+    for name, child in running.items():
+        assert "actors.zygote" in psutil.Process(child["pid"]).cmdline(), name
     assert cli(processes, state_dir, "status", "--json").returncode == 0
     done = cli(processes, state_dir, "stop")
     assert done.returncode == 0, done.stderr
     assert proc.wait(timeout=20) == 0
     started = Path(f"{log}.started").read_text()
-    # the watch was in every interpreter (the agents fork from the zygote's)
-    for main in ("supervisor.cli up", "actors.zygote", "actors.writer", "broker.server",
-                 "actors.procs", "actors.subagents"):
+    # the watch was in every interpreter (the children fork from the zygote's; the
+    # subagents host starts its own zygote)
+    for main in ("supervisor.cli up", "actors.zygote"):
         assert f"-m {main}" in started, main
     imported = log.read_text() if log.exists() else ""
     assert imported == ""

@@ -271,15 +271,15 @@ def _zygote_of(state_dir: StateDir) -> psutil.Process:
 
 @pytest.mark.timeout(150)  # 16-17 s at load ~5, far more at ~10
 @pytest.mark.parametrize("use_zygote", [True, False], ids=["zygote", "no-zygote"])
-def test_writer_and_broker_restart_forked_from_the_zygote_or_fresh_without_it(
+def test_writer_and_broker_start_and_restart_forked_from_the_zygote_or_fresh_without_it(
     processes: ProcessTracker, state_dir: StateDir, use_zygote: bool,
 ) -> None:
-    """Once the zygote is ready, a killed writer or broker comes back as a fork
-    of it (its argv is the zygote's: no fresh interpreter, no imports) and
-    serves: status shows it running (it said ready) and an agent's appends go on.
-    Without the zygote they come back as fresh interpreters, as before. Either
-    way the restarted process's environment holds no model key (the zygote's
-    does)."""
+    """The writer and broker first start as forks of the zygote (their argv is
+    the zygote's: no fresh interpreter, no imports), and a killed one comes back
+    as a fork of it and serves: status shows it running (it said ready) and an
+    agent's appends go on. Without the zygote they start and come back as fresh
+    interpreters. Either way their environment holds no model key (the
+    zygote's does)."""
     config = write_config(state_dir, agents=1)
     if not use_zygote:
         data = yaml.safe_load(config.read_text())
@@ -288,6 +288,14 @@ def test_writer_and_broker_restart_forked_from_the_zygote_or_fresh_without_it(
     proc = start(processes, state_dir, config, env={"OPENAI_API_KEY": "sk-test-not-for-writers"})
     first = wait_for(lambda: all_running(processes, state_dir), 40, "every child running")
     template = _zygote_of(state_dir) if use_zygote else None
+    for name in ("writer", "broker"):
+        first_argv = psutil.Process(first[name]["pid"]).cmdline()
+        if template is not None:
+            assert first_argv == template.cmdline()  # the first start is a fork too
+        else:
+            assert first_argv[1:3] == ["-m", "actors.writer" if name == "writer"
+                                       else "broker.server"]
+        assert "OPENAI_API_KEY" not in psutil.Process(first[name]["pid"]).environ()
     for name, sig in (("writer", "KILL"), ("broker", "KILL")):
         done = cli(processes, state_dir, "kill", name, "--signal", sig)
         assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""The zygote's `run` request (a writer or broker restarted as a fork): only
+"""The zygote's `run` request (a system child started as a fork): only
 the modules the zygote preloads can be asked for, with a list of string args."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,32 @@ def test_run_request_round_trips_and_names_only_preloaded_modules() -> None:
     # the agent forms are unchanged
     assert (zygotewire.parse_request(zygotewire.fork_request("agent-1"))
             == zygotewire.ForkRequest("agent-1"))
+
+
+def test_a_run_ends_with_the_code_its_interpreter_would(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A system child forked by the zygote exits as `python -m` would: main's
+    return, sys.exit's code (argparse's 2, a message: 1), 1 after a traceback."""
+    (tmp_path / "zyfake_main.py").write_text(
+        "import argparse, sys\n"
+        "def main(argv):\n"
+        "    how = argv[0]\n"
+        "    if how == 'parse':\n"
+        "        argparse.ArgumentParser().parse_args(['--nope'])\n"
+        "    if how == 'exit-none':\n"
+        "        sys.exit()\n"
+        "    if how == 'exit-text':\n"
+        "        sys.exit('bad state')\n"
+        "    if how == 'raise':\n"
+        "        raise ValueError('boom')\n"
+        "    return int(how)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    codes = {how: zygote._run_main("zyfake_main", (how,))
+             for how in ("0", "65", "parse", "exit-none", "exit-text", "raise")}
+    assert codes == {"0": 0, "65": 65, "parse": 2, "exit-none": 0, "exit-text": 1, "raise": 1}
+    err = capsys.readouterr().err
+    assert "bad state" in err and "ValueError: boom" in err
 
 
 def test_scrub_removes_a_variable_from_the_environment_and_proc_environ() -> None:

@@ -104,7 +104,7 @@ class Runtime:
         self.automation.start()
         log.info("supervisor_started", state_dir=str(self.state_dir.root),
                  children=len(self.children), endpoint=self.control.endpoint)
-        if self.starter.use_zygote and any(c.kind == "agent" for c in self.children.values()):
+        if self.starter.use_zygote:  # first: it forks the system children too (starter.py)
             self.starter.start_zygote(time.monotonic())
         poller = zmq.Poller()
         poller.register(self.control.sock, zmq.POLLIN)

@@ -59,9 +59,7 @@ def _take_down(rt: RuntimeFace, child: Child, now: float) -> None:
         if child.state != "stopping":
             rt.terminate(child, now)
         return
-    if child.fork_pending and child in rt.starter.fork_queue:
-        rt.starter.fork_queue.remove(child)  # not asked of the zygote yet
-        child.fork_pending = False
+    rt.starter.withdraw(child)  # not asked of the zygote yet: it never will be
     if child.fork_pending:
         child.state = "stopping"  # forked any moment: the runtime stops it on registration
         return

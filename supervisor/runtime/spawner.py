@@ -1,4 +1,4 @@
-"""Starting children: a fresh process, or an agent through the zygote.
+"""Starting children: a fresh process, or a fork of the zygote.
 
 Only the children that call the model (agents, the subagents host) get the
 model's API key. See docs/supervisor.md ("Process tree", "The zygote").
@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 
 from actors.zygotelink import ZygoteLink
+from actors.zygotewire import RUNNABLE
 from broker import auth
 from broker.control import ENV_ACTOR, ENV_CONTROL
 from broker.errors import SpawnError
@@ -18,11 +19,18 @@ from broker.lifeline import signal_group, spawn_command
 from supervisor.config import ChildKind
 
 __all__ = ["ZYGOTE_KINDS", "ZygoteLink", "child_env", "credential_fd", "run_from_zygote",
-           "signal_group", "spawn_command", "spawn_with_credential"]
+           "signal_group", "spawn_command", "spawn_with_credential", "zygote_runs"]
 
-# Kinds that restart forked from the zygote once it is ready (it preloads their
-# modules): a writer or broker restart then pays a fork, not a fresh interpreter.
-ZYGOTE_KINDS: frozenset[ChildKind] = frozenset({"writer", "broker"})
+# Kinds the zygote starts and restarts (it preloads their modules): each start
+# pays a fork, not a fresh interpreter's imports (docs/supervisor.md, "The zygote").
+ZYGOTE_KINDS: frozenset[ChildKind] = frozenset({"writer", "broker", "procs", "subagents"})
+
+
+def zygote_runs(argv: Sequence[str]) -> bool:
+    """`argv` is `python -m <module> ...` (our interpreter) for a module the
+    zygote runs: not a custom command."""
+    return len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" \
+        and argv[2] in RUNNABLE
 
 
 def run_from_zygote(link: ZygoteLink | None, name: str, argv: Sequence[str],
@@ -31,8 +39,7 @@ def run_from_zygote(link: ZygoteLink | None, name: str, argv: Sequence[str],
     fork holding `credential`, the environment names `drop` removed (as
     child_env removes them for a fresh start); False when it cannot (no zygote,
     not ready, a custom command): start a fresh interpreter instead."""
-    if link is None or not link.ready or len(argv) < 3 or argv[0] != sys.executable \
-            or argv[1] != "-m":
+    if link is None or not link.ready or not zygote_runs(argv):
         return False
     fd = credential_fd(credential)
     try:

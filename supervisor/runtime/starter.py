@@ -35,6 +35,9 @@ FORKS_IN_FLIGHT = 8  # forks asked of the zygote and not yet answered (flow cont
 # these (docs/decisions.md, "Agents fork from a zygote: one clone, a pool, paced starts")
 AGENTS_STARTING = max(2, os.cpu_count() or 2)
 ZYGOTE_POLICY = Policy(max_restarts=5, period_s=60.0, base_s=0.2, cap_s=5.0)
+# A system child (writer, broker, procs, subagents) waits this long after the
+# zygote's start for its `ready`, then starts as a fresh interpreter instead.
+ZYGOTE_READY_WAIT_S = 5.0
 
 log = structlog.get_logger("supervisor")
 
@@ -68,6 +71,9 @@ class Starter:
         self.in_flight = 0
         self.starting: set[str] = set()  # agents asked of the zygote, not yet ready
         self.zygote: spawner.ZygoteLink | None = None
+        self.zygote_started_at = 0.0  # monotonic: when the current zygote was started
+        # system children waiting for the zygote's `ready` (fork_pending, not asked yet)
+        self.awaiting: list[Child] = []
         self.zygote_history: list[Exit] = []
         self.zygote_restart_at: float | None = None
         self.use_zygote = use_zygote
@@ -83,7 +89,8 @@ class Starter:
     # --- children ----------------------------------------------------------------
     def start(self, child: Child, now: float) -> None:
         """Start `child`: queued for the zygote (an agent), asked of it (the
-        writer or the broker), or a fresh interpreter."""
+        writer, broker, procs, subagents; held until it is ready, for at most
+        ZYGOTE_READY_WAIT_S after its start), or a fresh interpreter."""
         child.requested_at = now
         child.state = "starting"
         child.restart_requested = False
@@ -95,11 +102,52 @@ class Starter:
             return
         config = self.host.config
         argv = commands.argv_for(child.spec, config, self.state_dir)
-        if child.kind in spawner.ZYGOTE_KINDS and self._run_from_zygote(child, argv):
-            child.fork_pending = True  # its reply comes with the agents' (on_replies)
-            self.in_flight += 1
-            return
+        if child.kind in spawner.ZYGOTE_KINDS and spawner.zygote_runs(argv):
+            if self._run_from_zygote(child, argv):
+                child.fork_pending = True  # its reply comes with the agents' (on_replies)
+                self.in_flight += 1
+                return
+            if self._zygote_coming(now):
+                child.fork_pending = True  # asked once the zygote says ready (serve_awaiting)
+                self.awaiting.append(child)
+                return
         self.spawn_fresh(child, argv, now)
+
+    def _zygote_coming(self, now: float) -> bool:
+        """The zygote is preloading and may still be waited for."""
+        return self.zygote is not None and self.zygote.sock is not None \
+            and not self.zygote.ready and now < self.zygote_started_at + ZYGOTE_READY_WAIT_S
+
+    def serve_awaiting(self, now: float) -> None:
+        """The system children waiting for the zygote: asked of it once it is
+        ready, fresh interpreters once it is not coming (gone, too slow, off)."""
+        if not self.awaiting or self._zygote_coming(now):
+            return
+        waiting = [c for c in self.awaiting if c.fork_pending and c.pid is None]
+        self.awaiting = []
+        if not waiting or self.host.stopping:
+            return
+        if self.zygote is None or not self.zygote.ready:
+            log.warning("zygote_not_ready", waited_s=round(now - self.zygote_started_at, 3),
+                        fallback="fresh interpreters", children=[c.name for c in waiting])
+        for child in waiting:
+            child.fork_pending = False
+            argv = commands.argv_for(child.spec, self.host.config, self.state_dir)
+            if self._run_from_zygote(child, argv):
+                child.fork_pending = True
+                self.in_flight += 1
+            else:
+                self.spawn_fresh(child, argv, now)
+
+    def withdraw(self, child: Child) -> bool:
+        """Take `child` back before it was asked of the zygote (queued or
+        awaiting its `ready`); False when it was asked already (or never queued)."""
+        for waiting in (self.fork_queue, self.awaiting):
+            if child in waiting:
+                waiting.remove(child)
+                child.fork_pending = False
+                return True
+        return False
 
     def _run_from_zygote(self, child: Child, argv: list[str]) -> bool:
         """Ask the zygote for the writer or broker `child` (its credential, without
@@ -132,7 +180,9 @@ class Starter:
                                                   self.state_dir), now)
 
     def flush(self) -> None:
-        """Ask the zygote for the queued agents, as many as the pacing allows."""
+        """Ask the zygote for the queued agents, as many as the pacing allows
+        (and for the system children awaiting it, or start them fresh)."""
+        self.serve_awaiting(time.monotonic())
         if self.zygote_stale:
             if self.zygote is not None and self.in_flight > 0:
                 return  # no fork to the old zygote; replace it once its forks are answered
@@ -192,6 +242,7 @@ class Starter:
     def stop(self) -> None:
         """The runtime stops: nothing more is asked of the zygote."""
         self.fork_queue.clear()
+        self.awaiting.clear()
 
     # --- the zygote --------------------------------------------------------------
     def start_zygote(self, now: float) -> None:
@@ -205,10 +256,13 @@ class Starter:
             self.zygote_lost(None, now)
             return
         self.zygote = link
+        self.zygote_started_at = now
         self.in_flight = 0
         self.starting.clear()
         log.info("zygote_spawned", pid=pid)
-        pending = [c for c in self.host.children.values() if c.fork_pending]
+        # the agents asked of a lost or retired zygote (system children await it)
+        pending = [c for c in self.host.children.values()
+                   if c.fork_pending and c.kind == "agent"]
         self.fork_queue = deque(pending)
 
     def restart_zygote_if_due(self, now: float) -> None:
@@ -243,7 +297,13 @@ class Starter:
         failure a fresh start (the writer, the broker) or an exit (an agent)."""
         assert self.zygote is not None
         children = self.host.children
-        for reply in self.zygote.replies():
+        was_ready = self.zygote.ready
+        replies = self.zygote.replies()
+        if self.zygote.ready and not was_ready:
+            log.info("zygote_ready", pid=self.zygote.pid,
+                     ready_ms=round((now - self.zygote_started_at) * 1000, 2))
+            self.serve_awaiting(now)
+        for reply in replies:
             self.in_flight = max(0, self.in_flight - 1)
             child = children.get(reply.name)
             if child is None or not child.fork_pending:
@@ -272,7 +332,8 @@ class Starter:
         if self.zygote is not None:
             self.zygote.lost()
         self.zygote = None
-        for child in self.host.children.values():  # a writer or broker asked of it: fresh
+        self.awaiting.clear()
+        for child in self.host.children.values():  # a system child asked of it: fresh
             if child.fork_pending and child.kind in spawner.ZYGOTE_KINDS:
                 child.fork_pending = False
                 self._spawn_fresh_spec(child, now)
