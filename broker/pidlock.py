@@ -14,6 +14,17 @@ from pathlib import Path
 from broker.errors import LockHeldError
 
 
+def pid_alive(pid: int) -> bool:
+    """True when some process (a zombie included) holds `pid` now."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def read_holder(path: Path) -> int | None:
     """The pid written in the lock file, if any."""
     try:

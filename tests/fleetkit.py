@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.fleet import cluster
+from supervisor.fleet.adopt import OBJECTS, _names
+from supervisor.fleet.generations import parse_gen
 from supervisor.fleet.replicate import parse_seq_range, stream_name
 
 
@@ -233,3 +235,16 @@ async def register_bus_key(js: Any, host: str, public: str, replicas: int = 3,
                 raise
             await asyncio.sleep(0.2)  # the cluster's own recovery is awaited
 
+
+async def stored_generations(js: Any, host: str, agent: str, want: list[int]) -> list[int]:
+    """The seqs of `host`'s generation objects of `agent`, once the listing
+    shows `want` (a clustered object store's listing may trail a delete made
+    through another node for a moment) or at a 10 s deadline."""
+    bucket = await js.object_store(OBJECTS)
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        got = sorted(s for n in await _names(bucket)
+                     if (s := parse_gen(n, host, agent)) is not None)
+        if got == want or asyncio.get_running_loop().time() > deadline:
+            return got
+        await asyncio.sleep(0.1)

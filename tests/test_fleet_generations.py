@@ -26,7 +26,7 @@ from actors.kernel.state import AgentState
 from broker.statedir import StateDir
 from supervisor.fleet import generations as fleet_generations
 from supervisor.fleet.adopt import OBJECTS, Uploader, _names
-from tests.fleetkit import Cluster, forget_hosts
+from tests.fleetkit import Cluster, forget_hosts, stored_generations
 from tests.test_agent_state import event
 
 SESSION = "01M8P3CHSKDGX7TXF1G4A3MHT5"
@@ -142,14 +142,6 @@ def test_generations_go_up_incrementally_once_and_bounded(
         return sorted(s for n in await _names(bucket)
                       if (s := fleet_generations.parse_gen(n, host, "a1")) is not None)
 
-    async def settled(js: Any, want: list[int]) -> list[int]:
-        # a clustered object store's listing may trail a delete made through
-        # another node for a moment: wait for it, with a deadline
-        deadline = asyncio.get_running_loop().time() + 10
-        while (got := await stored(js)) != want and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.1)
-        return got
-
     async def go() -> dict[str, Any]:
         nc: Any = await nats.connect(fleet_cluster.urls, connect_timeout=2)
         try:
@@ -167,14 +159,15 @@ def test_generations_go_up_incrementally_once_and_bounded(
             for seq in (20, 30, 40, 50):  # the agent keeps 3; the store keeps KEPT
                 make(seq)
             await uploader.sync(js)
-            seen["bounded"] = await settled(js, [30, 40, 50])
+            seen["bounded"] = await stored_generations(js, host, "a1", [30, 40, 50])
             # a restarted host (a new uploader) uploads nothing already there
             restarted = Uploader(host, state_dir, 3)
             await restarted.sync(js)
             seen["restarted"] = restarted.generations.uploads if restarted.generations else -1
             newest = make(60)
             await restarted.sync(js)
-            seen["after_restart"] = (await settled(js, [40, 50, 60]), restarted.generations.uploads
+            listed = await stored_generations(js, host, "a1", [40, 50, 60])
+            seen["after_restart"] = (listed, restarted.generations.uploads
                                      if restarted.generations else -1)
             bucket = await js.object_store(OBJECTS)
             seen["download"] = await fleet_generations.download(

@@ -41,7 +41,13 @@ from supervisor.fleet.generations import download, parse_gen
 from tests.acceptance.conftest import corral_home
 from tests.acceptance.test_sessions_data import purge, run_to_end, small_generations, task
 from tests.agentkit import write_task
-from tests.fleetkit import Cluster, forget_hosts, operator_key_and_hosts, read_stream
+from tests.fleetkit import (
+    Cluster,
+    forget_hosts,
+    operator_key_and_hosts,
+    read_stream,
+    stored_generations,
+)
 from tests.processes import ProcessTracker, wait_for
 from tests.test_fleet_hosts import cli, fleet_view, host_config, other_state_dir
 
@@ -172,13 +178,6 @@ def test_purged_generations_leave_the_object_store_and_never_go_up(
                 return got
             await asyncio.sleep(0.1)
 
-    async def settled(js: Any, want: list[int]) -> list[int]:
-        # a clustered object store's listing may trail a delete for a moment
-        deadline = asyncio.get_running_loop().time() + 10
-        while (got := await stored(js)) != want and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.1)
-        return got
-
     async def go() -> dict[str, Any]:
         nc: Any = await nats.connect(fleet_cluster.urls, connect_timeout=2)
         try:
@@ -188,7 +187,7 @@ def test_purged_generations_leave_the_object_store_and_never_go_up(
             for seq in (10, 20, 30):
                 make(seq)
             await uploader.sync(js)
-            seen["before"] = await settled(js, [10, 20, 30])
+            seen["before"] = await stored_generations(js, host, "a1", [10, 20, 30])
             bucket = await js.object_store(OBJECTS)
             seen["no_purges"] = purges.purges_object(host) in await _names(bucket)
             seen["chunks"] = await chunks(js)
@@ -196,7 +195,7 @@ def test_purged_generations_leave_the_object_store_and_never_go_up(
             # next round deletes it from the store and names the range
             _journal(state_dir, SESSION, "agent/a1", 15, 25, step="journaled")
             await uploader.sync(js)
-            seen["after"] = await settled(js, [10, 30])
+            seen["after"] = await stored_generations(js, host, "a1", [10, 30])
             seen["chunks_after"] = await chunks(js)
             gens = uploader.generations
             seen["deleted"] = gens.deleted_purged if gens else -1
@@ -205,7 +204,7 @@ def test_purged_generations_leave_the_object_store_and_never_go_up(
             # newer generations go up; the purged one, still on disk, never
             make(40)
             await uploader.sync(js)
-            seen["newer"] = await settled(js, [10, 30, 40])
+            seen["newer"] = await stored_generations(js, host, "a1", [10, 30, 40])
             restarted = Uploader(host, state_dir, 3)  # a restarted host: the same
             await restarted.sync(js)
             seen["restarted"] = (await stored(js), restarted.generations.uploads

@@ -8,11 +8,12 @@ import subprocess
 import sys
 
 from broker import protocol
+from broker.pidlock import pid_alive
 from broker.statedir import StateDir
 from supervisor.config import load
 from supervisor.runtime.control import Incoming
 from supervisor.runtime.loop import Runtime
-from supervisor.runtime.monitor import EARLY_EXIT_TTL_S, early_exit_applies, pid_alive
+from supervisor.runtime.monitor import EARLY_EXIT_TTL_S, early_exit_applies
 
 
 def test_a_recent_exit_of_a_pid_nobody_holds_belongs_to_the_fork() -> None:

@@ -23,7 +23,7 @@ import zmq
 
 from actors.procs import launch
 from actors.writer.hooks import EXIT_HALTED
-from broker import lifeline, protocol
+from broker import lifeline, pidlock, protocol
 from broker.statedir import StateDir
 from supervisor import automation, storage
 from supervisor.config import CORE_KINDS, KIND_ORDER, Config
@@ -224,7 +224,7 @@ class Runtime:
         early = self.early_exits.pop(pid, None)
         if early is not None:
             reaped, reaped_at = early
-            if monitor.early_exit_applies(reaped_at, now, monitor.pid_alive(pid)):
+            if monitor.early_exit_applies(reaped_at, now, pidlock.pid_alive(pid)):
                 self._on_reaped(reaped, now)
             else:
                 log.info("early_exit_discarded", child=child.name, pid=pid)

@@ -38,17 +38,6 @@ def reap() -> list[Reaped]:
 EARLY_EXIT_TTL_S = 5.0
 
 
-def pid_alive(pid: int) -> bool:
-    """True when some process (a zombie included) holds `pid` now."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def early_exit_applies(reaped_at: float, now: float, alive: bool) -> bool:
     """Whether an exit reaped under an unknown pid belongs to the fork the
     zygote has just named with that pid. As a child subreaper the supervisor

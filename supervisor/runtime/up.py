@@ -194,13 +194,3 @@ def detach(state_arg: str | None, config_arg: str | None) -> int:
     print(f"supervisor: pid {proc.pid} started but did not publish its status within "
           f"{DETACH_WAIT_S:g}s; see {out_path}", file=sys.stderr)
     return EXIT_INTERNAL
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
