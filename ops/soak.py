@@ -77,13 +77,11 @@ def write_config(root: Path, agents: int) -> Path:
 TERMINAL_SECRET = "soak-secret-7f3c9a"
 CHILD_FILE = "child/made.txt"
 CHILD_CONTENT = "made by a subagent\n"
+CHILD_TASK_FILE = "soak-child.yaml"
 
 
-def write_task(root: Path, repeat: int) -> Path:
-    """The soak task: every op the runtime has (files, memory, todos, an
-    approval, a background command, a subagent whose change set is applied
-    once and refused the second time, a terminal typed a secret into), with
-    a loop of `repeat` passes."""
+def child_task_text() -> str:
+    """The subagent's task, written into the parent's workspace by the task."""
     child = {
         "name": "soak-child",
         "steps": [
@@ -91,8 +89,14 @@ def write_task(root: Path, repeat: int) -> Path:
             {"op": "bash", "command": "echo child-ran"},
         ],
     }
-    child_path = root / "soak-child.yaml"
-    child_path.write_text(yaml.safe_dump(child, sort_keys=False))
+    return yaml.safe_dump(child, sort_keys=False)
+
+
+def write_task(root: Path, repeat: int) -> Path:
+    """The soak task: every op the runtime has (files, memory, todos, an
+    approval, a background command, a subagent whose change set is applied
+    once and refused the second time, a terminal typed a secret into), with
+    a loop of `repeat` passes."""
     task = {
         "name": "soak",
         "prompt": "Keep a log, write work items, remember progress, delegate once.",
@@ -101,7 +105,9 @@ def write_task(root: Path, repeat: int) -> Path:
             {"op": "write_file", "path": "log.txt", "content": "log\nend\n"},
             {"op": "write_file", "path": "release/plan.md", "content": "plan\n"},  # asks
             {"op": "todos", "items": [{"text": "work", "done": False}]},
-            {"op": "spawn_subagent", "task": str(child_path), "descriptor": "helper"},
+            # the child's task goes in the workspace: a task file elsewhere is refused
+            {"op": "write_file", "path": CHILD_TASK_FILE, "content": child_task_text()},
+            {"op": "spawn_subagent", "task": CHILD_TASK_FILE, "descriptor": "helper"},
             {"op": "subagent_changes", "subagent_id": "latest"},
             {"op": "apply_subagent", "subagent_id": "latest"},
             {"op": "apply_subagent", "subagent_id": "latest"},  # refused: applied once only

@@ -40,12 +40,13 @@ def _change_set_applications(state_dir: StateDir) -> dict[str, int]:
 
 def expected_workspace(repeat: int) -> dict[str, bytes]:
     """What the soak task (ops/soak.py write_task) leaves, each op applied once."""
-    from ops.soak import CHILD_CONTENT, CHILD_FILE
+    from ops.soak import CHILD_CONTENT, CHILD_FILE, CHILD_TASK_FILE, child_task_text
 
     files = {
         "log.txt": ("log\n" + "".join(f"pass {i}\n" for i in range(repeat)) + "end\n").encode(),
         "release/plan.md": b"plan\n",
         CHILD_FILE: CHILD_CONTENT.encode(),
+        CHILD_TASK_FILE: child_task_text().encode(),
     }
     files.update({f"work/{i}.txt": f"item {i}\n".encode() for i in range(repeat)})
     return files

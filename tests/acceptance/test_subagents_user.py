@@ -94,8 +94,11 @@ def test_a_parent_delegates_reads_and_applies_its_childs_change_set_once(
     assert "already_applied" in done[5]["result"]["error"]
     spawned = done[2]["result"]
     assert {f["path"] for f in spawned["files"]} == {"src/app.py", "NOTES.md"}
-    host = corral.json("status", "subagents")["children"][0]
-    assert host["values"]["applied_total"] >= 1, host
+    def counted() -> bool:  # the host's next heartbeat carries its counters
+        host = corral.json("status", "subagents")["children"][0]
+        return bool(host["values"].get("applied_total", 0) >= 1)
+
+    corral.wait(counted, "the subagents host to count the applied set")
     assert corral.json("sessions", "list", "--agent", "parent")[0]["status"] == "finished"
 
 
