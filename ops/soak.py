@@ -89,7 +89,8 @@ def child_task_text() -> str:
             {"op": "bash", "command": "echo child-ran"},
         ],
     }
-    return yaml.safe_dump(child, sort_keys=False)
+    text: str = yaml.safe_dump(child, sort_keys=False)
+    return text
 
 
 def write_task(root: Path, repeat: int) -> Path:
