@@ -362,13 +362,14 @@ class Writer:
         """Seal the active segment between batches and stage a marker record
         into the next one (walgc.MARKER_STREAM): the sealed segment then no
         longer holds the head and a pass may compact it. The next segment's
-        first seq, or None when there was nothing to seal."""
+        first seq, or None when nothing was sealed or no marker staged."""
         if not self.segment.size:
             return None
         self.segment.seal_requested = True
         if not self.segment.rotate_if_full(self.head + 1):
             return None
-        self.batcher.stage_own(MARKER_STREAM, "segment_sealed", b"{}")
+        if not self.batcher.stage_own(MARKER_STREAM, "segment_sealed", b"{}"):
+            return None  # storage full: no marker to wait for; a later pass compacts it
         return self.segment.first_seq
 
     def storage_changed(self) -> None:

@@ -76,7 +76,8 @@ class WriterView(Protocol):
 
     def seal_active(self) -> int | None:
         """Seal the active segment and stage a marker record into the next
-        one; the next segment's first seq, or None (nothing sealed)."""
+        one; the next segment's first seq, or None (nothing sealed, or no
+        marker staged: a full disk)."""
         ...
 
 
